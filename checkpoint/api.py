@@ -1,0 +1,250 @@
+"""Contracts of the checkpoint subsystem: on-disk format records, the item records the
+planner and the writer exchange, and the error tree.
+
+Data flow (one module each): state dict -> ``state`` (flatten into items) -> ``plan``
+(who writes what; who reads which byte ranges) -> ``staging`` (host copy) -> ``writer``
+(safetensors shards through ``storage``) -> ``commit`` (manifest, marker, ``latest``).
+Load runs it backwards: ``discover`` (latest committed step) -> ``plan`` -> ranged reads ->
+``state`` (copy into the live tensors / DTensor shards).
+
+Everything here is plain data: it is JSON-serialisable through ``to_json``/``from_json``
+and never pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT_NAME = "spotrun-checkpoint"
+FORMAT_VERSION = 1
+
+MANIFEST_FILE = "manifest.json"
+"""Per step directory: the manifest (written after every shard is durable)."""
+COMMIT_FILE = ".commit"
+"""Per step directory: the commit marker, written last. A step without it does not exist."""
+INDEX_FILE = "model.safetensors.index.json"
+"""Per step directory: Hugging Face-style ``{"metadata": ..., "weight_map": {fqn: file}}``."""
+OBJECTS_FILE = "objects.json"
+"""Per step directory: non-tensor state (step counters, RNG seeds, sampler position) as JSON."""
+LATEST_FILE = "latest"
+"""At the checkpoint root: the name of the newest committed step directory."""
+
+STEP_DIR_FORMAT = "step-{step:09d}"
+
+JSON = Any
+
+
+# --------------------------------------------------------------------------- errors
+class CheckpointError(Exception):
+    """Base of every error the checkpoint package raises."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint (or not the requested step) exists at the location."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A shard, manifest or marker is truncated, fails its checksum, or disagrees with the manifest."""
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        super().__init__(message)
+        self.file = file
+        self.tensor = tensor
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """The checkpoint is valid but cannot be loaded into this state (unknown format version, shape or key mismatch)."""
+
+
+class CheckpointStorageError(CheckpointError, OSError):
+    """Storage refused an operation after retries (disk full, permission, S3 error); names the path."""
+
+    def __init__(self, message: str, *, path: str | None = None, errno_: int | None = None):
+        CheckpointError.__init__(self, message)
+        self.path = path
+        self.errno = errno_
+
+
+class SaveInProgressError(CheckpointError):
+    """``save`` was called while a previous save is in flight and the config says to refuse."""
+
+
+class CheckpointConfigError(CheckpointError, ValueError):
+    """A configuration value is invalid; the message says which and how to fix it."""
+
+
+# --------------------------------------------------------------------------- items (state -> plan -> writer)
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """Identifies one rectangular piece of a global tensor."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class TensorItem:
+    """One local piece of a tensor as held by this rank.
+
+    ``tensor`` is the live local data (``shape == key.lengths``). ``replicated`` is True when every
+    rank holds an identical copy of this piece (DDP parameters, plain tensors): the planner then
+    has exactly one rank write it, spreading replicated bytes evenly across ranks.
+    """
+
+    key: ChunkKey
+    global_shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name: "F32", "BF16", "I64", ...
+    tensor: Any  # torch.Tensor (kept Any so this module imports without torch)
+    replicated: bool
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tensor.numel() * self.tensor.element_size())
+
+
+# --------------------------------------------------------------------------- on-disk records
+@dataclass(slots=True)
+class ChunkRecord:
+    """Where one piece of a tensor lives: file, tensor name inside it, absolute byte range."""
+
+    offsets: list[int]
+    lengths: list[int]
+    file: str
+    key: str  # tensor name inside the safetensors file
+    byte_range: list[int]  # [start, end) absolute in the file
+    block_crc32: list[int]
+    """zlib.crc32 of each ``Manifest.checksum_block_bytes`` block of the chunk's bytes (blocks counted
+    from the chunk's start, last one short): a ranged read verifies only the blocks it touches."""
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "offsets": self.offsets,
+            "lengths": self.lengths,
+            "file": self.file,
+            "key": self.key,
+            "byte_range": self.byte_range,
+            "block_crc32": self.block_crc32,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, JSON]) -> ChunkRecord:
+        return cls(
+            offsets=list(d["offsets"]),
+            lengths=list(d["lengths"]),
+            file=str(d["file"]),
+            key=str(d["key"]),
+            byte_range=list(d["byte_range"]),
+            block_crc32=[int(x) for x in d["block_crc32"]],
+        )
+
+
+@dataclass(slots=True)
+class TensorRecord:
+    """A global tensor: shape, dtype and the chunks that tile it (no overlaps, full cover)."""
+
+    shape: list[int]
+    dtype: str
+    chunks: list[ChunkRecord] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"shape": self.shape, "dtype": self.dtype, "chunks": [c.to_json() for c in self.chunks]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, JSON]) -> TensorRecord:
+        return cls(
+            shape=list(d["shape"]),
+            dtype=str(d["dtype"]),
+            chunks=[ChunkRecord.from_json(c) for c in d["chunks"]],
+        )
+
+
+@dataclass(slots=True)
+class FileRecord:
+    """One shard file: its size, whole-file checksum and the rank that wrote it."""
+
+    size: int
+    crc32: int
+    rank: int
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"size": self.size, "crc32": self.crc32, "rank": self.rank}
+
+    @classmethod
+    def from_json(cls, d: dict[str, JSON]) -> FileRecord:
+        return cls(size=int(d["size"]), crc32=int(d["crc32"]), rank=int(d["rank"]))
+
+
+@dataclass(slots=True)
+class Manifest:
+    """The whole description of one committed step (``manifest.json``)."""
+
+    step: int
+    world_size: int
+    created_unix: float
+    library_version: str
+    tensors: dict[str, TensorRecord]
+    files: dict[str, FileRecord]
+    has_objects: bool = False
+    checksum_block_bytes: int = 1 << 20
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "format": self.format,
+            "version": self.version,
+            "step": self.step,
+            "world_size": self.world_size,
+            "created_unix": self.created_unix,
+            "library_version": self.library_version,
+            "has_objects": self.has_objects,
+            "checksum_block_bytes": self.checksum_block_bytes,
+            "files": {k: v.to_json() for k, v in sorted(self.files.items())},
+            "tensors": {k: v.to_json() for k, v in sorted(self.tensors.items())},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, JSON]) -> Manifest:
+        if d.get("format") != FORMAT_NAME:
+            raise IncompatibleCheckpointError(f"not a spotrun checkpoint manifest (format={d.get('format')!r})")
+        if d.get("version") != FORMAT_VERSION:
+            raise IncompatibleCheckpointError(
+                f"checkpoint format version {d.get('version')!r} is not supported by this spotrun "
+                f"(supports {FORMAT_VERSION}); upgrade spotrun to read it"
+            )
+        return cls(
+            step=int(d["step"]),
+            world_size=int(d["world_size"]),
+            created_unix=float(d["created_unix"]),
+            library_version=str(d["library_version"]),
+            has_objects=bool(d.get("has_objects", False)),
+            checksum_block_bytes=int(d["checksum_block_bytes"]),
+            files={k: FileRecord.from_json(v) for k, v in d["files"].items()},
+            tensors={k: TensorRecord.from_json(v) for k, v in d["tensors"].items()},
+        )
+
+
+# --------------------------------------------------------------------------- read plan
+@dataclass(frozen=True, slots=True)
+class ReadRequest:
+    """One ranged read and where its bytes go.
+
+    ``read_range`` is the smallest contiguous absolute byte range of ``file`` that holds every element of
+    ``src_slices`` of the stored chunk (the chunk occupies ``chunk_byte_range`` and is C-contiguous of shape
+    ``chunk_lengths``). The reader widens it to checksum-block boundaries when verifying, views the bytes
+    with the chunk's strides (``torch.as_strided``), takes ``src_slices`` and copies them into
+    ``dst_slices`` of the destination local piece ``dst``.
+    """
+
+    file: str
+    fqn: str
+    dtype: str
+    chunk_byte_range: tuple[int, int]
+    chunk_lengths: tuple[int, ...]
+    block_crc32: tuple[int, ...]
+    read_range: tuple[int, int]
+    src_slices: tuple[tuple[int, int], ...]  # per dim [start, stop) within the stored chunk
+    dst: ChunkKey
+    dst_slices: tuple[tuple[int, int], ...]  # per dim [start, stop) within the destination piece

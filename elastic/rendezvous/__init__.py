@@ -1,0 +1,1 @@
+"""etcd v3 rendezvous for torch.distributed.elastic (backend name ``etcd-v3``)."""
