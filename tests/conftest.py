@@ -1,0 +1,85 @@
+"""Suite-wide guard: no test may leave a process behind.
+
+pytest makes itself a child subreaper, so workers orphaned by a killed agent are re-parented to it
+instead of to init. At the end of the session every descendant still alive is reported, killed by
+PID (only processes this session started) and the session fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+
+import pytest
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _proc_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (ppid, state, cmdline) for every process we can read."""
+    table: dict[int, tuple[int, str, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        rest = stat[stat.rindex(")") + 2 :].split()
+        table[int(entry)] = (int(rest[1]), rest[0], cmd)
+    return table
+
+
+def descendants(root: int) -> dict[int, tuple[str, str]]:
+    """Live (non-zombie) descendants of ``root``: pid -> (state, cmdline)."""
+    table = _proc_table()
+    found: dict[int, tuple[str, str]] = {}
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, state, cmd) in table.items():
+            if ppid == parent and pid not in found:
+                found[pid] = (state, cmd)
+                frontier.append(pid)
+    return {pid: v for pid, v in found.items() if v[0] != "Z"}
+
+
+def _reap_zombies() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    me = os.getpid()
+    deadline = time.monotonic() + 10.0
+    left = descendants(me)
+    while left and time.monotonic() < deadline:
+        _reap_zombies()
+        time.sleep(0.1)
+        left = descendants(me)
+    if not left:
+        return
+    lines = [f"  pid {pid} [{state}]: {cmd[:200]}" for pid, (state, cmd) in sorted(left.items())]
+    print("\nERROR: the test session left processes behind (killed now):\n" + "\n".join(lines))
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap_zombies()
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
