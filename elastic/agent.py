@@ -1,0 +1,258 @@
+"""``SpotrunAgent``: torch's ``LocalElasticAgent`` with fast, membership-aware recovery.
+
+Everything torch does for workers is kept (environment, ranks, error files, log redirection, exit barrier).
+Each place that changes torch 2.13's behaviour is marked ``CHANGE:`` with the reason:
+
+* monitor loop reacts to rendezvous membership changes at once (``membership_changed()`` /
+  ``num_nodes_waiting()``) and sleeps on ``wait_membership_change`` instead of a blind ``time.sleep``;
+* worker failures that coincide with a lost peer do not use up ``--max-restarts``;
+* workers are stopped with a short SIGTERM->SIGKILL grace (torch waits 30 s);
+* workers are started through an exec shim that ties them to the agent (``elastic.workers``);
+* transient rendezvous errors while monitoring (etcd restarting) do not kill a healthy job;
+* every recovery stage is written to a structured event log.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.metrics import put_metric
+from torch.distributed.elastic.multiprocessing import LogsSpecs, SignalException
+
+from elastic.api import EventSink, FailureCause, RecoveryEvent
+from elastic.config import AgentSettings
+from elastic.workers import PdeathsigEntrypoint, shim_command
+
+logger = logging.getLogger(__name__)
+
+
+class FailureAction(enum.Enum):
+    """What to do after the local worker group failed."""
+
+    RESTART_FREE = "restart_free"
+    """Restart without using up a restart (the failure came with a membership change)."""
+    RESTART_CHARGED = "restart_charged"
+    """Restart and use up one of ``--max-restarts`` (refunded if the next round shows a peer was lost)."""
+    GIVE_UP = "give_up"
+    """Stop the workers and report the failure."""
+
+
+def decide_on_failure(*, remaining_restarts: int, peer_lost: bool) -> FailureAction:
+    """Pure decision for a failed worker group (torch always charges; spotrun forgives peer loss)."""
+    if peer_lost:
+        return FailureAction.RESTART_FREE
+    if remaining_restarts > 0:
+        return FailureAction.RESTART_CHARGED
+    return FailureAction.GIVE_UP
+
+
+def should_refund(*, charged: bool, previous_group_world_size: int | None, new_group_world_size: int) -> bool:
+    """A charged restart is refunded when the round it led to has a different node count: the failure
+    coincided with a peer leaving (workers crash in a collective before the dead peer's lease expires,
+    so the loss is only visible in the next round) or joining."""
+    return charged and previous_group_world_size is not None and previous_group_world_size != new_group_world_size
+
+
+class SpotrunAgent(LocalElasticAgent):
+    """A ``LocalElasticAgent`` that recovers from node loss, worker crashes and scale-up in seconds."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: LogsSpecs,
+        *,
+        settings: AgentSettings,
+        events: EventSink,
+        start_method: str = "spawn",
+        exit_barrier_timeout: float = 300,
+        log_line_prefix_template: str | None = None,
+        shutdown_timeout: int = 30,
+        tie_workers_to_agent: bool = True,
+    ) -> None:
+        if tie_workers_to_agent:
+            # CHANGE: workers die with the agent (torch's start_new_session leaves orphans on agent SIGKILL).
+            spec = _tie_entrypoint_to_agent(spec)
+        super().__init__(
+            spec,
+            logs_specs,
+            start_method=start_method,
+            exit_barrier_timeout=exit_barrier_timeout,
+            log_line_prefix_template=log_line_prefix_template,
+            shutdown_timeout=shutdown_timeout,
+        )
+        self._settings = settings
+        self._events = events
+        self._round = 0
+        self._charged_restart_pending = False
+        self._previous_group_world_size: int | None = None
+
+    # --- context for logs and events ------------------------------------------------------------------------
+
+    def _ctx(self) -> str:
+        wg = self._worker_group
+        return f"[{wg.spec.role} round={self._round} group_rank={wg.group_rank}/{wg.group_world_size}]"
+
+    def _emit(self, event: RecoveryEvent, **fields: Any) -> None:
+        wg = self._worker_group
+        self._events.emit(
+            event,
+            round=self._round,
+            group_rank=wg.group_rank,
+            group_world_size=wg.group_world_size,
+            world_size=wg.workers[0].world_size if wg.workers else None,
+            restarts_left=self._remaining_restarts,
+            **fields,
+        )
+
+    # --- membership signals (duck-typed: only the etcd-v3 handler has membership_changed) -----------------
+
+    def _membership_changed(self) -> bool:
+        handler = self._worker_group.spec.rdzv_handler
+        try:
+            changed = getattr(handler, "membership_changed", None)
+            if callable(changed) and changed():
+                return True
+            return handler.num_nodes_waiting() > 0
+        except SignalException:
+            raise
+        except Exception:
+            # CHANGE: torch lets a store error here kill the agent. The workers do not need the rendezvous
+            # backend while training, so an etcd restart must not end a healthy job; the next tick retries.
+            logger.warning("%s cannot query the rendezvous for membership changes; will retry", self._ctx(),
+                           exc_info=logger.isEnabledFor(logging.DEBUG))
+            return False
+
+    def _wait_for_membership_change(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s, returning early (True) on a membership event when the handler has one."""
+        if timeout <= 0:
+            return False
+        handler = self._worker_group.spec.rdzv_handler
+        wait = getattr(handler, "wait_membership_change", None)
+        if callable(wait):
+            started = time.monotonic()
+            try:
+                return bool(wait(timeout))
+            except SignalException:
+                raise
+            except Exception:
+                logger.warning("%s wait_membership_change failed; sleeping instead", self._ctx(),
+                               exc_info=logger.isEnabledFor(logging.DEBUG))
+                time.sleep(max(0.0, timeout - (time.monotonic() - started)))
+                return False
+        time.sleep(timeout)
+        return False
+
+    # --- rendezvous, start and stop with events ------------------------------------------------------------
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self._emit(RecoveryEvent.RENDEZVOUS_STARTED)
+        super()._rendezvous(worker_group)
+        self._round += 1
+        if should_refund(
+            charged=self._charged_restart_pending,
+            previous_group_world_size=self._previous_group_world_size,
+            new_group_world_size=worker_group.group_world_size,
+        ):
+            # CHANGE: the failure we charged was really a peer leaving or joining; give the restart back.
+            self._remaining_restarts += 1
+            logger.info("%s membership changed %s -> %s nodes; restart not counted", self._ctx(),
+                        self._previous_group_world_size, worker_group.group_world_size)
+        self._charged_restart_pending = False
+        self._previous_group_world_size = worker_group.group_world_size
+        self._emit(RecoveryEvent.RENDEZVOUS_COMPLETED, master_addr=worker_group.master_addr,
+                   master_port=worker_group.master_port)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids = super()._start_workers(worker_group)
+        self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()))
+        return pids
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        # CHANGE: torch calls self._shutdown() with its 30 s default between SIGTERM and SIGKILL; workers
+        # blocked in a collective with a dead peer ignore SIGTERM, so use a short grace.
+        self._shutdown(timeout=self._settings.stop_grace)  # type: ignore[arg-type]
+        self._emit(RecoveryEvent.WORKERS_STOPPED)
+
+    # --- monitor loop ------------------------------------------------------------------------------------
+
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        # Mirrors SimpleElasticAgent._invoke_run of torch 2.13 with the CHANGEs marked below.
+        spec = self._worker_group.spec
+        role = spec.role
+        logger.info("[%s] starting workers for entrypoint: %s", role, spec.get_entrypoint_name())
+        self._initialize_workers(self._worker_group)
+
+        while True:
+            if self._worker_group.state == WorkerState.INIT:
+                raise AssertionError("worker group is in INIT state inside the monitor loop")
+            # CHANGE: wake up on a membership event instead of sleeping a full monitor interval.
+            self._wait_for_membership_change(spec.monitor_interval)
+            run_result = self._monitor_workers(self._worker_group)
+            state = run_result.state
+            self._worker_group.state = state
+            put_metric(f"workers.{role}.remaining_restarts", self._remaining_restarts)
+            put_metric(f"workers.{role}.{state.name.lower()}", 1)
+
+            if state == WorkerState.SUCCEEDED:
+                logger.info("%s worker group finished; waiting for other agents", self._ctx())
+                self._exit_barrier()
+                self._emit(RecoveryEvent.RUN_FINISHED, state=state.name)
+                return run_result
+            if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
+                result = self._handle_failure(run_result)
+                if result is not None:
+                    self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
+                    return result
+            elif state == WorkerState.HEALTHY:
+                # CHANGE: also reacts to a lost peer (membership_changed), not only to waiting nodes.
+                if self._membership_changed():
+                    logger.info("%s membership changed; restarting worker group (not counted)", self._ctx())
+                    self._emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.MEMBERSHIP_CHANGE.value)
+                    self._restart_workers(self._worker_group)
+            else:
+                raise RuntimeError(f"[{role}] Worker group in {state.name} state")
+
+    def _handle_failure(self, run_result: RunResult) -> RunResult | None:
+        """Restart the group (returns None) or give up (returns the failed result)."""
+        failures = {rank: f.exitcode for rank, f in run_result.failures.items()}
+        peer_lost = self._membership_changed()
+        if not peer_lost and self._remaining_restarts == 0:
+            # CHANGE: last chance; a collective broken by a dead peer fails before the peer's lease expires.
+            peer_lost = self._wait_for_membership_change(self._settings.peer_loss_grace) or self._membership_changed()
+        action = decide_on_failure(remaining_restarts=self._remaining_restarts, peer_lost=peer_lost)
+        cause = FailureCause.WORKER_FAILURE_WITH_PEER_LOSS if peer_lost else FailureCause.WORKER_FAILURE
+        self._emit(RecoveryEvent.FAILURE_DETECTED, cause=cause.value, failures=failures, action=action.value)
+        logger.info("%s worker group %s (exit codes by rank %s): %s; %s/%s restarts left", self._ctx(),
+                    run_result.state.name, failures, action.value, self._remaining_restarts,
+                    self._worker_group.spec.max_restarts)
+        if action is FailureAction.GIVE_UP:
+            self._stop_workers(self._worker_group)
+            self._worker_group.state = WorkerState.FAILED
+            return run_result
+        if action is FailureAction.RESTART_CHARGED:
+            self._remaining_restarts -= 1
+            self._charged_restart_pending = True
+        self._restart_workers(self._worker_group)
+        return None
+
+
+def _tie_entrypoint_to_agent(spec: WorkerSpec) -> WorkerSpec:
+    """Route the worker command through the PDEATHSIG exec shim (same PID, env and stdio after exec)."""
+    if isinstance(spec.entrypoint, str):
+        entrypoint, args = shim_command(spec.entrypoint, tuple(spec.args))
+        spec.entrypoint = entrypoint
+        spec.args = args
+    elif callable(spec.entrypoint):
+        spec.entrypoint = PdeathsigEntrypoint(spec.entrypoint)
+    return spec

@@ -1,0 +1,73 @@
+"""Contracts of spotrun's launcher and agent: environment names, recovery events and the error tree.
+
+Data flow: ``cli`` parses torchrun's flags (plus a few spotrun ones) into a torch ``LaunchConfig`` and a
+:class:`~elastic.config.AgentSettings`; ``launcher`` builds the rendezvous handler and a
+:class:`~elastic.agent.SpotrunAgent`; the agent runs rendezvous rounds and starts workers through
+``workers`` (which ties each worker's life to its agent); every recovery stage is appended to an
+``events.jsonl`` file by ``events``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol
+
+# --- Environment variables read by spotrun (typed module constants, torchft style) ------------------------
+
+#: Seconds between SIGTERM and SIGKILL when the agent stops workers to restart them (default 3).
+ENV_STOP_GRACE = "SPOTRUN_STOP_GRACE"
+#: Path of the structured recovery event log (default ``<log root>/events.jsonl``).
+ENV_EVENTS_FILE = "SPOTRUN_EVENTS_FILE"
+#: Seconds a failed worker group with no restarts left waits for a peer-loss signal before giving up.
+ENV_PEER_LOSS_GRACE = "SPOTRUN_PEER_LOSS_GRACE"
+
+#: Rendezvous backend spotrun uses when ``--rdzv-backend`` is not given (torchrun's is ``static``).
+DEFAULT_RDZV_BACKEND = "etcd-v3"
+
+
+class RecoveryEvent(str, enum.Enum):
+    """Stages of a recovery, in the order they happen; each is one JSON line in ``events.jsonl``."""
+
+    FAILURE_DETECTED = "failure_detected"
+    WORKERS_STOPPED = "workers_stopped"
+    RENDEZVOUS_STARTED = "rendezvous_started"
+    RENDEZVOUS_COMPLETED = "rendezvous_completed"
+    WORKERS_STARTED = "workers_started"
+    RUN_FINISHED = "run_finished"
+
+
+class FailureCause(str, enum.Enum):
+    """Why the agent left the steady state (``cause`` field of ``failure_detected``)."""
+
+    WORKER_FAILURE = "worker_failure"
+    """A local worker exited non-zero (counts against ``--max-restarts`` unless a peer was lost too)."""
+    MEMBERSHIP_CHANGE = "membership_change"
+    """A peer lost its lease or a new node is waiting; never counts against ``--max-restarts``."""
+    WORKER_FAILURE_WITH_PEER_LOSS = "worker_failure_with_peer_loss"
+    """A local worker failed while the membership changed (e.g. a collective broke because a peer died)."""
+
+
+class EventSink(Protocol):
+    """Where the agent reports recovery stages (a JSON-lines file in production, a list in unit tests)."""
+
+    def emit(self, event: RecoveryEvent, **fields: Any) -> None:
+        """Record one stage with its context fields (round, world size, ...)."""
+
+
+# --- Error tree ------------------------------------------------------------------------------------------------
+
+
+class SpotrunError(Exception):
+    """Base of every error spotrun's launcher raises on purpose."""
+
+
+class LaunchConfigError(SpotrunError, ValueError):
+    """A command-line flag, environment fallback or rendezvous option is malformed or inconsistent."""
+
+
+class RendezvousUnavailableError(SpotrunError):
+    """The rendezvous backend could not be created or reached (e.g. etcd is down or the endpoint is wrong)."""
+
+
+class StandaloneEtcdError(SpotrunError):
+    """``--standalone`` could not start its embedded etcd."""

@@ -1,0 +1,206 @@
+"""``spotrun``: a torchrun drop-in whose agents meet through an etcd v3 rendezvous.
+
+Every torchrun flag of torch 2.13 is accepted with the same spellings (``--nproc-per-node`` and
+``--nproc_per_node``), defaults and ``PET_*`` environment fallbacks, because the parser *is* torch's
+(``torch.distributed.run.get_args_parser``) and the launch config is built by torch's ``config_from_args``.
+Differences from torchrun:
+
+* ``--rdzv-backend`` defaults to ``etcd-v3`` (``PET_RDZV_BACKEND`` still overrides it).
+* ``--standalone`` starts an embedded etcd on a free loopback port with a temporary data directory and a
+  random run id; etcd and its data are removed on every exit path (success, failure, SIGINT/SIGTERM).
+  Without ``--rdzv-endpoint`` and with ``--nnodes 1`` spotrun behaves as ``--standalone`` (torchrun does the
+  same with its c10d store).
+* spotrun-only flags (all optional):
+
+  ``--stop-grace SECONDS``       SIGTERM->SIGKILL grace when workers are stopped for a restart
+                                 (env ``SPOTRUN_STOP_GRACE``, default 3; torch uses 30).
+  ``--peer-loss-grace SECONDS``  with no restarts left, how long a failed group waits for a lost-peer signal
+                                 before giving up (env ``SPOTRUN_PEER_LOSS_GRACE``, default 5).
+  ``--events-file PATH``         structured recovery events (env ``SPOTRUN_EVENTS_FILE``; default
+                                 ``<log-dir>/events.jsonl``, or in torch's temporary log directory
+                                 ``/tmp/torchelastic_*/events.jsonl`` when no ``--log-dir`` is given).
+
+Exit status: 0 on success; 1 when workers fail (with torchrun's root-cause summary); 2 for a bad command
+line or rendezvous configuration; 1 when the rendezvous backend is unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import NoReturn
+
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.run import config_from_args, get_args_parser
+
+from elastic.api import (
+    DEFAULT_RDZV_BACKEND,
+    ENV_EVENTS_FILE,
+    ENV_PEER_LOSS_GRACE,
+    ENV_STOP_GRACE,
+    LaunchConfigError,
+    RendezvousUnavailableError,
+    StandaloneEtcdError,
+)
+from elastic.config import (
+    AgentSettings,
+    default_events_file,
+    default_peer_loss_grace,
+    default_stop_grace,
+    parse_nnodes,
+    parse_rdzv_conf,
+)
+
+logger = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torch's torchrun parser, retitled, with spotrun's default backend and spotrun-only flags."""
+    parser = get_args_parser()
+    parser.prog = "spotrun"
+    parser.description = "spotrun: fault-tolerant torchrun drop-in on an etcd v3 rendezvous"
+    # Keep the PET_RDZV_BACKEND fallback: torch's `env` action read it into the default at definition time.
+    parser.set_defaults(rdzv_backend=os.environ.get("PET_RDZV_BACKEND", DEFAULT_RDZV_BACKEND))
+    for action in parser._actions:  # noqa: SLF001 (argparse has no public way to edit a help text)
+        if action.dest == "rdzv_backend":
+            action.help = f"Rendezvous backend (spotrun default: {DEFAULT_RDZV_BACKEND})."
+        elif action.dest == "standalone":
+            action.help = (
+                "Start an embedded etcd on a free loopback port (temporary data dir, removed at exit) and use "
+                "the etcd-v3 backend with a random run id; --rdzv-backend/--rdzv-endpoint/--rdzv-id are ignored."
+            )
+    group = parser.add_argument_group("spotrun")
+    group.add_argument("--stop-grace", "--stop_grace", type=float, default=None,
+                       help=f"Seconds between SIGTERM and SIGKILL when stopping workers for a restart "
+                            f"(env {ENV_STOP_GRACE}, default 3).")
+    group.add_argument("--peer-loss-grace", "--peer_loss_grace", type=float, default=None,
+                       help=f"With no restarts left, seconds a failed worker group waits for a lost-peer signal "
+                            f"before failing the job (env {ENV_PEER_LOSS_GRACE}, default 5).")
+    group.add_argument("--events-file", "--events_file", type=str, default=None,
+                       help=f"JSON-lines recovery event log (env {ENV_EVENTS_FILE}; default <log root>/events.jsonl).")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> AgentSettings:
+    return AgentSettings(
+        stop_grace=default_stop_grace() if args.stop_grace is None else args.stop_grace,
+        peer_loss_grace=default_peer_loss_grace() if args.peer_loss_grace is None else args.peer_loss_grace,
+        events_file=args.events_file if args.events_file is not None else default_events_file(),
+    )
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Reject what torch would only catch with a bare ValueError/AssertionError, with a useful message."""
+    parse_nnodes(args.nnodes)
+    parse_rdzv_conf(args.rdzv_conf)
+    if args.max_restarts < 0:
+        raise LaunchConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.monitor_interval <= 0:
+        raise LaunchConfigError(f"--monitor-interval must be > 0 seconds, got {args.monitor_interval}")
+    nproc = args.nproc_per_node
+    if nproc not in {"auto", "cpu", "gpu", "xpu"}:
+        try:
+            if int(nproc) < 1:
+                raise LaunchConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+        except ValueError as exc:
+            # torch also accepts a registered privateuse1 backend name; let config_from_args judge that.
+            import torch
+
+            if nproc != torch._C._get_privateuse1_backend_name():  # noqa: SLF001
+                raise LaunchConfigError(
+                    f"--nproc-per-node={nproc!r} is not valid; use an integer, cpu, gpu, xpu or auto"
+                ) from exc
+
+
+def should_run_standalone(args: argparse.Namespace) -> bool:
+    """``--standalone``, or a single-node etcd-v3 job with no endpoint (torchrun's implicit standalone)."""
+    if args.standalone:
+        return True
+    if args.rdzv_backend == DEFAULT_RDZV_BACKEND and not args.rdzv_endpoint:
+        return parse_nnodes(args.nnodes)[1] == 1
+    return False
+
+
+@contextlib.contextmanager
+def standalone_rendezvous(args: argparse.Namespace) -> Iterator[None]:
+    """Start an embedded etcd and point ``args`` at it; stop it and delete its data on every exit path."""
+    from elastic.etcd_server import EmbeddedEtcd
+
+    try:
+        etcd = EmbeddedEtcd().start()
+    except Exception as exc:
+        raise StandaloneEtcdError(f"--standalone could not start the embedded etcd: {exc}") from exc
+    try:
+        args.rdzv_backend = DEFAULT_RDZV_BACKEND
+        args.rdzv_endpoint = etcd.endpoint
+        args.rdzv_id = str(uuid.uuid4())
+        logger.info("standalone: embedded etcd at %s, run id %s", etcd.endpoint, args.rdzv_id)
+        yield
+    finally:
+        etcd.close()
+
+
+def _raise_signal_exception(signum: int, frame: object) -> NoReturn:
+    # torch's SignalException, so the agent and the launcher treat it exactly like torch does.
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
+def install_signal_handlers() -> None:
+    """Turn SIGTERM/SIGINT into an exception before workers exist (torch only does so once they start), so
+    ``finally`` blocks (embedded etcd cleanup) run even if the launcher is stopped during rendezvous."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_signal_exception)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Launch with parsed arguments (raises ChildFailedError when workers fail, like torchrun's run)."""
+    from elastic.launcher import launch
+
+    validate_args(args)
+    settings = settings_from_args(args)
+    with contextlib.ExitStack() as stack:
+        if should_run_standalone(args):
+            stack.enter_context(standalone_rendezvous(args))
+        if args.master_port is None:
+            args.master_port = 29500  # torchrun's default, used only by the static backend
+        try:
+            config, cmd, cmd_args = config_from_args(args)
+        except (ValueError, AssertionError) as exc:
+            raise LaunchConfigError(str(exc)) from exc
+        launch(config, cmd, cmd_args, settings)
+
+
+@record
+def _main(argv: Sequence[str] | None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    install_signal_handlers()
+    try:
+        run(args)
+    except LaunchConfigError as exc:
+        parser.exit(EXIT_USAGE, f"spotrun: error: {exc}\n")
+    except (RendezvousUnavailableError, StandaloneEtcdError) as exc:
+        parser.exit(EXIT_FAILURE, f"spotrun: error: {exc}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point (``spotrun``)."""
+    if not logging.getLogger().handlers:
+        # The CLI is an application, so it may configure logging; library modules never do.
+        logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _main(list(sys.argv[1:]) if argv is None else list(argv))
+
+
+if __name__ == "__main__":
+    main()

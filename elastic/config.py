@@ -1,0 +1,92 @@
+"""Validated settings of spotrun's launcher and agent (what torchrun's flags do not already cover)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from elastic.api import ENV_EVENTS_FILE, ENV_PEER_LOSS_GRACE, ENV_STOP_GRACE, LaunchConfigError
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentSettings:
+    """Knobs of :class:`~elastic.agent.SpotrunAgent` that change torch's recovery behaviour."""
+
+    stop_grace: float = 3.0
+    """Seconds between SIGTERM and SIGKILL when workers are stopped for a restart. torch waits 30 s, but
+    workers stuck in a broken collective never answer SIGTERM, so a long grace only delays recovery."""
+
+    peer_loss_grace: float = 5.0
+    """When a worker group fails with no restarts left, seconds to wait for the rendezvous to report a lost
+    peer before giving up: a collective broken by a dead peer fails before the peer's lease expires."""
+
+    events_file: str | None = None
+    """JSON-lines file for recovery events; ``None`` means ``<log root>/events.jsonl`` (the ``--log-dir``,
+    or torch's temporary log directory when no ``--log-dir`` is given)."""
+
+    def __post_init__(self) -> None:
+        for name in ("stop_grace", "peer_loss_grace"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise LaunchConfigError(
+                    f"{name} must be a finite number of seconds >= 0, got {value!r}; "
+                    f"pass e.g. --{name.replace('_', '-')} 3"
+                )
+        if self.events_file is not None and not self.events_file.strip():
+            raise LaunchConfigError("--events-file must be a path, got an empty string")
+
+
+def env_float(name: str, default: float) -> float:
+    """Read a float from the environment, naming the variable when it does not parse."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise LaunchConfigError(f"environment variable {name}={raw!r} is not a number of seconds") from exc
+
+
+def default_stop_grace() -> float:
+    return env_float(ENV_STOP_GRACE, 3.0)
+
+
+def default_peer_loss_grace() -> float:
+    return env_float(ENV_PEER_LOSS_GRACE, 5.0)
+
+
+def default_events_file() -> str | None:
+    return os.environ.get(ENV_EVENTS_FILE) or None
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """Parse ``--nnodes`` (``N`` or ``MIN:MAX``) into ``(min, max)`` with an error a user understands."""
+    parts = text.strip().split(":")
+    if len(parts) not in (1, 2) or not all(p.strip() for p in parts):
+        raise LaunchConfigError(f"--nnodes={text!r} is malformed; use N or MIN:MAX, e.g. --nnodes 2 or --nnodes 1:4")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError as exc:
+        raise LaunchConfigError(
+            f"--nnodes={text!r} is malformed: {text!r} must be integers, N or MIN:MAX (e.g. 1:4)"
+        ) from exc
+    min_nodes, max_nodes = numbers[0], numbers[-1]
+    if min_nodes < 1:
+        raise LaunchConfigError(f"--nnodes={text!r}: the minimum number of nodes must be >= 1")
+    if min_nodes > max_nodes:
+        raise LaunchConfigError(
+            f"--nnodes={text!r}: minimum {min_nodes} is greater than maximum {max_nodes}; use MIN:MAX with MIN <= MAX"
+        )
+    return min_nodes, max_nodes
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """Parse ``--rdzv-conf k1=v1,k2=v2`` and reject entries without ``=`` (torch raises a bare ValueError)."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise LaunchConfigError(f"--rdzv-conf entry {item!r} is malformed; use key=value pairs separated by commas")
+        conf[key.strip()] = value.strip()
+    return conf

@@ -1,0 +1,157 @@
+"""Run one spotrun agent for a torch ``LaunchConfig``: build the rendezvous handler, run, report failures.
+
+This mirrors ``torch.distributed.launcher.api.launch_agent`` (torch 2.13) step for step. We do not call it
+directly because it constructs ``LocalElasticAgent`` itself, with no hook to substitute our agent class, and
+because we convert rendezvous construction errors (unknown ``--rdzv-conf`` key, unreachable etcd) into
+:class:`~elastic.api.RendezvousUnavailableError` / :class:`~elastic.api.LaunchConfigError` at this edge.
+The result handling is torch's: a failed run raises ``ChildFailedError`` so ``@record`` on ``main`` prints
+the same root-cause summary (read from the failed worker's error file) and the process exits 1 like torchrun.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed.elastic.rendezvous.registry as rdzv_registry
+from torch.distributed.elastic import events as torch_events
+from torch.distributed.elastic import metrics
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
+
+from elastic.agent import SpotrunAgent
+from elastic.api import DEFAULT_RDZV_BACKEND, LaunchConfigError, RendezvousUnavailableError
+from elastic.config import AgentSettings
+from elastic.events import JsonlEventLog
+
+logger = logging.getLogger(__name__)
+
+EVENTS_FILE_NAME = "events.jsonl"
+
+
+def register_backends() -> None:
+    """Register the etcd-v3 backend in torch's handler registry (idempotent; absent until it is installed)."""
+    try:
+        from elastic.rendezvous.registry import register
+    except ImportError:  # the rendezvous package has not landed (development) or is broken
+        logger.debug("elastic.rendezvous.registry is not importable; etcd-v3 backend unavailable", exc_info=True)
+        return
+    register()
+
+
+def create_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the handler, turning the backend's many error types into spotrun's error tree."""
+    if params.backend == DEFAULT_RDZV_BACKEND:
+        register_backends()
+        if not params.endpoint:
+            raise LaunchConfigError(
+                "--rdzv-backend etcd-v3 needs --rdzv-endpoint HOST:PORT of an etcd v3 server "
+                "(or use --standalone to start an embedded etcd)"
+            )
+    try:
+        return rdzv_registry.get_rendezvous_handler(params)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise LaunchConfigError(f"invalid rendezvous configuration for backend {params.backend!r}: {exc}") from exc
+    except Exception as exc:
+        raise RendezvousUnavailableError(
+            f"cannot set up rendezvous backend {params.backend!r} at {params.endpoint!r}: {exc}"
+        ) from exc
+
+
+def events_path(config: LaunchConfig, settings: AgentSettings) -> str:
+    """``--events-file``, else ``<log root>/events.jsonl`` (``--log-dir`` or torch's temp log dir)."""
+    if settings.events_file:
+        return settings.events_file
+    root = config.logs_specs.root_log_dir if config.logs_specs is not None else None
+    return os.path.join(root or ".", EVENTS_FILE_NAME)
+
+
+def launch(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    args: list[Any],
+    settings: AgentSettings,
+) -> dict[int, Any]:
+    """Run the agent until the job succeeds (returns rank -> return value) or fails (``ChildFailedError``)."""
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+        logger.warning("config has no run_id, generated a random run_id: %s", config.run_id)
+    entrypoint_name = _get_entrypoint_name(entrypoint, args)
+
+    rdzv_parameters = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(rdzv_parameters)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    rdzv_handler = create_rendezvous_handler(rdzv_parameters)
+
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=rdzv_handler,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    event_log = JsonlEventLog(events_path(config, settings), run_id=config.run_id)
+    logger.info(
+        "spotrun agent: run_id=%s backend=%s endpoint=%s nnodes=%s:%s nproc_per_node=%s events=%s",
+        config.run_id, config.rdzv_backend, config.rdzv_endpoint, config.min_nodes, config.max_nodes,
+        config.nproc_per_node, event_log.path,
+    )
+    agent = SpotrunAgent(
+        spec,
+        config.logs_specs,  # type: ignore[arg-type]
+        settings=settings,
+        events=event_log,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
+    )
+
+    shutdown_rdzv = True
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result.is_failed():
+            # @record on main() copies the root-cause worker's error file into the launcher's, like torchrun.
+            raise ChildFailedError(name=entrypoint_name, failures=result.failures)
+        return result.return_values
+    except ChildFailedError:
+        raise
+    except SignalException:
+        # As torch: a signalled agent must not close the rendezvous, other nodes may still scale.
+        shutdown_rdzv = False
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        raise
+    except Exception:
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        raise
+    finally:
+        if shutdown_rdzv:
+            try:
+                spec.rdzv_handler.shutdown()
+            except Exception:  # shutting down a dead backend must not mask the real error
+                logger.warning("rendezvous shutdown failed", exc_info=True)
