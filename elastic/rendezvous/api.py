@@ -1,0 +1,285 @@
+"""Contracts of the etcd v3 rendezvous: the error tree and the configuration.
+
+The errors reuse torch's ``RendezvousError`` family, so torch's agent and launcher treat ours exactly
+like theirs; third-party (etcd3, grpc) errors are converted where they enter with ``raise ... from exc``.
+
+``EtcdRendezvousConfig.from_parameters`` turns torch's ``RendezvousParameters`` (``--rdzv-endpoint``,
+``--rdzv-id``, ``--nnodes`` and the ``--rdzv-conf`` dict) into a validated config. Unknown
+``--rdzv-conf`` keys are rejected with the list of accepted ones: a typo must not silently become a
+default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Final
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+
+__all__ = [
+    "BACKEND_NAME",
+    "EtcdRendezvousConfig",
+    "RendezvousClosedError",
+    "RendezvousConfigError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousStateError",
+    "RendezvousTimeoutError",
+]
+
+BACKEND_NAME: Final = "etcd-v3"
+"""The ``--rdzv-backend`` name of this rendezvous."""
+
+DEFAULT_ETCD_PORT: Final = 2379
+
+
+class RendezvousConfigError(RendezvousError, ValueError):
+    """A rendezvous parameter or ``--rdzv-conf`` key is unknown or has an invalid value."""
+
+
+# Keys torch's launcher or other torch backends put into --rdzv-conf. We accept them so an existing
+# torchrun command line keeps working when only --rdzv-backend changes, but they have no effect here:
+# ``timeout`` is injected by torch's LaunchConfig (900) and, as in torch's dynamic rendezvous, is not
+# the join timeout (use ``join_timeout``); ``rank`` is only meaningful to the static backend; the rest
+# configure the c10d/etcd-v2 backends' own stores and heartbeats, which leases replace.
+IGNORED_TORCH_KEYS: Final = frozenset(
+    {
+        "timeout",
+        "rank",
+        "is_host",
+        "read_timeout",
+        "keep_alive_interval",
+        "keep_alive_max_attempt",
+        "heartbeat_timeout",
+        "store_type",
+        "use_libuv",
+    }
+)
+
+# Spellings used by torch's etcd-v2 backend, mapped to ours.
+KEY_ALIASES: Final = {"ca_cert": "cacert", "ssl_cert": "cert", "ssl_cert_key": "key"}
+
+
+@dataclass(kw_only=True, slots=True)
+class EtcdRendezvousConfig:
+    """Everything an ``EtcdV3RendezvousHandler`` needs; validates itself on construction."""
+
+    run_id: str
+    """Job id (``--rdzv-id``). All keys live under ``{etcd_prefix}/{run_id}/``: two jobs never see each other."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    """etcd client endpoints as (host, port); from ``--rdzv-endpoint host[:port][,host[:port]...]``."""
+
+    min_nodes: int
+    """Fewest agents a round may have (``--nnodes MIN:MAX``)."""
+
+    max_nodes: int
+    """Most agents a round may have; later agents wait as spares and fill in after a loss."""
+
+    local_addr: str | None = None
+    """Address other nodes reach this one at (``--local-addr``); default: this host's FQDN."""
+
+    lease_ttl: int = 3
+    """Seconds (integer, >= 1) a node stays registered after its agent stops refreshing its lease.
+    Upper bound on how long survivors take to learn that a node died without a word."""
+
+    join_timeout: float = 600.0
+    """Seconds ``next_rendezvous`` waits for a round with at least ``min_nodes`` (torch's default).
+    Spares waiting for a free slot in a full job are not bound by it."""
+
+    last_call_timeout: float = 1.0
+    """Seconds a round stays open, once ``min_nodes`` have joined, for agents that may still arrive.
+    A round closes at once (no last call) when it is full, or when it re-forms an existing job and every
+    live registered agent has joined; so recovery from a loss never waits for it. Raise it (torch uses 30)
+    if agents of a first start are spread out in time and you want them all in the first round."""
+
+    close_timeout: float = 30.0
+    """Seconds ``set_closed``/``shutdown`` keep trying to record the closed state in etcd."""
+
+    etcd_prefix: str = "/spotrun/rdzv"
+    """Key prefix in etcd; must start with '/'."""
+
+    etcd_timeout: float = 30.0
+    """Seconds etcd may be unreachable (leader change, restart) before the job fails with a
+    ``RendezvousConnectionError`` naming the endpoint. Every etcd call is retried within this bound."""
+
+    cacert: str | None = None
+    """PEM CA bundle to verify etcd's TLS certificate; setting it switches to TLS."""
+
+    cert: str | None = None
+    """PEM client certificate for mutual TLS (needs ``key`` and ``cacert``)."""
+
+    key: str | None = None
+    """PEM private key of ``cert``."""
+
+    user: str | None = None
+    """etcd user name (etcd auth); needs ``password``."""
+
+    password: str | None = None
+    """Password of ``user``."""
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "/" in self.run_id:
+            raise RendezvousConfigError(
+                f"run id {self.run_id!r} must be a non-empty string without '/'; pass --rdzv-id JOB_ID"
+            )
+        if not self.endpoints:
+            raise RendezvousConfigError("no etcd endpoint: pass --rdzv-endpoint HOST:PORT")
+        if self.min_nodes < 1:
+            raise RendezvousConfigError(f"min_nodes must be >= 1, got {self.min_nodes} (--nnodes MIN:MAX)")
+        if self.max_nodes < self.min_nodes:
+            raise RendezvousConfigError(
+                f"max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes}); fix --nnodes MIN:MAX"
+            )
+        if isinstance(self.lease_ttl, bool) or not isinstance(self.lease_ttl, int) or self.lease_ttl < 1:
+            raise RendezvousConfigError(
+                f"lease_ttl must be a whole number of seconds >= 1 (etcd leases are integral), got {self.lease_ttl!r}"
+            )
+        for name in ("join_timeout", "close_timeout", "etcd_timeout"):
+            _require_positive(name, getattr(self, name))
+        if not (isinstance(self.last_call_timeout, (int, float)) and self.last_call_timeout >= 0):
+            raise RendezvousConfigError(f"last_call_timeout must be >= 0 seconds, got {self.last_call_timeout!r}")
+        if not self.etcd_prefix.startswith("/") or self.etcd_prefix.rstrip("/") == "":
+            raise RendezvousConfigError(
+                f"etcd_prefix must be an absolute key path like '/spotrun/rdzv', got {self.etcd_prefix!r}"
+            )
+        self.etcd_prefix = self.etcd_prefix.rstrip("/")
+        if (self.cert is None) != (self.key is None):
+            raise RendezvousConfigError("TLS client auth needs both 'cert' and 'key' in --rdzv-conf")
+        if self.cert is not None and self.cacert is None:
+            raise RendezvousConfigError("'cert'/'key' need 'cacert' too (the CA that signed etcd's certificate)")
+        if (self.user is None) != (self.password is None):
+            raise RendezvousConfigError("etcd authentication needs both 'user' and 'password' in --rdzv-conf")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def endpoint_str(self) -> str:
+        """Endpoints as the user wrote them (for error messages)."""
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+    @property
+    def run_prefix(self) -> str:
+        """Every key of this job starts with this (ends with '/')."""
+        return f"{self.etcd_prefix}/{self.run_id}/"
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def accepted_keys(cls) -> list[str]:
+        """``--rdzv-conf`` keys this backend understands (including aliases and ignored torch keys)."""
+        own = [f.name for f in fields(cls) if f.name not in _FROM_PARAMS]
+        return sorted({*own, *KEY_ALIASES, *IGNORED_TORCH_KEYS, "local_addr"})
+
+    @classmethod
+    def from_parameters(cls, params: RendezvousParameters) -> EtcdRendezvousConfig:
+        """Build from torch's launcher parameters; unknown or malformed ``--rdzv-conf`` keys raise."""
+        conf: dict[str, Any] = dict(params.config)
+        unknown = sorted(k for k in conf if k not in cls.accepted_keys())
+        if unknown:
+            raise RendezvousConfigError(
+                f"unknown --rdzv-conf key(s) {', '.join(repr(k) for k in unknown)} for backend "
+                f"'{BACKEND_NAME}'; accepted keys: {', '.join(cls.accepted_keys())}"
+            )
+        for alias, name in KEY_ALIASES.items():
+            if alias in conf:
+                if name in conf:
+                    raise RendezvousConfigError(f"--rdzv-conf gives both {alias!r} and {name!r}; keep one")
+                conf[name] = conf.pop(alias)
+        local_addr = conf.pop("local_addr", None) or params.local_addr
+        kwargs: dict[str, Any] = {}
+        for name, parse in _PARSERS.items():
+            if conf.get(name) is not None:
+                kwargs[name] = parse(name, conf[name])
+        return cls(
+            run_id=str(params.run_id),
+            endpoints=parse_endpoints(params.endpoint),
+            min_nodes=params.min_nodes,
+            max_nodes=params.max_nodes,
+            local_addr=local_addr,
+            **kwargs,
+        )
+
+
+_FROM_PARAMS = frozenset({"run_id", "endpoints", "min_nodes", "max_nodes", "local_addr"})
+
+
+def _require_positive(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or math.isinf(value):
+        raise RendezvousConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+
+
+def _parse_float(name: str, raw: object) -> float:
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise RendezvousConfigError(f"--rdzv-conf {name}={raw!r} is not a number of seconds") from exc
+    if math.isnan(value):
+        raise RendezvousConfigError(f"--rdzv-conf {name}={raw!r} is not a number of seconds")
+    return value
+
+
+def _parse_int(name: str, raw: object) -> int:
+    value = _parse_float(name, raw)
+    if value != int(value):
+        raise RendezvousConfigError(f"--rdzv-conf {name}={raw!r} must be a whole number of seconds")
+    return int(value)
+
+
+def _parse_str(name: str, raw: object) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise RendezvousConfigError(f"--rdzv-conf {name}={raw!r} must be a non-empty string")
+    return raw
+
+
+_PARSERS = {
+    "lease_ttl": _parse_int,
+    "join_timeout": _parse_float,
+    "last_call_timeout": _parse_float,
+    "close_timeout": _parse_float,
+    "etcd_timeout": _parse_float,
+    "etcd_prefix": _parse_str,
+    "cacert": _parse_str,
+    "cert": _parse_str,
+    "key": _parse_str,
+    "user": _parse_str,
+    "password": _parse_str,
+}
+
+
+def parse_endpoints(endpoint: str) -> tuple[tuple[str, int], ...]:
+    """``"host[:port][,host[:port]...]"`` (an ``http(s)://`` scheme is tolerated) -> ((host, port), ...)."""
+    if not endpoint or not endpoint.strip():
+        raise RendezvousConfigError("no etcd endpoint: pass --rdzv-endpoint HOST:PORT")
+    result = []
+    for part in endpoint.split(","):
+        item = part.strip()
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme) :]
+        item = item.rstrip("/")
+        if not item:
+            raise RendezvousConfigError(f"empty entry in --rdzv-endpoint {endpoint!r}")
+        host, sep, port_s = item.rpartition(":")
+        if not sep:
+            host, port = item, DEFAULT_ETCD_PORT
+        else:
+            try:
+                port = int(port_s)
+            except ValueError as exc:
+                raise RendezvousConfigError(f"bad port {port_s!r} in --rdzv-endpoint {endpoint!r}") from exc
+            if not 0 < port < 65536:
+                raise RendezvousConfigError(f"port {port} out of range in --rdzv-endpoint {endpoint!r}")
+        host = host.strip("[]")
+        if not host:
+            raise RendezvousConfigError(f"missing host in --rdzv-endpoint {endpoint!r}")
+        result.append((host, port))
+    return tuple(result)

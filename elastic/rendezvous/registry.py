@@ -1,0 +1,30 @@
+"""Plugs the ``etcd-v3`` backend into torch's rendezvous handler registry.
+
+torchrun finds it through the ``torchrun.handlers`` entry point (declared in pyproject.toml), calling
+``handler_factory()`` and registering what it returns; spotrun calls ``register()`` directly.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry as handler_registry
+
+from .api import BACKEND_NAME, EtcdRendezvousConfig
+from .etcd_v3 import EtcdV3RendezvousHandler
+
+__all__ = ["create_handler", "handler_factory", "register"]
+
+
+def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
+    """Validate ``params`` (raises RendezvousConfigError naming the problem) and build a handler."""
+    return EtcdV3RendezvousHandler(EtcdRendezvousConfig.from_parameters(params))
+
+
+def handler_factory():  # noqa: ANN201 (torch expects a creator callable back)
+    """Entry point ``torchrun.handlers: etcd-v3``: torch calls ``load()()`` and registers the result."""
+    return create_handler
+
+
+def register() -> None:
+    """Register ``etcd-v3`` in torch's global handler registry; idempotent."""
+    handler_registry.register(BACKEND_NAME, create_handler)

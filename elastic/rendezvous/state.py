@@ -1,0 +1,224 @@
+"""The rendezvous round state machine as pure functions of plain data (no etcd, no clock, no threads).
+
+The handler (``etcd_v3.py``) keeps a watched mirror of the job's keys, turns it into a ``Snapshot``
+and asks ``decide`` what to do; it then performs the I/O (join, commit transaction, wait) and asks
+again. Modelled on torch's ``dynamic_rendezvous.py`` (a pure function of state and deadline returning
+an action), with etcd leases instead of heartbeats and a fast path instead of a fixed last call.
+
+Vocabulary
+    node        an agent, registered under a lease (its key vanishes when it dies).
+    round N     a committed record: the ordered participants (rank = index) and the master address.
+    joining     nodes announce themselves for round ``committed + 1`` (the *target*) with a join key.
+    open        round N+1 may be formed only once round N is being abandoned: some participant of N
+                re-joined or is gone. Before that, joiners are *waiting* (``nodes_waiting`` tells the
+                running agents, which restart and re-join: torch's scale-up path).
+    spare       a waiter while round N is full and healthy: it fills in after the next loss.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """A committed round: who is in it (rank = index) and where the workers' TCPStore will be."""
+
+    number: int
+    """Round number, 1 for the first round; increases by one per round."""
+
+    participants: tuple[str, ...]
+    """Node ids in rank order."""
+
+    master_addr: str = ""
+    """Address of the rank-0 node (hosts the workers' TCPStore: MASTER_ADDR)."""
+
+    master_port: int = 0
+    """A port that was free on the rank-0 node at commit time (MASTER_PORT)."""
+
+    def __post_init__(self) -> None:
+        if self.number < 1:
+            raise ValueError(f"round number must be >= 1, got {self.number}")
+        if not self.participants or len(set(self.participants)) != len(self.participants):
+            raise ValueError(f"round {self.number} needs distinct participants, got {self.participants}")
+
+    def rank_of(self, node_id: str) -> int | None:
+        try:
+            return self.participants.index(node_id)
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything ``decide`` looks at, as seen by one node at one instant."""
+
+    node_id: str
+    """The deciding node."""
+
+    target: int
+    """The round number this node is trying to join (``committed.number + 1`` when it started)."""
+
+    committed: RoundRecord | None
+    """The latest committed round, None before the first."""
+
+    live: frozenset[str]
+    """Node ids whose registration (leased key) exists now."""
+
+    joined: Mapping[str, int]
+    """Node ids that joined round ``committed + 1`` -> their ordering key (stable across rounds)."""
+
+    closed: bool
+    """The job has ended (``set_closed``)."""
+
+    min_nodes: int
+    max_nodes: int
+
+    now: float
+    """Monotonic seconds."""
+
+    join_deadline: float
+    """When a non-spare node gives up waiting for ``min_nodes`` (RendezvousTimeoutError)."""
+
+    last_call_deadline: float | None = None
+    """Set by the executor when ``decide`` said START_LAST_CALL; None before."""
+
+
+class Action(enum.Enum):
+    JOIN = "join"
+    """Write (or re-write, after a lease loss) this node's join key for the target round."""
+    WAIT = "wait"
+    """Nothing to do until the mirror changes or ``wake_at``."""
+    START_LAST_CALL = "start_last_call"
+    """``min_nodes`` reached but more may come: set ``last_call_deadline = now + last_call_timeout``."""
+    COMMIT = "commit"
+    """This node is rank 0 of the round to form: commit ``participants`` by transaction."""
+    DONE = "done"
+    """A committed round includes this node: return it."""
+    REJOIN = "rejoin"
+    """A round was committed without this node: target the next one."""
+    SPARE = "spare"
+    """The running round is full and healthy: wait (no join deadline) for a slot."""
+    CLOSED = "closed"
+    """The job ended: raise RendezvousClosedError."""
+    TIMEOUT = "timeout"
+    """The join deadline passed below ``min_nodes``: raise RendezvousTimeoutError."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    participants: tuple[str, ...] = ()
+    """For COMMIT: node ids in rank order."""
+    wake_at: float | None = None
+    """For WAIT/START_LAST_CALL/SPARE: the next instant the decision may change without a mirror change."""
+    reason: str = ""
+    """Human-readable why (goes into log lines)."""
+
+
+def order_nodes(joined: Mapping[str, int]) -> tuple[str, ...]:
+    """Rank order: by ordering key (first registration revision), ties by id; survivors keep relative order."""
+    return tuple(sorted(joined, key=lambda node: (joined[node], node)))
+
+
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """How the live nodes relate to the committed round (what the running agents need to know)."""
+
+    lost: frozenset[str] = field(default_factory=frozenset)
+    """Participants whose registration is gone (dead, or cut off longer than a lease)."""
+    rejoining: frozenset[str] = field(default_factory=frozenset)
+    """Participants that already joined the next round (their workers stopped)."""
+    newcomers: frozenset[str] = field(default_factory=frozenset)
+    """Non-participants that joined the next round."""
+    full: bool = False
+    """The committed round has ``max_nodes`` participants."""
+
+    @property
+    def broken(self) -> bool:
+        """The committed round cannot go on as is: some participant is gone or has left it."""
+        return bool(self.lost or self.rejoining)
+
+    @property
+    def nodes_waiting(self) -> int:
+        """torch's ``num_nodes_waiting``: > 0 tells the running agents to restart and re-rendezvous.
+
+        Newcomers count only when they would get a slot (round not full) or the round is re-forming anyway.
+        """
+        if self.broken:
+            return len(self.lost) + len(self.rejoining) + len(self.newcomers)
+        return 0 if self.full else len(self.newcomers)
+
+
+def membership(
+    committed: RoundRecord | None, live: Iterable[str], joined: Iterable[str], max_nodes: int
+) -> Membership:
+    """Classify nodes against the committed round (pure)."""
+    joined_set = frozenset(joined)
+    if committed is None:
+        return Membership(newcomers=joined_set)
+    participants = frozenset(committed.participants)
+    return Membership(
+        lost=participants - frozenset(live),
+        rejoining=participants & joined_set,
+        newcomers=joined_set - participants,
+        full=len(participants) >= max_nodes,
+    )
+
+
+def is_open(snap: Snapshot) -> bool:
+    """May round ``committed + 1`` be formed now? (First round, or the committed one is broken.)"""
+    if snap.committed is None:
+        return True
+    return membership(snap.committed, snap.live, snap.joined, snap.max_nodes).broken
+
+
+def decide(snap: Snapshot) -> Decision:
+    """The next step for ``snap.node_id`` (pure; see module docstring for the vocabulary)."""
+    if snap.closed:
+        return Decision(Action.CLOSED, reason="the rendezvous is closed")
+    committed = snap.committed
+    if committed is not None and committed.number >= snap.target:
+        if snap.node_id in committed.participants:
+            return Decision(Action.DONE, reason=f"round {committed.number} includes this node")
+        return Decision(Action.REJOIN, reason=f"round {committed.number} was committed without this node")
+    if snap.node_id not in snap.joined:
+        return Decision(Action.JOIN, reason="this node's join key is missing")
+
+    if not is_open(snap):
+        assert committed is not None
+        if len(committed.participants) >= snap.max_nodes:
+            return Decision(Action.SPARE, reason=f"round {committed.number} is full and healthy")
+        return _wait_or_timeout(snap, f"waiting for round {committed.number}'s agents to re-rendezvous")
+
+    count = len(snap.joined)
+    if count < snap.min_nodes:
+        return _wait_or_timeout(snap, f"{count}/{snap.min_nodes} nodes joined")
+
+    participants = order_nodes(snap.joined)[: snap.max_nodes]
+    if not _closes_now(snap):
+        if snap.last_call_deadline is None:
+            return Decision(Action.START_LAST_CALL, reason=f"{count} >= min {snap.min_nodes}; last call")
+        if snap.now < snap.last_call_deadline:
+            return Decision(Action.WAIT, wake_at=snap.last_call_deadline, reason=f"last call with {count} nodes")
+    if participants[0] == snap.node_id:
+        return Decision(Action.COMMIT, participants=participants, reason=f"forming round with {len(participants)}")
+    # Rank 0 commits; if it dies meanwhile its join key expires with its lease and the next one takes over.
+    return Decision(Action.WAIT, reason=f"waiting for {participants[0]} to commit")
+
+
+def _closes_now(snap: Snapshot) -> bool:
+    """The fast path: no reason to wait for anyone else."""
+    if len(snap.joined) >= snap.max_nodes:
+        return True
+    # Re-forming a running job: every node that is alive has joined, and none may still arrive that
+    # we know of. (For the first round more agents may still be starting: last call applies.)
+    return snap.committed is not None and snap.live.issubset(snap.joined)
+
+
+def _wait_or_timeout(snap: Snapshot, why: str) -> Decision:
+    if snap.now >= snap.join_deadline:
+        return Decision(Action.TIMEOUT, reason=f"join timeout: {why}")
+    return Decision(Action.WAIT, wake_at=snap.join_deadline, reason=why)
