@@ -248,3 +248,105 @@ class ReadRequest:
     src_slices: tuple[tuple[int, int], ...]  # per dim [start, stop) within the stored chunk
     dst: ChunkKey
     dst_slices: tuple[tuple[int, int], ...]  # per dim [start, stop) within the destination piece
+
+
+# --------------------------------------------------------------------------- names (additive)
+STEP_DIR_PREFIX = "step-"
+
+
+def step_dir(step: int) -> str:
+    """Directory name of ``step`` under the checkpoint root (``step-000001000``)."""
+    return STEP_DIR_FORMAT.format(step=step)
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a directory name stands for, or None when it is not a step directory."""
+    if not name.startswith(STEP_DIR_PREFIX):
+        return None
+    digits = name[len(STEP_DIR_PREFIX) :]
+    return int(digits) if digits.isdigit() else None
+
+
+def shard_file_name(rank: int, world_size: int, part: int = 0) -> str:
+    """Name of a rank's shard file: ``shard-00003-of-00004.safetensors`` (``...-part-001`` for extra parts)."""
+    base = f"shard-{rank:05d}-of-{world_size:05d}"
+    return f"{base}.safetensors" if part == 0 else f"{base}-part-{part:03d}.safetensors"
+
+
+@dataclass(slots=True)
+class CommitMarker:
+    """Content of ``.commit``: written last; ties the step to the exact manifest bytes it commits."""
+
+    step: int
+    manifest_crc32: int
+    manifest_size: int
+    created_unix: float
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "step": self.step,
+            "manifest_crc32": self.manifest_crc32,
+            "manifest_size": self.manifest_size,
+            "created_unix": self.created_unix,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, JSON]) -> CommitMarker:
+        return cls(
+            step=int(d["step"]),
+            manifest_crc32=int(d["manifest_crc32"]),
+            manifest_size=int(d["manifest_size"]),
+            created_unix=float(d["created_unix"]),
+        )
+
+
+# --------------------------------------------------------------------------- fault injection (tests)
+CRASH_AT_ENV = "SPOTRUN_CKPT_CRASH_AT"
+"""``<point>:<n>``: at the n-th (1-based) time the named point is reached, announce it and block forever
+(the test then kills the process by PID). Points are listed in ``CRASH_POINTS``."""
+CRASH_NOTIFY_FD_ENV = "SPOTRUN_CKPT_CRASH_NOTIFY_FD"
+"""File descriptor that receives ``reached <point> <pid>\\n`` when the crash point triggers (default 2)."""
+
+CRASH_POINTS = (
+    "stage.begin",
+    "stage.end",
+    "shard.open",
+    "shard.header",
+    "shard.block",
+    "shard.before_commit",
+    "shard.after_commit",
+    "records.gathered",
+    "objects.after",
+    "index.after",
+    "manifest.before",
+    "manifest.after",
+    "commit.before",
+    "commit.after",
+    "latest.before",
+    "latest.after",
+    "retention.before",
+    "retention.delete",
+)
+
+_crash_counts: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    """Fault-injection hook: a no-op unless ``SPOTRUN_CKPT_CRASH_AT`` names this point."""
+    import os
+
+    spec = os.environ.get(CRASH_AT_ENV)
+    if not spec:
+        return
+    point, _, nth = spec.rpartition(":")
+    if point != name:
+        return
+    count = _crash_counts.get(name, 0) + 1
+    _crash_counts[name] = count
+    if count != int(nth):
+        return
+    import threading
+
+    fd = int(os.environ.get(CRASH_NOTIFY_FD_ENV, "2"))
+    os.write(fd, f"reached {name} {os.getpid()}\n".encode())
+    threading.Event().wait()  # block until the test kills us

@@ -1,0 +1,358 @@
+"""The Checkpointer: async sharded saves, loads at any world size.
+
+Save (per rank): ``flatten`` the state -> decide who writes what (``plan.assign_writers``, recomputed only
+when the items change) -> ``Stager`` copies the pieces this rank writes into reused host buffers (the only
+time the training step blocks) -> a background thread writes this rank's shard files, gathers every rank's
+records on rank 0 over a dedicated gloo group, and rank 0 commits (see ``checkpoint.commit``).
+
+Two gloo groups are created at construction (collective, same order on all ranks): a foreground one for
+the cheap per-save vote and the item metadata gather (training thread), and a background one for the
+commit (writer thread). Neither is the training's default group, so a collective the writer thread runs
+can never interleave with the training's own collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoint.api import (
+    JSON,
+    COMMIT_FILE,
+    ChunkKey,
+    CheckpointError,
+    SaveInProgressError,
+    crash_point,
+    step_dir,
+)
+from checkpoint.commit import commit_step, merge_records
+from checkpoint.config import CheckpointConfig
+from checkpoint.discover import latest_good_step, list_steps, read_objects, validate_step
+from checkpoint.plan import assign_writers, plan_reads
+from checkpoint.retention import delete_step, steps_to_delete
+from checkpoint.shard import ShardLayout, read_requests
+from checkpoint.staging import Stager
+from checkpoint.state import FlatState, apply, flatten
+from checkpoint.storage import RetryPolicy, Storage
+from checkpoint.writer import RankRecords, plan_files, write_rank_files
+
+logger = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """Save and load training state under ``uri`` (local path, ``file://``, ``memory://``, ``s3://``).
+
+    Use one per training run, constructed on every rank (the construction is collective when
+    ``torch.distributed`` is initialised)::
+
+        with Checkpointer("s3://bucket/run1", CheckpointConfig(keep_last=2)) as ckpt:
+            start = (ckpt.load(state) or 0) + 1
+            for step in range(start, steps):
+                train_step()
+                if step % 100 == 0:
+                    ckpt.save(step, state)   # returns after the host copy
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        config: CheckpointConfig | None = None,
+        *,
+        process_group: Any = None,
+        sleep: Any = time.sleep,
+    ) -> None:
+        self.config = config or CheckpointConfig()
+        c = self.config
+        self.storage = Storage(
+            uri,
+            storage_options=c.storage_options,
+            retry=RetryPolicy(
+                max_attempts=c.max_retries, timeout=c.retry_timeout, max_wait=c.retry_max_wait, sleep=sleep
+            ),
+            upload_threads=c.writer_threads,
+            multipart_chunk_bytes=c.multipart_chunk_bytes,
+        )
+        self.rank, self.world_size = 0, 1
+        self._fg_group: Any = None
+        self._bg_group: Any = None
+        if dist.is_available() and dist.is_initialized():
+            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+            if self.world_size > 1:
+                self._fg_group = dist.new_group(ranks=ranks, backend="gloo")
+                self._bg_group = dist.new_group(ranks=ranks, backend="gloo")
+        self._stager = Stager()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-bg")
+        self._future: Future[int] | None = None
+        self._in_flight: int | None = None
+        self._signature: tuple[Any, ...] | None = None
+        self._layouts: list[ShardLayout] = []
+        self._closed = False
+        self.last_stage_seconds = 0.0
+        """Wall time the last ``save`` blocked the caller (flatten + vote + staging copy)."""
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.storage.display()!r}, rank={self.rank}/{self.world_size})"
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state: Mapping[str, Any]) -> None:
+        """Stage ``state`` to host memory and write it as ``step`` in the background (see ``wait``).
+
+        Raises the error of the previous save if it failed (on every rank), SaveInProgressError when a
+        save is in flight and ``when_busy="refuse"``.
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        started = time.perf_counter()
+        flat = flatten(state)
+        signature = tuple((i.key, i.dtype, tuple(i.global_shape), i.replicated) for i in flat.items)
+        busy = self._future is not None and not self._future.done()
+        any_busy, any_changed = self._vote(busy, signature != self._signature)
+        if any_busy and self.config.when_busy == "refuse":
+            raise SaveInProgressError(
+                f"rank {self.rank}: save of step {self._in_flight} is still writing; step {step} was not saved "
+                f'(use when_busy="wait" to block instead)'
+            )
+        self.wait()  # waits if busy; re-raises the previous save's error either way
+        if any_changed:
+            self._replan(flat)
+            self._signature = signature
+        buffers = self._stager.stage(self._layouts, flat.items)
+        objects = flat.objects if self.rank == 0 else None
+        self.last_stage_seconds = time.perf_counter() - started
+        logger.debug("[rank %d step %d] staged in %.3fs", self.rank, step, self.last_stage_seconds)
+        self._in_flight = step
+        self._future = self._executor.submit(self._write_and_commit, step, list(self._layouts), buffers, objects)
+        if not self.config.async_mode:
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed; re-raise its error (once)."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        try:
+            future.result()
+        finally:
+            self._in_flight = None
+
+    def _vote(self, busy: bool, changed: bool) -> tuple[bool, bool]:
+        """Agree across ranks whether any rank is busy / has new items (so all take the same branch)."""
+        if self._fg_group is None:
+            return busy, changed
+        flags = torch.tensor([int(busy), int(changed)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._fg_group)
+        return bool(flags[0]), bool(flags[1])
+
+    def _replan(self, flat: FlatState) -> None:
+        """Gather every rank's item metadata once, decide who writes what, lay out this rank's files."""
+        mine = [(i.key, i.nbytes, i.replicated) for i in flat.items]
+        if self._fg_group is None:
+            everyone = [mine]
+        else:
+            payload = json.dumps([[k.fqn, list(k.offsets), list(k.lengths), n, r] for k, n, r in mine])
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, payload, group=self._fg_group)
+            everyone = [
+                [(ChunkKey(f, tuple(o), tuple(ln)), n, r) for f, o, ln, n, r in json.loads(p)] for p in gathered
+            ]
+        writes = set(assign_writers(everyone)[self.rank])
+        indices = [i for i, item in enumerate(flat.items) if item.key in writes]
+        self._layouts = plan_files(
+            flat.items,
+            indices,
+            rank=self.rank,
+            world_size=self.world_size,
+            max_shard_bytes=self.config.max_shard_bytes,
+        )
+        logger.info(
+            "[rank %d] save plan: writes %d of %d local pieces into %d file(s), %d bytes",
+            self.rank,
+            len(indices),
+            len(flat.items),
+            len(self._layouts),
+            sum(lay.data_bytes for lay in self._layouts),
+        )
+
+    def _write_and_commit(
+        self, step: int, layouts: list[ShardLayout], buffers: list[memoryview], objects: dict[str, JSON] | None
+    ) -> int:
+        """Background: write this rank's shards, then commit on rank 0; every rank learns the outcome."""
+        rel = step_dir(step)
+        local_error: BaseException | None = None
+        try:
+            if self.storage.exists(f"{rel}/{COMMIT_FILE}"):
+                raise CheckpointError(
+                    f"step {step} is already committed at {self.storage.display(rel)}; a committed step is never overwritten"
+                )
+            self.storage.makedirs(rel)
+            records = write_rank_files(
+                self.storage,
+                rel,
+                layouts,
+                buffers,
+                block_bytes=self.config.checksum_block_bytes,
+                rank=self.rank,
+                threads=self.config.writer_threads,
+            )
+        except Exception as exc:  # noqa: BLE001 - becomes a vote not to commit, re-raised below
+            logger.error("[rank %d step %d] writing shards failed: %s", self.rank, step, exc)
+            local_error = exc
+            records = RankRecords(rank=self.rank, error=f"{type(exc).__name__}: {exc}")
+        all_records = self._gather_records(records)
+        crash_point("records.gathered")
+        outcome: str | None = None
+        commit_error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                assert all_records is not None
+                manifest = merge_records(
+                    all_records,
+                    step=step,
+                    world_size=self.world_size,
+                    block_bytes=self.config.checksum_block_bytes,
+                    has_objects=objects is not None,
+                    created_unix=time.time(),
+                )
+                commit_step(self.storage, manifest, objects)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank
+                commit_error = exc
+                outcome = str(exc)
+            else:
+                self._apply_retention(step)
+        outcome = self._broadcast_outcome(outcome)
+        if local_error is not None:
+            raise local_error
+        if commit_error is not None:
+            raise commit_error
+        if outcome is not None:
+            raise CheckpointError(outcome)
+        return step
+
+    def _gather_records(self, records: RankRecords) -> list[RankRecords] | None:
+        if self._bg_group is None:
+            return [records]
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(json.dumps(records.to_json()), gathered, group=self._bg_group, group_dst=0)
+        if gathered is None:
+            return None
+        return [RankRecords.from_json(json.loads(g)) for g in gathered]
+
+    def _broadcast_outcome(self, outcome: str | None) -> str | None:
+        if self._bg_group is None:
+            return outcome
+        box = [outcome]
+        dist.broadcast_object_list(box, group=self._bg_group, group_src=0)
+        return box[0]
+
+    def _apply_retention(self, committed_step: int) -> None:
+        try:
+            crash_point("retention.before")
+            listing = list_steps(self.storage)
+            doomed = steps_to_delete(
+                listing.committed,
+                listing.uncommitted,
+                keep_last=self.config.keep_last,
+                keep_every=self.config.keep_every,
+                in_flight=committed_step,
+            )
+            for step in doomed:
+                delete_step(self.storage, step)
+        except CheckpointError as exc:  # the new step is committed; failing to prune must not undo that
+            logger.warning("[step %d] retention failed (old steps kept): %s", committed_step, exc)
+
+    # ------------------------------------------------------------------ discover / load
+    def latest(self) -> int | None:
+        """Newest committed step that is intact (uncommitted and corrupt steps are skipped), or None."""
+        self._check_open()
+        return latest_good_step(self.storage)
+
+    def load(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
+        """Restore ``state`` in place from ``step`` (default: latest good step) at the current world size.
+
+        Returns the step loaded, or None when there is no checkpoint yet (only with ``step=None``).
+        """
+        self._check_open()
+        self.wait()
+        chosen = self._agree_on_step(step)
+        if chosen is None:
+            logger.info("[rank %d] no checkpoint at %s; starting fresh", self.rank, self.storage.display())
+            return None
+        started = time.perf_counter()
+        manifest = validate_step(self.storage, chosen)
+        flat = flatten(state)
+        requests = plan_reads(manifest, flat.items)
+        destinations = {item.key: item.tensor for item in flat.items}
+        nbytes = read_requests(
+            self.storage,
+            step_dir(chosen),
+            requests,
+            destinations.__getitem__,
+            manifest.checksum_block_bytes,
+            self.config.verify_on_load,
+            self.config.writer_threads,
+        )
+        flat.objects = read_objects(self.storage, manifest)
+        apply(state, flat)
+        logger.info(
+            "[rank %d] loaded step %d: %d bytes in %d reads, %.2fs",
+            self.rank,
+            chosen,
+            nbytes,
+            len(requests),
+            time.perf_counter() - started,
+        )
+        return chosen
+
+    def _agree_on_step(self, step: int | None) -> int | None:
+        """Rank 0 picks the step (so all ranks load the same one even if a commit lands meanwhile)."""
+        if step is not None:
+            return step
+        if self._fg_group is None:
+            return self.latest()
+        box: list[Any] = [self.latest() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, group=self._fg_group, group_src=0)
+        return box[0]
+
+    # ------------------------------------------------------------------ lifecycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed")
+
+    def close(self) -> None:
+        """Flush the in-flight save (re-raising its error) and release threads and buffers."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            self.storage.close()
+            self._stager.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckpointError:
+            logger.exception("error while closing the checkpointer after another error")
+
+

@@ -1,0 +1,89 @@
+"""The checkpointer's configuration: one self-validating dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+from checkpoint.api import CheckpointConfigError
+
+_MIB = 1 << 20
+_S3_MIN_PART = 5 * _MIB
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """How the :class:`~checkpoint.checkpointer.Checkpointer` saves, keeps and loads steps."""
+
+    keep_last: int = 3
+    """Keep the newest ``keep_last`` committed steps; older ones are deleted after each commit (>= 1)."""
+
+    keep_every: int | None = None
+    """Also keep forever every step divisible by ``keep_every`` (None: keep only the newest ``keep_last``)."""
+
+    async_mode: bool = True
+    """``save`` returns once the state is copied to host memory and writes in the background.
+    False: ``save`` returns after the step is committed."""
+
+    when_busy: Literal["wait", "refuse"] = "wait"
+    """What ``save`` does while the previous save is still writing: ``"wait"`` for it, or
+    ``"refuse"`` by raising :class:`~checkpoint.api.SaveInProgressError` (the caller skips this save)."""
+
+    verify_on_load: bool = True
+    """Check the crc32 of every checksum block a load reads (costs one crc pass, ~4 GB/s per core)."""
+
+    checksum_block_bytes: int = 4 * _MIB
+    """Granularity of the per-chunk crc32 blocks: a ranged read verifies only the blocks it touches."""
+
+    max_retries: int = 5
+    """Attempts per storage operation for transient errors (connection reset, throttling); >= 1."""
+
+    retry_timeout: timedelta = timedelta(seconds=60)
+    """Give up retrying one storage operation after this long, even if attempts remain."""
+
+    retry_max_wait: timedelta = timedelta(seconds=8)
+    """Upper bound of the random exponential back-off between two attempts."""
+
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to the fsspec filesystem, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}`` for S3."""
+
+    writer_threads: int = 4
+    """Parallel shard writes / multipart part uploads / ranged reads per rank (>= 1)."""
+
+    multipart_chunk_bytes: int = 64 * _MIB
+    """S3 multipart part size (>= 5 MiB, the S3 minimum); files smaller than this are one PUT."""
+
+    max_shard_bytes: int = 2 << 30
+    """A rank splits what it writes into shard files of at most this many bytes (a single larger
+    tensor gets a file of its own), so big ranks upload several files in parallel."""
+
+    def __post_init__(self) -> None:
+        self._check_int("keep_last", self.keep_last, 1, "keep at least the newest step")
+        if self.keep_every is not None:
+            self._check_int("keep_every", self.keep_every, 1, "use None to disable, or a step interval >= 1")
+        if self.when_busy not in ("wait", "refuse"):
+            raise CheckpointConfigError(f'when_busy={self.when_busy!r} is invalid: use "wait" or "refuse"')
+        for name in ("async_mode", "verify_on_load"):
+            if not isinstance(getattr(self, name), bool):
+                raise CheckpointConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        self._check_int("checksum_block_bytes", self.checksum_block_bytes, 4096, "use e.g. 4 MiB (4194304)")
+        self._check_int("max_retries", self.max_retries, 1, "1 means no retry")
+        self._check_int("writer_threads", self.writer_threads, 1, "use 1 for sequential writes")
+        self._check_int(
+            "multipart_chunk_bytes", self.multipart_chunk_bytes, _S3_MIN_PART, "S3 rejects parts under 5 MiB"
+        )
+        self._check_int("max_shard_bytes", self.max_shard_bytes, _MIB, "use at least 1 MiB, e.g. 2 GiB")
+        for name in ("retry_timeout", "retry_max_wait"):
+            value = getattr(self, name)
+            if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+                raise CheckpointConfigError(f"{name}={value!r} must be a positive datetime.timedelta")
+        if not isinstance(self.storage_options, dict):
+            raise CheckpointConfigError(
+                f"storage_options must be a dict of fsspec options, got {type(self.storage_options).__name__}"
+            )
+
+    @staticmethod
+    def _check_int(name: str, value: object, minimum: int, hint: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise CheckpointConfigError(f"{name}={value!r} is invalid: it must be an integer >= {minimum} ({hint})")

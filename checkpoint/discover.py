@@ -1,0 +1,174 @@
+"""Find steps under a checkpoint root and tell good committed steps from debris and corruption.
+
+Truth is the ``.commit`` marker of each step directory, not the ``latest`` hint: ``latest`` can lag
+behind a commit (crash between the two) and is ignored when it disagrees with the markers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from dataclasses import dataclass
+
+from checkpoint.api import (
+    COMMIT_FILE,
+    MANIFEST_FILE,
+    OBJECTS_FILE,
+    JSON,
+    CheckpointNotFoundError,
+    CommitMarker,
+    CorruptCheckpointError,
+    Manifest,
+    parse_step_dir,
+    step_dir,
+)
+from checkpoint.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepListing:
+    """Step directories under a root, split by whether their commit marker exists (ascending)."""
+
+    committed: list[int]
+    uncommitted: list[int]
+    sizes: dict[int, int]
+    """Total bytes of the files directly in each step directory."""
+
+
+def list_steps(storage: Storage) -> StepListing:
+    committed, uncommitted, sizes = [], [], {}
+    for name, (kind, _) in storage.listdir("").items():
+        step = parse_step_dir(name)
+        if step is None or kind != "directory":
+            continue
+        entries = storage.listdir(name)
+        sizes[step] = sum(size for kind2, size in entries.values() if kind2 == "file")
+        (committed if COMMIT_FILE in entries else uncommitted).append(step)
+    return StepListing(sorted(committed), sorted(uncommitted), sizes)
+
+
+def read_commit_marker(storage: Storage, step: int) -> CommitMarker:
+    rel = f"{step_dir(step)}/{COMMIT_FILE}"
+    if not storage.exists(rel):
+        raise CheckpointNotFoundError(
+            f"step {step} is not committed at {storage.display(step_dir(step))} (no {COMMIT_FILE} marker)"
+        )
+    raw = storage.read_bytes(rel)
+    try:
+        return CommitMarker.from_json(json.loads(raw))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"commit marker {storage.display(rel)} is unreadable: {exc}", file=rel) from exc
+
+
+def read_manifest(storage: Storage, step: int, *, marker: CommitMarker | None = None) -> Manifest:
+    """The manifest of a committed step, checked against its commit marker.
+
+    Raises CheckpointNotFoundError (not committed), CorruptCheckpointError (unreadable or changed since
+    the commit), IncompatibleCheckpointError (another format or version).
+    """
+    marker = marker or read_commit_marker(storage, step)
+    rel = f"{step_dir(step)}/{MANIFEST_FILE}"
+    if not storage.exists(rel):
+        raise CorruptCheckpointError(f"step {step} is committed but {storage.display(rel)} is missing", file=rel)
+    raw = storage.read_bytes(rel)
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"manifest {storage.display(rel)} is not valid JSON: {exc}", file=rel) from exc
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"manifest {storage.display(rel)} is not a JSON object", file=rel)
+    manifest = _parse_manifest(storage, rel, data)  # version errors first: they tell the user what to do
+    if zlib.crc32(raw) != marker.manifest_crc32 or len(raw) != marker.manifest_size:
+        raise CorruptCheckpointError(
+            f"manifest {storage.display(rel)} does not match its commit marker (crc32/size differ): "
+            f"it was modified or damaged after the commit",
+            file=rel,
+        )
+    if manifest.step != step:
+        raise CorruptCheckpointError(f"manifest {storage.display(rel)} says step {manifest.step}, expected {step}", file=rel)
+    return manifest
+
+
+def _parse_manifest(storage: Storage, rel: str, data: dict[str, JSON]) -> Manifest:
+    try:
+        return Manifest.from_json(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"manifest {storage.display(rel)} is malformed: missing or bad field {exc}", file=rel) from exc
+
+
+def check_files(storage: Storage, manifest: Manifest) -> None:
+    """Every shard file of the manifest exists with the recorded size (cheap: one listing)."""
+    rel = step_dir(manifest.step)
+    present = storage.listdir(rel)
+    for name, frec in sorted(manifest.files.items()):
+        entry = present.get(name)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"shard {storage.display(f'{rel}/{name}')} is missing (step {manifest.step}, written by rank {frec.rank})",
+                file=name,
+            )
+        if entry[1] != frec.size:
+            raise CorruptCheckpointError(
+                f"shard {storage.display(f'{rel}/{name}')} has {entry[1]} bytes, the manifest says {frec.size} "
+                f"(truncated or overwritten)",
+                file=name,
+            )
+
+
+def read_objects(storage: Storage, manifest: Manifest) -> dict[str, JSON]:
+    if not manifest.has_objects:
+        return {}
+    rel = f"{step_dir(manifest.step)}/{OBJECTS_FILE}"
+    try:
+        data = json.loads(storage.read_bytes(rel))
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{storage.display(rel)} is not valid JSON: {exc}", file=rel) from exc
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{storage.display(rel)} is not a JSON object", file=rel)
+    return data
+
+
+def validate_step(storage: Storage, step: int) -> Manifest:
+    """Manifest of ``step`` after the cheap checks (marker, manifest, files present with their sizes)."""
+    manifest = read_manifest(storage, step)
+    check_files(storage, manifest)
+    return manifest
+
+
+def latest_good_step(storage: Storage, *, listing: StepListing | None = None) -> int | None:
+    """Newest committed step that passes ``validate_step``; corrupt ones are skipped with a warning."""
+    listing = listing or list_steps(storage)
+    for step in reversed(listing.committed):
+        try:
+            validate_step(storage, step)
+            return step
+        except CorruptCheckpointError as exc:
+            logger.warning("skipping corrupt checkpoint step %d: %s", step, exc)
+        except CheckpointNotFoundError as exc:  # deleted between the listing and now
+            logger.warning("skipping vanished checkpoint step %d: %s", step, exc)
+    return None
+
+
+def require_checkpoint(storage: Storage, listing: StepListing) -> None:
+    """Raise CheckpointNotFoundError when the root holds no checkpoint at all (a clear first error)."""
+    if not listing.committed and not listing.uncommitted:
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.display()}: no step-* directories found")
+    if not listing.committed:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint at {storage.display()}: steps {listing.uncommitted} were never committed"
+        )
+
+
+def resolve_step(storage: Storage, step: int | None) -> Manifest:
+    """Manifest of ``step`` (validated), or of the newest good step when None; errors name the location."""
+    if step is not None:
+        return validate_step(storage, step)
+    listing = list_steps(storage)
+    require_checkpoint(storage, listing)
+    good = latest_good_step(storage, listing=listing)
+    if good is None:
+        raise CorruptCheckpointError(f"every committed step at {storage.display()} is corrupt: {listing.committed}")
+    return validate_step(storage, good)

@@ -1,0 +1,49 @@
+"""Retention: which step directories to delete (pure), and deleting them safely (edge)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from checkpoint.api import COMMIT_FILE, crash_point, step_dir
+from checkpoint.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+
+def steps_to_delete(
+    committed: Sequence[int],
+    uncommitted: Sequence[int],
+    *,
+    keep_last: int,
+    keep_every: int | None = None,
+    in_flight: int | None = None,
+) -> list[int]:
+    """Steps whose directories can go, ascending.
+
+    Keeps the newest ``keep_last`` committed steps and every step divisible by ``keep_every``; deletes
+    uncommitted debris older than the newest commit. Never returns the newest committed step nor the
+    in-flight one, whatever the arguments.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    done = sorted(set(committed))
+    keep = set(done[-keep_last:])
+    if keep_every:
+        keep.update(s for s in done if s % keep_every == 0)
+    doomed = {s for s in done if s not in keep}
+    if done:
+        newest = done[-1]
+        doomed.update(s for s in uncommitted if s < newest and s not in set(done))
+        doomed.discard(newest)
+    doomed.discard(in_flight)  # type: ignore[arg-type]
+    return sorted(doomed)
+
+
+def delete_step(storage: Storage, step: int) -> None:
+    """Remove a step directory, commit marker first: a half-deleted step is uncommitted, never corrupt."""
+    rel = step_dir(step)
+    storage.rm(f"{rel}/{COMMIT_FILE}")
+    crash_point("retention.delete")
+    storage.rm(rel, recursive=True)
+    logger.info("retention: deleted step %d (%s)", step, storage.display(rel))

@@ -1,0 +1,322 @@
+"""Safetensors shard files, written and read by byte range.
+
+We lay the file out ourselves (8-byte little-endian header length, JSON header with ``dtype``, ``shape``,
+``data_offsets``, then the data) so that every chunk's absolute byte range is known before a byte is
+written, the data can be streamed straight from the staging buffer, and the per-block crc32 is computed
+during the single pass that writes it. Files still load with ``safetensors.torch.load_file``.
+Tensors inside a file are sorted by element size (largest first) so each one is naturally aligned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import warnings
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from checkpoint.api import (
+    ChunkKey,
+    ChunkRecord,
+    CorruptCheckpointError,
+    FileRecord,
+    ReadRequest,
+    crash_point,
+)
+from checkpoint.plan import chunk_view
+from checkpoint.storage import Sink, Storage
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise CorruptCheckpointError(f"unknown safetensors dtype {name!r}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+# --------------------------------------------------------------------------- crc32 combination
+_CRC_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) mod p(x) over GF(2), reflected bit order (zlib's multmodp)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    table = [1 << 30]  # x^1
+    for _ in range(31):
+        table.append(_multmodp(table[-1], table[-1]))
+    return table
+
+
+_X2N = _x2n_table()
+
+
+@lru_cache(maxsize=256)
+def _x8nmodp(nbytes: int) -> int:
+    p = 1 << 31  # x^0
+    k = 3  # bytes -> bits
+    n = nbytes
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (no second pass over the data)."""
+    return _multmodp(_x8nmodp(len2), crc1) ^ crc2
+
+
+# --------------------------------------------------------------------------- layout
+def chunk_name(key: ChunkKey, global_shape: Sequence[int]) -> str:
+    """Tensor name inside a shard: the FQN for a whole tensor, ``fqn#o0,o1`` for a piece of one."""
+    whole = tuple(key.lengths) == tuple(global_shape) and not any(key.offsets)
+    return key.fqn if whole else f"{key.fqn}#{','.join(str(o) for o in key.offsets)}"
+
+
+@dataclass(slots=True)
+class ShardEntry:
+    """One tensor piece in a shard file; ``offset`` is relative to the start of the data region."""
+
+    name: str
+    key: ChunkKey
+    global_shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+    item_index: int  # index into the rank's written-items list (the staging source)
+
+
+@dataclass(slots=True)
+class ShardLayout:
+    """A shard file fully planned before writing: header bytes and every entry's place."""
+
+    file: str
+    entries: list[ShardEntry]
+    header: bytes  # the 8-byte length prefix plus the padded JSON header
+    data_bytes: int
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.data_bytes
+
+    def signature(self) -> tuple[Any, ...]:
+        return (self.file, self.data_bytes, tuple((e.name, e.dtype, e.offset, e.nbytes) for e in self.entries))
+
+
+def build_layout(
+    file: str,
+    pieces: Sequence[tuple[int, ChunkKey, tuple[int, ...], str, int]],
+    metadata: dict[str, str] | None = None,
+) -> ShardLayout:
+    """Plan a shard from ``(item_index, key, global_shape, dtype, nbytes)`` pieces."""
+
+    def order(p: tuple[int, ChunkKey, tuple[int, ...], str, int]) -> tuple[int, str]:
+        return (-torch_dtype(p[3]).itemsize, chunk_name(p[1], p[2]))
+
+    entries: list[ShardEntry] = []
+    offset = 0
+    for index, key, gshape, dtype, nbytes in sorted(pieces, key=order):
+        entries.append(ShardEntry(chunk_name(key, gshape), key, tuple(gshape), dtype, offset, nbytes, index))
+        offset += nbytes
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    for e in entries:
+        header[e.name] = {"dtype": e.dtype, "shape": list(e.key.lengths), "data_offsets": [e.offset, e.offset + e.nbytes]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors does
+    return ShardLayout(file=file, entries=entries, header=struct.pack("<Q", len(raw)) + raw, data_bytes=offset)
+
+
+def write_shard(
+    sink: Sink,
+    layout: ShardLayout,
+    data: memoryview,
+    block_bytes: int,
+    *,
+    rank: int,
+) -> tuple[FileRecord, list[tuple[ShardEntry, ChunkRecord]]]:
+    """Stream ``layout.header`` + ``data`` into ``sink``; return the file record and each entry's chunk."""
+    crash_point("shard.header")
+    sink.write(layout.header)
+    file_crc = zlib.crc32(layout.header)
+    base = len(layout.header)
+    chunks: list[tuple[ShardEntry, ChunkRecord]] = []
+    for entry in layout.entries:
+        piece = data[entry.offset : entry.offset + entry.nbytes]
+        blocks: list[int] = []
+        for start in range(0, entry.nbytes, block_bytes):
+            block = piece[start : start + block_bytes]
+            crc = zlib.crc32(block)
+            crash_point("shard.block")
+            sink.write(block)
+            blocks.append(crc)
+            file_crc = crc32_combine(file_crc, crc, len(block))
+        chunks.append(
+            (
+                entry,
+                ChunkRecord(
+                    offsets=list(entry.key.offsets),
+                    lengths=list(entry.key.lengths),
+                    file=layout.file,
+                    key=entry.name,
+                    byte_range=[base + entry.offset, base + entry.offset + entry.nbytes],
+                    block_crc32=blocks,
+                ),
+            )
+        )
+    return FileRecord(size=layout.size, crc32=file_crc, rank=rank), chunks
+
+
+# --------------------------------------------------------------------------- reading
+def read_header(storage: Storage, rel: str) -> tuple[int, dict[str, Any]]:
+    """(data start offset, parsed JSON header) of a safetensors file."""
+    prefix = storage.read_range(rel, 0, 8)
+    if len(prefix) < 8:
+        raise CorruptCheckpointError(f"{storage.display(rel)} is truncated (no safetensors header)", file=rel)
+    (n,) = struct.unpack("<Q", prefix)
+    if n > 100 << 20:
+        raise CorruptCheckpointError(f"{storage.display(rel)} has an implausible header length {n}", file=rel)
+    raw = storage.read_range(rel, 8, 8 + n)
+    try:
+        return 8 + n, json.loads(raw)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{storage.display(rel)} has an unreadable header: {exc}", file=rel) from exc
+
+
+def bytes_as_tensor(data: bytes | bytearray | memoryview, dtype: str) -> torch.Tensor:
+    """A flat tensor of ``dtype`` over ``data`` without copying (read-only use)."""
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch_dtype(dtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # bytes are read-only; we only read from the view
+        raw = torch.frombuffer(data, dtype=torch.uint8)
+    return raw.view(torch_dtype(dtype))
+
+
+def verified_range(
+    storage: Storage, step_rel: str, req: ReadRequest, block_bytes: int, verify: bool
+) -> tuple[bytes, int]:
+    """Read ``req.read_range`` of ``step_rel/req.file`` (widened to whole checksum blocks when verifying);
+    return (bytes, absolute start)."""
+    path = f"{step_rel}/{req.file}"
+    start, end = req.read_range
+    cstart, cend = req.chunk_byte_range
+    first = last = 0
+    if verify:
+        first = (start - cstart) // block_bytes
+        last = -(-(end - cstart) // block_bytes)
+        start = cstart + first * block_bytes
+        end = min(cstart + last * block_bytes, cend)
+    data = storage.read_range(path, start, end)
+    if len(data) != end - start:
+        raise CorruptCheckpointError(
+            f"shard {storage.display(path)} is truncated: tensor {req.fqn!r} needs bytes "
+            f"[{start}, {end}) but only {len(data)} could be read",
+            file=req.file,
+            tensor=req.fqn,
+        )
+    if verify:
+        if last > len(req.block_crc32):
+            raise CorruptCheckpointError(
+                f"manifest lists {len(req.block_crc32)} checksum blocks for tensor {req.fqn!r} in "
+                f"{storage.display(path)}, fewer than its size needs",
+                file=req.file,
+                tensor=req.fqn,
+            )
+        view = memoryview(data)
+        for i, block_index in enumerate(range(first, last)):
+            block = view[i * block_bytes : (i + 1) * block_bytes]
+            if zlib.crc32(block) != req.block_crc32[block_index]:
+                at = start + i * block_bytes
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in {storage.display(path)} for tensor {req.fqn!r} "
+                    f"(block {block_index}, bytes [{at}, {at + len(block)}))",
+                    file=req.file,
+                    tensor=req.fqn,
+                )
+    return data, start
+
+
+def apply_read(
+    storage: Storage,
+    step_rel: str,
+    req: ReadRequest,
+    dst: torch.Tensor,
+    block_bytes: int,
+    verify: bool,
+) -> int:
+    """Execute one ReadRequest into the destination piece ``dst``; returns bytes read."""
+    data, start = verified_range(storage, step_rel, req, block_bytes, verify)
+    raw = bytes_as_tensor(data, "U8")
+    lo, hi = req.read_range
+    src = chunk_view(raw[lo - start : hi - start], req.dtype, req.chunk_lengths, req.chunk_byte_range[0], req.read_range, req.src_slices)
+    index = tuple(slice(a, b) for a, b in req.dst_slices)
+    target = dst[index] if index else dst
+    target.copy_(src.reshape(target.shape) if src.shape != target.shape else src)
+    return len(data)
+
+
+def read_requests(
+    storage: Storage,
+    step_rel: str,
+    requests: Sequence[ReadRequest],
+    destinations: Callable[[ChunkKey], torch.Tensor],
+    block_bytes: int,
+    verify: bool,
+    threads: int,
+) -> int:
+    """Run ranged reads in parallel threads; each copies into its destination. Returns bytes read."""
+    if threads <= 1 or len(requests) <= 1:
+        return sum(apply_read(storage, step_rel, r, destinations(r.dst), block_bytes, verify) for r in requests)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as pool:
+        futures = [pool.submit(apply_read, storage, step_rel, r, destinations(r.dst), block_bytes, verify) for r in requests]
+        return sum(f.result() for f in futures)

@@ -1,0 +1,520 @@
+"""Storage behind a checkpoint root URI: one class over fsspec.
+
+Every path the rest of the package passes here is relative to the root (``step-000000010/manifest.json``);
+remote roots stay ``str`` URIs (a ``Path`` collapses ``s3://``). Errors leave this module as
+:class:`~checkpoint.api.CheckpointStorageError` naming the full path (``raise ... from exc``), after
+transient ones were retried with tenacity.
+
+Atomic visibility:
+
+* POSIX (local disk, FSx/Lustre): write ``.<name>.tmp-<pid>-<rand>``, ``fsync``, ``rename`` over the final
+  name, ``fsync`` the directory (never a machine-wide ``os.sync``).
+* S3: an object becomes visible only when its PUT / multipart completion succeeds, so no rename;
+  large files go up as a multipart upload whose parts are sent in parallel.
+* ``memory://`` and any other fsspec filesystem: write through ``fs.open(..., "wb")``.
+
+On every backend a step only counts once its ``.commit`` marker exists, so a half-written file is harmless.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol, TypeVar
+
+import fsspec
+import tenacity
+from fsspec.implementations.local import LocalFileSystem
+
+from checkpoint.api import CheckpointError, CheckpointStorageError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_PERMANENT_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EFBIG,
+        errno.ENAMETOOLONG,
+        errno.EEXIST,
+        errno.EINVAL,
+    }
+)
+_PERMANENT_TYPES: tuple[type[BaseException], ...] = (
+    FileNotFoundError,  # also NoSuchBucket / NoSuchKey (s3fs translates them)
+    PermissionError,  # also S3 AccessDenied
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+
+
+def _foreign_errors() -> tuple[type[BaseException], ...]:
+    """Error types we convert at this edge: the OSError family plus botocore's own (when installed)."""
+    types: list[type[BaseException]] = [OSError]
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        types += [BotoCoreError, ClientError]
+    except ImportError:  # pragma: no cover - s3 extra not installed
+        pass
+    return tuple(types)
+
+
+_FOREIGN = _foreign_errors()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying (network, throttling, EIO); False for disk full, permission, missing."""
+    if isinstance(exc, CheckpointError):
+        return False
+    if isinstance(exc, _PERMANENT_TYPES):
+        return False
+    if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
+        return False
+    return isinstance(exc, _FOREIGN)
+
+
+@dataclass(kw_only=True, slots=True)
+class RetryPolicy:
+    """How storage operations are retried (built from the CheckpointConfig; sleep is injectable for tests)."""
+
+    max_attempts: int = 5
+    """Attempts per operation, first included."""
+    timeout: timedelta = timedelta(seconds=60)
+    """Stop retrying after this long."""
+    max_wait: timedelta = timedelta(seconds=8)
+    """Cap of the random exponential back-off."""
+    sleep: Callable[[float], None] = time.sleep
+    """Injected so fault tests do not wait for real."""
+
+
+class Sink(Protocol):
+    """A file being written: it becomes visible at its final name only on ``commit``."""
+
+    def write(self, data: memoryview | bytes) -> None: ...
+    def commit(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+class Storage:
+    """A checkpoint root (local path, ``file://``, ``memory://``, ``s3://``...) reached through fsspec."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        upload_threads: int = 4,
+        multipart_chunk_bytes: int = 64 << 20,
+    ) -> None:
+        if not isinstance(uri, str) or not uri.strip():
+            raise CheckpointStorageError(f"checkpoint location must be a non-empty string URI, got {uri!r}")
+        self.uri = uri.rstrip("/") if uri not in ("/",) else uri
+        self.retry = retry or RetryPolicy()
+        self.upload_threads = upload_threads
+        self.multipart_chunk_bytes = multipart_chunk_bytes
+        try:
+            self.fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        except (ValueError, ImportError, *_FOREIGN) as exc:
+            raise CheckpointStorageError(f"cannot open checkpoint location {uri!r}: {exc}", path=uri) from exc
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.root = os.path.abspath(root) if self.is_local else root.rstrip("/")
+        self.is_s3 = type(self.fs).__name__ == "S3FileSystem"
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Storage({self.uri!r})"
+
+    # ------------------------------------------------------------------ paths and errors
+    def full(self, rel: str = "") -> str:
+        """Full path (as the filesystem names it) of ``rel``; used in error messages too."""
+        if not rel:
+            return self.root
+        return f"{self.root}/{rel}" if self.root not in ("", "/") else f"{self.root}{rel}"
+
+    def display(self, rel: str = "") -> str:
+        """The path as a user would type it (keeps the protocol of remote roots)."""
+        if self.is_local:
+            return self.full(rel)
+        return f"{self.uri}/{rel}" if rel else self.uri
+
+    def _call(self, op: str, rel: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run one storage operation: retry transient errors, convert the rest naming the path."""
+        policy = self.retry
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_delay(policy.timeout.total_seconds())
+            | tenacity.stop_after_attempt(policy.max_attempts),
+            wait=tenacity.wait_random_exponential(multiplier=0.05, max=policy.max_wait.total_seconds()),
+            retry=tenacity.retry_if_exception(is_transient),
+            sleep=policy.sleep,
+            reraise=True,
+            before_sleep=lambda rs: logger.warning(
+                "storage %s %s failed (attempt %d), retrying: %s",
+                op,
+                self.display(rel),
+                rs.attempt_number,
+                rs.outcome.exception() if rs.outcome else None,
+            ),
+        )
+        try:
+            return retrying(fn, *args, **kwargs)
+        except CheckpointError:
+            raise
+        except _FOREIGN as exc:
+            raise self.error(op, rel, exc) from exc
+
+    def error(self, op: str, rel: str, exc: BaseException) -> CheckpointStorageError:
+        """A CheckpointStorageError for ``exc`` that names the operation and the full path."""
+        code = getattr(exc, "errno", None)
+        reason = os.strerror(code) if isinstance(code, int) and code > 0 else ""
+        detail = f"{reason}: {exc}" if reason and reason not in str(exc) else str(exc) or type(exc).__name__
+        return CheckpointStorageError(
+            f"cannot {op} {self.display(rel)}: {detail}", path=self.display(rel), errno_=code
+        )
+
+    # ------------------------------------------------------------------ metadata
+    def exists(self, rel: str) -> bool:
+        if self.is_local:
+            return os.path.exists(self.full(rel))
+        self._invalidate(rel)
+        return self._call("stat", rel, self.fs.exists, self.full(rel))
+
+    def size(self, rel: str) -> int:
+        if self.is_local:
+            return self._call("stat", rel, lambda: os.stat(self.full(rel)).st_size)
+        self._invalidate(rel)
+        return int(self._call("stat", rel, self.fs.size, self.full(rel)))
+
+    def listdir(self, rel: str = "") -> dict[str, tuple[str, int]]:
+        """Entries of directory ``rel``: name -> (``"file"`` | ``"directory"``, size). Missing dir: empty."""
+        if self.is_local:
+            return self._call("list", rel, self._listdir_local, rel)
+        self._invalidate(rel)
+        try:
+            entries = self._call("list", rel, self.fs.ls, self.full(rel), detail=True)
+        except CheckpointStorageError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return {}
+            raise
+        out: dict[str, tuple[str, int]] = {}
+        for e in entries:
+            name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+            out[name] = ("directory" if e.get("type") == "directory" else "file", int(e.get("size") or 0))
+        return out
+
+    def _listdir_local(self, rel: str) -> dict[str, tuple[str, int]]:
+        try:
+            with os.scandir(self.full(rel)) as it:
+                return {
+                    e.name: ("directory", 0) if e.is_dir() else ("file", e.stat().st_size)
+                    for e in it
+                }
+        except FileNotFoundError:
+            return {}
+
+    def _invalidate(self, rel: str) -> None:
+        # s3fs caches listings; another rank/process may have written since.
+        inv = getattr(self.fs, "invalidate_cache", None)
+        if inv is not None:
+            inv(self.full(rel))
+            inv(self.root)
+
+    # ------------------------------------------------------------------ reads
+    def read_bytes(self, rel: str) -> bytes:
+        if self.is_local:
+            return self._call("read", rel, self._read_local, rel, 0, None)
+        return self._call("read", rel, self.fs.cat_file, self.full(rel))
+
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``rel`` (fewer if the file is shorter: callers check)."""
+        if end <= start:
+            return b""
+        if self.is_local:
+            return self._call("read", rel, self._read_local, rel, start, end)
+        return self._call("read", rel, self.fs.cat_file, self.full(rel), start=start, end=end)
+
+    def _read_local(self, rel: str, start: int, end: int | None) -> bytes:
+        with open(self.full(rel), "rb", buffering=0) as f:
+            if end is None:
+                return f.read()
+            f.seek(start)
+            buf = bytearray(end - start)
+            view = memoryview(buf)
+            got = 0
+            while got < len(buf):
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            return bytes(buf) if got == len(buf) else bytes(buf[:got])
+
+    # ------------------------------------------------------------------ writes
+    def makedirs(self, rel: str) -> None:
+        if self.is_local:
+            self._call("create directory", rel, os.makedirs, self.full(rel), exist_ok=True)
+        elif not self.is_s3:  # S3 has no directories
+            self._call("create directory", rel, self.fs.makedirs, self.full(rel), exist_ok=True)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write a small file atomically (whole file visible at once, durable on return)."""
+
+        def attempt() -> None:
+            sink = self._open_sink(rel)
+            try:
+                sink.write(data)
+                sink.commit()
+            except BaseException:
+                sink.abort()
+                raise
+
+        self._call("write", rel, attempt)
+
+    def open_sink(self, rel: str) -> Sink:
+        """A streaming writer for a large file (not retried here: the caller retries the whole file)."""
+        try:
+            return self._open_sink(rel)
+        except _FOREIGN as exc:
+            raise self.error("write", rel, exc) from exc
+
+    def _open_sink(self, rel: str) -> Sink:
+        if self.is_local:
+            return _LocalAtomicSink(self.full(rel))
+        if self.is_s3:
+            return _S3MultipartSink(self, rel)
+        return _FsspecSink(self.fs, self.full(rel))
+
+    def write_stream(self, rel: str, produce: Callable[[Sink], T]) -> T:
+        """Write ``rel`` by calling ``produce(sink)``; retried whole on transient errors; atomic."""
+
+        def attempt() -> T:
+            sink = self._open_sink(rel)
+            try:
+                result = produce(sink)
+                sink.commit()
+                return result
+            except BaseException:
+                sink.abort()
+                raise
+
+        return self._call("write", rel, attempt)
+
+    def rm(self, rel: str, *, recursive: bool = False) -> None:
+        """Delete a file (or a directory tree); missing is fine."""
+        if self.is_local:
+            import shutil
+
+            def rm_local() -> None:
+                path = self.full(rel)
+                try:
+                    if recursive and os.path.isdir(path):
+                        shutil.rmtree(path)
+                    else:
+                        os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+            self._call("delete", rel, rm_local)
+            return
+
+        def rm_remote() -> None:
+            try:
+                self.fs.rm(self.full(rel), recursive=recursive)
+            except FileNotFoundError:
+                pass
+
+        self._invalidate(rel)
+        self._call("delete", rel, rm_remote)
+
+    # ------------------------------------------------------------------ upload pool
+    def upload_pool(self) -> ThreadPoolExecutor:
+        """Threads for multipart part uploads (separate from the writer's per-file threads)."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.upload_threads, thread_name_prefix="ckpt-upload")
+            return self._pool
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+def _tmp_name(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in ``path`` durable (POSIX needs the directory itself synced)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _LocalAtomicSink:
+    """POSIX: temp file, fsync, rename, fsync of the directory."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tmp = _tmp_name(path)
+        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+
+    def write(self, data: memoryview | bytes) -> None:
+        assert self.fd is not None
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+
+    def commit(self) -> None:
+        assert self.fd is not None
+        fd, self.fd = self.fd, None
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(self.tmp, self.path)
+        fsync_dir(os.path.dirname(self.path))
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
+class _FsspecSink:
+    """Generic fsspec: the file becomes visible on close (memory://, gcs, ...)."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs = fs
+        self.path = path
+        self.f: Any = fs.open(path, "wb")
+
+    def write(self, data: memoryview | bytes) -> None:
+        self.f.write(bytes(data) if isinstance(data, memoryview) else data)
+
+    def commit(self) -> None:
+        self.f.close()
+
+    def abort(self) -> None:
+        discard = getattr(self.f, "discard", None)
+        if discard is not None:
+            try:
+                discard()
+            except Exception:  # noqa: BLE001 - best effort cleanup of a failed write
+                logger.debug("discard of %s failed", self.path, exc_info=True)
+
+
+class _S3MultipartSink:
+    """S3: one PUT for small files, else a multipart upload whose parts go up in parallel."""
+
+    def __init__(self, storage: Storage, rel: str) -> None:
+        self.storage = storage
+        self.rel = rel
+        self.fs = storage.fs
+        self.bucket, self.key, _ = self.fs.split_path(storage.full(rel))
+        self.part_bytes = storage.multipart_chunk_bytes
+        self.pending: list[bytes] = []
+        self.pending_len = 0
+        self.upload_id: str | None = None
+        self.futures: list[Future[dict[str, Any]]] = []
+        # Cap the bytes held by queued parts: at most upload_threads + 1 parts in memory.
+        self.slots = threading.Semaphore(storage.upload_threads + 1)
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(view), self.part_bytes - self.pending_len)
+            self.pending.append(bytes(view[:take]))
+            self.pending_len += take
+            view = view[take:]
+            if self.pending_len >= self.part_bytes:
+                self._flush_part()
+
+    def _flush_part(self) -> None:
+        body = b"".join(self.pending)
+        self.pending, self.pending_len = [], 0
+        if self.upload_id is None:
+            out = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+            self.upload_id = out["UploadId"]
+        number = len(self.futures) + 1
+        self.slots.acquire()
+        fut = self.storage.upload_pool().submit(self._upload_part, number, body)
+        fut.add_done_callback(lambda _f: self.slots.release())
+        self.futures.append(fut)
+
+    def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
+        out = self.storage._call(
+            f"upload part {number} of",
+            self.rel,
+            self.fs.call_s3,
+            "upload_part",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self.upload_id,
+            PartNumber=number,
+            Body=body,
+        )
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
+    def commit(self) -> None:
+        if self.upload_id is None:
+            self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=b"".join(self.pending))
+            self.pending = []
+        else:
+            if self.pending_len:
+                self._flush_part()
+            parts = [f.result() for f in self.futures]
+            self.fs.call_s3(
+                "complete_multipart_upload",
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+            self.upload_id = None
+        self.fs.invalidate_cache(self.storage.full(self.rel))
+
+    def abort(self) -> None:
+        for f in self.futures:
+            f.cancel()
+        if self.upload_id is not None:
+            try:
+                self.fs.call_s3(
+                    "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id
+                )
+            except Exception:  # noqa: BLE001 - the lifecycle rule cleans up what we cannot
+                logger.warning("could not abort multipart upload of %s", self.storage.display(self.rel))
+            self.upload_id = None
+
+
+def iter_blocks(view: memoryview, block: int) -> Iterator[memoryview]:
+    """Consecutive ``block``-byte slices of ``view`` (last one short)."""
+    for start in range(0, len(view), block):
+        yield view[start : start + block]
