@@ -1,0 +1,183 @@
+"""Elastic DDP training with async checkpoints: the job spotrun is built to keep alive.
+
+A small MLP learns a fixed linear map on a deterministic synthetic dataset. The data position is global
+(samples consumed so far, like a DistributedSampler's epoch/offset), so a restart at a different world size
+resumes exactly where the last committed checkpoint left off: each rank takes its slice of the next global
+batch. WORLD_SIZE/RANK/LOCAL_RANK are read at every start (spotrun restarts the script after each membership
+change). gloo on CPU, nccl when CUDA is available.
+
+Run it (from the repository root):
+    # single process, no launcher
+    python examples/train_ddp.py --steps 50 --ckpt-dir runs/ckpt
+    # one node, two workers, embedded etcd (what examples/run.sh does)
+    spotrun --standalone --nproc-per-node 2 examples/train_ddp.py --steps 200 --ckpt-dir runs/ckpt
+    # several nodes (run on each node; 1 to 4 nodes, joins and losses handled at the next round)
+    python -m elastic.etcd_server --host 0.0.0.0          # once, somewhere reachable (or a real etcd >= 3.5)
+    spotrun --nnodes 1:4 --nproc-per-node 2 --rdzv-endpoint ETCD_HOST:PORT --rdzv-id job1 \\
+        examples/train_ddp.py --steps 100000 --ckpt-dir s3://bucket/job1
+Every ``--log-every`` steps rank 0 prints ``step=N loss=X world_size=W``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+
+logger = logging.getLogger("train_ddp")
+
+FEATURES = 32
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerState:
+    """Progress that is not in the model or optimizer; checkpointed as JSON."""
+
+    step: int = 0
+    """Optimizer steps completed."""
+    samples_seen: int = 0
+    """Global samples consumed: the data position, independent of the world size."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.samples_seen = int(state["samples_seen"])
+
+
+class SyntheticRegression:
+    """``y = x @ w_true + noise`` with a fixed seed: every rank builds the same dataset without I/O."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, FEATURES, generator=gen)
+        w_true = torch.randn(FEATURES, 1, generator=gen)
+        self.y = self.x @ w_true + 0.01 * torch.randn(size, 1, generator=gen)
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def global_batch_indices(self, start: int, global_batch: int) -> torch.Tensor:
+        """Indices of samples ``[start, start + global_batch)`` of the shuffled stream (one permutation per epoch)."""
+        positions = torch.arange(start, start + global_batch)
+        epochs, offsets = positions // len(self), positions % len(self)
+        out = torch.empty_like(positions)
+        for epoch in epochs.unique().tolist():
+            perm = torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + 1 + epoch))
+            mask = epochs == epoch
+            out[mask] = perm[offsets[mask]]
+        return out
+
+    def local_batch(self, start: int, global_batch: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.global_batch_indices(start, global_batch).tensor_split(world)[rank]
+        return self.x[idx], self.y[idx]
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
+    return nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="elastic DDP training with async checkpoints")
+    p.add_argument("--steps", type=int, default=200, help="train until this many optimizer steps are done")
+    p.add_argument("--global-batch", type=int, default=64, help="samples per step across all ranks")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--dataset-size", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint URI (local path or s3://...); none: no checkpoints")
+    p.add_argument("--ckpt-every", type=int, default=50, help="save every N steps (and at the end)")
+    p.add_argument("--log-every", type=int, default=20, help="rank 0 prints one line every N steps")
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch recoveries)")
+    args = p.parse_args(argv)
+    if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 1 or args.log_every < 1:
+        p.error("--steps must be >= 0 and --global-batch, --ckpt-every, --log-every >= 1")
+    return args
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group if a launcher started us; returns (rank, world size, device)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if "MASTER_ADDR" in os.environ and world > 1:
+        dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    return rank, world, device
+
+
+def open_checkpointer(uri: str | None) -> Any:
+    if uri is None:
+        return None
+    try:
+        from checkpoint import CheckpointConfig, Checkpointer
+    except ImportError as exc:
+        raise SystemExit(f"--ckpt-dir needs the spotrun `checkpoint` package (Checkpointer), which failed to import: {exc}")
+    return Checkpointer(uri, CheckpointConfig())
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    rank, world, device = init_distributed()
+    ctx = f"[rank {rank}/{world} restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}]"
+
+    model = make_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    trainer = TrainerState()
+    # Checkpoint the bare module: its keys do not depend on DDP or on the world size.
+    state = {"model": model, "optim": optimizer, "trainer": trainer}
+    ckpt = open_checkpointer(args.ckpt_dir)
+    if ckpt is not None:
+        restored = ckpt.load(state)
+        if restored is not None:
+            logger.info("%s resumed from step %s (samples_seen=%s)", ctx, restored, trainer.samples_seen)
+    ddp = DistributedDataParallel(model) if dist.is_initialized() else model
+    data = SyntheticRegression(args.dataset_size, args.seed)
+    loss_fn = nn.MSELoss()
+
+    try:
+        while trainer.step < args.steps:
+            x, y = data.local_batch(trainer.samples_seen, args.global_batch, rank, world)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp(x.to(device)), y.to(device))
+            loss.backward()
+            optimizer.step()
+            trainer.step += 1
+            trainer.samples_seen += args.global_batch
+            if args.step_time:
+                time.sleep(args.step_time)
+            if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
+                print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
+            if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
+                ckpt.save(trainer.step, state)
+        if ckpt is not None:
+            ckpt.wait()
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""spotrun's command line: torchrun's flags and spellings, spotrun defaults, clear errors on bad input."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+from elastic.api import LaunchConfigError
+from elastic.cli import build_parser, settings_from_args, should_run_standalone, validate_args
+from elastic.config import AgentSettings, parse_nnodes, parse_rdzv_conf
+from tests.conftest import descendants
+from tests.elastic.agent_harness import EXAMPLES, SPOTRUN, run_cli
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRIPT = str(EXAMPLES / "print_env.py")
+
+
+def _option_strings(parser) -> set[str]:
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+def test_every_torchrun_flag_is_accepted_with_the_same_spellings() -> None:
+    missing = _option_strings(get_args_parser()) - _option_strings(build_parser())
+    assert not missing, f"torchrun flags spotrun does not accept: {sorted(missing)}"
+
+
+def test_dash_and_underscore_forms_parse_the_same() -> None:
+    dash = ["--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j",
+            "--rdzv-conf", "lease_ttl=2", "--max-restarts", "3", "--monitor-interval", "0.5", "--start-method",
+            "fork", "--no-python", "--log-dir", "/tmp/x", "--local-ranks-filter", "0", "--node-rank", "1",
+            "--master-addr", "a", "--master-port", "5", "--local-addr", "b", "--stop-grace", "1",
+            "--peer-loss-grace", "2", "--events-file", "/tmp/e", SCRIPT, "--flag", "v"]
+    underscore = ["--" + a[2:].replace("-", "_") if a.startswith("--") else a for a in dash]
+    assert underscore != dash
+    parser = build_parser()
+    assert vars(parser.parse_args(dash)) == vars(parser.parse_args(underscore))
+
+
+def test_defaults_match_torchrun_except_the_rendezvous_backend() -> None:
+    ours = vars(build_parser().parse_args([SCRIPT]))
+    theirs = vars(get_args_parser().parse_args([SCRIPT]))
+    different = {k for k in theirs if ours[k] != theirs[k]}
+    assert different == {"rdzv_backend"}
+    assert ours["rdzv_backend"] == "etcd-v3"
+    assert theirs["rdzv_backend"] == "static"
+
+
+def test_pet_environment_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "7")
+    args = build_parser().parse_args([SCRIPT])
+    assert (args.nproc_per_node, args.rdzv_backend, args.max_restarts) == ("3", "c10d", 7)
+
+
+def test_spotrun_settings_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTRUN_STOP_GRACE", "1.5")
+    args = build_parser().parse_args([SCRIPT])
+    assert settings_from_args(args).stop_grace == 1.5
+    args = build_parser().parse_args(["--stop-grace", "0.5", SCRIPT])
+    assert settings_from_args(args).stop_grace == 0.5
+    with pytest.raises(LaunchConfigError, match="stop_grace"):
+        AgentSettings(stop_grace=-1)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("1", (1, 1)), ("2:4", (2, 4)), (" 3:3 ", (3, 3))]
+)
+def test_parse_nnodes(text: str, expected: tuple[int, int]) -> None:
+    assert parse_nnodes(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("2:x", "malformed"), ("1:2:3", "malformed"), ("", "malformed"), ("3:2", "greater than maximum"),
+     ("0:2", ">= 1"), (":", "malformed")],
+)
+def test_parse_nnodes_rejects(text: str, message: str) -> None:
+    with pytest.raises(LaunchConfigError, match=message):
+        parse_nnodes(text)
+
+
+def test_parse_rdzv_conf() -> None:
+    assert parse_rdzv_conf("lease_ttl=2, join_timeout=5") == {"lease_ttl": "2", "join_timeout": "5"}
+    with pytest.raises(LaunchConfigError, match="lease_ttl"):
+        parse_rdzv_conf("lease_ttl")
+
+
+def test_validate_args_rejects_bad_nproc_and_restarts() -> None:
+    parser = build_parser()
+    with pytest.raises(LaunchConfigError, match="nproc-per-node"):
+        validate_args(parser.parse_args(["--nproc-per-node", "many", SCRIPT]))
+    with pytest.raises(LaunchConfigError, match="max-restarts"):
+        validate_args(parser.parse_args(["--max-restarts", "-1", SCRIPT]))
+
+
+def test_single_node_without_endpoint_runs_standalone() -> None:
+    parser = build_parser()
+    assert should_run_standalone(parser.parse_args([SCRIPT]))
+    assert not should_run_standalone(parser.parse_args(["--nnodes", "2", "--rdzv-endpoint", "h:1", SCRIPT]))
+    assert not should_run_standalone(parser.parse_args(["--rdzv-backend", "c10d", SCRIPT]))
+
+
+def _assert_no_children(allowed: set[int | None] = frozenset()) -> None:
+    left = {pid: v for pid, v in descendants(os.getpid()).items() if pid not in allowed}
+    assert not left, f"stray processes: {left}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "2:x"], "--nnodes='2:x' is malformed"),
+        (["--nnodes", "4:2"], "greater than maximum"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--rdzv-conf", "novalue"], "--rdzv-conf entry 'novalue' is malformed"),
+        (["--nnodes", "2", "--max-restarts", "-2"], "--max-restarts must be >= 0"),
+    ],
+)
+def test_bad_command_lines_exit_2_with_a_clear_message(argv: list[str], message: str) -> None:
+    began = time.monotonic()
+    result = run_cli([*SPOTRUN, *argv, SCRIPT], timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - began < 20
+    _assert_no_children()
+
+
+@pytest.mark.slow
+def test_unknown_rdzv_conf_key_is_rejected(etcd_server) -> None:
+    result = run_cli([*SPOTRUN, "--nnodes", "2", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-conf",
+                      "lease_tll=2", SCRIPT], timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert "lease_tll" in result.stderr
+    assert "Traceback" not in result.stderr
+    _assert_no_children({etcd_server.pid})
+
+
+@pytest.mark.slow
+def test_unreachable_etcd_fails_quickly_with_a_clear_message() -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on (bound, not listening)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        began = time.monotonic()
+        result = run_cli([*SPOTRUN, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                          "--rdzv-conf", "etcd_timeout=3", SCRIPT], timeout=60)
+        elapsed = time.monotonic() - began
+    assert result.returncode != 0
+    assert f"127.0.0.1:{port}" in result.stderr
+    assert "spotrun: error:" in result.stderr, result.stderr[-2000:]
+    assert elapsed < 25, f"took {elapsed:.1f} s to report an unreachable etcd"
+    _assert_no_children()
