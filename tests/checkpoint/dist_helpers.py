@@ -1,0 +1,174 @@
+"""Helpers for the state/plan tests: an in-memory "storage" that runs the real planner end to end, and a
+bounded multi-process gloo launcher.
+
+The in-memory store writes each rank's assigned pieces into one byte blob per rank exactly as a shard
+file would hold them (C-contiguous, back to back), builds a real Manifest with per-block crc32, and
+loads through ``plan_reads`` + ``chunk_view``: the whole flatten -> plan -> bytes -> apply chain without
+the Checkpointer.
+
+The launcher forks workers from a forkserver that imported torch once (fast, and safe: the server never
+ran an OpenMP region), rendezvouses them through a FileStore (no TCP port to pick), collects one result
+per rank, and kills and reaps every worker by PID on timeout or failure.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from checkpoint.api import ChunkRecord, FileRecord, Manifest, TensorRecord
+from checkpoint.plan import assign_writers, chunk_view, plan_reads, validate_tiling
+from checkpoint.state import FlatState
+
+BLOCK = 64  # tiny checksum blocks so tests cross block boundaries
+
+
+# --------------------------------------------------------------------------- in-memory store
+@dataclass
+class MemoryCheckpoint:
+    manifest: Manifest
+    files: dict[str, bytes]
+    objects: dict[str, Any]
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def block_crcs(data: bytes, block: int = BLOCK) -> list[int]:
+    return [zlib.crc32(data[i : i + block]) for i in range(0, len(data), block)]
+
+
+def save_flats(flats: Sequence[FlatState], step: int = 1) -> MemoryCheckpoint:
+    """Plan and "write" the flattened states of all ranks (rank r = flats[r])."""
+    plan = assign_writers([[(i.key, i.nbytes, i.replicated) for i in f.items] for f in flats])
+    files: dict[str, bytes] = {}
+    tensors: dict[str, TensorRecord] = {}
+    file_records: dict[str, FileRecord] = {}
+    for rank, (flat, keys) in enumerate(zip(flats, plan)):
+        by_key = {i.key: i for i in flat.items}
+        name = f"rank-{rank:05d}.safetensors"
+        blob = bytearray()
+        for key in keys:
+            item = by_key[key]
+            data = tensor_bytes(item.tensor)
+            rec = tensors.setdefault(key.fqn, TensorRecord(shape=list(item.global_shape), dtype=item.dtype))
+            rec.chunks.append(
+                ChunkRecord(
+                    offsets=list(key.offsets),
+                    lengths=list(key.lengths),
+                    file=name,
+                    key=key.fqn,
+                    byte_range=[len(blob), len(blob) + len(data)],
+                    block_crc32=block_crcs(data),
+                )
+            )
+            blob += data
+        files[name] = bytes(blob)
+        file_records[name] = FileRecord(size=len(blob), crc32=zlib.crc32(blob), rank=rank)
+    manifest = Manifest(
+        step=step,
+        world_size=len(flats),
+        created_unix=time.time(),
+        library_version="test",
+        tensors=tensors,
+        files=file_records,
+        has_objects=True,
+        checksum_block_bytes=BLOCK,
+    )
+    validate_tiling(manifest)
+    return MemoryCheckpoint(manifest=manifest, files=files, objects=flats[0].objects)
+
+
+def load_flat(ckpt: MemoryCheckpoint, flat: FlatState) -> tuple[FlatState, int]:
+    """Fill ``flat``'s destination pieces from ``ckpt``; returns (flat with the checkpoint's objects, bytes read)."""
+    validate_tiling(ckpt.manifest)
+    by_key = {i.key: i for i in flat.items}
+    nread = 0
+    for req in plan_reads(ckpt.manifest, flat.items):
+        lo, hi = req.read_range
+        raw = ckpt.files[req.file][lo:hi]
+        nread += len(raw)
+        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        src = chunk_view(buf, req.dtype, req.chunk_lengths, req.chunk_byte_range[0], req.read_range, req.src_slices)
+        dst = by_key[req.dst].tensor
+        dst[tuple(slice(a, b) for a, b in req.dst_slices)].copy_(src)
+    return FlatState(items=flat.items, objects=ckpt.objects), nread
+
+
+# --------------------------------------------------------------------------- multi-process launcher
+_CTX: Any = None
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "checkpoint.state", "checkpoint.plan"])
+    return _CTX
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, results: Any, args: tuple) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # report everything to the parent, which fails the test
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_workers(
+    fn: Callable[..., Any], world: int, args: tuple = (), *, tmpdir: str, timeout: float = 60.0
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; return the results by rank.
+
+    ``fn`` must be importable (module level). Raises RuntimeError with the worker's traceback if any worker
+    fails, TimeoutError if they do not all finish within ``timeout`` seconds; every worker is reaped.
+    """
+    ctx = _context()
+    store_path = os.path.join(tmpdir, f"store-{world}-{time.monotonic_ns()}")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, store_path, results, args), daemon=True) for r in range(world)]
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.start()
+        while len(out) < world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{world - len(out)} of {world} workers did not finish in {timeout:.0f}s")
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"worker pid {dead[0].pid} exited with code {dead[0].exitcode}") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"worker rank {rank} of {world} failed:\n{value}")
+            out[rank] = value
+        return [out[r] for r in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
