@@ -379,6 +379,7 @@ class _LocalAtomicSink:
     def __init__(self, path: str) -> None:
         self.path = path
         self.tmp = _tmp_name(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
 
     def write(self, data: memoryview | bytes) -> None:
