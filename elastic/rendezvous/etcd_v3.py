@@ -1,61 +1,673 @@
-"""etcd v3 rendezvous handler (skeleton: interface landed first, implementation follows)."""
+"""``EtcdV3RendezvousHandler``: torch's RendezvousHandler on etcd v3 leases, watches and transactions.
+
+Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
+
+    P/ctl/nodes/{node}         registration, attached to the node's lease (vanishes <= lease_ttl after death)
+    P/ctl/join/{round}/{node}  "I want to be in round N", attached to the node's lease
+    P/ctl/round                the committed round record (JSON: number, participants, master addr/port)
+    P/ctl/closed               present once the job ended (set_closed/shutdown)
+    P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
+
+Each handler mirrors ``P/ctl/`` through one watch stream (no polling) and feeds snapshots of the mirror to
+the pure ``state.decide``; it performs the I/O the decision asks for. The round's rank 0 commits it with
+one transaction that compares the round key's mod revision (a stale agent's commit fails), checks that
+every participant's join key still exists and the job is not closed, then writes the record, clears the
+round's join keys and drops the store of two rounds ago. A lease refresher thread keeps the registration
+alive, re-registers after an expiry (e.g. etcd unreachable longer than the TTL) and turns an etcd outage
+longer than ``etcd_timeout`` into a ``RendezvousConnectionError``.
+
+Loss detection: when a participant's registration disappears, the watch marks the running round broken,
+``membership_changed()`` becomes True and ``num_nodes_waiting()`` >= 1, so torch's stock agent (which
+re-rendezvous when ``num_nodes_waiting() > 0`` while healthy) and ours restart into a new round. That
+round closes as soon as every live node has joined: no last-call wait on recovery.
+"""
 
 from __future__ import annotations
 
-from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
-from .api import BACKEND_NAME, EtcdRendezvousConfig
+from etcd3 import etcdrpc
+from etcd3.etcdrpc import kv_pb2
+from tenacity import Retrying, retry_if_exception, wait_random_exponential
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
+from torch.distributed.elastic.utils.distributed import get_free_port
+
+from .api import (
+    BACKEND_NAME,
+    EtcdRendezvousConfig,
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+from .etcd_client import EtcdConnection, WatchCanceledError, is_transient, prefix_end
+from .state import Action, Decision, RoundRecord, Snapshot, decide, membership
+from .store import EtcdV3Store
+
+log = logging.getLogger(__name__)
+
+STORE_TIMEOUT = timedelta(seconds=60)
+"""Default timeout of the agents' store (torch's c10d backend uses 60 s too); barriers set their own."""
+
+_SAFETY_RECHECK_S = 2.0
+"""Longest a waiting loop sleeps without a mirror change; only a backstop, wake-ups come from the watch."""
+
+
+def _default_node_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname().split(".")[0]) or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(slots=True)
+class _Mirror:
+    """Local copy of ``P/ctl/`` as delivered by the watch (guarded by the handler's condition)."""
+
+    nodes: dict[str, int] = field(default_factory=dict)
+    """node id -> ordering key (its first registration revision)."""
+    joins: dict[int, dict[str, int]] = field(default_factory=dict)
+    """round -> {node id -> ordering key}."""
+    committed: RoundRecord | None = None
+    committed_mod: int = 0
+    """mod revision of the round key (0: none yet), compared by the commit transaction."""
+    closed: bool = False
+    revision: int = 0
+    """Highest etcd revision applied."""
+    loaded: bool = False
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
-    """torch ``RendezvousHandler`` over etcd v3 leases, watches and transactions.
+    """torch ``RendezvousHandler`` over etcd v3 (backend name ``etcd-v3``).
 
-    Extra public methods (beyond torch's interface):
-        membership_changed() -> bool: non-blocking; True once the current round is broken (a participant
-            lost its lease or re-joined) or a waiting node would get a slot. Equivalent to
-            ``num_nodes_waiting() > 0`` plus the sticky "participant lost" mark.
-        wait_membership_change(timeout: float) -> bool: blocks until membership_changed() is True
-            (returns True) or ``timeout`` seconds pass / the handler shuts down (returns False).
-        leave() -> None: revoke this node's lease and release resources WITHOUT closing the job
-            (use on preemption: peers learn at once instead of after lease_ttl).
-        node_id (property): this agent's id, stable across rounds.
-        round (property): number of the last round this node completed, None before.
+    Extra public API (beyond torch's interface):
+
+    ``membership_changed() -> bool``
+        Non-blocking. True when the round this node is in can no longer go on as is: a participant lost
+        its lease (sticky until the next round), a participant re-joined, a newer round exists, or a
+        waiting node would get a slot (round below ``max_nodes``). Same as ``num_nodes_waiting() > 0``
+        once a round completed; False before the first round.
+    ``wait_membership_change(timeout: float) -> bool``
+        Blocks (event-driven) until ``membership_changed()`` is True (returns True), or ``timeout``
+        seconds pass or the handler shuts down (returns False).
+    ``leave() -> None``
+        Revoke this node's lease and release resources WITHOUT closing the job: peers see the loss at
+        once instead of after ``lease_ttl`` (for preemption notices). Idempotent.
+    ``node_id`` / ``round`` properties
+        This agent's id (stable across rounds) / the number of the last round it completed (None before).
+
+    Raises from every public method: ``RendezvousConnectionError`` once etcd has been unreachable for
+    longer than ``etcd_timeout``.
     """
 
-    def __init__(self, config: EtcdRendezvousConfig, *, node_id: str | None = None) -> None:
+    def __init__(
+        self,
+        config: EtcdRendezvousConfig,
+        *,
+        node_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if node_id is not None and (not node_id or "/" in node_id):
+            raise ValueError(f"node_id {node_id!r} must be non-empty and contain no '/'")
         self._config = config
-        raise NotImplementedError
+        self._node_id = node_id or _default_node_id()
+        self._clock = clock
+        self._addr = config.local_addr or socket.getfqdn()
 
+        prefix = config.run_prefix
+        self._ctl = prefix + "ctl/"
+        self._nodes_prefix = self._ctl + "nodes/"
+        self._join_prefix = self._ctl + "join/"
+        self._round_key = self._ctl + "round"
+        self._closed_key = self._ctl + "closed"
+        self._store_prefix = prefix + "store/"
+
+        self._cond = threading.Condition()
+        self._mirror = _Mirror()
+        self._lost: dict[int, set[str]] = {}
+        """round number -> participants whose registration was deleted while that round was current."""
+        self._my_round: RoundRecord | None = None
+        self._joining: int | None = None
+        """Round this node has a join key for (re-written after a lease loss)."""
+
+        self._conn: EtcdConnection | None = None
+        self._lease_id: int | None = None
+        self._seq: int | None = None
+        self._registered = False
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._watch_stream: Any = None
+        self._fatal: RendezvousError | None = None
+        self._unreachable_since: float | None = None
+        self._released = False
+        self._start_lock = threading.Lock()
+
+    # ================================================================== torch interface
     def get_backend(self) -> str:
         return BACKEND_NAME
 
     @property
     def use_agent_store(self) -> bool:
+        """False: workers bootstrap their own TCPStore on the rank-0 node (MASTER_ADDR/PORT)."""
         return False
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        raise NotImplementedError
-
-    def is_closed(self) -> bool:
-        raise NotImplementedError
-
-    def set_closed(self) -> None:
-        raise NotImplementedError
-
-    def num_nodes_waiting(self) -> int:
-        raise NotImplementedError
 
     def get_run_id(self) -> str:
         return self._config.run_id
 
-    def shutdown(self) -> bool:
-        raise NotImplementedError
+    @property
+    def node_id(self) -> str:
+        return self._node_id
 
+    @property
+    def round(self) -> int | None:
+        record = self._my_round
+        return record.number if record is not None else None
+
+    @property
+    def config(self) -> EtcdRendezvousConfig:
+        return self._config
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round; block until it is committed with this node in it (see class doc)."""
+        self._ensure_registered()
+        began = self._clock()
+        join_deadline = began + self._config.join_timeout
+        with self._cond:
+            committed = self._mirror.committed
+        target = (committed.number if committed else 0) + 1
+        last_call: float | None = None
+        joined_target: tuple[int, int | None] | None = None  # (round, lease) of our last join write
+        previous: Action | None = None
+        log.info("%sjoining round %d (min=%d max=%d)", self._ctx(), target, self._config.min_nodes, self._config.max_nodes)
+        while True:
+            with self._cond:
+                self._raise_if_fatal()
+                snap = self._snapshot(target, join_deadline, last_call)
+                seen_mod = self._mirror.committed_mod
+                decision = decide(snap)
+                if decision.action != previous:
+                    log.info("%sround %d: %s (%s)", self._ctx(), target, decision.action.value, decision.reason)
+                    previous = decision.action
+                action = decision.action
+                if action is Action.JOIN and joined_target == (target, self._lease_id):
+                    action = Action.WAIT  # our write is not in the mirror yet
+                if action in (Action.WAIT, Action.SPARE):
+                    self._cond.wait(self._wait_time(decision))
+                    continue
+                if action is Action.START_LAST_CALL:
+                    last_call = snap.now + self._config.last_call_timeout
+                    continue
+                if action is Action.DONE:
+                    return self._complete_round(began)
+                if action is Action.REJOIN:
+                    assert self._mirror.committed is not None
+                    target = self._mirror.committed.number + 1
+                    last_call, joined_target = None, None
+                    continue
+                if action is Action.CLOSED:
+                    raise RendezvousClosedError(f"{self._ctx()}the rendezvous of run '{self._config.run_id}' is closed")
+                if action is Action.TIMEOUT:
+                    raise RendezvousTimeoutError(
+                        f"{self._ctx()}no round formed within join_timeout={self._config.join_timeout:.0f} s: "
+                        f"{decision.reason} (live nodes: {len(snap.live)}, min_nodes={self._config.min_nodes}, "
+                        f"etcd {self._config.endpoint_str})"
+                    )
+            # I/O outside the lock (the watch thread needs it to deliver our own writes).
+            if action is Action.JOIN:
+                if self._write_join(target, seen_mod):
+                    joined_target = (target, self._lease_id)
+            elif action is Action.COMMIT:
+                self._commit(target, decision.participants, seen_mod)
+
+    def is_closed(self) -> bool:
+        self._ensure_connected()
+        with self._cond:
+            self._raise_if_fatal()
+            return self._mirror.closed
+
+    def set_closed(self) -> None:
+        """Mark the job's rendezvous closed (eventually seen by every node; next_rendezvous then raises)."""
+        conn = self._ensure_connected()
+        conn.call(
+            "mark the rendezvous closed",
+            lambda: conn.client.put(self._closed_key, json.dumps({"by": self._node_id, "time": time.time()})),
+            within=self._config.close_timeout,
+        )
+        with self._cond:
+            self._mirror.closed = True
+            self._cond.notify_all()
+        log.info("%sclosed the rendezvous", self._ctx())
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes that would join a new round now (> 0 tells the running agent to re-rendezvous)."""
+        self._ensure_connected()
+        with self._cond:
+            self._raise_if_fatal()
+            return self._nodes_waiting_locked()
+
+    def shutdown(self) -> bool:
+        """torch semantics: close the rendezvous (the job is over), then release this node. Idempotent."""
+        ok = True
+        if not self._released:
+            try:
+                self.set_closed()
+            except RendezvousError as exc:
+                ok = False
+                log.warning("%scould not mark the rendezvous closed: %s", self._ctx(), exc)
+        self.leave()
+        return ok
+
+    # ================================================================== extra API
     def membership_changed(self) -> bool:
-        raise NotImplementedError
+        with self._cond:
+            self._raise_if_fatal()
+            return self._membership_changed_locked()
 
     def wait_membership_change(self, timeout: float) -> bool:
-        raise NotImplementedError
+        deadline = self._clock() + max(0.0, timeout)
+        with self._cond:
+            while True:
+                self._raise_if_fatal()
+                if self._membership_changed_locked():
+                    return True
+                remaining = deadline - self._clock()
+                if remaining <= 0 or self._stop.is_set():
+                    return False
+                self._cond.wait(min(remaining, _SAFETY_RECHECK_S))
 
     def leave(self) -> None:
-        raise NotImplementedError
+        """Revoke the lease (peers notice at once) and release threads and the connection; job stays open."""
+        if self._released:
+            return
+        self._released = True
+        self._stop_threads()
+        conn, lease = self._conn, self._lease_id
+        if conn is not None and lease is not None:
+            try:
+                conn.call("revoke this node's lease", lambda: conn.client.revoke_lease(lease), within=min(2.0, self._config.etcd_timeout))
+            except RendezvousError as exc:
+                log.warning("%scould not revoke lease %x (it expires in <= %d s): %s", self._ctx(), lease, self._config.lease_ttl, exc)
+        if conn is not None:
+            conn.close()
+        log.info("%sleft the rendezvous", self._ctx())
+
+    # ================================================================== test hooks
+    def _simulate_crash(self) -> None:
+        """Test hook: vanish like a SIGKILLed agent (no revoke: the lease expires after lease_ttl)."""
+        self._released = True
+        self._stop_threads()
+        if self._conn is not None:
+            self._conn.close()
+
+    # ================================================================== snapshot / decisions
+    def _snapshot(self, target: int, join_deadline: float, last_call: float | None) -> Snapshot:
+        mirror = self._mirror
+        committed = mirror.committed
+        pending = (committed.number if committed else 0) + 1
+        return Snapshot(
+            node_id=self._node_id,
+            target=target,
+            committed=committed,
+            live=frozenset(mirror.nodes),
+            joined=dict(mirror.joins.get(pending, {})),
+            closed=mirror.closed,
+            min_nodes=self._config.min_nodes,
+            max_nodes=self._config.max_nodes,
+            now=self._clock(),
+            join_deadline=join_deadline,
+            last_call_deadline=last_call,
+        )
+
+    def _wait_time(self, decision: Decision) -> float:
+        if decision.wake_at is None:
+            return _SAFETY_RECHECK_S
+        return max(0.0, min(decision.wake_at - self._clock(), _SAFETY_RECHECK_S))
+
+    def _nodes_waiting_locked(self) -> int:
+        mirror = self._mirror
+        committed = mirror.committed
+        if committed is None:
+            return len(mirror.joins.get(1, {}))
+        m = membership(committed, mirror.nodes, mirror.joins.get(committed.number + 1, {}), self._config.max_nodes)
+        waiting = m.nodes_waiting
+        waiting = max(waiting, len(self._lost.get(committed.number, ())))
+        mine = self._my_round
+        if mine is not None and mine.number < committed.number:
+            waiting = max(waiting, 1)  # a newer round formed without us: we must re-rendezvous
+        return waiting
+
+    def _membership_changed_locked(self) -> bool:
+        return self._my_round is not None and self._nodes_waiting_locked() > 0
+
+    def _complete_round(self, began: float) -> RendezvousInfo:
+        record = self._mirror.committed
+        assert record is not None
+        rank = record.rank_of(self._node_id)
+        assert rank is not None
+        self._my_round = record
+        self._joining = None
+        store = EtcdV3Store(self._require_conn(), f"{self._store_prefix}{record.number}/", STORE_TIMEOUT)
+        log.info(
+            "%sround %d complete in %.3f s: rank %d of %d, master %s:%d",
+            self._ctx(),
+            record.number,
+            self._clock() - began,
+            rank,
+            len(record.participants),
+            record.master_addr,
+            record.master_port,
+        )
+        return RendezvousInfo(
+            store=store,
+            rank=rank,
+            world_size=len(record.participants),
+            bootstrap_store_info=RendezvousStoreInfo(record.master_addr, record.master_port),
+        )
+
+    # ================================================================== writes
+    def _write_join(self, target: int, seen_mod: int) -> bool:
+        """Put our join key for ``target`` unless the round key moved since our snapshot."""
+        conn = self._require_conn()
+        tx = conn.client.transactions
+        key = f"{self._join_prefix}{target}/{self._node_id}"
+        value = json.dumps({"seq": self._seq, "addr": self._addr})
+        with self._cond:
+            self._joining = target
+            lease = self._lease_id
+        ok, _ = conn.call(
+            f"join round {target}",
+            lambda: conn.client.transaction(
+                compare=[tx.mod(self._round_key) == seen_mod], success=[tx.put(key, value, lease=lease)], failure=[]
+            ),
+        )
+        return bool(ok)
+
+    def _commit(self, target: int, participants: tuple[str, ...], seen_mod: int) -> None:
+        conn = self._require_conn()
+        tx = conn.client.transactions
+        record = {
+            "number": target,
+            "participants": list(participants),
+            "master_addr": self._addr,
+            "master_port": get_free_port(),
+            "committed_by": self._node_id,
+            "time": time.time(),
+        }
+        join_dir = f"{self._join_prefix}{target}/"
+        compare = [tx.mod(self._round_key) == seen_mod, tx.version(self._closed_key) == 0]
+        compare += [tx.version(join_dir + node) > 0 for node in participants]
+        success = [
+            tx.put(self._round_key, json.dumps(record)),
+            tx.delete(join_dir, range_end=prefix_end(join_dir)),
+        ]
+        if target > 2:
+            old_store = f"{self._store_prefix}{target - 2}/"
+            success.append(tx.delete(old_store, range_end=prefix_end(old_store)))
+        ok, _ = conn.call(
+            f"commit round {target}", lambda: conn.client.transaction(compare=compare, success=success, failure=[])
+        )
+        if ok:
+            log.info("%scommitted round %d with %d nodes: %s", self._ctx(), target, len(participants), ", ".join(participants))
+        else:
+            log.info("%scommit of round %d lost a race (state moved); re-deciding", self._ctx(), target)
+
+    # ================================================================== start-up
+    def _require_conn(self) -> EtcdConnection:
+        if self._conn is None:
+            raise RendezvousStateError(f"{self._ctx()}handler is not connected")
+        return self._conn
+
+    def _ensure_connected(self) -> EtcdConnection:
+        if self._released:
+            raise RendezvousClosedError(f"{self._ctx()}this handler was shut down")
+        with self._start_lock:
+            if self._conn is None:
+                conn = EtcdConnection(self._config, context=self._ctx)
+                try:
+                    self._load(conn)
+                except BaseException:
+                    conn.close()
+                    raise
+                self._conn = conn
+                watcher = threading.Thread(target=self._watch_loop, name=f"rdzv-watch-{self._node_id}", daemon=True)
+                watcher.start()
+                self._threads.append(watcher)
+            return self._conn
+
+    def _ensure_registered(self) -> None:
+        conn = self._ensure_connected()
+        with self._start_lock:
+            if self._registered:
+                return
+            self._register(conn)
+            self._registered = True
+            keeper = threading.Thread(target=self._keepalive_loop, name=f"rdzv-lease-{self._node_id}", daemon=True)
+            keeper.start()
+            self._threads.append(keeper)
+
+    def _register(self, conn: EtcdConnection) -> None:
+        """Grant a lease and write our node key under it (again after an expiry; ``seq`` is kept)."""
+        lease = conn.call("grant a lease", lambda: conn.client.lease(self._config.lease_ttl))
+        value = json.dumps(
+            {"node_id": self._node_id, "host": socket.gethostname(), "addr": self._addr, "pid": os.getpid(), "seq": self._seq}
+        )
+        resp = conn.call("register this node", lambda: conn.client.put(self._nodes_prefix + self._node_id, value, lease=lease.id))
+        with self._cond:
+            self._lease_id = lease.id
+            if self._seq is None:
+                self._seq = int(resp.header.revision)
+            joining = self._joining
+        if joining is not None:  # keep our place in the round being formed
+            conn.call(
+                f"re-join round {joining}",
+                lambda: conn.client.put(
+                    f"{self._join_prefix}{joining}/{self._node_id}",
+                    json.dumps({"seq": self._seq, "addr": self._addr}),
+                    lease=lease.id,
+                ),
+            )
+        log.info("%sregistered (lease %x, ttl %d s)", self._ctx(), lease.id, self._config.lease_ttl)
+
+    # ================================================================== mirror maintenance
+    def _load(self, conn: EtcdConnection) -> None:
+        """Full read of ``P/ctl/`` (start, or after the watch fell behind a compaction)."""
+        resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self._ctl))
+        mirror = _Mirror(revision=int(resp.header.revision), loaded=True)
+        for kv in resp.kvs:
+            self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision)
+        with self._cond:
+            self._mirror = mirror
+            self._cond.notify_all()
+
+    def _apply_put(self, mirror: _Mirror, key: str, value: bytes, mod_revision: int) -> None:
+        rel = key[len(self._ctl) :]
+        try:
+            if rel.startswith("nodes/"):
+                info = json.loads(value)
+                mirror.nodes[rel[len("nodes/") :]] = int(info.get("seq") or mod_revision)
+            elif rel.startswith("join/"):
+                number, _, node = rel[len("join/") :].partition("/")
+                info = json.loads(value)
+                mirror.joins.setdefault(int(number), {})[node] = int(info.get("seq") or mod_revision)
+            elif rel == "round":
+                data = json.loads(value)
+                record = RoundRecord(
+                    number=int(data["number"]),
+                    participants=tuple(data["participants"]),
+                    master_addr=str(data["master_addr"]),
+                    master_port=int(data["master_port"]),
+                )
+                mirror.committed, mirror.committed_mod = record, mod_revision
+                for number in [n for n in mirror.joins if n <= record.number]:
+                    del mirror.joins[number]
+            elif rel == "closed":
+                mirror.closed = True
+        except (ValueError, KeyError, TypeError) as exc:
+            # Someone wrote garbage under our prefix: refuse to guess.
+            self._fatal = RendezvousStateError(f"{self._ctx()}corrupt rendezvous key {key!r} in etcd: {exc}")
+
+    def _apply_delete(self, mirror: _Mirror, key: str) -> None:
+        rel = key[len(self._ctl) :]
+        if rel.startswith("nodes/"):
+            node = rel[len("nodes/") :]
+            mirror.nodes.pop(node, None)
+            committed = mirror.committed
+            if committed is not None and node in committed.participants:
+                self._lost.setdefault(committed.number, set()).add(node)
+                log.warning("%sparticipant %s of round %d lost its lease", self._ctx(), node, committed.number)
+        elif rel.startswith("join/"):
+            number, _, node = rel[len("join/") :].partition("/")
+            joins = mirror.joins.get(int(number))
+            if joins is not None:
+                joins.pop(node, None)
+        elif rel == "closed":
+            mirror.closed = False
+
+    def _watch_loop(self) -> None:
+        retrying = Retrying(
+            stop=lambda _state: self._stop.is_set(),
+            wait=wait_random_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception(lambda exc: not self._stop.is_set() and (is_transient(exc) or isinstance(exc, WatchCanceledError))),
+            sleep=self._stop.wait,
+            reraise=True,
+        )
+        try:
+            retrying(self._watch_once)
+        except Exception as exc:  # noqa: BLE001 (the thread must report, not die silently)
+            if not self._stop.is_set():
+                log.exception("%sthe rendezvous watch failed", self._ctx())
+                with self._cond:
+                    self._fatal = RendezvousConnectionError(f"{self._ctx()}the etcd watch failed: {exc}")
+                    self._cond.notify_all()
+
+    def _watch_once(self) -> None:
+        if self._stop.is_set():
+            return
+        conn = self._require_conn()
+        try:
+            with self._cond:
+                needs_load = not self._mirror.loaded
+                start = self._mirror.revision + 1
+            if needs_load:
+                self._load(conn)
+                with self._cond:
+                    start = self._mirror.revision + 1
+            stream = conn.watch(self._ctl, range_end=prefix_end(self._ctl), start_revision=start)
+            self._watch_stream = stream
+            if self._stop.is_set():
+                stream.cancel()
+                return
+            for response in stream:
+                self._note_etcd_ok()
+                if response.compact_revision:
+                    with self._cond:
+                        self._mirror.loaded = False  # resync on the next attempt
+                    raise WatchCanceledError(f"watch fell behind compaction at {response.compact_revision}")
+                if response.canceled:
+                    raise WatchCanceledError(f"watch canceled by etcd: {response.cancel_reason}")
+                if response.events:
+                    self._apply_events(response.events)
+        except RendezvousConnectionError:
+            raise
+        except Exception as exc:
+            if self._stop.is_set():
+                return
+            self._note_etcd_failure(exc)
+            raise
+        if not self._stop.is_set():
+            raise WatchCanceledError("watch stream ended")
+
+    def _apply_events(self, events: Any) -> None:
+        with self._cond:
+            mirror = self._mirror
+            for ev in events:
+                key = ev.kv.key.decode()
+                if ev.type == kv_pb2.Event.PUT:
+                    self._apply_put(mirror, key, ev.kv.value, ev.kv.mod_revision)
+                else:
+                    self._apply_delete(mirror, key)
+                mirror.revision = max(mirror.revision, int(ev.kv.mod_revision))
+            self._cond.notify_all()
+
+    # ================================================================== lease keepalive
+    def _keepalive_loop(self) -> None:
+        interval = max(0.2, self._config.lease_ttl / 3.0)
+        while not self._stop.wait(interval):
+            conn, lease = self._conn, self._lease_id
+            if conn is None or lease is None:
+                continue
+            try:
+                responses = list(conn.client.refresh_lease(lease))
+                ttl = responses[0].TTL if responses else 0
+                self._note_etcd_ok()
+                if ttl <= 0:
+                    log.warning("%slease %x expired (etcd unreachable for > %d s?); re-registering", self._ctx(), lease, self._config.lease_ttl)
+                    self._register(conn)
+            except RendezvousConnectionError as exc:
+                self._note_etcd_failure(exc)
+            except Exception as exc:  # noqa: BLE001 (keep refreshing; classify below)
+                if self._stop.is_set():
+                    return
+                if not is_transient(exc):
+                    log.exception("%slease refresh failed unexpectedly", self._ctx())
+                self._note_etcd_failure(exc)
+
+    # ================================================================== etcd health
+    def _note_etcd_ok(self) -> None:
+        if self._unreachable_since is not None:
+            log.info("%setcd reachable again after %.1f s", self._ctx(), self._clock() - self._unreachable_since)
+            self._unreachable_since = None
+
+    def _note_etcd_failure(self, exc: BaseException) -> None:
+        now = self._clock()
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+            log.warning("%setcd at %s unreachable: %s", self._ctx(), self._config.endpoint_str, exc)
+            return
+        if now - self._unreachable_since > self._config.etcd_timeout and self._fatal is None:
+            with self._cond:
+                self._fatal = RendezvousConnectionError(
+                    f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for more than "
+                    f"etcd_timeout={self._config.etcd_timeout:.0f} s (last error: {exc}); giving up"
+                )
+                self._cond.notify_all()
+            log.error("%s%s", self._ctx(), self._fatal)
+
+    def _raise_if_fatal(self) -> None:
+        if self._fatal is not None:
+            raise type(self._fatal)(str(self._fatal)) from self._fatal
+
+    # ================================================================== teardown
+    def _stop_threads(self) -> None:
+        self._stop.set()
+        stream = self._watch_stream
+        if stream is not None:
+            stream.cancel()
+        with self._cond:
+            self._cond.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
+        self._threads.clear()
+
+    def _ctx(self) -> str:
+        record = self._my_round
+        number = record.number if record is not None else "-"
+        return f"[run={self._config.run_id} node={self._node_id} round={number}] "
+
+    def __repr__(self) -> str:
+        return f"EtcdV3RendezvousHandler(run_id={self._config.run_id!r}, node_id={self._node_id!r}, round={self.round})"

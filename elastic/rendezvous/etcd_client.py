@@ -1,0 +1,234 @@
+"""The edge between the rendezvous and etcd: one connection, every call retried, errors converted.
+
+Everything that touches etcd3/grpc goes through ``EtcdConnection``:
+
+* ``call(what, fn)`` runs one etcd call under tenacity (exponential backoff, ``stop_after_delay(etcd_timeout)``)
+  and turns the final failure into ``RendezvousConnectionError`` naming the endpoint;
+* ``watch(...)`` opens a raw watch stream (python3-etcd3 0.13's own watcher thread dies with a NameError
+  when its stream breaks, so we drive ``WatchStub`` ourselves and can resume from a revision).
+
+Two python3-etcd3 quirks are handled here: a failed endpoint is blacklisted for 300 s by default (we set
+``time_retry`` low so a restarted etcd is used again at once), and grpc's reconnect backoff (up to
+120 s) is capped at 1 s so an etcd restart of a few seconds is noticed within a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import etcd3
+import grpc
+from etcd3 import etcdrpc, utils
+from etcd3.exceptions import Etcd3Exception
+from tenacity import (
+    RetryError,
+    Retrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from .api import EtcdRendezvousConfig, RendezvousConnectionError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # Detect a silently dead server on long-lived watch streams (etcd allows pings every >= 5 s).
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+PER_CALL_TIMEOUT = 5.0
+"""Seconds one etcd RPC may take before it counts as a failed attempt (and is retried)."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth retrying: etcd unreachable, restarting, electing a leader, or overloaded."""
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if hasattr(exc, "code") else None
+        return code in _TRANSIENT_CODES
+    if isinstance(exc, Etcd3Exception):
+        return True  # ConnectionFailed/Timeout/InternalServerError/NoServerAvailable
+    # python3-etcd3 raises ValueError('Trying to use a failed node') while an endpoint is blacklisted.
+    return isinstance(exc, ValueError) and "failed node" in str(exc)
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The etcd range end covering every key that starts with ``prefix``."""
+    return utils.prefix_range_end(utils.to_bytes(prefix))
+
+
+class EtcdConnection:
+    """A client for the configured endpoint(s) plus the retry/conversion policy."""
+
+    def __init__(
+        self,
+        config: EtcdRendezvousConfig,
+        *,
+        context: Callable[[], str] = lambda: "",
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._context = context
+        self._sleep = sleep
+        self.per_call_timeout = min(PER_CALL_TIMEOUT, config.etcd_timeout)
+        self.client = self.call("connect", self._make_client)
+
+    def _make_client(self) -> etcd3.MultiEndpointEtcd3Client:
+        cfg = self.config
+        creds = None
+        if cfg.cacert is not None:
+            creds = etcd3.MultiEndpointEtcd3Client.get_secure_creds(cfg.cacert, cfg.key, cfg.cert)
+        many = len(cfg.endpoints) > 1
+        endpoints = [
+            etcd3.Endpoint(
+                host,
+                port,
+                secure=creds is not None,
+                creds=creds,
+                # Blacklist a failed endpoint only if there is another one to fail over to.
+                time_retry=1.0 if many else 0.0,
+                opts=_GRPC_OPTIONS,  # type: ignore[arg-type] (grpc wants a list of pairs)
+            )
+            for host, port in cfg.endpoints
+        ]
+        # The constructor authenticates (one RPC) when user/password are set.
+        return etcd3.MultiEndpointEtcd3Client(
+            endpoints=endpoints,
+            timeout=self.per_call_timeout,
+            user=cfg.user,
+            password=cfg.password,
+            failover=many,
+        )
+
+    # ------------------------------------------------------------------ calls
+    def call(self, what: str, fn: Callable[[], T], *, within: float | None = None) -> T:
+        """Run ``fn`` with retries on transient errors for ``within`` (default etcd_timeout) seconds."""
+        limit = self.config.etcd_timeout if within is None else within
+        kwargs: dict[str, Any] = {}
+        if self._sleep is not None:
+            kwargs["sleep"] = self._sleep
+        retrying = Retrying(
+            stop=stop_after_delay(limit),
+            wait=wait_random_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception(is_transient),
+            before_sleep=self._log_retry(what),
+            **kwargs,
+        )
+        try:
+            return retrying(fn)
+        except RetryError as exc:
+            cause = exc.last_attempt.exception()
+            raise RendezvousConnectionError(
+                f"{self._context()}etcd at {self.config.endpoint_str} unreachable for {limit:.0f} s "
+                f"while trying to {what}: {_describe(cause)}. Check that etcd is running and "
+                f"reachable, or raise etcd_timeout in --rdzv-conf."
+            ) from cause
+        except (grpc.RpcError, Etcd3Exception, ValueError) as exc:
+            if isinstance(exc, ValueError) and not is_transient(exc):
+                raise
+            raise RendezvousConnectionError(
+                f"{self._context()}etcd at {self.config.endpoint_str} refused to {what}: {_describe(exc)}"
+            ) from exc
+        except OSError as exc:  # unreadable TLS files
+            raise RendezvousConnectionError(
+                f"{self._context()}cannot set up the etcd connection to {self.config.endpoint_str}: {exc}"
+            ) from exc
+
+    def _log_retry(self, what: str) -> Callable[[Any], None]:
+        def before_sleep(state: Any) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            level = logging.INFO if state.attempt_number < 3 else logging.WARNING
+            log.log(
+                level,
+                "%setcd %s failed (attempt %d, %.1f s so far): %s; retrying",
+                self._context(),
+                what,
+                state.attempt_number,
+                state.seconds_since_start,
+                _describe(exc),
+            )
+
+        return before_sleep
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 (best effort on the way out)
+            log.debug("%sclosing the etcd client failed", self._context(), exc_info=True)
+
+    # ------------------------------------------------------------------ watch streams
+    def watch(
+        self,
+        key: str,
+        *,
+        range_end: bytes | None,
+        start_revision: int,
+        timeout: float | None = None,
+        progress_notify: bool = False,
+    ) -> WatchStream:
+        """Open a watch on ``[key, range_end)`` from ``start_revision``; iterate it for responses."""
+        create = etcdrpc.WatchCreateRequest(
+            key=utils.to_bytes(key), start_revision=start_revision, progress_notify=progress_notify
+        )
+        if range_end is not None:
+            create.range_end = range_end
+        stub = etcdrpc.WatchStub(self.client.channel)
+        return WatchStream(stub, etcdrpc.WatchRequest(create_request=create), self.client, timeout)
+
+
+class WatchStream:
+    """One etcd watch RPC; ``cancel()`` from any thread ends the iteration."""
+
+    def __init__(self, stub: Any, request: Any, client: Any, timeout: float | None) -> None:
+        self._done = threading.Event()
+
+        def requests() -> Iterator[Any]:
+            yield request
+            # Keep the request side open: half-closing could end the watch on some servers.
+            self._done.wait()
+
+        self._call = stub.Watch(
+            requests(), timeout=timeout, metadata=client.metadata, credentials=client.call_credentials
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            yield from self._call
+        finally:
+            self._done.set()
+
+    def cancel(self) -> None:
+        self._done.set()
+        self._call.cancel()
+
+
+class WatchCanceledError(Etcd3Exception):
+    """etcd canceled the watch (compaction or server-side cancel); resync from a fresh read."""
+
+
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown error"
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
