@@ -6,7 +6,8 @@ Each place that changes torch 2.13's behaviour is marked ``CHANGE:`` with the re
 * monitor loop reacts to rendezvous membership changes at once (``membership_changed()`` /
   ``num_nodes_waiting()``) and sleeps on ``wait_membership_change`` instead of a blind ``time.sleep``;
 * worker failures that coincide with a lost peer do not use up ``--max-restarts``;
-* workers are stopped with a short SIGTERM->SIGKILL grace (torch waits 30 s);
+* workers are stopped with a short SIGTERM->SIGKILL grace (torch waits 30 s), also when torch's process
+  context closes the survivors of a crashed worker;
 * workers are started through an exec shim that ties them to the agent (``elastic.workers``);
 * transient rendezvous errors while monitoring (etcd restarting) do not kill a healthy job;
 * every recovery stage is written to a structured event log.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import signal
 import time
 from typing import Any
 
@@ -28,7 +30,7 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.metrics import put_metric
-from torch.distributed.elastic.multiprocessing import LogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing import LogsSpecs, PContext, SignalException
 
 from elastic.api import EventSink, FailureCause, RecoveryEvent
 from elastic.config import AgentSettings
@@ -112,8 +114,17 @@ class SpotrunAgent(LocalElasticAgent):
             group_world_size=wg.group_world_size,
             world_size=wg.workers[0].world_size if wg.workers else None,
             restarts_left=self._remaining_restarts,
+            rdzv_round=self._rdzv_round(),
             **fields,
         )
+
+    def _rdzv_round(self) -> int | None:
+        """The backend's round number when it has one (etcd-v3's ``round``), for cross-node correlation."""
+        try:
+            value = getattr(self._worker_group.spec.rdzv_handler, "round", None)
+        except Exception:  # a backend property must never break event logging
+            return None
+        return value if isinstance(value, int) else None
 
     # --- membership signals (duck-typed: only the etcd-v3 handler has membership_changed) -----------------
 
@@ -175,6 +186,8 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
+        if self._pcontext is not None:
+            _default_close_timeout(self._pcontext, self._settings.stop_grace)
         self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()))
         return pids
 
@@ -245,6 +258,19 @@ class SpotrunAgent(LocalElasticAgent):
             self._charged_restart_pending = True
         self._restart_workers(self._worker_group)
         return None
+
+
+def _default_close_timeout(pcontext: PContext, grace: float) -> None:
+    """CHANGE: when one worker fails, torch's ``PContext._poll`` calls ``self.close()`` with its 30 s default
+    SIGTERM->SIGKILL wait for the surviving workers, inside ``_monitor_workers``. Survivors blocked in a
+    collective with the dead worker ignore SIGTERM, so that alone costs 30 s per crash. Calls without an
+    explicit timeout get ``grace`` instead; explicit ones (``--shutdown-timeout`` on agent exit) are kept."""
+    original = pcontext.close
+
+    def close(death_sig: signal.Signals | None = None, timeout: float | None = None) -> None:
+        original(death_sig, grace if timeout is None else timeout)  # type: ignore[arg-type]
+
+    pcontext.close = close  # type: ignore[method-assign]
 
 
 def _tie_entrypoint_to_agent(spec: WorkerSpec) -> WorkerSpec:

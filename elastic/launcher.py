@@ -60,8 +60,21 @@ def create_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler
         raise LaunchConfigError(f"invalid rendezvous configuration for backend {params.backend!r}: {exc}") from exc
     except Exception as exc:
         raise RendezvousUnavailableError(
-            f"cannot set up rendezvous backend {params.backend!r} at {params.endpoint!r}: {exc}"
+            f"cannot set up rendezvous backend {params.backend!r} at {params.endpoint!r}: "
+            f"{type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _leave_rendezvous(handler: RendezvousHandler) -> None:
+    """On SIGTERM/SIGINT (e.g. spot preemption) give up this node's membership at once when the backend can
+    (etcd-v3 ``leave()`` revokes the lease), so peers re-form now instead of after the lease TTL. Unlike
+    ``shutdown()`` this does not close the job for the other nodes."""
+    leave = getattr(handler, "leave", None)
+    if callable(leave):
+        try:
+            leave()
+        except Exception:
+            logger.warning("leaving the rendezvous failed; peers will notice when the lease expires", exc_info=True)
 
 
 def events_path(config: LaunchConfig, settings: AgentSettings) -> str:
@@ -144,6 +157,7 @@ def launch(
     except SignalException:
         # As torch: a signalled agent must not close the rendezvous, other nodes may still scale.
         shutdown_rdzv = False
+        _leave_rendezvous(spec.rdzv_handler)
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
         raise
     except Exception:

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--raise", dest="raise_msg", default=None, help="raise RuntimeError(MESSAGE)")
     p.add_argument("--segfault", action="store_true", help="dereference a NULL pointer")
     p.add_argument("--hang", action="store_true", help="stop making progress forever")
-    p.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM (a stuck worker)")
+    p.add_argument("--ignore-sigterm", action="store_true", help="every rank ignores SIGTERM from the start (stuck workers)")
     p.add_argument("--sigkill-self", action="store_true", help="SIGKILL this worker")
     p.add_argument("--no-collective", action="store_true", help="do not init a process group")
     return p.parse_args(argv)
@@ -54,8 +54,6 @@ def _selected(spec: str, value: int) -> bool:
 
 
 def inject(args: argparse.Namespace) -> None:
-    if args.ignore_sigterm:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.segfault:
         ctypes.string_at(0)
     if args.sigkill_self:
@@ -82,6 +80,8 @@ def progress(out: str | None, record_: dict) -> None:
 @record
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -1,0 +1,162 @@
+"""Several spotrun agents on loopback with a real etcd: node loss, scale-up, orphans, etcd outage, torchrun."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic.agent import FailureAction, decide_on_failure, should_refund
+from elastic.events import read_events
+from tests.elastic.agent_harness import (
+    EXAMPLES,
+    SPOTRUN,
+    TORCHRUN,
+    Launcher,
+    pid_alive,
+    read_jsonl,
+    wait_for,
+)
+
+FAULT = str(EXAMPLES / "fault_worker.py")
+RDZV_CONF = "lease_ttl=2,last_call_timeout=0.5,join_timeout=60"
+
+
+# --- pure decisions ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("remaining", "peer_lost", "action"),
+    [(3, False, FailureAction.RESTART_CHARGED), (0, False, FailureAction.GIVE_UP),
+     (0, True, FailureAction.RESTART_FREE), (2, True, FailureAction.RESTART_FREE)],
+)
+def test_decide_on_failure(remaining: int, peer_lost: bool, action: FailureAction) -> None:
+    assert decide_on_failure(remaining_restarts=remaining, peer_lost=peer_lost) is action
+
+
+def test_should_refund_only_charged_restarts_that_changed_the_group() -> None:
+    assert should_refund(charged=True, previous_group_world_size=2, new_group_world_size=1)
+    assert not should_refund(charged=True, previous_group_world_size=2, new_group_world_size=2)
+    assert not should_refund(charged=False, previous_group_world_size=2, new_group_world_size=1)
+    assert not should_refund(charged=True, previous_group_world_size=None, new_group_world_size=1)
+
+
+# --- processes ---------------------------------------------------------------------------------------------
+
+
+def _agent(tmp_path: Path, name: str, endpoint: str, run_id: str, *extra: str, nnodes: str = "1:3") -> Launcher:
+    return Launcher(
+        [*SPOTRUN, "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+         "--rdzv-conf", RDZV_CONF, "--max-restarts", "0", "--stop-grace", "1", "--shutdown-timeout", "2",
+         "--log-dir", str(tmp_path / f"logs-{name}"), "--events-file", str(tmp_path / "events.jsonl"),
+         FAULT, "--steps", "0", "--step-time", "0.1", "--out", str(tmp_path / "out"), *extra],
+        tmp_path / f"{name}.log",
+    )
+
+
+def _progress(tmp_path: Path) -> list[dict]:
+    return read_jsonl(tmp_path / "out" / "progress.jsonl")
+
+
+def _steps_at_world(tmp_path: Path, world: int, since: float) -> set[int]:
+    """Ranks that completed a step at ``world`` size after wall time ``since``."""
+    return {p["rank"] for p in _progress(tmp_path) if p["world_size"] == world and p["t_wall"] > since}
+
+
+def _worker_pids(tmp_path: Path, agent: Launcher) -> list[int]:
+    node_suffix = f":{agent.pid}"
+    started = [e for e in read_events(str(tmp_path / "events.jsonl"))
+               if e["event"] == "workers_started" and e["node"].endswith(node_suffix)]
+    return started[-1]["pids"] if started else []
+
+
+def _dump(*agents: Launcher) -> str:
+    return "\n".join(f"--- {a.log.name}\n{a.output()[-2500:]}" for a in agents)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_node_loss_shrinks_the_group_and_a_new_node_grows_it_back(tmp_path: Path, etcd_server) -> None:
+    agents = [_agent(tmp_path, "a", etcd_server.endpoint, "grow-shrink"),
+              _agent(tmp_path, "b", etcd_server.endpoint, "grow-shrink")]
+    a, b = agents
+    try:
+        began = time.time()
+        wait_for(lambda: _steps_at_world(tmp_path, 2, began) == {0, 1}, 90, "two agents to train at world size 2")
+        b_workers = _worker_pids(tmp_path, b)
+        assert b_workers and all(pid_alive(p) for p in b_workers)
+
+        # Node loss: SIGKILL agent b. Its worker must not outlive it, and a must go on alone.
+        b.signal(signal.SIGKILL)
+        b.wait(10)
+        killed_at = time.time()
+        wait_for(lambda: not any(pid_alive(p) for p in b_workers), 10, f"b's workers {b_workers} to die with b")
+        wait_for(lambda: _steps_at_world(tmp_path, 1, killed_at), 60, "the survivor to train at world size 1")
+        assert a.proc.poll() is None, "with --max-restarts 0 a peer loss must not end the survivor"
+
+        # Scale-up: a new agent joins the running job at the next round.
+        agents.append(_agent(tmp_path, "c", etcd_server.endpoint, "grow-shrink"))
+        joined_at = time.time()
+        wait_for(lambda: _steps_at_world(tmp_path, 2, joined_at) == {0, 1}, 90, "the group to grow back to 2")
+
+        events = read_events(str(tmp_path / "events.jsonl"))
+        a_node = f":{a.pid}"
+        causes = [e["cause"] for e in events if e["event"] == "failure_detected" and e["node"].endswith(a_node)]
+        assert causes and all(c in {"membership_change", "worker_failure_with_peer_loss"} for c in causes), causes
+        a_rounds = [e for e in events if e["event"] == "rendezvous_completed" and e["node"].endswith(a_node)]
+        assert [e["group_world_size"] for e in a_rounds][-2:] == [1, 2]
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_dump(*agents)}") from None
+    finally:
+        for agent in agents:
+            agent.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_job_survives_a_short_etcd_outage(tmp_path: Path, etcd_server) -> None:
+    agents = [_agent(tmp_path, "a", etcd_server.endpoint, "outage", nnodes="2"),
+              _agent(tmp_path, "b", etcd_server.endpoint, "outage", nnodes="2")]
+    try:
+        began = time.time()
+        wait_for(lambda: _steps_at_world(tmp_path, 2, began) == {0, 1}, 90, "two agents to train")
+        etcd_server.stop()
+        stopped_at = time.monotonic()
+        down_since = time.time()
+        # Training must not need etcd: both ranks keep stepping while it is down (~3 s outage).
+        wait_for(lambda: _steps_at_world(tmp_path, 2, down_since + 2.0) == {0, 1} and
+                 time.monotonic() - stopped_at >= 3.0, 30, "training to continue during the outage")
+        etcd_server.start()
+        up_since = time.time()
+        wait_for(lambda: _steps_at_world(tmp_path, 2, up_since + 3.0) == {0, 1}, 30, "training after etcd is back")
+        assert all(agent.proc.poll() is None for agent in agents)
+        failures = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "failure_detected"]
+        assert not failures, f"an etcd outage must not restart the workers: {failures}"
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_dump(*agents)}") from None
+    finally:
+        for agent in agents:
+            agent.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_stock_torchrun_uses_the_etcd_v3_entry_point(tmp_path: Path, etcd_server) -> None:
+    out = tmp_path / "out"
+    runs = [
+        Launcher([*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
+                  "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", "stock", "--rdzv-conf", RDZV_CONF,
+                  FAULT, "--steps", "5", "--out", str(out)], tmp_path / f"torchrun{i}.log")
+        for i in range(2)
+    ]
+    try:
+        codes = [run.wait(120) for run in runs]
+        assert codes == [0, 0], _dump(*runs)
+    finally:
+        for run in runs:
+            run.close()
+    finals = {(p["rank"], p["world_size"]) for p in read_jsonl(out / "progress.jsonl") if p["step"] == 5}
+    assert finals == {(0, 2), (1, 2)}
+

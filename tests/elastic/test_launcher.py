@@ -1,0 +1,130 @@
+"""spotrun on one node: worker environment parity with torchrun, restarts, failure summary, cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from elastic.events import read_events
+from tests.conftest import descendants
+from tests.elastic.agent_harness import (
+    EXAMPLES,
+    SPOTRUN,
+    TORCHRUN,
+    Launcher,
+    pid_alive,
+    read_jsonl,
+    run_cli,
+    test_env,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+FAULT = str(EXAMPLES / "fault_worker.py")
+PRINT_ENV = str(EXAMPLES / "print_env.py")
+
+
+def _envs(out: Path) -> dict[int, dict[str, str]]:
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+
+
+def test_worker_environment_matches_torchrun(tmp_path: Path) -> None:
+    ours_dir, theirs_dir = tmp_path / "spotrun", tmp_path / "torchrun"
+    ours = run_cli([*SPOTRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+                    "--log-dir", str(tmp_path / "logs"), PRINT_ENV, "--out", str(ours_dir)], timeout=90)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    theirs = run_cli([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+                      PRINT_ENV, "--out", str(theirs_dir)], timeout=90)
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    ours_env, theirs_env = _envs(ours_dir), _envs(theirs_dir)
+    assert sorted(ours_env) == sorted(theirs_env) == [0, 1]
+    for rank in (0, 1):
+        a, b = ours_env[rank], theirs_env[rank]
+        assert set(a) == set(b), f"variable names differ: {set(a) ^ set(b)}"
+        same = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+        # Differences by design: the etcd-v3 rendezvous has no agent store, so workers host their own
+        # (fresh per round, no stale keys), and the run id / ports / log paths are per launch.
+        assert a["TORCHELASTIC_USE_AGENT_STORE"] == "False" and b["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert int(a["MASTER_PORT"]) > 0 and a["MASTER_ADDR"]
+        assert a["TORCHELASTIC_ERROR_FILE"].endswith(f"/{rank}/error.json")
+        assert a["TORCHELASTIC_ERROR_FILE"].startswith(str(tmp_path / "logs"))
+    assert ours_env[0]["TORCHELASTIC_RUN_ID"] == ours_env[1]["TORCHELASTIC_RUN_ID"] != "none"
+    assert ours_env[0]["MASTER_PORT"] == ours_env[1]["MASTER_PORT"]
+
+
+def test_worker_sigkill_is_restarted_within_max_restarts(tmp_path: Path) -> None:
+    out, events = tmp_path / "out", tmp_path / "events.jsonl"
+    result = run_cli([*SPOTRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                      "--events-file", str(events), FAULT, "--steps", "6", "--fail-at-step", "2",
+                      "--fail-ranks", "1", "--fail-restarts", "0", "--sigkill-self", "--out", str(out)], timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    progress = read_jsonl(out / "progress.jsonl")
+    finals = {(p["rank"], p["restart"]) for p in progress if p["step"] == 6}
+    assert finals == {(0, 1), (1, 1)}, "both ranks must finish after exactly one restart"
+    failures = [e for e in read_events(str(events)) if e["event"] == "failure_detected"]
+    assert len(failures) == 1 and failures[0]["cause"] == "worker_failure"
+    assert failures[0]["failures"] == {"1": -signal.SIGKILL}
+
+
+def test_failure_past_max_restarts_exits_with_torchrun_summary(tmp_path: Path) -> None:
+    out, events = tmp_path / "out", tmp_path / "events.jsonl"
+    result = run_cli([*SPOTRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                      "--peer-loss-grace", "0", "--events-file", str(events), FAULT, "--steps", "50",
+                      "--fail-at-step", "1", "--fail-ranks", "1", "--raise", "injected failure 42",
+                      "--out", str(out)], timeout=100)
+    assert result.returncode == 1, result.stderr[-3000:]
+    err = result.stderr
+    assert "ChildFailedError" in err and "Root Cause (first observed failure)" in err
+    assert "rank      : 1 (local_rank: 1)" in err
+    assert "RuntimeError: injected failure 42" in err, "the root cause must come from the worker's error file"
+    restarts = {p["restart"] for p in read_jsonl(out / "progress.jsonl")}
+    assert restarts == {0, 1}, "one restart, then give up"
+    actions = [e["action"] for e in read_events(str(events)) if e["event"] == "failure_detected"]
+    assert actions == ["restart_charged", "give_up"]
+
+
+def test_standalone_cleans_up_etcd_and_workers_on_sigterm(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    agent = Launcher([*SPOTRUN, "--standalone", "--nproc-per-node", "2", "--stop-grace", "1",
+                      "--shutdown-timeout", "2", FAULT, "--steps", "0", "--out", str(out)],
+                     tmp_path / "agent.log", env=test_env(TMPDIR=str(tmpdir)))
+    try:
+        wait_for(lambda: len({p["rank"] for p in read_jsonl(out / "progress.jsonl")}) == 2, 60, "both workers to step")
+        children = set(descendants(agent.pid))
+        assert any("etcd" in cmd for _, cmd in descendants(agent.pid).values())
+        agent.signal(signal.SIGTERM)
+        code = agent.wait(30)
+    finally:
+        agent.close()
+    assert code != 0
+    assert not [pid for pid in children if pid_alive(pid)], "workers and etcd must be gone"
+    assert not list(tmpdir.glob("spotrun-etcd-*")), "the embedded etcd data dir must be removed"
+
+
+def test_stuck_worker_is_killed_after_the_stop_grace(tmp_path: Path) -> None:
+    """A worker ignoring SIGTERM must not hold up the restart for torch's 30 s."""
+    out, events = tmp_path / "out", tmp_path / "events.jsonl"
+    result = run_cli([*SPOTRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                      "--stop-grace", "1", "--events-file", str(events), FAULT, "--steps", "4",
+                      "--fail-at-step", "1", "--fail-ranks", "0", "--fail-restarts", "0", "--exit-code", "3",
+                      "--no-collective", "--ignore-sigterm", "--out", str(out)], timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    evs = read_events(str(events))
+    failure = next(e for e in evs if e["event"] == "failure_detected")
+    assert failure["failures"]["0"] == 3
+    starts = [e["t_mono"] for e in evs if e["event"] == "workers_started"]
+    assert len(starts) == 2
+    # torch would wait 30 s for the SIGTERM-ignoring rank 1 before SIGKILL; with a 1 s grace the whole
+    # round trip (start, import torch, fail, stop, rendezvous, start) stays well under that.
+    assert starts[1] - starts[0] < 20, f"restart took {starts[1] - starts[0]:.1f} s"
