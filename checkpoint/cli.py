@@ -1,0 +1,306 @@
+"""``spotrun-ckpt``: list, inspect, verify, export and delete checkpoints.
+
+Examples::
+
+    spotrun-ckpt ls /fsx/run1
+    spotrun-ckpt inspect s3://bucket/run1 --step 1000 --storage-option endpoint_url=http://127.0.0.1:9000
+    spotrun-ckpt verify /fsx/run1                    # every checksum of the latest good step
+    spotrun-ckpt export /fsx/run1 ./hf --max-shard-size 5GB
+    spotrun-ckpt rm /fsx/run1 --step 900
+
+Exit codes: 0 success, 1 other checkpoint error, 2 usage, 3 not found, 4 corrupt, 5 incompatible, 6 storage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from checkpoint.api import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    Manifest,
+    step_dir,
+)
+from checkpoint.discover import (
+    latest_good_step,
+    list_steps,
+    require_checkpoint,
+    resolve_step,
+    validate_step,
+)
+from checkpoint.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+EXIT_CODES: list[tuple[type[BaseException], int]] = [
+    (CheckpointNotFoundError, 3),
+    (CorruptCheckpointError, 4),
+    (IncompatibleCheckpointError, 5),
+    (CheckpointStorageError, 6),
+    (CheckpointError, 1),
+]
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MiB"``, ``"1048576"`` -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (use e.g. 5GB, 500MiB or a number of bytes)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
+    return value
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``key=value`` (value parsed as JSON when it is JSON: numbers, booleans, objects)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--storage-option {text!r} must look like key=value")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spotrun-ckpt", description="Inspect and manage spotrun checkpoints (local, FSx, s3://, memory://)."
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("uri", help="checkpoint root (path or URI)")
+    common.add_argument(
+        "--storage-option",
+        "-o",
+        action="append",
+        default=[],
+        type=parse_option,
+        metavar="KEY=VALUE",
+        help="fsspec option, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable)",
+    )
+    common.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("ls", parents=[common], help="list steps: committed or not, size, world size")
+    p = sub.add_parser("inspect", parents=[common], help="tensors, shapes, dtypes and chunking of a step")
+    p.add_argument("--step", type=int, help="step to inspect (default: latest good)")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p = sub.add_parser("verify", parents=[common], help="check every checksum of a step")
+    p.add_argument("--step", type=int, help="step to verify (default: latest good)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("export", parents=[common], help="consolidated Hugging Face-style safetensors directory")
+    p.add_argument("out", help="output directory (path or URI)")
+    p.add_argument("--step", type=int, help="step to export (default: latest good)")
+    p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), help="per output file (default 5GB)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("rm", parents=[common], help="delete one step")
+    p.add_argument("--step", type=int, required=True, help="step to delete")
+    p.add_argument("--force", action="store_true", help="also delete the newest committed step")
+    return parser
+
+
+def _storage(args: argparse.Namespace, uri: str | None = None) -> Storage:
+    return Storage(uri or args.uri, storage_options=dict(args.storage_option))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    storage = _storage(args)
+    listing = list_steps(storage)
+    if not listing.committed and not listing.uncommitted:
+        require_checkpoint(storage, listing)
+    good = latest_good_step(storage, listing=listing)
+    print(f"{'step':>12}  {'status':<12} {'size':>10}  {'world':>5}  created")
+    for step in sorted(listing.committed + listing.uncommitted):
+        status, world, created = "uncommitted", "-", "-"
+        if step in listing.committed:
+            try:
+                manifest = validate_step(storage, step)
+                status = "committed"
+                world = str(manifest.world_size)
+                created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(manifest.created_unix))
+            except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
+                status = "CORRUPT"
+                created = str(exc)[:80]
+        mark = " *" if step == good else ""
+        print(f"{step:>12}  {status:<12} {human(listing.sizes.get(step, 0)):>10}  {world:>5}  {created}{mark}")
+    print(f"latest good step: {good if good is not None else 'none'}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    storage = _storage(args)
+    manifest = resolve_step(storage, args.step)
+    if args.json:
+        print(json.dumps(manifest.to_json(), indent=1))
+        return 0
+    created = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(manifest.created_unix))
+    print(f"step {manifest.step}  world size {manifest.world_size}  created {created}  spotrun {manifest.library_version}")
+    print(f"files: {len(manifest.files)}, {human(sum(f.size for f in manifest.files.values()))}")
+    for name, frec in sorted(manifest.files.items()):
+        print(f"  {name}  {human(frec.size)}  rank {frec.rank}  crc32 {frec.crc32:08x}")
+    print(f"tensors: {len(manifest.tensors)}")
+    for fqn, rec in sorted(manifest.tensors.items()):
+        chunking = "whole" if len(rec.chunks) == 1 else f"{len(rec.chunks)} chunks"
+        print(f"  {fqn}  {rec.dtype}  {list(rec.shape)}  {chunking}")
+        if len(rec.chunks) > 1 or args.verbose:
+            for c in rec.chunks:
+                print(f"      offsets {c.offsets} lengths {c.lengths} -> {c.file} bytes {c.byte_range}")
+    return 0
+
+
+def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = True) -> list[str]:
+    """Read every byte of every shard once: whole-file crc32 and every chunk block crc32. Returns problems."""
+    from tqdm import tqdm
+
+    from checkpoint.shard import crc32_combine
+
+    rel = step_dir(manifest.step)
+    by_file: dict[str, list[tuple[str, Any]]] = {name: [] for name in manifest.files}
+    problems: list[str] = []
+    for fqn, rec in manifest.tensors.items():
+        for c in rec.chunks:
+            if c.file not in by_file:
+                problems.append(f"tensor {fqn!r} points to {c.file}, which the manifest does not list")
+                continue
+            by_file[c.file].append((fqn, c))
+    block = manifest.checksum_block_bytes
+    total = sum(f.size for f in manifest.files.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"verify step {manifest.step}", disable=not progress) as bar:
+        for name, frec in sorted(manifest.files.items()):
+            path = f"{rel}/{name}"
+            crc, pos = 0, 0
+
+            def take(start: int, end: int, path: str = path) -> bytes:
+                data = storage.read_range(path, start, end)
+                bar.update(len(data))
+                return data
+
+            try:
+                for fqn, c in sorted(by_file[name], key=lambda fc: fc[1].byte_range[0]):
+                    start, end = c.byte_range
+                    if start > pos:
+                        gap = take(pos, start)
+                        crc = zlib.crc32(gap, crc)
+                        if len(gap) != start - pos:
+                            raise CorruptCheckpointError(f"{storage.display(path)} is truncated")
+                    for i, b0 in enumerate(range(start, end, block)):
+                        data = take(b0, min(b0 + block, end))
+                        if len(data) != min(b0 + block, end) - b0:
+                            raise CorruptCheckpointError(f"{storage.display(path)} is truncated inside tensor {fqn!r}")
+                        got = zlib.crc32(data)
+                        if i >= len(c.block_crc32) or got != c.block_crc32[i]:
+                            problems.append(
+                                f"checksum mismatch in {storage.display(path)}: tensor {fqn!r} block {i} (bytes [{b0}, {b0 + len(data)}))"
+                            )
+                        crc = crc32_combine(crc, got, len(data))
+                    pos = max(pos, end)
+                if pos < frec.size:
+                    crc = zlib.crc32(take(pos, frec.size), crc)
+                if storage.size(path) != frec.size:
+                    problems.append(f"{storage.display(path)} has {storage.size(path)} bytes, manifest says {frec.size}")
+                elif crc != frec.crc32:
+                    problems.append(f"whole-file crc32 of {storage.display(path)} differs from the manifest")
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
+            except CheckpointStorageError as exc:
+                problems.append(f"cannot read {storage.display(path)}: {exc}")
+    return problems
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    storage = _storage(args)
+    if args.step is not None:
+        from checkpoint.discover import read_manifest
+
+        manifest = read_manifest(storage, args.step)  # check files ourselves: report every problem
+    else:
+        manifest = resolve_step(storage, None)
+    problems = verify_manifest(storage, manifest, progress=not args.no_progress)
+    if problems:
+        for p in problems:
+            print(f"FAIL {p}", file=sys.stderr)
+        print(f"step {manifest.step}: {len(problems)} problem(s)", file=sys.stderr)
+        return 4
+    nbytes = sum(f.size for f in manifest.files.values())
+    print(f"step {manifest.step}: OK ({len(manifest.files)} files, {human(nbytes)}, {len(manifest.tensors)} tensors)")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from checkpoint.export import export_step
+
+    storage = _storage(args)
+    manifest = resolve_step(storage, args.step)
+    out = _storage(args, args.out)
+    out.makedirs("")
+    total = sum(c.byte_range[1] - c.byte_range[0] for r in manifest.tensors.values() for c in r.chunks)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"export step {manifest.step}", disable=args.no_progress) as bar:
+        weight_map = export_step(storage, manifest, out, max_shard_bytes=args.max_shard_size, progress=bar.update)
+    files = sorted(set(weight_map.values()))
+    print(f"exported step {manifest.step}: {len(weight_map)} tensors in {len(files)} file(s) to {out.display()}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from checkpoint.retention import delete_step
+
+    storage = _storage(args)
+    listing = list_steps(storage)
+    if args.step not in listing.committed and args.step not in listing.uncommitted:
+        raise CheckpointNotFoundError(f"no step {args.step} at {storage.display()} (steps: {sorted(listing.committed + listing.uncommitted)})")
+    good = latest_good_step(storage, listing=listing)
+    if args.step == good and not args.force:
+        print(
+            f"spotrun-ckpt: error: step {args.step} is the newest good committed step at {storage.display()}; "
+            f"deleting it loses the resume point. Pass --force to delete it anyway.",
+            file=sys.stderr,
+        )
+        return 1
+    delete_step(storage, args.step)
+    print(f"deleted step {args.step}")
+    return 0
+
+
+COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export, "rm": cmd_rm}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except CheckpointError as exc:
+        print(f"spotrun-ckpt: error: {exc}", file=sys.stderr)
+        for kind, code in EXIT_CODES:
+            if isinstance(exc, kind):
+                return code
+        return 1  # pragma: no cover
+    except KeyboardInterrupt:
+        print("spotrun-ckpt: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
