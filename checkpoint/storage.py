@@ -410,26 +410,23 @@ class _LocalAtomicSink:
 
 
 class _FsspecSink:
-    """Generic fsspec: the file becomes visible on close (memory://, gcs, ...)."""
+    """Generic fsspec (memory://, ...): buffer, then one ``pipe_file`` so the file appears whole or not at all
+    (memory://'s ``open("wb")`` would publish a growing file)."""
 
     def __init__(self, fs: Any, path: str) -> None:
         self.fs = fs
         self.path = path
-        self.f: Any = fs.open(path, "wb")
+        self.pieces: list[bytes] = []
 
     def write(self, data: memoryview | bytes) -> None:
-        self.f.write(bytes(data) if isinstance(data, memoryview) else data)
+        self.pieces.append(bytes(data))
 
     def commit(self) -> None:
-        self.f.close()
+        self.fs.pipe_file(self.path, b"".join(self.pieces))
+        self.pieces = []
 
     def abort(self) -> None:
-        discard = getattr(self.f, "discard", None)
-        if discard is not None:
-            try:
-                discard()
-            except Exception:  # noqa: BLE001 - best effort cleanup of a failed write
-                logger.debug("discard of %s failed", self.path, exc_info=True)
+        self.pieces = []
 
 
 class _S3MultipartSink:

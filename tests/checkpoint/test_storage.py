@@ -1,0 +1,136 @@
+"""Storage contract, run against every backend; retries and error conversion with injected faults."""
+
+from __future__ import annotations
+
+import errno
+from datetime import timedelta
+
+import pytest
+
+from checkpoint.api import CheckpointStorageError
+from checkpoint.storage import RetryPolicy, Storage, is_transient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def open_storage(backend, **kw) -> Storage:
+    return Storage(backend.uri, storage_options=backend.storage_options, multipart_chunk_bytes=5 << 20, **kw)
+
+
+def test_write_read_list_delete(backend) -> None:
+    s = open_storage(backend)
+    assert s.listdir("") == {}
+    s.write_bytes("a/b.bin", b"0123456789")
+    s.write_bytes("top", b"x")
+    assert s.exists("a/b.bin") and not s.exists("a/c.bin")
+    assert s.read_bytes("a/b.bin") == b"0123456789"
+    assert s.read_range("a/b.bin", 2, 5) == b"234"
+    assert s.read_range("a/b.bin", 8, 20) == b"89"  # short read at EOF: callers detect truncation
+    assert s.size("a/b.bin") == 10
+    assert s.listdir("") == {"a": ("directory", 0), "top": ("file", 1)}
+    assert s.listdir("a") == {"b.bin": ("file", 10)}
+    s.write_bytes("a/b.bin", b"new")  # replace is atomic
+    assert s.read_bytes("a/b.bin") == b"new"
+    s.rm("a", recursive=True)
+    s.rm("a/missing")  # missing is fine
+    assert not s.exists("a/b.bin")
+    assert list(s.listdir("")) == ["top"]
+
+
+def test_streamed_write_is_invisible_until_commit(backend) -> None:
+    s = open_storage(backend)
+    payload = bytes(range(256)) * (48 * 1024)  # 12 MiB: multipart (3 parts) on S3
+    sink = s.open_sink("big.bin")
+    for i in range(0, len(payload), 1 << 20):
+        sink.write(memoryview(payload)[i : i + (1 << 20)])
+    assert not s.exists("big.bin")
+    sink.commit()
+    assert s.size("big.bin") == len(payload)
+    assert s.read_range("big.bin", 5 << 20, (5 << 20) + 7) == payload[5 << 20 : (5 << 20) + 7]
+    aborted = s.open_sink("gone.bin")
+    aborted.write(payload)
+    aborted.abort()
+    assert not s.exists("gone.bin")
+    assert set(s.listdir("")) == {"big.bin"}  # no temp files left behind
+    s.close()
+
+
+def test_missing_file_error_names_path(backend) -> None:
+    s = open_storage(backend)
+    with pytest.raises(CheckpointStorageError, match=r"cannot read .*nope/missing\.bin") as exc:
+        s.read_bytes("nope/missing.bin")
+    assert "nope/missing.bin" in exc.value.path
+    assert isinstance(exc.value.__cause__, FileNotFoundError)
+
+
+def test_transient_errors_are_retried_with_injected_sleep(backend, monkeypatch) -> None:
+    slept: list[float] = []
+    s = open_storage(backend, retry=RetryPolicy(max_attempts=4, sleep=slept.append))
+    s.write_bytes("f", b"data")
+    calls = {"n": 0}
+    real = s._read_local if s.is_local else s.fs.cat_file
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] < 3:
+            raise ConnectionResetError(errno.ECONNRESET, "connection reset by peer")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(s, "_read_local", flaky) if s.is_local else monkeypatch.setattr(s.fs, "cat_file", flaky)
+    assert s.read_bytes("f") == b"data"
+    assert calls["n"] == 3 and len(slept) == 2
+
+
+def test_retries_stop_after_attempts_and_name_the_path(backend, monkeypatch) -> None:
+    slept: list[float] = []
+    s = open_storage(backend, retry=RetryPolicy(max_attempts=3, timeout=timedelta(seconds=30), sleep=slept.append))
+    calls = {"n": 0}
+
+    def down(*args, **kwargs):
+        calls["n"] += 1
+        raise TimeoutError("read timed out")
+
+    monkeypatch.setattr(s, "_read_local", down) if s.is_local else monkeypatch.setattr(s.fs, "cat_file", down)
+    with pytest.raises(CheckpointStorageError, match="cannot read .*/f: read timed out"):
+        s.read_bytes("f")
+    assert calls["n"] == 3 and len(slept) == 2
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.EROFS])
+def test_permanent_errors_are_not_retried(code) -> None:
+    assert not is_transient(OSError(code, "x"))
+    assert not is_transient(PermissionError(errno.EACCES, "denied"))
+    assert not is_transient(FileNotFoundError("NoSuchBucket"))
+    assert is_transient(ConnectionError("reset"))
+    assert is_transient(OSError(errno.EIO, "io"))
+
+
+def test_no_such_bucket_is_a_clear_storage_error(moto_endpoint) -> None:
+    from tests.checkpoint.conftest import s3_options
+
+    slept: list[float] = []
+    s = Storage(
+        "s3://no-such-bucket-spotrun/run",
+        storage_options=s3_options(moto_endpoint),
+        retry=RetryPolicy(sleep=slept.append),
+    )
+    with pytest.raises(CheckpointStorageError, match="cannot write s3://no-such-bucket-spotrun/run/x"):
+        s.write_bytes("x", b"data")
+    assert slept == []  # permanent: not retried
+
+
+def test_local_permission_denied_names_the_file(tmp_path) -> None:
+    import os
+
+    if os.geteuid() == 0:
+        # root ignores directory permissions; a read-only bind is not available in every sandbox
+        s = Storage(str(tmp_path))
+        (tmp_path / "dir").write_text("a file where a directory should be")
+        with pytest.raises(CheckpointStorageError, match=r"cannot write .*dir/x"):
+            s.write_bytes("dir/x", b"data")
+        return
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    with pytest.raises(CheckpointStorageError, match="Permission denied"):
+        Storage(str(ro)).write_bytes("x", b"data")
