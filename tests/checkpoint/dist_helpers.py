@@ -118,6 +118,22 @@ def _context() -> Any:
     return _CTX
 
 
+def shutdown_launcher() -> None:
+    """Stop the forkserver and the resource tracker this module started (the suite fails on leftovers).
+
+    Python has no public API for this; the private ``_stop`` methods close the pipe the helper process
+    waits on and ``waitpid`` it, which is exactly the reaping we need.
+    """
+    global _CTX
+    if _CTX is None:
+        return
+    from multiprocessing import forkserver, resource_tracker
+
+    forkserver._forkserver._stop()
+    resource_tracker._resource_tracker._stop()
+    _CTX = None
+
+
 def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, results: Any, args: tuple) -> None:
     import torch.distributed as dist
 
