@@ -1,0 +1,103 @@
+"""Two gloo ranks through the real Checkpointer: dedicated groups, balanced writers, rank-0 commit,
+all-or-nothing on a rank failure, and a resharded load at world size 1 (this process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoint.api import step_dir
+from checkpoint.checkpointer import Checkpointer
+from checkpoint.storage import Storage
+from tests.checkpoint.dist_helpers import run_workers, shutdown_launcher
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reap_launcher():
+    yield
+    shutdown_launcher()
+
+
+def full_values() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "sharded": torch.randn(10, 6, generator=g),
+        "rep_a": torch.randn(300, generator=g),
+        "rep_b": torch.randn(40, 5, generator=g),
+        "rep_c": torch.arange(77),
+    }
+
+
+def _worker(rank: int, world: int, uri: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import checkpoint.checkpointer as mod
+    from checkpoint.api import CheckpointError
+    from checkpoint.config import CheckpointConfig
+
+    mesh = init_device_mesh("cpu", (world,))
+    vals = full_values()
+    state = {
+        "sharded": distribute_tensor(vals["sharded"], mesh, [Shard(0)]),
+        **{k: v.clone() for k, v in vals.items() if k != "sharded"},
+        "meta": {"step": 1},
+    }
+    out: dict[str, Any] = {}
+    with Checkpointer(uri, CheckpointConfig(keep_last=3)) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+        out["latest"] = ckpt.latest()
+        # a failure on rank 1 only: nobody commits step 2 and every rank sees the error
+        real = mod.write_rank_files
+        if rank == 1:
+            def broken(*a: Any, **k: Any) -> Any:
+                raise OSError(28, "No space left on device (injected on rank 1)")
+
+            mod.write_rank_files = broken
+        ckpt.save(2, state)
+        try:
+            ckpt.wait()
+            out["error"] = None
+        except (CheckpointError, OSError) as exc:
+            out["error"] = str(exc)
+        mod.write_rank_files = real
+        out["latest_after_failure"] = ckpt.latest()
+        dist.barrier()
+        dst = {
+            "sharded": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)]),
+            "rep_a": torch.zeros(300),
+            "rep_b": torch.zeros(40, 5),
+            "rep_c": torch.zeros(77, dtype=torch.int64),
+            "meta": {},
+        }
+        out["loaded"] = ckpt.load(dst)
+        out["equal"] = all(
+            torch.equal(dst[k].full_tensor() if k == "sharded" else dst[k], vals[k]) for k in vals
+        ) and dst["meta"] == {"step": 1}
+    return out
+
+
+def test_two_ranks_save_commit_fail_and_reshard_to_one(tmp_path: Path) -> None:
+    uri = str(tmp_path / "run")
+    results = run_workers(_worker, 2, (uri,), tmpdir=str(tmp_path), timeout=90)
+    for rank, r in enumerate(results):
+        assert r["latest"] == 1, (rank, r)
+        assert r["error"] and "No space left on device" in r["error"], (rank, r)
+        assert r["latest_after_failure"] == 1 and r["loaded"] == 1 and r["equal"], (rank, r)
+    names = sorted(n for n in Storage(uri).listdir(step_dir(1)) if n.endswith(".safetensors"))
+    assert names == ["shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    vals = full_values()
+    dst = {k: torch.zeros_like(v) for k, v in vals.items()} | {"meta": {}}
+    with Checkpointer(uri) as ckpt:
+        assert ckpt.load(dst) == 1
+        manifest = __import__("checkpoint.discover", fromlist=["x"]).validate_step(ckpt.storage, 1)
+    assert manifest.world_size == 2 and len(manifest.tensors["sharded"].chunks) == 2
+    for k, v in vals.items():
+        assert torch.equal(dst[k], v), k
