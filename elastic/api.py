@@ -21,6 +21,9 @@ ENV_EVENTS_FILE = "SPOTRUN_EVENTS_FILE"
 #: Seconds a failed worker group with no restarts left waits for a peer-loss signal before giving up.
 ENV_PEER_LOSS_GRACE = "SPOTRUN_PEER_LOSS_GRACE"
 
+#: 1 (default) runs Python script workers forked from a torch-preloaded forkserver; 0 starts fresh interpreters.
+ENV_WARM_WORKERS = "SPOTRUN_WARM_WORKERS"
+
 #: Rendezvous backend spotrun uses when ``--rdzv-backend`` is not given (torchrun's is ``static``).
 DEFAULT_RDZV_BACKEND = "etcd-v3"
 

@@ -16,6 +16,8 @@ Differences from torchrun:
                                  (env ``SPOTRUN_STOP_GRACE``, default 3; torch uses 30).
   ``--peer-loss-grace SECONDS``  with no restarts left, how long a failed group waits for a lost-peer signal
                                  before giving up (env ``SPOTRUN_PEER_LOSS_GRACE``, default 5).
+  ``--[no-]warm-workers``        fork Python script workers from a torch-preloaded forkserver (env
+                                 ``SPOTRUN_WARM_WORKERS``, default on): a restart skips ``import torch``.
   ``--events-file PATH``         structured recovery events (env ``SPOTRUN_EVENTS_FILE``; default
                                  ``<log-dir>/events.jsonl``, or in torch's temporary log directory
                                  ``/tmp/torchelastic_*/events.jsonl`` when no ``--log-dir`` is given).
@@ -44,6 +46,7 @@ from elastic.api import (
     ENV_EVENTS_FILE,
     ENV_PEER_LOSS_GRACE,
     ENV_STOP_GRACE,
+    ENV_WARM_WORKERS,
     LaunchConfigError,
     RendezvousUnavailableError,
     StandaloneEtcdError,
@@ -53,6 +56,7 @@ from elastic.config import (
     default_events_file,
     default_peer_loss_grace,
     default_stop_grace,
+    default_warm_workers,
     parse_nnodes,
     parse_rdzv_conf,
 )
@@ -85,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--peer-loss-grace", "--peer_loss_grace", type=float, default=None,
                        help=f"With no restarts left, seconds a failed worker group waits for a lost-peer signal "
                             f"before failing the job (env {ENV_PEER_LOSS_GRACE}, default 5).")
+    group.add_argument("--warm-workers", "--warm_workers", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"Fork Python script workers from a forkserver that pre-imported torch, so restarts skip "
+                            f"the interpreter start (env {ENV_WARM_WORKERS}, default on; --no-warm-workers: plain "
+                            f"`python -u script` subprocesses like torchrun).")
     group.add_argument("--events-file", "--events_file", type=str, default=None,
                        help=f"JSON-lines recovery event log (env {ENV_EVENTS_FILE}; default <log root>/events.jsonl).")
     return parser
@@ -95,6 +103,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         stop_grace=default_stop_grace() if args.stop_grace is None else args.stop_grace,
         peer_loss_grace=default_peer_loss_grace() if args.peer_loss_grace is None else args.peer_loss_grace,
         events_file=args.events_file if args.events_file is not None else default_events_file(),
+        warm_workers=default_warm_workers() if args.warm_workers is None else args.warm_workers,
     )
 
 

@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from elastic.api import ENV_EVENTS_FILE, ENV_PEER_LOSS_GRACE, ENV_STOP_GRACE, LaunchConfigError
+from elastic.api import ENV_EVENTS_FILE, ENV_PEER_LOSS_GRACE, ENV_STOP_GRACE, ENV_WARM_WORKERS, LaunchConfigError
 
 
 @dataclass(kw_only=True, slots=True)
@@ -24,6 +24,10 @@ class AgentSettings:
     events_file: str | None = None
     """JSON-lines file for recovery events; ``None`` means ``<log root>/events.jsonl`` (the ``--log-dir``,
     or torch's temporary log directory when no ``--log-dir`` is given)."""
+
+    warm_workers: bool = True
+    """Run Python script workers in processes forked from a forkserver that pre-imported torch, so a
+    restart costs a fork instead of an interpreter start plus ``import torch`` (see ``elastic.workers``)."""
 
     def __post_init__(self) -> None:
         for name in ("stop_grace", "peer_loss_grace"):
@@ -54,6 +58,15 @@ def default_stop_grace() -> float:
 
 def default_peer_loss_grace() -> float:
     return env_float(ENV_PEER_LOSS_GRACE, 5.0)
+
+
+def default_warm_workers() -> bool:
+    raw = os.environ.get(ENV_WARM_WORKERS, "1").strip().lower()
+    if raw in {"1", "true", "yes", "on"}:
+        return True
+    if raw in {"0", "false", "no", "off"}:
+        return False
+    raise LaunchConfigError(f"environment variable {ENV_WARM_WORKERS}={raw!r} must be 1 or 0")
 
 
 def default_events_file() -> str | None:

@@ -10,8 +10,10 @@ the same root-cause summary (read from the failed worker's error file) and the p
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +31,7 @@ from elastic.agent import SpotrunAgent
 from elastic.api import DEFAULT_RDZV_BACKEND, LaunchConfigError, RendezvousUnavailableError
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
+from elastic.workers import start_warm_forkserver, warm_entrypoint
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,34 @@ def create_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler
         ) from exc
 
 
+def _maybe_warm(
+    config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: list[Any], settings: AgentSettings
+) -> tuple[Callable[..., Any] | str, list[Any]]:
+    """Switch a ``python -u script`` launch to warm workers (forkserver with torch preloaded) when enabled."""
+    if not settings.warm_workers:
+        return entrypoint, args
+    warm = warm_entrypoint(entrypoint, [str(a) for a in args])
+    if warm is None:
+        return entrypoint, args
+    config.start_method = "forkserver"
+    return warm
+
+
+def _preimport_log_formatter_dependencies() -> None:
+    """torch's log formatter (``TorchLogsFormatter``) imports ``torch._dynamo`` the first time it formats a
+    record with an exception, and torch logs a worker failure with ``logger.exception``: the first worker
+    crash would cost the agent 1.5-4 s of imports before it even starts recovering. Import it in a daemon
+    thread while the first rendezvous and worker start are under way."""
+
+    def preimport() -> None:
+        try:
+            importlib.import_module("torch._dynamo")
+        except Exception:  # only an optimisation
+            logger.debug("pre-importing torch._dynamo failed", exc_info=True)
+
+    threading.Thread(target=preimport, name="spotrun-preimport", daemon=True).start()
+
+
 def _leave_rendezvous(handler: RendezvousHandler) -> None:
     """On SIGTERM/SIGINT (e.g. spot preemption) give up this node's membership at once when the backend can
     (etcd-v3 ``leave()`` revokes the lease), so peers re-form now instead of after the lease TTL. Unlike
@@ -96,6 +127,7 @@ def launch(
         config.run_id = str(uuid.uuid4().int)
         logger.warning("config has no run_id, generated a random run_id: %s", config.run_id)
     entrypoint_name = _get_entrypoint_name(entrypoint, args)
+    entrypoint, args = _maybe_warm(config, entrypoint, args, settings)
 
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -142,6 +174,12 @@ def launch(
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
     )
+
+    _preimport_log_formatter_dependencies()
+    if config.start_method == "forkserver":
+        # After every env change the workers must inherit (OMP_NUM_THREADS, TORCHELASTIC_SIGNALS_TO_HANDLE),
+        # before the rendezvous, so importing torch in the forkserver overlaps with it.
+        start_warm_forkserver()
 
     shutdown_rdzv = True
     try:

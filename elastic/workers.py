@@ -17,6 +17,16 @@ thread, which is exactly that.
 
 Function entrypoints (``--run-path``) are started by multiprocessing; :class:`PdeathsigEntrypoint` applies the
 same two steps at the top of the child.
+
+Warm workers (spotrun default for Python scripts, ``--no-warm-workers`` to disable): instead of a fresh
+interpreter per worker (``python -u script.py``, which pays 1.5-3 s to import torch on every restart), the
+script runs as a function entrypoint (:class:`ScriptEntrypoint`, ``runpy`` like torchrun's ``--run-path``) in
+a process forked from a multiprocessing *forkserver* that imported torch (and torch._dynamo) once, at agent
+start, in parallel with the first rendezvous. Each restart then costs a fork. What differs from a cold
+``python -u script.py`` (documented trade-offs): the worker inherits the agent environment as of the
+forkserver start plus torch's per-worker variables (the same names and values, but variables read at
+``import torch`` time are fixed at agent start); stdin is not the agent's; ``sys.argv``/``__file__``/
+``__name__ == "__main__"`` are as for a script.
 """
 
 from __future__ import annotations
@@ -32,8 +42,15 @@ PR_SET_PDEATHSIG = 1
 ORPHANED_EXIT_CODE = 70
 
 
-def arm_parent_death_signal(expected_parent: int, sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send ``sig`` to this process when its parent dies; exit if it is already dead."""
+def arm_parent_death_signal(
+    expected_parent: int | None = None, *, agent_pid: int | None = None, sig: int = signal.SIGKILL
+) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies; exit if it is already dead.
+
+    ``expected_parent`` defaults to the current parent (read before arming); ``agent_pid`` is also checked
+    when the parent is an intermediary (the forkserver), which itself exits when the agent dies.
+    """
+    parent = os.getppid() if expected_parent is None else expected_parent
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -41,9 +58,19 @@ def arm_parent_death_signal(expected_parent: int, sig: int = signal.SIGKILL) -> 
         if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
             errno = ctypes.get_errno()
             raise OSError(errno, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno)}")
-    if os.getppid() != expected_parent:
+    if os.getppid() != parent or (agent_pid is not None and not _pid_exists(agent_pid)):
         # The agent died before the signal was armed (the worker was re-parented to init or a subreaper).
         os._exit(ORPHANED_EXIT_CODE)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def shim_command(entrypoint: str, args: tuple[Any, ...], agent_pid: int | None = None) -> tuple[str, tuple[Any, ...]]:
@@ -66,8 +93,64 @@ class PdeathsigEntrypoint:
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
     def __call__(self, *args: Any) -> Any:
-        arm_parent_death_signal(self.agent_pid)
+        # The parent is the agent (spawn) or the agent's forkserver (warm workers).
+        arm_parent_death_signal(agent_pid=self.agent_pid)
         return self.fn(*args)
+
+
+class ScriptEntrypoint:
+    """Run a Python script (or ``-m`` module) as ``python -u`` would, inside an already warm interpreter."""
+
+    def __init__(self, target: str, *, module: bool = False) -> None:
+        self.target = target
+        self.module = module
+        # torch names entrypoints after __name__ (events); the failure summary uses the launcher's name.
+        self.__name__ = target if module else os.path.basename(target)
+
+    def __call__(self, *args: str) -> None:
+        import runpy
+
+        for stream in (sys.stdout, sys.stderr):  # `python -u`: unbuffered, so logs interleave as they happen
+            reconfigure = getattr(stream, "reconfigure", None)
+            if reconfigure is not None:
+                reconfigure(line_buffering=True, write_through=True)
+        if self.module:
+            sys.argv = [self.target, *args]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(self.target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [self.target, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(self.target)))
+            runpy.run_path(self.target, run_name="__main__")
+
+
+def warm_entrypoint(cmd: Any, cmd_args: list[str], python: str = sys.executable) -> tuple[ScriptEntrypoint, list[str]] | None:
+    """Turn torchrun's ``python -u [-m] target args...`` into a warm entrypoint; None if it is not that shape
+    (``--no-python`` binaries, ``--run-path`` functions, other interpreters)."""
+    if not isinstance(cmd, str) or os.path.realpath(cmd) != os.path.realpath(python):
+        return None
+    rest = list(cmd_args)
+    if rest[:1] == ["-u"]:
+        rest = rest[1:]
+    module = rest[:1] == ["-m"]
+    if module:
+        rest = rest[1:]
+    if not rest or rest[0].startswith("-"):
+        return None
+    return ScriptEntrypoint(rest[0], module=module), rest[1:]
+
+
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+
+
+def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD) -> None:
+    """Start multiprocessing's forkserver now, importing ``preload`` in it, so that the first workers (and
+    every restarted one) are forked from a warm interpreter. Non-blocking: the imports overlap with the
+    rendezvous. The forkserver exits when the agent dies (its alive pipe hits EOF)."""
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(list(preload))
+    forkserver.ensure_running()
 
 
 def _shim_main(argv: list[str]) -> None:
