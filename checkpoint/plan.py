@@ -10,6 +10,7 @@ chunk. :func:`chunk_view` turns the bytes of such a range into a tensor view of 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -198,10 +199,10 @@ def _tiles_exactly(bounds: Box, boxes: Sequence[Box]) -> str | None:
             pts.add(b[d][0])
             pts.add(b[d][1])
         cuts.append(sorted(pts))
+    where = [{p: i for i, p in enumerate(c)} for c in cuts]
     grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
     for b in nonempty:
-        idx = tuple(slice(cuts[d].index(b[d][0]), cuts[d].index(b[d][1])) for d in range(ndim))
-        grid[idx] += 1
+        grid[tuple(slice(where[d][b[d][0]], where[d][b[d][1]]) for d in range(ndim))] += 1
     if (grid > 1).any():
         cell = tuple(int(i) for i in np.argwhere(grid > 1)[0])
         return "chunks overlap at element " + str(tuple(cuts[d][cell[d]] for d in range(ndim)))
@@ -217,17 +218,9 @@ def _validate_tensor(fqn: str, rec: TensorRecord, block_bytes: int) -> None:
     if any(s < 0 for s in shape):
         raise CorruptCheckpointError(f"tensor {fqn!r} has a negative dimension in shape {shape}", tensor=fqn)
     for chunk in rec.chunks:
+        _check_chunk(fqn, rec, chunk, esz)
         where = f"chunk offsets={chunk.offsets} lengths={chunk.lengths} of tensor {fqn!r} (file {chunk.file})"
-        if len(chunk.offsets) != len(shape) or len(chunk.lengths) != len(shape):
-            raise CorruptCheckpointError(f"{where} has the wrong rank for shape {shape}", tensor=fqn, file=chunk.file)
-        for o, n, s in zip(chunk.offsets, chunk.lengths, shape):
-            if o < 0 or n < 0 or o + n > s:
-                raise CorruptCheckpointError(f"{where} lies outside the tensor shape {shape}", tensor=fqn, file=chunk.file)
         nbytes = _volume(chunk.lengths) * esz
-        if len(chunk.byte_range) != 2 or chunk.byte_range[0] < 0 or chunk.byte_range[1] - chunk.byte_range[0] != nbytes:
-            raise CorruptCheckpointError(
-                f"{where} has byte_range {chunk.byte_range}, expected {nbytes} bytes", tensor=fqn, file=chunk.file
-            )
         n_blocks = -(-nbytes // block_bytes)
         if len(chunk.block_crc32) != n_blocks and not (nbytes == 0 and len(chunk.block_crc32) <= 1):
             raise CorruptCheckpointError(
@@ -284,6 +277,51 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
+class _ChunkIndex:
+    """Chunks of one tensor sorted by their dim-0 start, to find those overlapping a box in O(log n + k)."""
+
+    __slots__ = ("boxes", "chunks", "max_len0", "starts")
+
+    def __init__(self, fqn: str, rec: TensorRecord):
+        ndim = len(rec.shape)
+        for chunk in rec.chunks:
+            if len(chunk.offsets) != ndim or len(chunk.lengths) != ndim:
+                raise CorruptCheckpointError(
+                    f"chunk offsets={chunk.offsets} lengths={chunk.lengths} of tensor {fqn!r} has the wrong rank "
+                    f"for shape {rec.shape}",
+                    tensor=fqn,
+                    file=chunk.file,
+                )
+        self.boxes = sorted((_chunk_box(c), i) for i, c in enumerate(rec.chunks))
+        self.chunks = [rec.chunks[i] for _, i in self.boxes]
+        self.boxes = [b for b, _ in self.boxes]
+        self.starts = [b[0][0] if b else 0 for b in self.boxes]
+        self.max_len0 = max((b[0][1] - b[0][0] for b in self.boxes if b), default=0)
+
+    def overlapping(self, want: Box) -> Iterable[tuple[ChunkRecord, Box]]:
+        if not want:  # 0-dim: every chunk (there must be exactly one)
+            return zip(self.chunks, self.boxes)
+        lo, hi = want[0]
+        first = bisect.bisect_right(self.starts, lo - self.max_len0)
+        last = bisect.bisect_left(self.starts, hi)
+        return zip(self.chunks[first:last], self.boxes[first:last])
+
+
+def _check_chunk(fqn: str, rec: TensorRecord, chunk: ChunkRecord, esz: int) -> None:
+    """The per-chunk part of validate_tiling, for the chunks a load touches."""
+    where = f"chunk offsets={chunk.offsets} lengths={chunk.lengths} of tensor {fqn!r} (file {chunk.file})"
+    if len(chunk.offsets) != len(rec.shape) or len(chunk.lengths) != len(rec.shape):
+        raise CorruptCheckpointError(f"{where} has the wrong rank for shape {rec.shape}", tensor=fqn, file=chunk.file)
+    for o, n, s in zip(chunk.offsets, chunk.lengths, rec.shape):
+        if o < 0 or n < 0 or o + n > s:
+            raise CorruptCheckpointError(f"{where} lies outside the tensor shape {rec.shape}", tensor=fqn, file=chunk.file)
+    nbytes = _volume(chunk.lengths) * esz
+    if len(chunk.byte_range) != 2 or chunk.byte_range[0] < 0 or chunk.byte_range[1] - chunk.byte_range[0] != nbytes:
+        raise CorruptCheckpointError(
+            f"{where} has byte_range {chunk.byte_range}, expected {nbytes} bytes", tensor=fqn, file=chunk.file
+        )
+
+
 def plan_reads(manifest: Manifest, wanted: Sequence[TensorItem]) -> list[ReadRequest]:
     """For each wanted local piece, one ReadRequest per stored chunk that overlaps it.
 
@@ -295,25 +333,24 @@ def plan_reads(manifest: Manifest, wanted: Sequence[TensorItem]) -> list[ReadReq
     global shape or dtype differ from the live one; CorruptCheckpointError when the manifest's chunks do
     not cover the wanted piece exactly (hole or overlap).
     """
-    esz_cache: dict[str, int] = {}
+    indexes: dict[str, _ChunkIndex] = {}
     requests: list[ReadRequest] = []
     for item in wanted:
         fqn = item.key.fqn
         rec = _check_wanted(item, manifest.tensors.get(fqn))
-        esz = esz_cache.setdefault(rec.dtype, element_size(rec.dtype))
+        esz = element_size(rec.dtype)
         want_box: Box = tuple((int(o), int(o) + int(n)) for o, n in zip(item.key.offsets, item.key.lengths))
         if any(lo >= hi for lo, hi in want_box):
             continue  # an empty local shard needs nothing (a 0-dim box is never empty)
+        index = indexes.get(fqn)
+        if index is None:
+            index = indexes[fqn] = _ChunkIndex(fqn, rec)
         covered: list[Box] = []
-        for chunk in rec.chunks:
-            cbox = _chunk_box(chunk)
-            if len(cbox) != len(want_box):
-                raise CorruptCheckpointError(
-                    f"chunk offsets={chunk.offsets} of tensor {fqn!r} has the wrong rank", tensor=fqn, file=chunk.file
-                )
+        for chunk, cbox in index.overlapping(want_box):
             inter = _intersect(want_box, cbox)
             if inter is None:
                 continue
+            _check_chunk(fqn, rec, chunk, esz)
             covered.append(inter)
             src = tuple((lo - c0, hi - c0) for (lo, hi), (c0, _) in zip(inter, cbox))
             dst = tuple((lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(inter, want_box))

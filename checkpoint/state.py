@@ -192,6 +192,10 @@ def _adapters(state: Mapping[str, Any]) -> dict[str, Any]:
 def _tensor_item(fqn: str, t: torch.Tensor) -> TensorItem:
     from torch.distributed.tensor import DTensor
 
+    if type(t).__name__ == "ShardedTensor":
+        raise TypeError(
+            f"tensor {fqn!r} is a ShardedTensor (FSDP1/old TP); only DTensor sharding is supported: use fully_shard (FSDP2)"
+        )
     if t.layout != torch.strided:
         raise TypeError(f"tensor {fqn!r} has layout {t.layout}; only dense (strided) tensors can be checkpointed")
     if t.is_meta:
@@ -356,20 +360,23 @@ def _rebuild(skel: JSON, live: Any, path: str, loaded: Mapping[str, torch.Tensor
 
 
 def _as_live(fqn: str, local: torch.Tensor, live: Any) -> torch.Tensor:
-    """Wrap a loaded local piece like the live tensor it replaces (a DTensor keeps mesh and placements)."""
+    """The live tensor holding the loaded piece: copied in place unless the reader already wrote there.
+
+    Keeping the live objects (parameters, DTensors, optimizer state) means every reference the caller
+    holds sees the loaded values, and a DTensor keeps its mesh and placements.
+    """
     from torch.distributed.tensor import DTensor
 
-    if isinstance(live, DTensor):
-        if local is live.to_local() or local.data_ptr() == live.to_local().data_ptr():
-            return live  # the reader wrote straight into the live shard
-        return DTensor.from_local(
-            local, live.device_mesh, live.placements, run_check=False, shape=live.shape, stride=live.stride()
-        )
-    if isinstance(live, torch.Tensor) and tuple(live.shape) != tuple(local.shape):
+    if not isinstance(live, torch.Tensor):
+        return local  # the live state has no tensor here (e.g. a Stateful that builds its dict lazily)
+    target = live.to_local() if isinstance(live, DTensor) else live
+    if tuple(target.shape) != tuple(local.shape):
         raise IncompatibleCheckpointError(
-            f"tensor {fqn!r} was loaded with shape {tuple(local.shape)} but the live tensor has {tuple(live.shape)}"
+            f"tensor {fqn!r} was loaded with shape {tuple(local.shape)} but the live piece has {tuple(target.shape)}"
         )
-    return local
+    if target.numel() and (target.data_ptr() != local.data_ptr() or target.stride() != local.stride()):
+        target.detach().copy_(local)
+    return live
 
 
 def _loaded_tensors(flat: FlatState) -> dict[str, torch.Tensor]:
@@ -449,8 +456,8 @@ def apply(state: Mapping[str, Any], flat: FlatState) -> None:
             value = _rebuild(skel, adapter, key, loaded)
             if not isinstance(value, torch.Tensor):
                 raise IncompatibleCheckpointError(f"{key!r} is a tensor in the live state but not in the checkpoint")
-            if value.data_ptr() != adapter.data_ptr() or value.numel() != adapter.numel():
-                adapter.copy_(value)
+            if value is not adapter:  # _rebuild copies into the live tensor and returns it
+                raise IncompatibleCheckpointError(f"{key!r}: loaded tensor could not be placed into the live tensor")
         else:
             _assign(state, key, adapter, _rebuild(skel, adapter, key, loaded))
     logger.debug("apply: restored %d top-level keys, %d tensors", len(state), len(loaded))

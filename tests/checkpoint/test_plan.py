@@ -336,3 +336,58 @@ def test_chunk_view_rejects_bad_ranges():
         chunk_view(buf, torch.float32, (4,), 0, (2, 10), ((1, 3),))
     with pytest.raises(ValueError, match="end after"):
         chunk_view(buf, torch.float32, (4,), 0, (0, 8), ((1, 3),))
+
+
+def grid_manifest(t: torch.Tensor, row_parts: int, col_parts: int) -> tuple[Manifest, dict[str, bytes]]:
+    """Store a 2-D tensor as a row_parts x col_parts grid of chunks (2-D sharding, e.g. FSDP x TP)."""
+    blob = bytearray()
+    rec = TensorRecord(shape=list(t.shape), dtype=dtype_to_st(t.dtype))
+    for (r0, rn), (c0, cn) in itertools.product(split(t.shape[0], row_parts), split(t.shape[1], col_parts)):
+        if rn == 0 or cn == 0:
+            continue
+        data = t[r0 : r0 + rn, c0 : c0 + cn].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        rec.chunks.append(ChunkRecord(offsets=[r0, c0], lengths=[rn, cn], file="g", key="t", byte_range=[len(blob), len(blob) + len(data)], block_crc32=[0] * (-(-len(data) // 16))))
+        blob += data
+    m = Manifest(step=1, world_size=row_parts * col_parts, created_unix=0, library_version="t", tensors={"t": rec}, files={}, checksum_block_bytes=16)
+    return m, {"g": bytes(blob)}
+
+
+@pytest.mark.parametrize("rows,cols", [(3, 2), (1, 4), (4, 3)])
+def test_plan_reads_from_2d_grid_chunks(rows, cols):
+    t = torch.randn(13, 9, generator=torch.Generator().manual_seed(2))
+    manifest, files = grid_manifest(t, rows, cols)
+    validate_tiling(manifest)
+    for dim, parts in ((0, 5), (1, 2), (0, 1)):
+        for off, n in split(t.shape[dim], parts):
+            w = wanted_piece("t", t, dim, off, n)
+            execute(manifest, files, [w])
+            assert torch.equal(w.tensor, t.narrow(dim, off, n))
+
+
+def test_plan_reads_rejects_bad_byte_range_without_validate_tiling():
+    manifest, _ = sharded_manifest({"w": torch.zeros(4, 2)}, 2)
+    manifest.tensors["w"].chunks[1].byte_range = [0, 4]
+    whole = TensorItem(key=key("w", (0, 0), (4, 2)), global_shape=(4, 2), dtype="F32", tensor=torch.zeros(4, 2), replicated=True)
+    with pytest.raises(CorruptCheckpointError, match="'w'.*byte_range"):
+        plan_reads(manifest, [whole])
+
+
+@pytest.mark.timeout(30)
+def test_planner_scales_to_many_ranks_and_tensors():
+    # 512 ranks x 200 tensors row-sharded, loaded at 384 ranks: one rank's plan must stay cheap.
+    saved, loaded, rows = 512, 384, 4096
+    tensors = {}
+    for i in range(200):
+        rec = TensorRecord(shape=[rows, 8], dtype="BF16")
+        for r, (off, n) in enumerate(split(rows, saved)):
+            rec.chunks.append(ChunkRecord(offsets=[off, 0], lengths=[n, 8], file=f"f{r}", key=f"t{i}", byte_range=[0, n * 16], block_crc32=[0]))
+        tensors[f"t{i}"] = rec
+    m = Manifest(step=1, world_size=saved, created_unix=0, library_version="t", tensors=tensors, files={}, checksum_block_bytes=1 << 20)
+    validate_tiling(m)
+    off, n = split(rows, loaded)[100]
+    wanted = [TensorItem(key=key(f"t{i}", (off, 0), (n, 8)), global_shape=(rows, 8), dtype="BF16", tensor=torch.zeros(n, 8, dtype=torch.bfloat16), replicated=False) for i in range(200)]
+    reqs = plan_reads(m, wanted)
+    assert sum(r.read_range[1] - r.read_range[0] for r in reqs) == n * 16 * 200
+    items = [[(key(f"t{i}", (o, 0), (k, 8)), k * 16, False) for i in range(200)] for o, k in split(rows, saved)]
+    plan = assign_writers(items)
+    assert all(len(p) == 200 for p in plan)

@@ -189,3 +189,28 @@ def test_apply_errors_on_missing_or_mismatched_entries():
         apply({"model": model, "extra": 3}, flat)
     with pytest.raises(IncompatibleCheckpointError, match="'model.0.weight'.*no tensor"):
         apply({"model": model}, FlatState(items=[], objects=flat.objects))
+
+
+def test_apply_copies_fresh_buffers_into_the_live_objects():
+    src_model = make_model(0)
+    src_optim = torch.optim.AdamW(src_model.parameters(), lr=1e-2)
+    train_step(src_model, src_optim, 0)
+    src = flatten({"model": src_model, "optim": src_optim, "t": torch.arange(4.0)})
+
+    model = make_model(3)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    live_t = torch.zeros(4)
+    state = {"model": model, "optim": optim, "t": live_t}
+    params_before = [id(p) for p in model.parameters()]
+    dst = flatten(state)
+    by_fqn = {i.key.fqn: i.tensor for i in src.items}
+    # A reader that fills fresh buffers instead of the aliased live tensors.
+    for item in dst.items:
+        item.tensor = by_fqn[item.key.fqn].clone()
+    apply(state, FlatState(items=dst.items, objects=src.objects))
+    assert [id(p) for p in model.parameters()] == params_before
+    assert state["t"] is live_t and torch.equal(live_t, torch.arange(4.0))
+    for p_src, p in zip(src_model.parameters(), model.parameters()):
+        assert torch.equal(p_src, p)
+        for k, v in src_optim.state[p_src].items():
+            assert torch.equal(v, optim.state[p][k]), k
