@@ -1,7 +1,8 @@
 """Save at world size 4, load at 1, 2, 3 and 5: DDP and FSDP2 (``fully_shard``) models with AdamW state.
 
-One checkpoint holds both a DDP model and an FSDP2 model (each with its optimizer, paired explicitly with
-``ModelOptimizer``), a Stateful counter and the RNG state. The save phase also records the full tensors
+One checkpoint holds a DDP model, an FSDP2 model and an HSDP model (FSDP2 on a 2x2 (replicate, shard)
+mesh), each with its AdamW paired explicitly by ``ModelOptimizer``, a Stateful of hand-placed DTensors
+(column-sharded at save, row-sharded at load; replicated; bf16), a Stateful counter and the RNG state. The save phase also records the full tensors
 (rank 0, safetensors) and the losses of the next training step; every load phase checks the loaded
 tensors bit for bit against them and that the next step gives the same losses. At world size 3 the two
 models swap parallelism (the FSDP2 checkpoint goes into a DDP model and vice versa).
@@ -61,6 +62,28 @@ class Counter:
         self.step, self.history = int(sd["step"]), list(sd["history"])
 
 
+class DTensorBag:
+    """A Stateful holding hand-placed DTensors: column-sharded (TP-like), replicated and bf16 row-sharded."""
+
+    def __init__(self, seed: int, col_sharded: bool) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        g = torch.Generator().manual_seed(seed)
+        self.tensors = {
+            "cols": distribute_tensor(torch.randn(6, 11, generator=g), mesh, [Shard(1) if col_sharded else Shard(0)]),
+            "rep": distribute_tensor(torch.randn(5, generator=g), mesh, [Replicate()]),
+            "half": distribute_tensor(torch.randn(7, 3, generator=g).to(torch.bfloat16), mesh, [Shard(0)]),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.tensors)
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        assert all(sd[k] is v for k, v in self.tensors.items()), "apply must hand back the live DTensors"
+
+
 def build(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     net = Net()
@@ -69,7 +92,11 @@ def build(kind: str, seed: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if kind == "hsdp":  # mesh (replicate, shard): each shard is held by two ranks
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for layer in (net.inp, net.norm, net.out):
         fully_shard(layer, mesh=mesh)
     return fully_shard(net, mesh=mesh)
@@ -100,20 +127,19 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> flo
     return loss
 
 
-def make_state(ddp_kind: str, fsdp_kind: str, seed: int, lr: float = 0.05) -> tuple[dict[str, Any], dict[str, Any]]:
+MODEL_KEYS = ("ddp", "fsdp", "hsdp")
+
+
+def make_state(kinds: tuple[str, str, str], seed: int, lr: float = 0.05) -> tuple[dict[str, Any], dict[str, Any]]:
     from checkpoint.state import ModelOptimizer, RNGState
 
-    models = {"ddp": build(ddp_kind, seed), "fsdp": build(fsdp_kind, seed + 1)}
+    models = {key: build(kind, seed + i) for i, (key, kind) in enumerate(zip(MODEL_KEYS, kinds))}
     betas = (0.9, 0.99) if lr == 0.05 else (0.5, 0.5)
     optims = {k: torch.optim.AdamW(m.parameters(), lr=lr, betas=betas, weight_decay=0.01) for k, m in models.items()}
-    state = {
-        "ddp": models["ddp"],
-        "ddp_optim": ModelOptimizer(models["ddp"], optims["ddp"]),
-        "fsdp": models["fsdp"],
-        "fsdp_optim": ModelOptimizer(models["fsdp"], optims["fsdp"]),
-        "trainer": Counter(),
-        "rng": RNGState(),
-    }
+    state: dict[str, Any] = {"trainer": Counter(), "rng": RNGState(), "dt": DTensorBag(seed, col_sharded=kinds[2] == "hsdp")}
+    for key in MODEL_KEYS:
+        state[key] = models[key]
+        state[f"{key}_optim"] = ModelOptimizer(models[key], optims[key])
     return state, {"models": models, "optims": optims}
 
 
@@ -133,11 +159,10 @@ def _full(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 def full_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     from checkpoint.state import ModelOptimizer
 
-    out: dict[str, torch.Tensor] = {}
-    for key in ("ddp", "fsdp", "ddp_optim", "fsdp_optim"):
-        value = state[key]
-        sd = value.state_dict() if isinstance(value, ModelOptimizer) else _model_sd(value)
-        out.update(_full(sd if not isinstance(value, ModelOptimizer) else sd["state"], key))
+    out: dict[str, torch.Tensor] = dict(_full(state["dt"].state_dict(), "dt"))
+    for key in MODEL_KEYS:
+        out.update(_full(_model_sd(state[key]), key))
+        out.update(_full(state[f"{key}_optim"].state_dict()["state"], f"{key}_optim"))
     return out
 
 
@@ -153,9 +178,9 @@ def save_phase(rank: int, world: int, root: str) -> dict[str, Any]:
 
     from checkpoint import CheckpointConfig, Checkpointer
 
-    state, parts = make_state("ddp", "fsdp", seed=0)
+    state, parts = make_state(("ddp", "fsdp", "hsdp"), seed=0)
     for step in range(1, SAVED_STEP + 1):
-        for k in ("ddp", "fsdp"):
+        for k in MODEL_KEYS:
             state["trainer"].history.append(train_step(parts["models"][k], parts["optims"][k], step))
         state["trainer"].step = step
     torch.manual_seed(4242)
@@ -166,12 +191,17 @@ def save_phase(rank: int, world: int, root: str) -> dict[str, Any]:
         ckpt.wait()
     if rank == 0:
         save_file({k: v.contiguous() for k, v in reference.items()}, os.path.join(root, "reference.safetensors"))
+    return {"losses": next_step_losses(parts), "rng": rng_after_save.tolist()[:16]}
+
+
+def next_step_losses(parts: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Loss of the next training step, and the loss right after it (depends on the optimizer state)."""
     losses = {}
-    for k in ("ddp", "fsdp"):
+    for k in MODEL_KEYS:
         first = train_step(parts["models"][k], parts["optims"][k], SAVED_STEP + 1)
         after = global_loss(parts["models"][k], SAVED_STEP + 2, backward=False)
         losses[k] = (first, after)
-    return {"losses": losses, "rng": rng_after_save.tolist()[:16]}
+    return losses
 
 
 def load_phase(rank: int, world: int, root: str, swap: bool) -> dict[str, Any]:
@@ -179,9 +209,10 @@ def load_phase(rank: int, world: int, root: str, swap: bool) -> dict[str, Any]:
 
     from checkpoint import CheckpointConfig, Checkpointer
 
-    kinds = ("fsdp", "ddp") if swap else ("ddp", "fsdp")
+    # The HSDP checkpoint loads into plain FSDP2; at world 3 the DDP and FSDP2 checkpoints swap parallelism.
+    kinds = ("fsdp", "ddp", "fsdp") if swap else ("ddp", "fsdp", "fsdp")
     # Different seed and hyper-parameters: everything must come from the checkpoint.
-    state, parts = make_state(*kinds, seed=100 + world, lr=0.7)
+    state, parts = make_state(kinds, seed=100 + world, lr=0.7)
     with Checkpointer(os.path.join(root, "ckpt"), CheckpointConfig(writer_threads=1)) as ckpt:
         step = ckpt.load(state)
     rng = torch.get_rng_state()[:16].tolist()
@@ -193,11 +224,7 @@ def load_phase(rank: int, world: int, root: str, swap: bool) -> dict[str, Any]:
         mismatched = [
             k for k, v in reference.items() if v.dtype != loaded[k].dtype or not torch.equal(v, loaded[k])
         ]
-    losses = {}
-    for k in ("ddp", "fsdp"):
-        first = train_step(parts["models"][k], parts["optims"][k], SAVED_STEP + 1)
-        after = global_loss(parts["models"][k], SAVED_STEP + 2, backward=False)
-        losses[k] = (first, after)
+    losses = next_step_losses(parts)
     trainer = state["trainer"]
     return {
         "step": step,
@@ -205,8 +232,8 @@ def load_phase(rank: int, world: int, root: str, swap: bool) -> dict[str, Any]:
         "losses": losses,
         "trainer": (trainer.step, len(trainer.history)),
         "rng": rng,
-        "lr": [parts["optims"][k].param_groups[0]["lr"] for k in ("ddp", "fsdp")],
-        "betas": [parts["optims"][k].param_groups[0]["betas"] for k in ("ddp", "fsdp")],
+        "lr": [parts["optims"][k].param_groups[0]["lr"] for k in MODEL_KEYS],
+        "betas": [parts["optims"][k].param_groups[0]["betas"] for k in MODEL_KEYS],
     }
 
 
@@ -222,9 +249,9 @@ def test_save_at_4_load_at_1_2_3_5(tmp_path):
             where = f"world {world} rank {rank}"
             assert res["step"] == SAVED_STEP, where
             assert res["mismatched"] == [], f"{where}: tensors differ after load: {res['mismatched']}"
-            assert res["trainer"] == (SAVED_STEP, 2 * SAVED_STEP), where
+            assert res["trainer"] == (SAVED_STEP, len(MODEL_KEYS) * SAVED_STEP), where
             assert res["rng"] == saved[0]["rng"], f"{where}: RNG state not restored"
-            assert res["lr"] == [0.05, 0.05] and res["betas"] == [(0.9, 0.99), (0.9, 0.99)], where
+            assert res["lr"] == [0.05] * 3 and res["betas"] == [(0.9, 0.99)] * 3, where
             for k, (first, after) in res["losses"].items():
                 ref_first, ref_after = ref_losses[k]
                 # Same parameters and optimizer state; only the order of the cross-rank sums differs.
