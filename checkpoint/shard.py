@@ -293,14 +293,65 @@ def apply_read(
     verify: bool,
 ) -> int:
     """Execute one ReadRequest into the destination piece ``dst``; returns bytes read."""
+    index = tuple(slice(a, b) for a, b in req.dst_slices)
+    target = dst[index] if index else dst
+    if _can_read_direct(req, target, block_bytes, verify):
+        return _read_direct(storage, f"{step_rel}/{req.file}", req, target, block_bytes, verify)
     data, start = verified_range(storage, step_rel, req, block_bytes, verify)
     raw = bytes_as_tensor(data, "U8")
     lo, hi = req.read_range
     src = chunk_view(raw[lo - start : hi - start], req.dtype, req.chunk_lengths, req.chunk_byte_range[0], req.read_range, req.src_slices)
-    index = tuple(slice(a, b) for a, b in req.dst_slices)
-    target = dst[index] if index else dst
     target.copy_(src.reshape(target.shape) if src.shape != target.shape else src)
     return len(data)
+
+
+def _can_read_direct(req: ReadRequest, target: torch.Tensor, block_bytes: int, verify: bool) -> bool:
+    """True when the stored bytes can land in ``target`` as they are (no bounce buffer, one copy).
+
+    ``read_range`` is minimal, so when its length equals the target's bytes the source elements are
+    contiguous in the file and in the same order as in a contiguous target.
+    """
+    lo, hi = req.read_range
+    if target.device.type != "cpu" or not target.is_contiguous() or hi - lo != target.numel() * target.element_size():
+        return False
+    if verify:
+        cstart, cend = req.chunk_byte_range
+        return (lo - cstart) % block_bytes == 0 and (hi == cend or (hi - cstart) % block_bytes == 0)
+    return True
+
+
+def _read_direct(
+    storage: Storage, path: str, req: ReadRequest, target: torch.Tensor, block_bytes: int, verify: bool
+) -> int:
+    lo, hi = req.read_range
+    out = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    got = storage.read_into(path, lo, out)
+    if got != hi - lo:
+        raise CorruptCheckpointError(
+            f"shard {storage.display(path)} is truncated: tensor {req.fqn!r} needs bytes [{lo}, {hi}) but only "
+            f"{got} could be read",
+            file=req.file,
+            tensor=req.fqn,
+        )
+    if verify:
+        first = (lo - req.chunk_byte_range[0]) // block_bytes
+        if first + -(-(hi - lo) // block_bytes) > len(req.block_crc32):
+            raise CorruptCheckpointError(
+                f"manifest lists {len(req.block_crc32)} checksum blocks for tensor {req.fqn!r} in "
+                f"{storage.display(path)}, fewer than its size needs",
+                file=req.file,
+                tensor=req.fqn,
+            )
+        for i, start in enumerate(range(0, hi - lo, block_bytes)):
+            block = out[start : start + block_bytes]
+            if zlib.crc32(block) != req.block_crc32[first + i]:
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in {storage.display(path)} for tensor {req.fqn!r} "
+                    f"(block {first + i}, bytes [{lo + start}, {lo + start + len(block)}))",
+                    file=req.file,
+                    tensor=req.fqn,
+                )
+    return got
 
 
 def read_requests(

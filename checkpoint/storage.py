@@ -252,6 +252,25 @@ class Storage:
             return self._call("read", rel, self._read_local, rel, start, end)
         return self._call("read", rel, self.fs.cat_file, self.full(rel), start=start, end=end)
 
+    def read_into(self, rel: str, start: int, out: memoryview) -> int:
+        """Read ``len(out)`` bytes of ``rel`` from ``start`` straight into ``out``; returns bytes read."""
+        if self.is_local:
+            return self._call("read", rel, self._read_into_local, rel, start, out)
+        data = self.read_range(rel, start, start + len(out))
+        out[: len(data)] = data
+        return len(data)
+
+    def _read_into_local(self, rel: str, start: int, out: memoryview) -> int:
+        with open(self.full(rel), "rb", buffering=0) as f:
+            f.seek(start)
+            got = 0
+            while got < len(out):
+                n = f.readinto(out[got:])
+                if not n:
+                    break
+                got += n
+            return got
+
     def _read_local(self, rel: str, start: int, end: int | None) -> bytes:
         with open(self.full(rel), "rb", buffering=0) as f:
             if end is None:
@@ -265,7 +284,7 @@ class Storage:
                 if not n:
                     break
                 got += n
-            return bytes(buf) if got == len(buf) else bytes(buf[:got])
+            return buf if got == len(buf) else buf[:got]  # bytearray: no extra copy
 
     # ------------------------------------------------------------------ writes
     def makedirs(self, rel: str) -> None:
