@@ -140,14 +140,14 @@ class EtcdConnection:
             cause = exc.last_attempt.exception()
             raise RendezvousConnectionError(
                 f"{self._context()}etcd at {self.config.endpoint_str} unreachable for {limit:.0f} s "
-                f"while trying to {what}: {_describe(cause)}. Check that etcd is running and "
+                f"while trying to {what}: {describe(cause)}. Check that etcd is running and "
                 f"reachable, or raise etcd_timeout in --rdzv-conf."
             ) from cause
         except (grpc.RpcError, Etcd3Exception, ValueError) as exc:
             if isinstance(exc, ValueError) and not is_transient(exc):
                 raise
             raise RendezvousConnectionError(
-                f"{self._context()}etcd at {self.config.endpoint_str} refused to {what}: {_describe(exc)}"
+                f"{self._context()}etcd at {self.config.endpoint_str} refused to {what}: {describe(exc)}"
             ) from exc
         except OSError as exc:  # unreadable TLS files
             raise RendezvousConnectionError(
@@ -165,7 +165,7 @@ class EtcdConnection:
                 what,
                 state.attempt_number,
                 state.seconds_since_start,
-                _describe(exc),
+                describe(exc),
             )
 
         return before_sleep
@@ -226,7 +226,7 @@ class WatchCanceledError(Etcd3Exception):
     """etcd canceled the watch (compaction or server-side cancel); resync from a fresh read."""
 
 
-def _describe(exc: BaseException | None) -> str:
+def describe(exc: BaseException | None) -> str:
     if exc is None:
         return "unknown error"
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):

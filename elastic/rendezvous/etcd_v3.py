@@ -35,7 +35,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
+
+import grpc
 
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
@@ -56,17 +58,28 @@ from .api import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from .etcd_client import EtcdConnection, WatchCanceledError, is_transient, prefix_end
+from .etcd_client import EtcdConnection, WatchCanceledError, describe, is_transient, prefix_end
 from .state import Action, Decision, RoundRecord, Snapshot, decide, membership
 from .store import EtcdV3Store
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STORE_TIMEOUT = timedelta(seconds=60)
 """Default timeout of the agents' store (torch's c10d backend uses 60 s too); barriers set their own."""
 
 _SAFETY_RECHECK_S = 2.0
 """Longest a waiting loop sleeps without a mirror change; only a backstop, wake-ups come from the watch."""
+
+
+def _is_lease_not_found(exc: BaseException | None) -> bool:
+    return (
+        isinstance(exc, grpc.RpcError)
+        and hasattr(exc, "code")
+        and exc.code() == grpc.StatusCode.NOT_FOUND
+        and "lease not found" in (exc.details() or "")
+    )
 
 
 def _default_node_id() -> str:
@@ -155,6 +168,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._unreachable_since: float | None = None
         self._released = False
         self._start_lock = threading.Lock()
+        self._lease_lock = threading.Lock()
 
     # ================================================================== torch interface
     def get_backend(self) -> str:
@@ -191,6 +205,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         target = (committed.number if committed else 0) + 1
         last_call: float | None = None
         joined_target: tuple[int, int | None] | None = None  # (round, lease) of our last join write
+        committed_mod: int | None = None  # round-key revision our last successful commit replaced
         previous: Action | None = None
         log.info("%sjoining round %d (min=%d max=%d)", self._ctx(), target, self._config.min_nodes, self._config.max_nodes)
         while True:
@@ -205,6 +220,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 action = decision.action
                 if action is Action.JOIN and joined_target == (target, self._lease_id):
                     action = Action.WAIT  # our write is not in the mirror yet
+                if action is Action.COMMIT and committed_mod == seen_mod:
+                    action = Action.WAIT  # our commit is not in the mirror yet
                 if action in (Action.WAIT, Action.SPARE):
                     self._cond.wait(self._wait_time(decision))
                     continue
@@ -231,7 +248,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 if self._write_join(target, seen_mod):
                     joined_target = (target, self._lease_id)
             elif action is Action.COMMIT:
-                self._commit(target, decision.participants, seen_mod)
+                if self._commit(target, decision.participants, seen_mod):
+                    committed_mod = seen_mod
 
     def is_closed(self) -> bool:
         self._ensure_connected()
@@ -387,16 +405,38 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         value = json.dumps({"seq": self._seq, "addr": self._addr})
         with self._cond:
             self._joining = target
-            lease = self._lease_id
-        ok, _ = conn.call(
-            f"join round {target}",
-            lambda: conn.client.transaction(
-                compare=[tx.mod(self._round_key) == seen_mod], success=[tx.put(key, value, lease=lease)], failure=[]
-            ),
-        )
-        return bool(ok)
 
-    def _commit(self, target: int, participants: tuple[str, ...], seen_mod: int) -> None:
+        def put_join() -> bool:
+            lease = self._lease_id
+            ok, _ = conn.call(
+                f"join round {target}",
+                lambda: conn.client.transaction(
+                    compare=[tx.mod(self._round_key) == seen_mod], success=[tx.put(key, value, lease=lease)], failure=[]
+                ),
+            )
+            return bool(ok)
+
+        return self._with_live_lease(put_join)
+
+    def _with_live_lease(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (which writes under our lease); if etcd says the lease is gone, re-register and rerun once."""
+        lease = self._lease_id
+        try:
+            return fn()
+        except RendezvousConnectionError as exc:
+            if not _is_lease_not_found(exc.__cause__):
+                raise
+            log.warning("%slease %x is gone (expired or revoked); re-registering", self._ctx(), lease or 0)
+            self._renew_lease(lease)
+            return fn()
+
+    def _renew_lease(self, stale_lease: int | None) -> None:
+        """Re-register unless another thread already replaced ``stale_lease``."""
+        with self._lease_lock:
+            if self._lease_id == stale_lease:
+                self._register(self._require_conn())
+
+    def _commit(self, target: int, participants: tuple[str, ...], seen_mod: int) -> bool:
         conn = self._require_conn()
         tx = conn.client.transactions
         record = {
@@ -424,6 +464,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             log.info("%scommitted round %d with %d nodes: %s", self._ctx(), target, len(participants), ", ".join(participants))
         else:
             log.info("%scommit of round %d lost a race (state moved); re-deciding", self._ctx(), target)
+        return bool(ok)
 
     # ================================================================== start-up
     def _require_conn(self) -> EtcdConnection:
@@ -616,7 +657,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._note_etcd_ok()
                 if ttl <= 0:
                     log.warning("%slease %x expired (etcd unreachable for > %d s?); re-registering", self._ctx(), lease, self._config.lease_ttl)
-                    self._register(conn)
+                    self._renew_lease(lease)
             except RendezvousConnectionError as exc:
                 self._note_etcd_failure(exc)
             except Exception as exc:  # noqa: BLE001 (keep refreshing; classify below)
@@ -636,13 +677,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         now = self._clock()
         if self._unreachable_since is None:
             self._unreachable_since = now
-            log.warning("%setcd at %s unreachable: %s", self._ctx(), self._config.endpoint_str, exc)
+            log.warning("%setcd at %s unreachable: %s", self._ctx(), self._config.endpoint_str, describe(exc))
             return
         if now - self._unreachable_since > self._config.etcd_timeout and self._fatal is None:
             with self._cond:
                 self._fatal = RendezvousConnectionError(
                     f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for more than "
-                    f"etcd_timeout={self._config.etcd_timeout:.0f} s (last error: {exc}); giving up"
+                    f"etcd_timeout={self._config.etcd_timeout:.0f} s (last error: {describe(exc)}); giving up"
                 )
                 self._cond.notify_all()
             log.error("%s%s", self._ctx(), self._fatal)

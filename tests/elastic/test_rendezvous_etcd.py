@@ -1,0 +1,311 @@
+"""EtcdV3RendezvousHandler against a real etcd: rounds, loss, growth, spares, isolation, outages."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousInfo
+
+from elastic.etcd_server import EmbeddedEtcd
+from elastic.rendezvous.api import (
+    EtcdRendezvousConfig,
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
+from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
+
+LEASE_TTL = 1
+# Loss is seen when etcd expires the lease: TTL plus etcd's expiry scan (<= 0.5 s) plus slack for a
+# shared 2-core machine.
+LOSS_BOUND_S = LEASE_TTL + 2.5
+
+
+def make_config(endpoint: str, *, run_id: str = "job", min_nodes: int = 1, max_nodes: int = 3, **kw: Any) -> EtcdRendezvousConfig:
+    host, port = endpoint.rsplit(":", 1)
+    kw.setdefault("lease_ttl", LEASE_TTL)
+    kw.setdefault("join_timeout", 30.0)
+    kw.setdefault("last_call_timeout", 0.3)
+    kw.setdefault("etcd_timeout", 10.0)
+    return EtcdRendezvousConfig(
+        run_id=run_id, endpoints=((host, int(port)),), min_nodes=min_nodes, max_nodes=max_nodes, **kw
+    )
+
+
+@pytest.fixture
+def handlers() -> Iterator[Callable[..., EtcdV3RendezvousHandler]]:
+    """Factory of handlers that are all released at teardown (leave(): the etcd may already be gone)."""
+    made: list[EtcdV3RendezvousHandler] = []
+
+    def make(config: EtcdRendezvousConfig, node_id: str | None = None) -> EtcdV3RendezvousHandler:
+        handler = EtcdV3RendezvousHandler(config, node_id=node_id)
+        made.append(handler)
+        return handler
+
+    yield make
+    for handler in made:
+        handler._simulate_crash()  # no etcd calls: fast teardown even when etcd was stopped
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(max_workers=16) as executor:
+        yield executor
+
+
+def rendezvous_all(pool: ThreadPoolExecutor, hs: list[EtcdV3RendezvousHandler], timeout: float = 20.0) -> list[RendezvousInfo]:
+    futures = [pool.submit(h.next_rendezvous) for h in hs]
+    return [f.result(timeout=timeout) for f in futures]
+
+
+def assert_consistent(infos: list[RendezvousInfo], world_size: int) -> None:
+    assert sorted(i.rank for i in infos) == list(range(world_size))
+    assert {i.world_size for i in infos} == {world_size}
+    masters = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
+    assert len(masters) == 1, f"nodes disagree on MASTER_ADDR/PORT: {masters}"
+    assert next(iter(masters))[1] > 0
+
+
+# ------------------------------------------------------------------ forming rounds
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+def test_handlers_form_a_round(etcd_server: EmbeddedEtcd, handlers, pool, n: int) -> None:
+    hs = [handlers(make_config(etcd_server.endpoint, min_nodes=n, max_nodes=n)) for _ in range(n)]
+    began = time.monotonic()
+    infos = rendezvous_all(pool, hs)
+    assert_consistent(infos, n)
+    assert time.monotonic() - began < 5.0
+    assert all(h.round == 1 for h in hs)
+    assert all(h.get_backend() == "etcd-v3" and not h.use_agent_store for h in hs)
+    assert not any(h.membership_changed() for h in hs)
+    assert all(h.num_nodes_waiting() == 0 for h in hs)
+
+
+@pytest.mark.timeout(60)
+def test_lost_participant_is_seen_within_a_lease_and_next_round_is_fast(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    hs = [handlers(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=3), node_id=f"n{i}") for i in range(3)]
+    first = rendezvous_all(pool, hs)
+    assert_consistent(first, 3)
+    rank_of = {h.node_id: info.rank for h, info in zip(hs, first, strict=True)}
+    victim, survivors = hs[1], [hs[0], hs[2]]
+
+    began = time.monotonic()
+    victim._simulate_crash()
+    seen = [pool.submit(h.wait_membership_change, LOSS_BOUND_S) for h in survivors]
+    assert all(f.result(timeout=LOSS_BOUND_S + 5) for f in seen), "survivors must notice the loss"
+    detected = time.monotonic() - began
+    assert detected < LOSS_BOUND_S
+    assert all(h.membership_changed() and h.num_nodes_waiting() >= 1 for h in survivors)
+
+    began = time.monotonic()
+    second = rendezvous_all(pool, survivors)
+    recovery = time.monotonic() - began
+    assert_consistent(second, 2)
+    # No last call on recovery (0.3 s here): every live node joined, the round closes at once.
+    assert recovery < 1.5, f"recovery round took {recovery:.2f} s"
+    # Survivors keep their relative order.
+    new_rank = {h.node_id: info.rank for h, info in zip(survivors, second, strict=True)}
+    assert sorted(new_rank, key=new_rank.get) == sorted(new_rank, key=rank_of.get)
+    assert all(h.round == 2 and not h.membership_changed() for h in survivors)
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_agent_process_is_detected(etcd_server: EmbeddedEtcd, handlers, pool, tmp_path) -> None:
+    """A real agent process (not a thread) is SIGKILLed: its lease expires and the survivor re-forms."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from elastic.rendezvous.api import EtcdRendezvousConfig
+        from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
+        cfg = EtcdRendezvousConfig(run_id="job", endpoints=(("127.0.0.1", {etcd_server.client_port}),),
+                                   min_nodes=1, max_nodes=2, lease_ttl={LEASE_TTL}, last_call_timeout=10)
+        info = EtcdV3RendezvousHandler(cfg, node_id="child").next_rendezvous()
+        print("rank", info.rank, info.world_size, flush=True)
+        time.sleep(600)
+        """
+    )
+    # A long last call: the first round closes because it is full, the recovery because all live nodes joined.
+    survivor = handlers(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2, last_call_timeout=10), node_id="parent")
+    fut = pool.submit(survivor.next_rendezvous)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        line = pool.submit(proc.stdout.readline).result(timeout=30)  # type: ignore[union-attr]
+        assert line.startswith("rank "), line
+        assert fut.result(timeout=20).world_size == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        began = time.monotonic()
+        assert survivor.wait_membership_change(LOSS_BOUND_S)
+        assert time.monotonic() - began < LOSS_BOUND_S
+        began = time.monotonic()
+        info = survivor.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        assert time.monotonic() - began < 2.0, "recovery must not wait for the 10 s last call"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_new_node_below_max_triggers_waiting_then_larger_round(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    hs = [handlers(make_config(etcd_server.endpoint, min_nodes=2, max_nodes=3)) for _ in range(2)]
+    assert_consistent(rendezvous_all(pool, hs), 2)
+
+    newcomer = handlers(make_config(etcd_server.endpoint, min_nodes=2, max_nodes=3))
+    pending: Future[RendezvousInfo] = pool.submit(newcomer.next_rendezvous)
+    assert all(h.wait_membership_change(10) for h in hs)
+    assert all(h.num_nodes_waiting() >= 1 for h in hs)
+    assert not pending.done(), "the newcomer must wait until the running agents re-rendezvous"
+
+    infos = rendezvous_all(pool, hs) + [pending.result(timeout=20)]
+    assert_consistent(infos, 3)
+    assert pending.result().rank == 2, "the newcomer is ranked after the existing nodes"
+
+
+@pytest.mark.timeout(60)
+def test_node_beyond_max_is_a_spare_until_a_loss(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    cfg = lambda: make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2, join_timeout=1.0)  # noqa: E731
+    hs = [handlers(cfg()) for _ in range(2)]
+    assert_consistent(rendezvous_all(pool, hs), 2)
+
+    spare = handlers(cfg())
+    pending = pool.submit(spare.next_rendezvous)
+    # Longer than join_timeout: a spare of a full, healthy job does not time out, nor disturb it.
+    time.sleep(1.5)  # (asserting an absence: nothing to wait on)
+    assert not pending.done()
+    assert all(h.num_nodes_waiting() == 0 and not h.membership_changed() for h in hs)
+
+    hs[0]._simulate_crash()
+    assert hs[1].wait_membership_change(LOSS_BOUND_S)
+    infos = [hs[1].next_rendezvous(), pending.result(timeout=20)]
+    assert_consistent(infos, 2)
+
+
+@pytest.mark.timeout(60)
+def test_two_run_ids_on_one_etcd_are_isolated(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    a = [handlers(make_config(etcd_server.endpoint, run_id="A", min_nodes=2, max_nodes=2)) for _ in range(2)]
+    b = [handlers(make_config(etcd_server.endpoint, run_id="B", min_nodes=1, max_nodes=2)) for _ in range(1)]
+    infos_a = rendezvous_all(pool, a)
+    infos_b = rendezvous_all(pool, b)
+    assert_consistent(infos_a, 2)
+    assert_consistent(infos_b, 1)
+    # A newcomer of B is invisible to A; closing B leaves A open.
+    late_b = handlers(make_config(etcd_server.endpoint, run_id="B", min_nodes=1, max_nodes=2))
+    pending = pool.submit(late_b.next_rendezvous)
+    assert b[0].wait_membership_change(10)
+    assert all(h.num_nodes_waiting() == 0 for h in a)
+    b[0].set_closed()
+    with pytest.raises(RendezvousClosedError):
+        pending.result(timeout=10)
+    assert not any(h.is_closed() for h in a)
+
+
+@pytest.mark.timeout(60)
+def test_set_closed_propagates_and_blocks_new_rounds(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    hs = [handlers(make_config(etcd_server.endpoint, min_nodes=2, max_nodes=2)) for _ in range(2)]
+    rendezvous_all(pool, hs)
+    assert hs[0].shutdown() is True  # torch semantics: shutdown closes the rendezvous
+    deadline = time.monotonic() + 5
+    while not hs[1].is_closed():  # eventual propagation through the watch
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(RendezvousClosedError):
+        hs[1].next_rendezvous()
+
+
+@pytest.mark.timeout(30)
+def test_join_timeout_below_min(etcd_server: EmbeddedEtcd, handlers) -> None:
+    h = handlers(make_config(etcd_server.endpoint, min_nodes=2, max_nodes=2, join_timeout=1.0))
+    began = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match="1/2 nodes joined"):
+        h.next_rendezvous()
+    assert 0.9 < time.monotonic() - began < 5
+
+
+# ------------------------------------------------------------------ etcd trouble
+@pytest.mark.timeout(60)
+def test_etcd_restart_keeps_membership(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    cfg = lambda: make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2, lease_ttl=2, last_call_timeout=10)  # noqa: E731
+    hs = [handlers(cfg()) for _ in range(2)]
+    assert_consistent(rendezvous_all(pool, hs), 2)
+
+    etcd_server.stop()
+    time.sleep(3.0)  # the outage itself (nothing to wait on: etcd is down on purpose)
+    etcd_server.start()
+    # Leases survive an etcd restart (etcd renews them on leader election): no loss, no error.
+    changed = [pool.submit(h.wait_membership_change, 3.0) for h in hs]
+    assert not any(f.result(timeout=10) for f in changed)
+    assert all(h.num_nodes_waiting() == 0 for h in hs)
+    # And the handlers still work: a re-rendezvous forms round 2.
+    hs[0]._simulate_crash()
+    assert hs[1].wait_membership_change(2 + 3)
+    info = hs[1].next_rendezvous()
+    assert info.world_size == 1 and hs[1].round == 2
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_endpoint_fails_fast_and_clearly(handlers) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    h = handlers(make_config(f"127.0.0.1:{port}", etcd_timeout=1.5))
+    began = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
+        h.next_rendezvous()
+    assert time.monotonic() - began < 6
+
+
+@pytest.mark.timeout(30)
+def test_etcd_gone_longer_than_etcd_timeout_ends_the_job(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    h = handlers(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=1, etcd_timeout=1.5))
+    h.next_rendezvous()
+    etcd_server.stop()
+    with pytest.raises(RendezvousConnectionError, match="etcd_timeout"):
+        h.wait_membership_change(10)
+    with pytest.raises(RendezvousConnectionError):
+        h.num_nodes_waiting()
+
+
+@pytest.mark.timeout(30)
+def test_lease_expiry_during_outage_reregisters_and_breaks_round(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """If a node's lease did expire (its refresher stalled), it re-registers and the round is re-formed."""
+    hs = [handlers(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2), node_id=f"n{i}") for i in range(2)]
+    rendezvous_all(pool, hs)
+    import etcd3
+
+    host, port = etcd_server.endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port))
+    client.revoke_lease(hs[1]._lease_id)  # as if the lease had expired
+    client.close()
+    assert hs[0].wait_membership_change(LOSS_BOUND_S)
+    # n1 re-registers (on its next write or its refresher seeing TTL <= 0) and both end up in one round:
+    # at once if n1 is back before n0 commits, else one round later because n0 sees n1 waiting.
+    pending = pool.submit(hs[1].next_rendezvous)
+    info0 = hs[0].next_rendezvous()
+    if info0.world_size == 1:
+        assert hs[0].wait_membership_change(10)
+        info0 = hs[0].next_rendezvous()
+    assert_consistent([info0, pending.result(timeout=20)], 2)
+
+
+def test_handler_threads_are_released(etcd_server: EmbeddedEtcd) -> None:
+    before = {t.ident for t in threading.enumerate()}
+    h = EtcdV3RendezvousHandler(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=1))
+    h.next_rendezvous()
+    h.shutdown()
+    h.shutdown()  # idempotent
+    leftover = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("rdzv-")]
+    assert leftover == []

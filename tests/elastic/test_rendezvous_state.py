@@ -1,0 +1,179 @@
+"""The pure round state machine: decisions from plain snapshots, no etcd."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.rendezvous.state import (
+    Action,
+    RoundRecord,
+    Snapshot,
+    decide,
+    membership,
+    order_nodes,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def snap(
+    node: str = "a",
+    *,
+    target: int = 1,
+    committed: RoundRecord | None = None,
+    live: set[str] | None = None,
+    joined: dict[str, int] | None = None,
+    closed: bool = False,
+    min_nodes: int = 2,
+    max_nodes: int = 3,
+    now: float = 100.0,
+    join_deadline: float = 700.0,
+    last_call: float | None = None,
+) -> Snapshot:
+    joined = {"a": 1} if joined is None else joined
+    return Snapshot(
+        node_id=node,
+        target=target,
+        committed=committed,
+        live=frozenset(joined if live is None else live),
+        joined=joined,
+        closed=closed,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        now=now,
+        join_deadline=join_deadline,
+        last_call_deadline=last_call,
+    )
+
+
+def round_(number: int, *participants: str) -> RoundRecord:
+    return RoundRecord(number=number, participants=tuple(participants), master_addr="h", master_port=1)
+
+
+# ------------------------------------------------------------------ first round
+def test_missing_join_key_asks_to_join() -> None:
+    assert decide(snap(joined={})).action is Action.JOIN
+
+
+def test_below_min_waits_until_join_deadline_then_times_out() -> None:
+    d = decide(snap(joined={"a": 1}, min_nodes=2))
+    assert d.action is Action.WAIT and d.wake_at == 700.0
+    assert decide(snap(joined={"a": 1}, now=700.0)).action is Action.TIMEOUT
+
+
+def test_first_round_at_min_starts_last_call_then_rank0_commits_after_it() -> None:
+    joined = {"a": 1, "b": 2}
+    assert decide(snap(joined=joined)).action is Action.START_LAST_CALL
+    waiting = decide(snap(joined=joined, last_call=101.0))
+    assert waiting.action is Action.WAIT and waiting.wake_at == 101.0
+    d = decide(snap(joined=joined, last_call=101.0, now=101.0))
+    assert d.action is Action.COMMIT and d.participants == ("a", "b")
+    # Not rank 0: waits for "a" to commit.
+    assert decide(snap("b", joined=joined, last_call=101.0, now=101.0)).action is Action.WAIT
+
+
+def test_full_round_commits_without_last_call() -> None:
+    d = decide(snap(joined={"a": 1, "b": 2, "c": 3}, max_nodes=3))
+    assert d.action is Action.COMMIT and d.participants == ("a", "b", "c")
+
+
+def test_ranks_follow_registration_order_not_names() -> None:
+    joined = {"zed": 5, "amy": 9, "bob": 7}
+    assert order_nodes(joined) == ("zed", "bob", "amy")
+    d = decide(snap("zed", joined=joined, max_nodes=3))
+    assert d.participants == ("zed", "bob", "amy")
+
+
+def test_beyond_max_only_the_first_max_are_taken() -> None:
+    joined = {"a": 1, "b": 2, "c": 3, "d": 4}
+    d = decide(snap(joined=joined, max_nodes=3))
+    assert d.action is Action.COMMIT and d.participants == ("a", "b", "c")
+
+
+# ------------------------------------------------------------------ committed rounds
+def test_done_when_committed_round_includes_node() -> None:
+    assert decide(snap(committed=round_(1, "a", "b"), target=1)).action is Action.DONE
+
+
+def test_rejoin_when_round_committed_without_node() -> None:
+    assert decide(snap("d", committed=round_(1, "a", "b", "c"), target=1, joined={})).action is Action.REJOIN
+
+
+def test_stale_target_never_commits() -> None:
+    """A node still aiming at round 2 while round 3 exists must not commit anything."""
+    d = decide(snap("a", target=2, committed=round_(3, "b", "c"), joined={"a": 1}, live={"a", "b", "c"}))
+    assert d.action is Action.REJOIN
+
+
+def test_spare_waits_without_deadline_while_full_round_is_healthy() -> None:
+    committed = round_(1, "a", "b", "c")
+    s = snap("d", target=2, committed=committed, live={"a", "b", "c", "d"}, joined={"d": 4}, now=999.0, join_deadline=10.0)
+    d = decide(s)
+    assert d.action is Action.SPARE and d.wake_at is None
+
+
+def test_newcomer_below_max_waits_for_running_agents_to_rejoin() -> None:
+    committed = round_(1, "a", "b")
+    s = snap("c", target=2, committed=committed, live={"a", "b", "c"}, joined={"c": 3})
+    assert decide(s).action is Action.WAIT
+    m = membership(committed, {"a", "b", "c"}, {"c"}, max_nodes=3)
+    assert m.nodes_waiting == 1 and not m.broken
+
+
+def test_full_round_does_not_report_spares_as_waiting() -> None:
+    committed = round_(1, "a", "b", "c")
+    m = membership(committed, {"a", "b", "c", "d"}, {"d"}, max_nodes=3)
+    assert m.nodes_waiting == 0
+
+
+def test_lost_participant_breaks_round_and_counts_as_waiting() -> None:
+    committed = round_(1, "a", "b", "c")
+    m = membership(committed, {"a", "b"}, set(), max_nodes=3)
+    assert m.broken and m.lost == {"c"} and m.nodes_waiting >= 1
+
+
+def test_recovery_commits_as_soon_as_all_survivors_joined() -> None:
+    """No last call on recovery: survivors a, b of round 1 (c died) both joined."""
+    committed = round_(1, "a", "b", "c")
+    d = decide(snap("a", target=2, committed=committed, live={"a", "b"}, joined={"a": 1, "b": 2}, max_nodes=3))
+    assert d.action is Action.COMMIT and d.participants == ("a", "b")
+
+
+def test_recovery_with_spare_fills_the_slot() -> None:
+    committed = round_(1, "a", "b", "c")
+    joined = {"a": 1, "b": 2, "d": 4}
+    d = decide(snap("a", target=2, committed=committed, live={"a", "b", "d"}, joined=joined, max_nodes=3))
+    assert d.action is Action.COMMIT and d.participants == ("a", "b", "d")
+
+
+def test_live_straggler_gets_last_call() -> None:
+    """b is alive but has not re-joined: more may arrive, so a last call applies."""
+    committed = round_(1, "a", "b", "c")
+    s = snap("a", target=2, committed=committed, live={"a", "b"}, joined={"a": 1}, min_nodes=1, max_nodes=3)
+    assert decide(s).action is Action.START_LAST_CALL
+    s_late = snap("a", target=2, committed=committed, live={"a", "b"}, joined={"a": 1}, min_nodes=1, last_call=5.0, now=6.0)
+    assert decide(s_late).action is Action.COMMIT
+
+
+def test_rejoining_participant_opens_next_round_for_newcomer() -> None:
+    committed = round_(1, "a", "b")
+    joined = {"a": 1, "b": 2, "c": 3}
+    d = decide(snap("a", target=2, committed=committed, live={"a", "b", "c"}, joined=joined, max_nodes=3))
+    assert d.action is Action.COMMIT and d.participants == ("a", "b", "c")
+
+
+def test_survivors_below_min_time_out() -> None:
+    committed = round_(1, "a", "b")
+    s = snap("a", target=2, committed=committed, live={"a"}, joined={"a": 1}, min_nodes=2, now=800.0)
+    assert decide(s).action is Action.TIMEOUT
+
+
+def test_closed_wins_over_everything() -> None:
+    assert decide(snap(closed=True, committed=round_(1, "a", "b"))).action is Action.CLOSED
+
+
+def test_round_record_validates() -> None:
+    with pytest.raises(ValueError, match="distinct"):
+        RoundRecord(number=1, participants=("a", "a"))
+    with pytest.raises(ValueError, match=">= 1"):
+        RoundRecord(number=0, participants=("a",))
