@@ -9,7 +9,9 @@ and returns a :class:`FlatState`:
   replicated piece (DDP, plain tensors). ``item.tensor`` aliases the live tensor whenever the source allows,
   so no copy is made on save and reads on load land in the live state directly.
 * ``objects``: per top-level key, a JSON skeleton of the value: non-tensor leaves as JSON (``lr``,
-  ``betas``, step counters, sampler positions) and each tensor leaf as ``{"__tensor__": fqn}``.
+  ``betas``, step counters, sampler positions), each tensor leaf as ``{"__tensor__": fqn}`` and ``bytes``
+  as ``{"__bytes__": base64}``. Tuples are stored as lists and come back as tuples where the live value
+  has a tuple; int dict keys come back as ints where the live dict has them.
 
 Load is ``flat = flatten(live)`` (the destination pieces), fill every ``flat.items[i].tensor`` from the
 checkpoint, replace ``flat.objects`` with the checkpoint's objects, then ``apply(live, flat)``, which rebuilds
@@ -28,6 +30,7 @@ if that matters.
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
@@ -42,6 +45,7 @@ from .api import JSON, ChunkKey, IncompatibleCheckpointError, TensorItem
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "BYTES_MARKER",
     "TENSOR_MARKER",
     "FlatState",
     "ModelOptimizer",
@@ -55,6 +59,8 @@ __all__ = [
 
 TENSOR_MARKER = "__tensor__"
 """Key of the one-entry dict that stands for a tensor leaf inside an ``objects`` skeleton."""
+BYTES_MARKER = "__bytes__"
+"""Key of the one-entry dict that stands for a ``bytes`` value (base64) inside an ``objects`` skeleton."""
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -279,6 +285,8 @@ def _walk(value: Any, path: str, items: list[TensorItem], seen: set[str]) -> JSO
     ok, scalar = _json_scalar(value)
     if ok:
         return scalar
+    if isinstance(value, (bytes, bytearray)):
+        return {BYTES_MARKER: base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, Mapping):
         out: dict[str, JSON] = {}
         for k, v in value.items():
@@ -287,8 +295,8 @@ def _walk(value: Any, path: str, items: list[TensorItem], seen: set[str]) -> JSO
             if str(k) in out:
                 raise ValueError(f"keys under {path!r} collide when written as JSON strings: {k!r}")
             out[str(k)] = _walk(v, f"{path}.{k}", items, seen)
-        if set(out) == {TENSOR_MARKER}:
-            raise ValueError(f"{path!r} is a dict whose only key is {TENSOR_MARKER!r}, which is reserved")
+        if set(out) in ({TENSOR_MARKER}, {BYTES_MARKER}):
+            raise ValueError(f"{path!r} is a dict whose only key is {next(iter(out))!r}, which is reserved")
         return out
     if isinstance(value, (list, tuple)):
         return [_walk(v, f"{path}.{i}", items, seen) for i, v in enumerate(value)]
@@ -345,6 +353,9 @@ def _rebuild(skel: JSON, live: Any, path: str, loaded: Mapping[str, torch.Tensor
                 f"the checkpoint holds tensor {fqn!r} but the live state has no tensor there to load it into"
             )
         return _as_live(fqn, loaded[fqn], live)
+    if isinstance(skel, dict) and set(skel) == {BYTES_MARKER}:
+        raw = base64.b64decode(skel[BYTES_MARKER])
+        return bytearray(raw) if isinstance(live, bytearray) else raw
     if isinstance(skel, dict):
         out = {}
         for k, v in skel.items():

@@ -23,7 +23,7 @@ class Counter:
     def __init__(self) -> None:
         self.step = 0
         self.window = (0, 0)
-        self.meta = {"name": "a", "hist": [1.5]}
+        self.meta = {"name": "a", "hist": [1.5], "blob": b"\x00\xff", 3: "int key"}
         self.ema = torch.zeros(3)
 
     def state_dict(self) -> dict:
@@ -63,7 +63,7 @@ def test_model_adamw_counter_rng_round_trip_then_identical_training():
     for s in range(3):
         train_step(model, optim, s)
     counter = Counter()
-    counter.step, counter.window, counter.meta = 3, (2, 5), {"name": "b", "hist": [1.0, 2.0]}
+    counter.step, counter.window, counter.meta = 3, (2, 5), {"name": "b", "hist": [1.0, 2.0], "blob": b"\x01", 3: "x"}
     counter.ema.fill_(0.25)
     random.seed(11)
     torch.manual_seed(12)
@@ -90,7 +90,7 @@ def test_model_adamw_counter_rng_round_trip_then_identical_training():
         assert set(s1) == set(s2)
         for k in s1:
             assert torch.equal(s1[k], s2[k]), k
-    assert (counter2.step, counter2.window, counter2.meta) == (3, (2, 5), {"name": "b", "hist": [1.0, 2.0]})
+    assert (counter2.step, counter2.window, counter2.meta) == (3, (2, 5), {"name": "b", "hist": [1.0, 2.0], "blob": b"\x01", 3: "x"})
     assert torch.equal(counter2.ema, torch.full((3,), 0.25))
     assert dst["epoch"] == 4 and dst["note"] == {"k": [1, None]}
     assert torch.equal(torch.get_rng_state(), expected_torch_rng)
