@@ -1,0 +1,331 @@
+"""Checkpoint benchmark: spotrun's Checkpointer vs DCP async_save, a bare copy and safetensors + fsync.
+
+Run (1 rank, local disk; ~1 GiB fp32 in 16 tensors by default)::
+
+    .venv/bin/python bench/ckpt_bench.py --dir /tmp/ckpt-bench --size-mib 1024 --reps 3
+
+Measures, each as median [min-max] over ``--reps`` runs:
+
+* stall: time the training thread is blocked (save call -> state safe to modify);
+* interference: slowdown of a single-threaded matmul loop running while the save writes
+  (mean iteration time during the save / alone);
+* total: save call -> durable on disk (committed);
+* load: GB/s into preallocated tensors (from the page cache: the files were just written);
+* host RSS growth over 10 consecutive saves.
+
+Prints a Markdown table. Timings on a shared machine are noisy: the load average is printed with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def make_state(size_mib: int, n: int = 16) -> dict[str, torch.Tensor]:
+    per = size_mib * (1 << 20) // 4 // n
+    g = torch.Generator().manual_seed(0)
+    return {f"layer{i:02d}.weight": torch.randn(per, generator=g) for i in range(n)}
+
+
+def fmt(xs: list[float], unit: str = "s", scale: float = 1.0) -> str:
+    if not xs:
+        return "n/a"
+    xs = [x * scale for x in xs]
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}] {unit}"
+
+
+class ComputeLoop:
+    """A single-threaded matmul loop standing in for the training step."""
+
+    def __init__(self) -> None:
+        self.a = torch.randn(384, 384)
+        self.b = torch.randn(384, 384)
+
+    def iteration(self) -> float:
+        t = time.perf_counter()
+        for _ in range(4):
+            self.a = torch.mm(self.a, self.b).tanh_()
+        return time.perf_counter() - t
+
+    def baseline(self, seconds: float = 1.5) -> float:
+        times = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            times.append(self.iteration())
+        return statistics.median(times)
+
+    def during(self, done: Callable[[], bool]) -> float | None:
+        times = []
+        while not done():
+            times.append(self.iteration())
+        return statistics.median(times) if len(times) >= 3 else None
+
+
+# --------------------------------------------------------------------------- methods
+class Method:
+    name = ""
+
+    def start(self, step: int, state: dict[str, torch.Tensor], root: str) -> None: ...
+    def staged(self) -> None: ...
+    def finish(self) -> None: ...
+    def is_done(self) -> bool:
+        return True
+
+    def close(self) -> None: ...
+
+
+class BareCopy(Method):
+    name = "bare copy_ (lower bound of stall)"
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.bufs = {k: torch.empty_like(v) for k, v in state.items()}
+
+    def start(self, step, state, root):
+        for k, v in state.items():
+            self.bufs[k].copy_(v)
+
+
+class Spotrun(Method):
+    name = "spotrun Checkpointer"
+
+    def __init__(self) -> None:
+        self.ckpt: Any = None
+        self.root: str | None = None
+
+    def start(self, step, state, root):
+        from checkpoint import CheckpointConfig, Checkpointer
+
+        if self.root != root:
+            if self.ckpt is not None:
+                self.ckpt.close()
+            self.ckpt = Checkpointer(root, CheckpointConfig(keep_last=1000))
+            self.root = root
+        self.ckpt.save(step, state)
+
+    def finish(self):
+        self.ckpt.wait()
+
+    def is_done(self):
+        f = self.ckpt._future
+        return f is None or f.done()
+
+    def close(self):
+        if self.ckpt is not None:
+            self.ckpt.close()
+
+
+class DcpAsync(Method):
+    def __init__(self, kept_stager: bool) -> None:
+        self.kept = kept_stager
+        self.name = "dcp.async_save (kept DefaultStager(StagingOptions()))" if kept_stager else "dcp.async_save (default stager)"
+        self.stager: Any = None
+        self.resp: Any = None
+        if kept_stager:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            try:
+                self.stager = DefaultStager(StagingOptions())
+            except Exception as exc:  # noqa: BLE001 - CPU-only builds may refuse pinned memory
+                print(f"# DefaultStager(StagingOptions()) unavailable here ({exc}); "
+                      "using StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)")
+                self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False))
+
+    def start(self, step, state, root):
+        import torch.distributed.checkpoint as dcp
+
+        self.resp = dcp.async_save(
+            state, checkpoint_id=os.path.join(root, f"step-{step}"), async_stager=self.stager, no_dist=True
+        )
+
+    def staged(self):
+        sc = getattr(self.resp, "staging_completion", None)
+        if sc is not None:
+            sc.result()
+
+    def _upload(self):
+        return getattr(self.resp, "upload_completion", self.resp)
+
+    def finish(self):
+        self._upload().result()
+
+    def is_done(self):
+        return self._upload().done()
+
+    def close(self):
+        if self.stager is not None:
+            self.stager.close()
+
+
+class SafetensorsSync(Method):
+    name = "safetensors.save_file + fsync (sync)"
+
+    def start(self, step, state, root):
+        from safetensors.torch import save_file
+
+        os.makedirs(root, exist_ok=True)
+        path = os.path.join(root, f"step-{step}.safetensors")
+        save_file(state, path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- measurements
+def _prune(root: str, keep_step: int) -> None:
+    """Delete every step directory but the newest (outside the timed region; keeps the disk small)."""
+    for name in os.listdir(root):
+        if name.startswith("step-") and name.split(".")[0] not in (f"step-{keep_step}", f"step-{keep_step:09d}"):
+            path = os.path.join(root, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+
+
+def measure_save(method: Method, state, base: str, reps: int, loop: ComputeLoop, baseline: float) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"stall": [], "total": [], "interference": []}
+    root = tempfile.mkdtemp(dir=base)
+    for rep in range(reps + 1):  # rep 0 warms up (allocations, imports); buffers are reused after it
+        t0 = time.perf_counter()
+        method.start(rep, state, root)
+        method.staged()
+        stall = time.perf_counter() - t0
+        during = loop.during(method.is_done)
+        method.finish()
+        total = time.perf_counter() - t0
+        if rep:
+            out["stall"].append(stall)
+            out["total"].append(total)
+            if during is not None:
+                out["interference"].append(during / baseline)
+        _prune(root, rep)
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def measure_rss(method: Method, state, base: str, saves: int = 10) -> float:
+    root = tempfile.mkdtemp(dir=base)
+    samples = []
+    for step in range(saves):
+        method.start(step, state, root)
+        method.staged()
+        method.finish()
+        samples.append(rss_mib())
+        _prune(root, step)
+    shutil.rmtree(root, ignore_errors=True)
+    return max(samples) - samples[0]
+
+
+def measure_load(state, base: str, reps: int) -> dict[str, list[float]]:
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+
+    from checkpoint import Checkpointer
+
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    root = tempfile.mkdtemp(dir=base)
+    with Checkpointer(f"{root}/spot") as ckpt:
+        ckpt.save(1, state)
+    dcp.save(state, checkpoint_id=f"{root}/dcp", no_dist=True)
+    save_file(state, f"{root}/st.safetensors")
+    dst = {k: torch.zeros_like(v) for k, v in state.items()}
+    out: dict[str, list[float]] = {"spotrun load (verify on)": [], "spotrun load (verify off)": [], "dcp.load": [], "safetensors load_file + copy_ into model": [], "safetensors load_file (lazy mmap, no copy)": []}
+    from checkpoint import CheckpointConfig
+
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        with Checkpointer(f"{root}/spot") as ckpt:
+            ckpt.load(dst)
+        out["spotrun load (verify on)"].append(nbytes / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
+        with Checkpointer(f"{root}/spot", CheckpointConfig(verify_on_load=False)) as ckpt:
+            ckpt.load(dst)
+        out["spotrun load (verify off)"].append(nbytes / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
+        dcp.load(dst, checkpoint_id=f"{root}/dcp", no_dist=True)
+        out["dcp.load"].append(nbytes / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
+        loaded = load_file(f"{root}/st.safetensors")
+        out["safetensors load_file (lazy mmap, no copy)"].append(nbytes / (time.perf_counter() - t) / 1e9)
+        del loaded
+        t = time.perf_counter()
+        loaded = load_file(f"{root}/st.safetensors")
+        for k, v in loaded.items():
+            dst[k].copy_(v)
+        out["safetensors load_file + copy_ into model"].append(nbytes / (time.perf_counter() - t) / 1e9)
+        del loaded
+    assert all(torch.equal(dst[k], state[k]) for k in state)
+    shutil.rmtree(root, ignore_errors=True)
+    return {k: v[1:] for k, v in out.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rss-saves", type=int, default=10)
+    args = parser.parse_args()
+    base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")
+    os.makedirs(base, exist_ok=True)
+    torch.set_num_threads(1)  # the compute loop and the copies share 1 thread, like one rank per core
+    load_before = os.getloadavg()
+    state = make_state(args.size_mib)
+    loop = ComputeLoop()
+    baseline = loop.baseline()
+    methods: list[Method] = [BareCopy(state), Spotrun(), DcpAsync(False), DcpAsync(True), SafetensorsSync()]
+    results = {}
+    for m in methods:
+        results[m.name] = measure_save(m, state, base, args.reps, loop, baseline)
+        print(f"# measured {m.name}", flush=True)
+    rss = {}
+    for m in methods[1:4]:
+        rss[m.name] = measure_rss(m, state, base, args.rss_saves)
+        m.close()
+    loads = measure_load(state, base, args.reps)
+    load_after = os.getloadavg()
+
+    size = sum(t.numel() * t.element_size() for t in state.values()) / (1 << 30)
+    print(f"\n{size:.2f} GiB fp32 in {len(state)} tensors, 1 rank, {base}; reps={args.reps}; "
+          f"torch threads=1; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")
+    print("| method | stall (save -> safe to modify) | interference (loop slowdown) | total (durable) | RSS growth over 10 saves |")
+    print("|---|---|---|---|---|")
+    for m in methods:
+        r = results[m.name]
+        inter = fmt(r["interference"], "x") if r["interference"] else "n/a (blocking)"
+        print(f"| {m.name} | {fmt(r['stall'])} | {inter} | {fmt(r['total'])} | {rss.get(m.name, float('nan')):.0f} MiB |")
+    print("\n| loader | throughput |")
+    print("|---|---|")
+    for name, xs in loads.items():
+        print(f"| {name} | {fmt(xs, 'GB/s')} |")
+    bare = statistics.median(results[methods[0].name]["stall"])
+    spot = results[methods[1].name]
+    st = statistics.median(results[methods[4].name]["total"])
+    print("\nratios vs targets:")
+    print(f"- stall / bare copy: {statistics.median(spot['stall']) / bare:.2f} (target <= 1.1)")
+    if spot["interference"]:
+        print(f"- interference: {statistics.median(spot['interference']):.2f}x (target <= 1.3)")
+    print(f"- total / safetensors+fsync: {statistics.median(spot['total']) / st:.2f} (target <= 1.2)")
+    print(f"- load / safetensors: {statistics.median(loads['spotrun load (verify on)']) / statistics.median(loads['safetensors load_file + copy_ into model']):.2f} (target >= 0.8; reference: load_file + copy_ into the model)")
+    if not args.dir:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
