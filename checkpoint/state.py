@@ -137,7 +137,21 @@ class ModelOptimizer:
         """FQN-keyed optimizer state; initialises empty optimizer state (zero-lr step) like DCP does."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.optimizers)
+        # DCP skips the initialisation when gradients exist (load after a backward, save before the
+        # first step), which would leave no destination for the saved state: hide them meanwhile.
+        stashed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if any(not o.state for o in self.optimizers):
+            for o in self.optimizers:
+                for group in o.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            stashed.append((p, p.grad))
+                            p.grad = None
+        try:
+            return get_optimizer_state_dict(self.model, self.optimizers)
+        finally:
+            for p, g in stashed:
+                p.grad = g
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load FQN-keyed optimizer state (DTensor values for FSDP2 parameters)."""

@@ -214,3 +214,21 @@ def test_apply_copies_fresh_buffers_into_the_live_objects():
         assert torch.equal(p_src, p)
         for k, v in src_optim.state[p_src].items():
             assert torch.equal(v, optim.state[p][k]), k
+
+
+def test_load_after_backward_still_finds_optimizer_state_and_keeps_grads():
+    model = make_model(0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, optim, 0)
+    ckpt = save_flats([flatten({"model": model, "optim": optim})])
+
+    model2 = make_model(1)
+    optim2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    nn.functional.mse_loss(model2(torch.ones(2, 6)), torch.zeros(2, 3)).backward()  # grads, no step yet
+    grads = [p.grad.clone() for p in model2.parameters()]
+    state = {"model": model2, "optim": optim2}
+    loaded, _ = load_flat(ckpt, flatten(state))
+    apply(state, loaded)
+    assert [torch.equal(g, p.grad) for g, p in zip(grads, model2.parameters())] == [True] * len(grads)
+    for p1, p2 in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(optim.state[p1]["exp_avg"], optim2.state[p2]["exp_avg"])
