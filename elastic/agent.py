@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
@@ -30,11 +32,11 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.metrics import put_metric
-from torch.distributed.elastic.multiprocessing import LogsSpecs, PContext, SignalException
+from torch.distributed.elastic.multiprocessing import LogsSpecs, PContext, ProcessFailure, SignalException
 
 from elastic.api import EventSink, FailureCause, RecoveryEvent
 from elastic.config import AgentSettings
-from elastic.workers import PdeathsigEntrypoint, shim_command
+from elastic.workers import DeathClock, PdeathsigEntrypoint, shim_command, terminate_processes
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ class SpotrunAgent(LocalElasticAgent):
         self._round = 0
         self._charged_restart_pending = False
         self._previous_group_world_size: int | None = None
+        self._death_clock: DeathClock | None = None
+        self._close_started_at: float | None = None
 
     # --- context for logs and events ------------------------------------------------------------------------
 
@@ -187,9 +191,46 @@ class SpotrunAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
         if self._pcontext is not None:
-            _default_close_timeout(self._pcontext, self._settings.stop_grace)
+            self._close_started_at = None
+            _default_close_timeout(self._pcontext, self._settings.stop_grace, self._note_close_started)
+            self._start_death_clock(self._pcontext)
         self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()))
         return pids
+
+    def _note_close_started(self) -> None:
+        if self._close_started_at is None:
+            self._close_started_at = time.monotonic()
+
+    def _start_death_clock(self, pcontext: PContext) -> None:
+        if self._death_clock is not None:
+            self._death_clock.stop()
+        self._death_clock = None
+        pc = getattr(pcontext, "_pc", None)  # MultiprocessContext's torch.multiprocessing ProcessContext
+        processes = getattr(pc, "processes", None)
+        if processes:
+            self._death_clock = DeathClock({rank: proc.sentinel for rank, proc in enumerate(processes)})
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._death_clock is not None and self._death_clock.died_at and self._close_started_at is None:
+            # CHANGE: on a failure torch.multiprocessing's ProcessContext.join SIGTERMs the other workers and
+            # waits up to 30 s before SIGKILL; workers stuck in a collective with a Python SIGTERM handler
+            # never run it. Terminate them ourselves with the short grace first.
+            processes = getattr(getattr(self._pcontext, "_pc", None), "processes", [])
+            if any(proc.exitcode not in (None, 0) for proc in processes):
+                self._note_close_started()
+                terminate_processes(processes, self._settings.stop_grace)
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and self._pcontext is not None:
+            # CHANGE: torch's MultiprocessContext (warm workers) reports only the first dead process in
+            # sentinel order, often a rank that crashed *because* the real culprit died, and error-file
+            # timestamps have one-second resolution. Report every rank that died on its own (before the
+            # agent started closing the group), ordered by death time, so ChildFailedError names the root
+            # cause first.
+            died_at = self._death_clock.died_at if self._death_clock is not None else {}
+            result.failures = complete_failures(
+                result.failures, self._pcontext, worker_group, died_at=died_at, close_started_at=self._close_started_at
+            )
+        return result
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # CHANGE: torch calls self._shutdown() with its 30 s default between SIGTERM and SIGKILL; workers
@@ -260,7 +301,48 @@ class SpotrunAgent(LocalElasticAgent):
         return None
 
 
-def _default_close_timeout(pcontext: PContext, grace: float) -> None:
+def complete_failures(
+    failures: dict[int, ProcessFailure],
+    pcontext: PContext,
+    worker_group: WorkerGroup,
+    *,
+    died_at: dict[int, float],
+    close_started_at: float | None,
+) -> dict[int, ProcessFailure]:
+    """Every rank that failed on its own, by global rank, in the order they died (root cause first)."""
+    merged = dict(failures)
+    pids = pcontext.pids()
+    for local_rank, when in died_at.items():
+        global_rank = worker_group.workers[local_rank].global_rank
+        exitcode = _exitcode(pcontext, local_rank)
+        on_its_own = close_started_at is None or when < close_started_at
+        if global_rank in merged or not on_its_own or exitcode == 0:
+            continue
+        merged[global_rank] = ProcessFailure(
+            local_rank=local_rank, pid=pids.get(local_rank, -1), exitcode=exitcode,
+            error_file=pcontext.error_files[local_rank],
+        )
+    return dict(sorted(merged.items(), key=lambda item: _failure_order(item[1], died_at)))
+
+
+def _failure_order(failure: ProcessFailure, died_at: dict[int, float]) -> tuple[float, float, float]:
+    """Sort key: death time when known, then the error file's timestamp and mtime (sub-second)."""
+    try:
+        mtime = os.stat(failure.error_file).st_mtime
+    except OSError:
+        mtime = float("inf")
+    return (died_at.get(failure.local_rank, float("inf")), failure.timestamp, mtime)
+
+
+def _exitcode(pcontext: PContext, local_rank: int) -> int:
+    """Exit code of a worker of a MultiprocessContext (1, like an uncaught exception, if unknown)."""
+    processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
+    if processes and local_rank < len(processes) and processes[local_rank].exitcode is not None:
+        return int(processes[local_rank].exitcode)
+    return 1
+
+
+def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[[], None]) -> None:
     """CHANGE: when one worker fails, torch's ``PContext._poll`` calls ``self.close()`` with its 30 s default
     SIGTERM->SIGKILL wait for the surviving workers, inside ``_monitor_workers``. Survivors blocked in a
     collective with the dead worker ignore SIGTERM, so that alone costs 30 s per crash. Calls without an
@@ -268,6 +350,7 @@ def _default_close_timeout(pcontext: PContext, grace: float) -> None:
     original = pcontext.close
 
     def close(death_sig: signal.Signals | None = None, timeout: float | None = None) -> None:
+        on_close()
         original(death_sig, grace if timeout is None else timeout)  # type: ignore[arg-type]
 
     pcontext.close = close  # type: ignore[method-assign]

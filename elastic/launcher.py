@@ -24,7 +24,7 @@ from torch.distributed.elastic import metrics
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousParameters
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
 from elastic.agent import SpotrunAgent
@@ -192,6 +192,10 @@ def launch(
         return result.return_values
     except ChildFailedError:
         raise
+    except RendezvousError as exc:
+        # e.g. etcd unreachable or join timeout: a clear one-line error at the CLI edge, not a traceback.
+        torch_events.record(agent.get_event_failed(), config.event_log_handler)
+        raise RendezvousUnavailableError(f"rendezvous failed: {exc}") from exc
     except SignalException:
         # As torch: a signalled agent must not close the rendezvous, other nodes may still scale.
         shutdown_rdzv = False

@@ -140,6 +140,63 @@ def warm_entrypoint(cmd: Any, cmd_args: list[str], python: str = sys.executable)
     return ScriptEntrypoint(rest[0], module=module), rest[1:]
 
 
+class DeathClock:
+    """Notes when each worker process of a multiprocessing context dies, as it happens (a daemon thread
+    waits on the process sentinels). torch polls every monitor interval and, for multiprocessing workers,
+    reports only the first dead process in sentinel order, so the crash that caused the others is often
+    not the one reported; exact death times let the agent name the true root cause."""
+
+    def __init__(self, sentinels: dict[int, int], clock: Callable[[], float] | None = None) -> None:
+        import threading
+        import time
+
+        self._clock = clock or time.monotonic
+        self.died_at: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(dict(sentinels),), name="spotrun-death-clock",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self, pending: dict[int, int]) -> None:
+        from multiprocessing.connection import wait
+
+        by_fd = {fd: rank for rank, fd in pending.items()}
+        while by_fd and not self._stop.is_set():
+            try:
+                ready = wait(list(by_fd), timeout=0.2)
+            except (OSError, ValueError):  # torch closed a sentinel after joining its process
+                return
+            now = self._clock()
+            for fd in ready:
+                self.died_at.setdefault(by_fd.pop(fd), now)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def terminate_processes(processes: list[Any], grace: float) -> None:
+    """SIGTERM every live ``multiprocessing`` process, wait up to ``grace`` s, then SIGKILL the rest."""
+    import time
+    from multiprocessing.connection import wait
+
+    alive = [proc for proc in processes if proc.is_alive()]
+    for proc in alive:
+        _signal_quietly(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while alive and time.monotonic() < deadline:
+        wait([proc.sentinel for proc in alive], timeout=max(0.0, deadline - time.monotonic()))
+        alive = [proc for proc in alive if proc.is_alive()]
+    for proc in alive:
+        _signal_quietly(proc.pid, signal.SIGKILL)
+
+
+def _signal_quietly(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 
 

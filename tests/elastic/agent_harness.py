@@ -54,7 +54,7 @@ def pid_alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def make_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PET_RDZV_BACKEND", None)
     env["PYTHONUNBUFFERED"] = "1"
@@ -70,7 +70,7 @@ class Launcher:
         self.log = log
         self._log_handle = open(log, "wb")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            list(argv), cwd=REPO, env=env or test_env(), stdout=self._log_handle, stderr=subprocess.STDOUT,
+            list(argv), cwd=REPO, env=env or make_env(), stdout=self._log_handle, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
 
@@ -116,4 +116,4 @@ def _is_stopped(pid: int) -> bool:
 
 def run_cli(argv: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run a launcher to completion (pytest-timeout bounds the test; ``timeout`` bounds this call)."""
-    return subprocess.run(list(argv), cwd=REPO, env=env or test_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(list(argv), cwd=REPO, env=env or make_env(), capture_output=True, text=True, timeout=timeout)

@@ -20,7 +20,7 @@ from tests.elastic.agent_harness import (
     pid_alive,
     read_jsonl,
     run_cli,
-    test_env,
+    make_env,
     wait_for,
 )
 
@@ -72,7 +72,8 @@ def test_worker_sigkill_is_restarted_within_max_restarts(tmp_path: Path) -> None
     assert finals == {(0, 1), (1, 1)}, "both ranks must finish after exactly one restart"
     failures = [e for e in read_events(str(events)) if e["event"] == "failure_detected"]
     assert len(failures) == 1 and failures[0]["cause"] == "worker_failure"
-    assert failures[0]["failures"] == {"1": -signal.SIGKILL}
+    # The killed rank comes first (root cause); rank 0 may also be listed, having crashed in the collective.
+    assert next(iter(failures[0]["failures"].items())) == ("1", -signal.SIGKILL)
 
 
 def test_failure_past_max_restarts_exits_with_torchrun_summary(tmp_path: Path) -> None:
@@ -98,17 +99,18 @@ def test_standalone_cleans_up_etcd_and_workers_on_sigterm(tmp_path: Path) -> Non
     tmpdir.mkdir()
     agent = Launcher([*SPOTRUN, "--standalone", "--nproc-per-node", "2", "--stop-grace", "1",
                       "--shutdown-timeout", "2", FAULT, "--steps", "0", "--out", str(out)],
-                     tmp_path / "agent.log", env=test_env(TMPDIR=str(tmpdir)))
+                     tmp_path / "agent.log", env=make_env(TMPDIR=str(tmpdir)))
     try:
         wait_for(lambda: len({p["rank"] for p in read_jsonl(out / "progress.jsonl")}) == 2, 60, "both workers to step")
-        children = set(descendants(agent.pid))
-        assert any("etcd" in cmd for _, cmd in descendants(agent.pid).values())
+        children = descendants(agent.pid)
+        assert any("etcd" in cmd for _, cmd in children.values())
         agent.signal(signal.SIGTERM)
         code = agent.wait(30)
     finally:
         agent.close()
     assert code != 0
-    assert not [pid for pid in children if pid_alive(pid)], "workers and etcd must be gone"
+    wait_for(lambda: not [pid for pid in children if pid_alive(pid)], 10,
+             f"workers and etcd to be gone: {[children[p][1][:120] for p in children if pid_alive(p)]}")
     assert not list(tmpdir.glob("spotrun-etcd-*")), "the embedded etcd data dir must be removed"
 
 
