@@ -21,6 +21,7 @@ Every ``--log-every`` steps rank 0 prints ``step=N loss=X world_size=W``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
@@ -101,13 +102,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=50, help="save every N steps (and at the end)")
     p.add_argument("--log-every", type=int, default=20, help="rank 0 prints one line every N steps")
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch recoveries)")
+    p.add_argument("--progress-file", default=None,
+                   help="append one JSON line per step and rank (rank, world_size, step, pid, t_wall): benchmarks")
+    p.add_argument("--pg-timeout", type=float, default=120.0, help="process group (collective) timeout, seconds")
     args = p.parse_args(argv)
     if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 1 or args.log_every < 1:
         p.error("--steps must be >= 0 and --global-batch, --ckpt-every, --log-every >= 1")
     return args
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed(pg_timeout: float) -> tuple[int, int, torch.device]:
     """Join the process group if a launcher started us; returns (rank, world size, device)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -120,7 +124,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         backend = "gloo"
     if "MASTER_ADDR" in os.environ and world > 1:
-        dist.init_process_group(backend, timeout=timedelta(seconds=120))
+        dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout))
     return rank, world, device
 
 
@@ -134,11 +138,21 @@ def open_checkpointer(uri: str | None) -> Any:
     return Checkpointer(uri, CheckpointConfig())
 
 
+def append_progress(path: str, record_: dict[str, Any]) -> None:
+    """One O_APPEND write per line, so ranks and nodes can share the file."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record_) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    rank, world, device = init_distributed()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logger.setLevel(logging.INFO)
+    rank, world, device = init_distributed(args.pg_timeout)
     ctx = f"[rank {rank}/{world} restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}]"
 
     model = make_model().to(device)
@@ -166,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
             trainer.samples_seen += args.global_batch
             if args.step_time:
                 time.sleep(args.step_time)
+            if args.progress_file:
+                append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
+                                                     "pid": os.getpid(), "t_wall": time.time()})
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
             if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
