@@ -202,6 +202,7 @@ def measure_save(method: Method, state, base: str, reps: int, loop: ComputeLoop,
     out: dict[str, list[float]] = {"stall": [], "total": [], "interference": []}
     root = tempfile.mkdtemp(dir=base)
     for rep in range(reps + 1):  # rep 0 warms up (allocations, imports); buffers are reused after it
+        baseline = loop.baseline(0.7)  # right before each save: the machine's load drifts
         t0 = time.perf_counter()
         method.start(rep, state, root)
         method.staged()
@@ -288,7 +289,7 @@ def main() -> None:
     load_before = os.getloadavg()
     state = make_state(args.size_mib)
     loop = ComputeLoop()
-    baseline = loop.baseline()
+    baseline = loop.baseline()  # warm-up; each save re-measures its own baseline
     methods: list[Method] = [BareCopy(state), Spotrun(), DcpAsync(False), DcpAsync(True), SafetensorsSync()]
     results = {}
     for m in methods:

@@ -228,9 +228,9 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 - reported to every rank
                 commit_error = exc
                 outcome = str(exc)
-            else:
-                self._apply_retention(step)
         outcome = self._broadcast_outcome(outcome)
+        if self.rank == 0 and outcome is None:
+            self._apply_retention(step)  # after the broadcast: other ranks need not wait for deletions
         if local_error is not None:
             raise local_error
         if commit_error is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from checkpoint.api import (
@@ -77,13 +77,19 @@ def plan_files(
 
 
 def _write_one(
-    storage: Storage, step_rel: str, layout: ShardLayout, data: memoryview, block_bytes: int, rank: int
+    storage: Storage,
+    step_rel: str,
+    layout: ShardLayout,
+    data: memoryview,
+    block_bytes: int,
+    rank: int,
+    crc_pool: Executor | None,
 ) -> tuple[FileRecord, list[tuple[object, ChunkRecord]]]:
     rel = f"{step_rel}/{layout.file}"
 
     def produce(sink: Sink) -> tuple[FileRecord, list]:
         crash_point("shard.open")
-        result = write_shard(sink, layout, data, block_bytes, rank=rank)
+        result = write_shard(sink, layout, data, block_bytes, rank=rank, crc_pool=crc_pool)
         crash_point("shard.before_commit")
         return result
 
@@ -107,15 +113,19 @@ def write_rank_files(
     records = RankRecords(rank=rank)
     if not layouts:
         return records
-    if threads <= 1 or len(layouts) == 1:
-        results = [_write_one(storage, step_rel, lay, buf, block_bytes, rank) for lay, buf in zip(layouts, buffers)]
-    else:
-        with ThreadPoolExecutor(min(threads, len(layouts)), thread_name_prefix="ckpt-write") as pool:
-            futures = [
-                pool.submit(_write_one, storage, step_rel, lay, buf, block_bytes, rank)
-                for lay, buf in zip(layouts, buffers)
+    # One extra thread computes checksums while the writer threads write (see write_shard).
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") as crc_pool:
+        if threads <= 1 or len(layouts) == 1:
+            results = [
+                _write_one(storage, step_rel, lay, buf, block_bytes, rank, crc_pool) for lay, buf in zip(layouts, buffers)
             ]
-            results = [f.result() for f in futures]
+        else:
+            with ThreadPoolExecutor(min(threads, len(layouts)), thread_name_prefix="ckpt-write") as pool:
+                futures = [
+                    pool.submit(_write_one, storage, step_rel, lay, buf, block_bytes, rank, crc_pool)
+                    for lay, buf in zip(layouts, buffers)
+                ]
+                results = [f.result() for f in futures]
     for layout, (file_record, chunks) in zip(layouts, results):
         records.files[layout.file] = file_record
         for entry, chunk in chunks:
