@@ -177,9 +177,9 @@ def launch(
 
     _preimport_log_formatter_dependencies()
     if config.start_method == "forkserver":
-        # After every env change the workers must inherit (OMP_NUM_THREADS, TORCHELASTIC_SIGNALS_TO_HANDLE),
-        # before the rendezvous, so importing torch in the forkserver overlaps with it.
-        start_warm_forkserver()
+        # After every env change the workers must inherit (OMP_NUM_THREADS, TORCHELASTIC_SIGNALS_TO_HANDLE)
+        # and before joining the rendezvous: a joining node must not stall a running group on its imports.
+        logger.info("warm workers: forkserver ready in %.2f s", start_warm_forkserver())
 
     shutdown_rdzv = True
     try:

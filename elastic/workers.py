@@ -200,14 +200,24 @@ def _signal_quietly(pid: int, sig: int) -> None:
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 
 
-def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD) -> None:
-    """Start multiprocessing's forkserver now, importing ``preload`` in it, so that the first workers (and
-    every restarted one) are forked from a warm interpreter. Non-blocking: the imports overlap with the
-    rendezvous. The forkserver exits when the agent dies (its alive pipe hits EOF)."""
+def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_timeout: float = 300.0) -> float:
+    """Start multiprocessing's forkserver, importing ``preload`` in it, and wait until it can fork, so that
+    every worker (first and restarted) is forked from a warm interpreter. Returns the seconds it took.
+
+    Waiting *before* the first rendezvous matters for scale-up: a node that joins a running job only
+    interrupts the others once it can start its workers at once, instead of making the whole group wait
+    for its ``import torch``. The forkserver exits when the agent dies (its alive pipe hits EOF)."""
+    import multiprocessing
+    import time
     from multiprocessing import forkserver
 
+    began = time.monotonic()
     forkserver.set_forkserver_preload(list(preload))
     forkserver.ensure_running()
+    probe = multiprocessing.get_context("forkserver").Process(target=os.getpid, name="spotrun-warmup")
+    probe.start()  # returns once the forkserver has finished its imports and forked
+    probe.join(wait_timeout)
+    return time.monotonic() - began
 
 
 def _shim_main(argv: list[str]) -> None:

@@ -1,0 +1,372 @@
+"""Recovery-time benchmark: stock torchrun (c10d rendezvous) vs spotrun (etcd-v3), side by side.
+
+    python bench/elastic_bench.py                 # default repetitions (a few minutes on 2 cores)
+    python bench/elastic_bench.py --reps 1 --sigstop-reps 0 --scenarios worker_crash
+
+Job: ``examples/train_ddp.py`` (a small DDP MLP, gloo, ``--step-time 0.05``) with ``--progress-file``, one
+worker per agent for node scenarios, two workers on one agent for the worker-crash scenario. All launchers
+use their defaults, except ``--max-restarts 100`` (torchrun would give up otherwise) and the same
+``--pg-timeout 60`` for the job's collectives. Scenarios, each time measured with wall clocks on one host:
+
+* scale_up: a second agent process is started -> first completed step at world size 2 (also reported from
+  the moment the new agent begins to rendezvous, to separate its own interpreter start).
+* node_loss_sigkill: the second agent *and its workers* are SIGKILLed (a machine vanishing) -> the survivor's
+  next completed step.
+* node_loss_sigstop: the second agent and its workers are SIGSTOPped (silent vanish, e.g. network partition)
+  -> the survivor's next completed step.
+* worker_crash: one of two workers of a single agent is SIGKILLed -> next completed step by a new worker.
+
+Prints a Markdown table (median and min-max over the repetitions), the host load, and spotrun's recovery
+breakdown from its ``events.jsonl``. Timings on a loaded machine are not comparable with another run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = str(REPO / "examples" / "train_ddp.py")
+JOB_ARGS = ["--steps", "1000000000", "--step-time", "0.05", "--log-every", "1000000", "--pg-timeout", "60"]
+
+
+class Timeout(Exception):
+    """A scenario did not reach its goal in time (reported as '>N s')."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Samples:
+    """Seconds per repetition; ``None`` marks a repetition that timed out."""
+
+    values: list[float | None] = field(default_factory=list)
+    limit: float = 0.0
+
+    def cell(self) -> str:
+        done = [v for v in self.values if v is not None]
+        timeouts = len(self.values) - len(done)
+        if not self.values:
+            return "-"
+        if not done:
+            return f">{self.limit:.0f} s (timeout x{timeouts})"
+        text = f"{statistics.median(done):.2f} s ({min(done):.2f}-{max(done):.2f}, n={len(done)})"
+        return text + (f", {timeouts} timeout(s) >{self.limit:.0f} s" if timeouts else "")
+
+
+def wait_for(check: Callable[[], object], timeout: float, what: str) -> object:
+    poll = Retrying(stop=stop_after_delay(timeout), wait=wait_fixed(0.02), retry=retry_if_result(lambda r: not r))
+    try:
+        return poll(check)
+    except RetryError:
+        raise Timeout(what) from None
+
+
+def read_progress(path: Path) -> list[dict]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+def descendants(root: int) -> list[int]:
+    """PIDs of every live descendant of ``root`` (workers, forkservers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, frontier = [], [root]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            found.append(child)
+            frontier.append(child)
+    return found
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Agent:
+    """One launcher process, started by PID, its output in a log file, reaped on close()."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.log_handle = open(log, "wb")  # noqa: SIM115
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("PET_RDZV_BACKEND", None)
+        self.started_at = time.time()
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.log_handle, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.tree: list[int] = []
+
+    def snapshot_tree(self) -> list[int]:
+        self.tree = [self.proc.pid, *descendants(self.proc.pid)]
+        return self.tree
+
+    def close(self) -> None:
+        pids = [self.proc.pid, *descendants(self.proc.pid), *self.tree]
+        signal_all(pids, signal.SIGCONT)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+        signal_all([p for p in pids if p != self.proc.pid], signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log_handle.close()
+
+
+@dataclass(kw_only=True)
+class LauncherKind:
+    """How to start one agent of a launcher for a given rendezvous endpoint."""
+
+    name: str
+    argv: Callable[[str, str, str, int, Path], list[str]]
+    """(endpoint, run_id, nnodes, nproc, workdir) -> argv."""
+
+
+def torchrun_argv(endpoint: str, run_id: str, nnodes: str, nproc: int, workdir: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "100",
+            JOB, *JOB_ARGS, "--progress-file", str(workdir / "progress.jsonl")]
+
+
+def spotrun_argv(endpoint: str, run_id: str, nnodes: str, nproc: int, workdir: Path) -> list[str]:
+    return [sys.executable, "-m", "elastic.cli", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "100",
+            "--events-file", str(workdir / "events.jsonl"), JOB, *JOB_ARGS,
+            "--progress-file", str(workdir / "progress.jsonl")]
+
+
+@contextlib.contextmanager
+def rendezvous_endpoint(kind: str) -> Iterator[str]:
+    if kind == "spotrun":
+        from elastic.etcd_server import EmbeddedEtcd
+
+        with EmbeddedEtcd() as etcd:
+            yield etcd.endpoint
+    else:
+        yield f"127.0.0.1:{free_port()}"  # the first torchrun agent hosts the c10d TCPStore
+
+
+def first_step(progress: Path, *, after: float, world: int, exclude_pids: set[int] = frozenset(),
+               new_pids_only: set[int] | None = None) -> float | None:
+    for rec in read_progress(progress):
+        if rec["t_wall"] <= after or rec["world_size"] != world or rec["pid"] in exclude_pids:
+            continue
+        if new_pids_only is not None and rec["pid"] in new_pids_only:
+            continue
+        return rec["t_wall"]
+    return None
+
+
+def first_join_time(events: Path, agent_pid: int, after: float) -> float | None:
+    """Wall time the new spotrun agent started its first rendezvous (its interpreter start excluded)."""
+    for line in (events.read_text().splitlines() if events.exists() else []):
+        with contextlib.suppress(json.JSONDecodeError):
+            rec = json.loads(line)
+            if rec["event"] == "rendezvous_started" and rec["node"].endswith(f":{agent_pid}") and rec["t_wall"] > after:
+                return rec["t_wall"]
+    return None
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeResults:
+    scale_up: Samples
+    scale_up_from_join: Samples
+    sigkill: Samples
+    sigstop: Samples
+
+
+def node_scenarios(kind: LauncherKind, workdir: Path, reps: int, sigstop_reps: int, timeout: float,
+                   bar: tqdm) -> NodeResults:
+    res = NodeResults(scale_up=Samples(limit=timeout), scale_up_from_join=Samples(limit=timeout),
+                      sigkill=Samples(limit=timeout), sigstop=Samples(limit=timeout))
+    progress = workdir / "progress.jsonl"
+    agents: list[Agent] = []
+    with rendezvous_endpoint(kind.name) as endpoint:
+        try:
+            first = Agent(kind.argv(endpoint, "bench-nodes", "1:2", 1, workdir), workdir / "agent-a.log")
+            agents.append(first)
+            wait_for(lambda: first_step(progress, after=0, world=1), 120, f"{kind.name}: first agent to train")
+            for i, mode in enumerate(["sigkill"] * reps + ["sigstop"] * sigstop_reps):
+                second = Agent(kind.argv(endpoint, "bench-nodes", "1:2", 1, workdir), workdir / f"agent-b{i}.log")
+                agents.append(second)
+                try:
+                    at = wait_for(lambda: first_step(progress, after=second.started_at, world=2), timeout, "scale-up")
+                    res.scale_up.values.append(at - second.started_at)  # type: ignore[operator]
+                    joined = first_join_time(workdir / "events.jsonl", second.proc.pid, second.started_at)
+                    if joined is not None:
+                        res.scale_up_from_join.values.append(at - joined)  # type: ignore[operator]
+                except Timeout:
+                    res.scale_up.values.append(None)
+                    continue
+                finally:
+                    bar.update(1)
+                victims = second.snapshot_tree()
+                lost_at = time.time()
+                signal_all(victims, signal.SIGKILL if mode == "sigkill" else signal.SIGSTOP)
+                samples = res.sigkill if mode == "sigkill" else res.sigstop
+                try:
+                    at = wait_for(lambda: first_step(progress, after=lost_at, world=1, exclude_pids=set(victims)),
+                                  timeout, f"{mode} recovery")
+                    samples.values.append(at - lost_at)  # type: ignore[operator]
+                except Timeout:
+                    samples.values.append(None)
+                signal_all(victims, signal.SIGKILL)
+                signal_all(victims, signal.SIGCONT)
+                second.close()
+                bar.update(1)
+                if samples.values[-1] is None:
+                    break  # the job is wedged; later repetitions would measure nothing
+        finally:
+            for agent in agents:
+                agent.close()
+    return res
+
+
+def worker_crash(kind: LauncherKind, workdir: Path, reps: int, timeout: float, bar: tqdm) -> Samples:
+    samples = Samples(limit=timeout)
+    progress = workdir / "progress.jsonl"
+    with rendezvous_endpoint(kind.name) as endpoint:
+        agent = Agent(kind.argv(endpoint, "bench-crash", "1", 2, workdir), workdir / "agent.log")
+        try:
+            wait_for(lambda: first_step(progress, after=0, world=2), 120, f"{kind.name}: workers to train")
+            for _ in range(reps):
+                time.sleep(0.5)  # let the group settle into steady state; not a synchronisation
+                records = read_progress(progress)
+                old_pids = {r["pid"] for r in records}
+                victim = max((r for r in records if r["rank"] == 1), key=lambda r: r["t_wall"])["pid"]
+                crashed_at = time.time()
+                signal_all([victim], signal.SIGKILL)
+                try:
+                    at = wait_for(lambda: first_step(progress, after=crashed_at, world=2, new_pids_only=old_pids),
+                                  timeout, "worker crash recovery")
+                    samples.values.append(at - crashed_at)  # type: ignore[operator]
+                except Timeout:
+                    samples.values.append(None)
+                    break
+                finally:
+                    bar.update(1)
+        finally:
+            agent.close()
+    return samples
+
+
+def spotrun_breakdown(events_file: Path) -> list[tuple[str, float]]:
+    """Median seconds per recovery stage over every recovery in the events file."""
+    events = [json.loads(line) for line in events_file.read_text().splitlines()] if events_file.exists() else []
+    stages: dict[str, list[float]] = {}
+    by_node: dict[str, list[dict]] = {}
+    for ev in events:
+        by_node.setdefault(ev["node"], []).append(ev)
+    order = ["failure_detected", "workers_stopped", "rendezvous_started", "rendezvous_completed", "workers_started"]
+    for evs in by_node.values():
+        for i, ev in enumerate(evs):
+            if ev["event"] != "failure_detected":
+                continue
+            seq = evs[i:i + len(order)]
+            if [e["event"] for e in seq] != order:
+                continue
+            for a, b in zip(seq, seq[1:]):
+                stages.setdefault(f"{a['event']} -> {b['event']}", []).append(b["t_mono"] - a["t_mono"])
+    return [(name, statistics.median(vals)) for name, vals in stages.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of scale-up, node loss and worker crash")
+    parser.add_argument("--sigstop-reps", type=int, default=1, help="repetitions of the SIGSTOP node loss")
+    parser.add_argument("--timeout", type=float, default=90.0, help="give up on one recovery after this many s")
+    parser.add_argument("--launchers", default="torchrun,spotrun")
+    parser.add_argument("--scenarios", default="nodes,worker_crash")
+    parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    if args.reps < 1 or args.sigstop_reps < 0 or args.timeout <= 0:
+        parser.error("--reps must be >= 1, --sigstop-reps >= 0 and --timeout > 0")
+    kinds = {"torchrun": LauncherKind(name="torchrun", argv=torchrun_argv),
+             "spotrun": LauncherKind(name="spotrun", argv=spotrun_argv)}
+    chosen = [kinds[name] for name in args.launchers.split(",")]
+    scenarios = set(args.scenarios.split(","))
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="spotrun-bench-"))
+    load_before = os.getloadavg()
+    total = len(chosen) * ((2 * (args.reps + args.sigstop_reps) if "nodes" in scenarios else 0) +
+                           (args.reps if "worker_crash" in scenarios else 0))
+    results: dict[str, dict[str, Samples]] = {}
+    breakdowns: dict[str, list[tuple[str, float]]] = {}
+    with tqdm(total=total, desc="recoveries", unit="rep", file=sys.stderr) as bar:
+        for kind in chosen:
+            results[kind.name] = {}
+            if "nodes" in scenarios:
+                workdir = root / kind.name / "nodes"
+                workdir.mkdir(parents=True, exist_ok=True)
+                res = node_scenarios(kind, workdir, args.reps, args.sigstop_reps, args.timeout, bar)
+                results[kind.name].update(scale_up=res.scale_up, scale_up_from_join=res.scale_up_from_join,
+                                          node_loss_sigkill=res.sigkill, node_loss_sigstop=res.sigstop)
+                if kind.name == "spotrun":
+                    breakdowns["node scenarios"] = spotrun_breakdown(workdir / "events.jsonl")
+            if "worker_crash" in scenarios:
+                workdir = root / kind.name / "crash"
+                workdir.mkdir(parents=True, exist_ok=True)
+                results[kind.name]["worker_crash"] = worker_crash(kind, workdir, args.reps, args.timeout, bar)
+                if kind.name == "spotrun":
+                    breakdowns["worker crash"] = spotrun_breakdown(workdir / "events.jsonl")
+    load_after = os.getloadavg()
+
+    targets = {"node_loss_sigkill": "<= 3 s", "node_loss_sigstop": "-", "worker_crash": "<= torchrun / 2",
+               "scale_up": "<= 3 s", "scale_up_from_join": "-"}
+    rows = [r for r in ["node_loss_sigkill", "node_loss_sigstop", "worker_crash", "scale_up", "scale_up_from_join"]
+            if any(r in results[k.name] for k in chosen)]
+    print(f"\n### Recovery time to the next completed training step ({os.cpu_count()} CPUs, "
+          f"load avg {load_before[0]:.2f} before / {load_after[0]:.2f} after)\n")
+    print("| scenario | " + " | ".join(k.name for k in chosen) + " | target |")
+    print("|---|" + "---|" * len(chosen) + "---|")
+    for row in rows:
+        cells = [results[k.name].get(row, Samples()).cell() for k in chosen]
+        print(f"| {row} | " + " | ".join(cells) + f" | {targets[row]} |")
+    for name, stages in breakdowns.items():
+        if stages:
+            print(f"\nspotrun recovery breakdown, {name} (median s): "
+                  + ", ".join(f"{stage} {secs:.2f}" for stage, secs in stages))
+    print(f"\nlogs: {root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
