@@ -198,24 +198,34 @@ def _prune(root: str, keep_step: int) -> None:
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
 
 
-def measure_save(method: Method, state, base: str, reps: int, loop: ComputeLoop, baseline: float) -> dict[str, list[float]]:
+def measure_save(method: Method, state, base: str, reps: int, loop: ComputeLoop) -> dict[str, list[float]]:
+    """Per rep: one save alone (stall, total) and, for async methods, one with the loop running (interference)."""
     out: dict[str, list[float]] = {"stall": [], "total": [], "interference": []}
     root = tempfile.mkdtemp(dir=base)
+    step = 0
     for rep in range(reps + 1):  # rep 0 warms up (allocations, imports); buffers are reused after it
-        baseline = loop.baseline(0.7)  # right before each save: the machine's load drifts
         t0 = time.perf_counter()
-        method.start(rep, state, root)
+        method.start(step, state, root)
         method.staged()
         stall = time.perf_counter() - t0
-        during = loop.during(method.is_done)
         method.finish()
         total = time.perf_counter() - t0
+        _prune(root, step)
+        step += 1
         if rep:
             out["stall"].append(stall)
             out["total"].append(total)
-            if during is not None:
-                out["interference"].append(during / baseline)
-        _prune(root, rep)
+        if isinstance(method, (BareCopy, SafetensorsSync)):
+            continue  # blocking: nothing runs beside it
+        baseline = loop.baseline(0.7)  # right before the save: the machine's load drifts
+        method.start(step, state, root)
+        method.staged()
+        during = loop.during(method.is_done)
+        method.finish()
+        _prune(root, step)
+        step += 1
+        if rep and during is not None:
+            out["interference"].append(during / baseline)
     shutil.rmtree(root, ignore_errors=True)
     return out
 
@@ -289,11 +299,11 @@ def main() -> None:
     load_before = os.getloadavg()
     state = make_state(args.size_mib)
     loop = ComputeLoop()
-    baseline = loop.baseline()  # warm-up; each save re-measures its own baseline
+    loop.baseline(0.5)  # warm-up; each save re-measures its own baseline
     methods: list[Method] = [BareCopy(state), Spotrun(), DcpAsync(False), DcpAsync(True), SafetensorsSync()]
     results = {}
     for m in methods:
-        results[m.name] = measure_save(m, state, base, args.reps, loop, baseline)
+        results[m.name] = measure_save(m, state, base, args.reps, loop)
         print(f"# measured {m.name}", flush=True)
     rss = {}
     for m in methods[1:4]:

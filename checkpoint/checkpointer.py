@@ -41,7 +41,7 @@ from checkpoint.retention import delete_step, steps_to_delete
 from checkpoint.shard import ShardLayout, read_requests
 from checkpoint.staging import Stager
 from checkpoint.state import FlatState, apply, flatten
-from checkpoint.storage import RetryPolicy, Storage
+from checkpoint.storage import RetryPolicy, Storage, lower_thread_priority
 from checkpoint.writer import RankRecords, plan_files, write_rank_files
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class Checkpointer:
             ),
             upload_threads=c.writer_threads,
             multipart_chunk_bytes=c.multipart_chunk_bytes,
+            thread_nice=c.writer_nice,
         )
         self.rank, self.world_size = 0, 1
         self._fg_group: Any = None
@@ -91,7 +92,9 @@ class Checkpointer:
                 self._fg_group = dist.new_group(ranks=ranks, backend="gloo")
                 self._bg_group = dist.new_group(ranks=ranks, backend="gloo")
         self._stager = Stager()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-bg")
+        self._executor = ThreadPoolExecutor(
+            1, thread_name_prefix="ckpt-bg", initializer=lower_thread_priority, initargs=(c.writer_nice,)
+        )
         self._future: Future[int] | None = None
         self._in_flight: int | None = None
         self._signature: tuple[Any, ...] | None = None
@@ -204,6 +207,7 @@ class Checkpointer:
                 block_bytes=self.config.checksum_block_bytes,
                 rank=self.rank,
                 threads=self.config.writer_threads,
+                nice=self.config.writer_nice,
             )
         except Exception as exc:  # noqa: BLE001 - becomes a vote not to commit, re-raised below
             logger.error("[rank %d step %d] writing shards failed: %s", self.rank, step, exc)

@@ -51,6 +51,10 @@ class CheckpointConfig:
     writer_threads: int = 4
     """Parallel shard writes / multipart part uploads / ranged reads per rank (>= 1)."""
 
+    writer_nice: int = 10
+    """Background save threads run this many nice steps below the training thread (Linux per-thread
+    nice), so on a busy CPU the save yields to training; 0 keeps the same priority (0..19)."""
+
     multipart_chunk_bytes: int = 64 * _MIB
     """S3 multipart part size (>= 5 MiB, the S3 minimum); files smaller than this are one PUT."""
 
@@ -70,6 +74,9 @@ class CheckpointConfig:
         self._check_int("checksum_block_bytes", self.checksum_block_bytes, 4096, "use e.g. 4 MiB (4194304)")
         self._check_int("max_retries", self.max_retries, 1, "1 means no retry")
         self._check_int("writer_threads", self.writer_threads, 1, "use 1 for sequential writes")
+        self._check_int("writer_nice", self.writer_nice, 0, "0 disables, 19 is the lowest priority")
+        if self.writer_nice > 19:
+            raise CheckpointConfigError(f"writer_nice={self.writer_nice} is invalid: use 0..19")
         self._check_int(
             "multipart_chunk_bytes", self.multipart_chunk_bytes, _S3_MIN_PART, "S3 rejects parts under 5 MiB"
         )

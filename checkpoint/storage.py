@@ -124,6 +124,7 @@ class Storage:
         retry: RetryPolicy | None = None,
         upload_threads: int = 4,
         multipart_chunk_bytes: int = 64 << 20,
+        thread_nice: int = 0,
     ) -> None:
         if not isinstance(uri, str) or not uri.strip():
             raise CheckpointStorageError(f"checkpoint location must be a non-empty string URI, got {uri!r}")
@@ -131,6 +132,7 @@ class Storage:
         self.retry = retry or RetryPolicy()
         self.upload_threads = upload_threads
         self.multipart_chunk_bytes = multipart_chunk_bytes
+        self.thread_nice = thread_nice
         try:
             self.fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
         except (ValueError, ImportError, *_FOREIGN) as exc:
@@ -368,7 +370,12 @@ class Storage:
         """Threads for multipart part uploads (separate from the writer's per-file threads)."""
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.upload_threads, thread_name_prefix="ckpt-upload")
+                self._pool = ThreadPoolExecutor(
+                    self.upload_threads,
+                    thread_name_prefix="ckpt-upload",
+                    initializer=lower_thread_priority,
+                    initargs=(self.thread_nice,),
+                )
             return self._pool
 
     def close(self) -> None:
@@ -376,6 +383,18 @@ class Storage:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` steps nicer (Linux: per-thread nice), so background checkpoint
+    threads yield the CPU to the training thread; a no-op where unsupported or when ``nice`` is 0."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:  # pragma: no cover - e.g. seccomp; priority is an optimisation only
+        logger.debug("could not lower the priority of thread %s: %s", threading.current_thread().name, exc)
 
 
 def _tmp_name(path: str) -> str:

@@ -17,7 +17,7 @@ from checkpoint.api import (
     shard_file_name,
 )
 from checkpoint.shard import ShardLayout, build_layout, write_shard
-from checkpoint.storage import Sink, Storage
+from checkpoint.storage import Sink, Storage, lower_thread_priority
 
 logger = logging.getLogger(__name__)
 
@@ -108,19 +108,27 @@ def write_rank_files(
     block_bytes: int,
     rank: int,
     threads: int,
+    nice: int = 0,
 ) -> RankRecords:
     """Write every shard file of this rank (files in parallel); returns the records for the manifest."""
     records = RankRecords(rank=rank)
     if not layouts:
         return records
     # One extra thread computes checksums while the writer threads write (see write_shard).
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") as crc_pool:
+    with ThreadPoolExecutor(
+        1, thread_name_prefix="ckpt-crc", initializer=lower_thread_priority, initargs=(nice,)
+    ) as crc_pool:
         if threads <= 1 or len(layouts) == 1:
             results = [
                 _write_one(storage, step_rel, lay, buf, block_bytes, rank, crc_pool) for lay, buf in zip(layouts, buffers)
             ]
         else:
-            with ThreadPoolExecutor(min(threads, len(layouts)), thread_name_prefix="ckpt-write") as pool:
+            with ThreadPoolExecutor(
+                min(threads, len(layouts)),
+                thread_name_prefix="ckpt-write",
+                initializer=lower_thread_priority,
+                initargs=(nice,),
+            ) as pool:
                 futures = [
                     pool.submit(_write_one, storage, step_rel, lay, buf, block_bytes, rank, crc_pool)
                     for lay, buf in zip(layouts, buffers)
