@@ -8,9 +8,15 @@ Each place that changes torch 2.13's behaviour is marked ``CHANGE:`` with the re
 * worker failures that coincide with a lost peer do not use up ``--max-restarts``;
 * workers are stopped with a short SIGTERM->SIGKILL grace (torch waits 30 s), also when torch's process
   context closes the survivors of a crashed worker;
-* workers are started through an exec shim that ties them to the agent (``elastic.workers``);
+* workers die with the agent even on SIGKILL (parent-death signal via an exec shim, or in the entrypoint of
+  warm workers forked from a torch-preloaded forkserver; see ``elastic.workers``);
+* the failure summary lists every rank that failed on its own, root cause (first to die) first;
 * transient rendezvous errors while monitoring (etcd restarting) do not kill a healthy job;
-* every recovery stage is written to a structured event log.
+* every recovery stage is written to a structured event log (``elastic.events``).
+
+Stale state (pytorch#135712): with the etcd-v3 backend ``use_agent_store`` is False and each round has its
+own store scope, so workers of a new round never see the previous round's keys even when a membership-change
+round keeps ``TORCHELASTIC_RESTART_COUNT`` unchanged (covered by tests/elastic/test_agent.py).
 """
 
 from __future__ import annotations

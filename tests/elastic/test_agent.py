@@ -107,6 +107,11 @@ def test_node_loss_shrinks_the_group_and_a_new_node_grows_it_back(tmp_path: Path
         assert causes and all(c in {"membership_change", "worker_failure_with_peer_loss"} for c in causes), causes
         a_rounds = [e for e in events if e["event"] == "rendezvous_completed" and e["node"].endswith(a_node)]
         assert [e["group_world_size"] for e in a_rounds][-2:] == [1, 2]
+        # pytorch#135712: rounds forced by membership changes keep TORCHELASTIC_RESTART_COUNT, so with a
+        # shared agent store new workers would read the previous workers' gloo addresses under the same
+        # prefix. The regrown group trains (its all_reduce checks the world size) at the first round's count.
+        regrown = [p for p in _progress(tmp_path) if p["world_size"] == 2 and p["t_wall"] > joined_at]
+        assert regrown and {p["restart"] for p in regrown} == {0}
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{_dump(*agents)}") from None
     finally:

@@ -130,3 +130,23 @@ def test_stuck_worker_is_killed_after_the_stop_grace(tmp_path: Path) -> None:
     # torch would wait 30 s for the SIGTERM-ignoring rank 1 before SIGKILL; with a 1 s grace the whole
     # round trip (start, import torch, fail, stop, rendezvous, start) stays well under that.
     assert starts[1] - starts[0] < 20, f"restart took {starts[1] - starts[0]:.1f} s"
+
+
+@pytest.mark.parametrize("warm", ["--warm-workers", "--no-warm-workers"])
+def test_workers_die_with_a_sigkilled_agent(tmp_path: Path, warm: str) -> None:
+    """torch starts workers in their own session; without spotrun's parent-death signal they would outlive
+    a SIGKILLed agent (forkserver children for warm workers, exec shim for plain subprocesses)."""
+    out, events = tmp_path / "out", tmp_path / "events.jsonl"
+    agent = Launcher([*SPOTRUN, "--standalone", "--nproc-per-node", "2", warm, "--events-file", str(events),
+                      FAULT, "--steps", "0", "--out", str(out)], tmp_path / "agent.log")
+    try:
+        wait_for(lambda: len({p["rank"] for p in read_jsonl(out / "progress.jsonl")}) == 2, 60, "both workers to step")
+        workers = {p["pid"] for p in read_jsonl(out / "progress.jsonl")}
+        tree = set(descendants(agent.pid))
+        assert workers <= tree
+        agent.signal(signal.SIGKILL)
+        agent.wait(10)
+        wait_for(lambda: not [pid for pid in tree if pid_alive(pid)], 15,
+                 f"the agent's workers (and etcd) to die with it: {[p for p in tree if pid_alive(p)]}")
+    finally:
+        agent.close()

@@ -1,0 +1,103 @@
+"""Unit tests of the agent's building blocks: event log, settings, warm entrypoint parsing, death clock."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic.api import LaunchConfigError, RecoveryEvent
+from elastic.config import AgentSettings
+from elastic.events import JsonlEventLog, MemoryEventLog, read_events
+from elastic.workers import DeathClock, ScriptEntrypoint, shim_command, terminate_processes, warm_entrypoint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_jsonl_event_log_appends_one_line_per_event_with_context(tmp_path: Path) -> None:
+    ticks = iter([10.0, 11.5])
+    log = JsonlEventLog(str(tmp_path / "sub" / "events.jsonl"), run_id="job", node="h:1",
+                        clock=lambda: next(ticks), wall_clock=lambda: 1e9)
+    log.emit(RecoveryEvent.FAILURE_DETECTED, round=3, cause="worker_failure")
+    log.emit(RecoveryEvent.WORKERS_STARTED, round=4, pids=[1, 2])
+    events = read_events(log.path)
+    assert [e["event"] for e in events] == ["failure_detected", "workers_started"]
+    assert events[0] == {"event": "failure_detected", "run_id": "job", "node": "h:1", "t_mono": 10.0,
+                         "t_wall": 1e9, "round": 3, "cause": "worker_failure"}
+    assert events[1]["t_mono"] - events[0]["t_mono"] == 1.5
+
+
+def test_read_events_skips_a_partial_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_text(json.dumps({"event": "a"}) + "\n" + '{"event": "b"')
+    assert read_events(str(path)) == [{"event": "a"}]
+    assert read_events(str(tmp_path / "missing.jsonl")) == []
+
+
+def test_memory_event_log() -> None:
+    log = MemoryEventLog()
+    log.emit(RecoveryEvent.RENDEZVOUS_STARTED, round=0)
+    assert log.records == [{"event": "rendezvous_started", "round": 0}]
+
+
+@pytest.mark.parametrize("field", ["stop_grace", "peer_loss_grace"])
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf")])
+def test_settings_reject_bad_durations(field: str, value: float) -> None:
+    with pytest.raises(LaunchConfigError, match=field):
+        AgentSettings(**{field: value})
+
+
+def test_warm_entrypoint_accepts_only_python_scripts_and_modules() -> None:
+    entry, args = warm_entrypoint(sys.executable, ["-u", "train.py", "--lr", "1"])
+    assert isinstance(entry, ScriptEntrypoint) and (entry.target, entry.module, args) == ("train.py", False, ["--lr", "1"])
+    entry, args = warm_entrypoint(sys.executable, ["-u", "-m", "pkg.train", "x"])
+    assert (entry.target, entry.module, entry.__name__, args) == ("pkg.train", True, "pkg.train", ["x"])
+    assert warm_entrypoint("/bin/echo", ["hi"]) is None  # --no-python
+    assert warm_entrypoint(sys.executable, ["-u", "-c", "print(1)"]) is None
+    assert warm_entrypoint(lambda: None, []) is None  # --run-path
+
+
+def test_shim_command_wraps_the_real_command() -> None:
+    exe, args = shim_command("/bin/echo", ("a", "b"), agent_pid=42)
+    assert exe == sys.executable and args[0] == "-S" and args[1].endswith("workers.py")
+    assert args[2:] == ("42", "/bin/echo", "a", "b")
+
+
+def _sleep_forever() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stuck worker
+    time.sleep(600)
+
+
+def _exit_3() -> None:
+    os._exit(3)
+
+
+def test_death_clock_orders_deaths_and_terminate_kills_stuck_processes() -> None:
+    ctx = multiprocessing.get_context("fork")
+    first, stuck = ctx.Process(target=_exit_3), ctx.Process(target=_sleep_forever)
+    stuck.start()
+    first.start()
+    clock = DeathClock({0: first.sentinel, 1: stuck.sentinel})
+    try:
+        first.join(10)
+        deadline = time.monotonic() + 5
+        while 0 not in clock.died_at and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 0 in clock.died_at and 1 not in clock.died_at
+        began = time.monotonic()
+        terminate_processes([first, stuck], grace=0.5)
+        stuck.join(5)
+        assert stuck.exitcode == -signal.SIGKILL, "SIGTERM is ignored, so SIGKILL after the grace"
+        assert time.monotonic() - began < 3
+    finally:
+        clock.stop()
+        for proc in (first, stuck):
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
