@@ -98,10 +98,17 @@ class EtcdRendezvousConfig:
     Spares waiting for a free slot in a full job are not bound by it."""
 
     last_call_timeout: float = 1.0
-    """Seconds a round stays open, once ``min_nodes`` have joined, for agents that may still arrive.
-    A round closes at once (no last call) when it is full, or when it re-forms an existing job and every
-    live registered agent has joined; so recovery from a loss never waits for it. Raise it (torch uses 30)
-    if agents of a first start are spread out in time and you want them all in the first round."""
+    """Seconds the FIRST round stays open, once ``min_nodes`` have joined, for agents nobody knows of yet
+    (not even registered). A round closes at once when it is full, or when it re-forms a running job and
+    every live registered agent has joined, so recovery from a loss never waits for it. Raise it (torch
+    uses 30) if agents of a first start are spread out in time and you want them all in the first round."""
+
+    rejoin_timeout: float = 30.0
+    """Seconds a forming round waits for nodes that are registered (alive) but have not joined yet:
+    agents of the previous round still stopping their workers (torch's agent gives workers up to 30 s
+    after SIGTERM), or agents between registering and joining. Waiting for them avoids a second round
+    right after the first; after it they are left out and join the next round. The common recovery
+    (every survivor joined within a second) never waits for it."""
 
     close_timeout: float = 30.0
     """Seconds ``set_closed``/``shutdown`` keep trying to record the closed state in etcd."""
@@ -147,8 +154,9 @@ class EtcdRendezvousConfig:
             )
         for name in ("join_timeout", "close_timeout", "etcd_timeout"):
             _require_positive(name, getattr(self, name))
-        if not (isinstance(self.last_call_timeout, (int, float)) and self.last_call_timeout >= 0):
-            raise RendezvousConfigError(f"last_call_timeout must be >= 0 seconds, got {self.last_call_timeout!r}")
+        for name in ("last_call_timeout", "rejoin_timeout"):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0):
+                raise RendezvousConfigError(f"{name} must be >= 0 seconds, got {getattr(self, name)!r}")
         if not self.etcd_prefix.startswith("/") or self.etcd_prefix.rstrip("/") == "":
             raise RendezvousConfigError(
                 f"etcd_prefix must be an absolute key path like '/spotrun/rdzv', got {self.etcd_prefix!r}"
@@ -244,6 +252,7 @@ _PARSERS = {
     "lease_ttl": _parse_int,
     "join_timeout": _parse_float,
     "last_call_timeout": _parse_float,
+    "rejoin_timeout": _parse_float,
     "close_timeout": _parse_float,
     "etcd_timeout": _parse_float,
     "etcd_prefix": _parse_str,

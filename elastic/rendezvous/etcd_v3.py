@@ -204,6 +204,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             committed = self._mirror.committed
         target = (committed.number if committed else 0) + 1
         last_call: float | None = None
+        rejoin: float | None = None
         joined_target: tuple[int, int | None] | None = None  # (round, lease) of our last join write
         committed_mod: int | None = None  # round-key revision our last successful commit replaced
         previous: Action | None = None
@@ -211,7 +212,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         while True:
             with self._cond:
                 self._raise_if_fatal()
-                snap = self._snapshot(target, join_deadline, last_call)
+                snap = self._snapshot(target, join_deadline, last_call, rejoin)
                 seen_mod = self._mirror.committed_mod
                 decision = decide(snap)
                 if decision.action != previous:
@@ -227,13 +228,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     continue
                 if action is Action.START_LAST_CALL:
                     last_call = snap.now + self._config.last_call_timeout
+                    rejoin = snap.now + self._config.rejoin_timeout
                     continue
                 if action is Action.DONE:
                     return self._complete_round(began)
                 if action is Action.REJOIN:
                     assert self._mirror.committed is not None
                     target = self._mirror.committed.number + 1
-                    last_call, joined_target = None, None
+                    last_call, rejoin, joined_target = None, None, None
                     continue
                 if action is Action.CLOSED:
                     raise RendezvousClosedError(f"{self._ctx()}the rendezvous of run '{self._config.run_id}' is closed")
@@ -332,7 +334,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._conn.close()
 
     # ================================================================== snapshot / decisions
-    def _snapshot(self, target: int, join_deadline: float, last_call: float | None) -> Snapshot:
+    def _snapshot(self, target: int, join_deadline: float, last_call: float | None, rejoin: float | None) -> Snapshot:
         mirror = self._mirror
         committed = mirror.committed
         pending = (committed.number if committed else 0) + 1
@@ -348,6 +350,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             now=self._clock(),
             join_deadline=join_deadline,
             last_call_deadline=last_call,
+            rejoin_deadline=rejoin,
         )
 
     def _wait_time(self, decision: Decision) -> float:

@@ -83,7 +83,11 @@ class Snapshot:
     """When a non-spare node gives up waiting for ``min_nodes`` (RendezvousTimeoutError)."""
 
     last_call_deadline: float | None = None
-    """Set by the executor when ``decide`` said START_LAST_CALL; None before."""
+    """Until when unannounced nodes may still arrive (first round only); set on START_LAST_CALL."""
+
+    rejoin_deadline: float | None = None
+    """Until when registered nodes that have not joined yet (stragglers: agents still stopping their
+    workers, or between registering and joining) are waited for; set on START_LAST_CALL."""
 
 
 class Action(enum.Enum):
@@ -92,7 +96,8 @@ class Action(enum.Enum):
     WAIT = "wait"
     """Nothing to do until the mirror changes or ``wake_at``."""
     START_LAST_CALL = "start_last_call"
-    """``min_nodes`` reached but more may come: set ``last_call_deadline = now + last_call_timeout``."""
+    """``min_nodes`` reached but more may come: set ``last_call_deadline = now + last_call_timeout`` and
+    ``rejoin_deadline = now + rejoin_timeout``."""
     COMMIT = "commit"
     """This node is rank 0 of the round to form: commit ``participants`` by transaction."""
     DONE = "done"
@@ -198,24 +203,37 @@ def decide(snap: Snapshot) -> Decision:
         return _wait_or_timeout(snap, f"{count}/{snap.min_nodes} nodes joined")
 
     participants = order_nodes(snap.joined)[: snap.max_nodes]
-    if not _closes_now(snap):
-        if snap.last_call_deadline is None:
-            return Decision(Action.START_LAST_CALL, reason=f"{count} >= min {snap.min_nodes}; last call")
-        if snap.now < snap.last_call_deadline:
-            return Decision(Action.WAIT, wake_at=snap.last_call_deadline, reason=f"last call with {count} nodes")
+    wait = _round_still_filling(snap, count)
+    if wait is not None:
+        return wait
     if participants[0] == snap.node_id:
         return Decision(Action.COMMIT, participants=participants, reason=f"forming round with {len(participants)}")
     # Rank 0 commits; if it dies meanwhile its join key expires with its lease and the next one takes over.
     return Decision(Action.WAIT, reason=f"waiting for {participants[0]} to commit")
 
 
-def _closes_now(snap: Snapshot) -> bool:
-    """The fast path: no reason to wait for anyone else."""
-    if len(snap.joined) >= snap.max_nodes:
-        return True
-    # Re-forming a running job: every node that is alive has joined, and none may still arrive that
-    # we know of. (For the first round more agents may still be starting: last call applies.)
-    return snap.committed is not None and snap.live.issubset(snap.joined)
+def _round_still_filling(snap: Snapshot, count: int) -> Decision | None:
+    """None when the round should close now; else what to wait for.
+
+    Closes at once when full. Otherwise registered nodes that have not joined (stragglers) are waited
+    for until ``rejoin_deadline`` (they are known to be coming); then, for the first round only, nodes
+    nobody knows of yet get the last call. Re-forming a running job with every live node joined closes
+    at once: that is the fast recovery path.
+    """
+    if count >= snap.max_nodes:
+        return None
+    if snap.last_call_deadline is None or snap.rejoin_deadline is None:
+        return Decision(Action.START_LAST_CALL, reason=f"{count} >= min {snap.min_nodes}; last call")
+    stragglers = snap.live - snap.joined.keys()
+    if stragglers and snap.now < snap.rejoin_deadline:
+        return Decision(
+            Action.WAIT,
+            wake_at=snap.rejoin_deadline,
+            reason=f"{count} joined, waiting for {len(stragglers)} registered node(s) to join",
+        )
+    if snap.committed is None and snap.now < snap.last_call_deadline:
+        return Decision(Action.WAIT, wake_at=snap.last_call_deadline, reason=f"last call with {count} nodes")
+    return None
 
 
 def _wait_or_timeout(snap: Snapshot, why: str) -> Decision:

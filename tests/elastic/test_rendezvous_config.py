@@ -21,6 +21,7 @@ def params(endpoint: str = "127.0.0.1:2379", min_nodes: int = 1, max_nodes: int 
 def test_defaults() -> None:
     cfg = EtcdRendezvousConfig.from_parameters(params())
     assert cfg.lease_ttl == 3 and cfg.join_timeout == 600 and cfg.last_call_timeout == 1.0
+    assert cfg.rejoin_timeout == 30.0 and cfg.close_timeout == 30.0
     assert cfg.etcd_prefix == "/spotrun/rdzv" and cfg.etcd_timeout == 30
     assert cfg.run_prefix == "/spotrun/rdzv/job1/"
     assert cfg.endpoints == (("127.0.0.1", 2379),)
@@ -56,6 +57,7 @@ def test_unknown_key_is_named_with_accepted_list() -> None:
         ({"join_timeout": "soon"}, "join_timeout"),
         ({"etcd_timeout": "-1"}, "etcd_timeout"),
         ({"last_call_timeout": "-1"}, "last_call_timeout"),
+        ({"rejoin_timeout": "-1"}, "rejoin_timeout"),
         ({"etcd_prefix": "relative"}, "etcd_prefix"),
         ({"cert": "/c.pem"}, "key"),
         ({"user": "u"}, "password"),

@@ -29,6 +29,7 @@ def snap(
     now: float = 100.0,
     join_deadline: float = 700.0,
     last_call: float | None = None,
+    rejoin: float | None = None,
 ) -> Snapshot:
     joined = {"a": 1} if joined is None else joined
     return Snapshot(
@@ -43,6 +44,7 @@ def snap(
         now=now,
         join_deadline=join_deadline,
         last_call_deadline=last_call,
+        rejoin_deadline=last_call if rejoin is None else rejoin,
     )
 
 
@@ -135,7 +137,9 @@ def test_lost_participant_breaks_round_and_counts_as_waiting() -> None:
 def test_recovery_commits_as_soon_as_all_survivors_joined() -> None:
     """No last call on recovery: survivors a, b of round 1 (c died) both joined."""
     committed = round_(1, "a", "b", "c")
-    d = decide(snap("a", target=2, committed=committed, live={"a", "b"}, joined={"a": 1, "b": 2}, max_nodes=3))
+    kw = dict(target=2, committed=committed, live={"a", "b"}, joined={"a": 1, "b": 2}, max_nodes=3)
+    # The executor sets the deadlines on START_LAST_CALL and decides again at once (same instant):
+    d = decide(snap("a", **kw, last_call=101.0, rejoin=130.0, now=100.0))
     assert d.action is Action.COMMIT and d.participants == ("a", "b")
 
 
@@ -146,13 +150,24 @@ def test_recovery_with_spare_fills_the_slot() -> None:
     assert d.action is Action.COMMIT and d.participants == ("a", "b", "d")
 
 
-def test_live_straggler_gets_last_call() -> None:
-    """b is alive but has not re-joined: more may arrive, so a last call applies."""
+def test_live_straggler_is_waited_for_until_rejoin_deadline() -> None:
+    """b is alive but has not re-joined (its agent is still stopping workers): wait for it, not churn."""
     committed = round_(1, "a", "b", "c")
-    s = snap("a", target=2, committed=committed, live={"a", "b"}, joined={"a": 1}, min_nodes=1, max_nodes=3)
-    assert decide(s).action is Action.START_LAST_CALL
-    s_late = snap("a", target=2, committed=committed, live={"a", "b"}, joined={"a": 1}, min_nodes=1, last_call=5.0, now=6.0)
-    assert decide(s_late).action is Action.COMMIT
+    kw = dict(target=2, committed=committed, live={"a", "b"}, joined={"a": 1}, min_nodes=1, max_nodes=3)
+    assert decide(snap("a", **kw)).action is Action.START_LAST_CALL
+    d = decide(snap("a", **kw, last_call=1.0, rejoin=30.0, now=5.0))
+    assert d.action is Action.WAIT and d.wake_at == 30.0 and "1 registered" in d.reason
+    late = decide(snap("a", **kw, last_call=1.0, rejoin=30.0, now=30.0))
+    assert late.action is Action.COMMIT and late.participants == ("a",)
+
+
+def test_first_round_waits_for_registered_stragglers_then_last_call() -> None:
+    kw = dict(live={"a", "b", "c"}, joined={"a": 1, "b": 2}, min_nodes=1, max_nodes=4)
+    assert decide(snap(**kw, last_call=2.0, rejoin=30.0, now=3.0)).action is Action.WAIT  # c registered
+    all_in = dict(kw, joined={"a": 1, "b": 2, "c": 3})
+    d = decide(snap(**all_in, last_call=5.0, rejoin=30.0, now=3.0))
+    assert d.action is Action.WAIT and d.wake_at == 5.0  # first round: last call for unknown nodes
+    assert decide(snap(**all_in, last_call=5.0, rejoin=30.0, now=5.0)).action is Action.COMMIT
 
 
 def test_rejoining_participant_opens_next_round_for_newcomer() -> None:
