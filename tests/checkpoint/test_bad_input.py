@@ -152,6 +152,7 @@ def test_state_mismatch_names_the_tensor(run: Path) -> None:
         ({"when_busy": "drop"}, r'when_busy=\'drop\' is invalid: use "wait" or "refuse"'),
         ({"multipart_chunk_bytes": 1024}, r"S3 rejects parts under 5 MiB"),
         ({"writer_threads": 0}, r"writer_threads=0 is invalid"),
+        ({"writer_nice": 20}, r"writer_nice=20 is invalid: use 0..19"),
         ({"storage_options": "endpoint"}, r"storage_options must be a dict"),
         ({"async_mode": "yes"}, r"async_mode='yes' must be True or False"),
     ],

@@ -134,3 +134,25 @@ def test_local_permission_denied_names_the_file(tmp_path) -> None:
     ro.chmod(0o500)
     with pytest.raises(CheckpointStorageError, match="Permission denied"):
         Storage(str(ro)).write_bytes("x", b"data")
+
+
+def test_background_threads_can_be_made_nicer() -> None:
+    import os
+    import threading
+
+    from checkpoint.storage import lower_thread_priority
+
+    seen: dict[str, int] = {}
+
+    def body() -> None:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        lower_thread_priority(5)
+        seen["delta"] = os.getpriority(os.PRIO_PROCESS, tid) - before
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(10)
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen["delta"] == min(5, 19 - main_nice)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice  # the caller is untouched
