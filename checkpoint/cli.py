@@ -120,7 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _storage(args: argparse.Namespace, uri: str | None = None) -> Storage:
-    return Storage(uri or args.uri, storage_options=dict(args.storage_option))
+    """Storage for the checkpoint URI; an export target gets the options only if it uses the same protocol."""
+    from fsspec.core import split_protocol
+
+    options = dict(args.storage_option)
+    if uri is not None and split_protocol(uri)[0] != split_protocol(args.uri)[0]:
+        options = {}
+    return Storage(uri or args.uri, storage_options=options)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -133,6 +133,8 @@ class Storage:
         self.upload_threads = upload_threads
         self.multipart_chunk_bytes = multipart_chunk_bytes
         self.thread_nice = thread_nice
+        self.part_slots = threading.Semaphore(upload_threads + 1)
+        """Caps the multipart bytes held in memory across all files: upload_threads + 1 parts."""
         try:
             self.fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
         except (ValueError, ImportError, *_FOREIGN) as exc:
@@ -480,8 +482,7 @@ class _S3MultipartSink:
         self.pending_len = 0
         self.upload_id: str | None = None
         self.futures: list[Future[dict[str, Any]]] = []
-        # Cap the bytes held by queued parts: at most upload_threads + 1 parts in memory.
-        self.slots = threading.Semaphore(storage.upload_threads + 1)
+        self.slots = storage.part_slots
 
     def write(self, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
@@ -548,9 +549,3 @@ class _S3MultipartSink:
             except Exception:  # noqa: BLE001 - the lifecycle rule cleans up what we cannot
                 logger.warning("could not abort multipart upload of %s", self.storage.display(self.rel))
             self.upload_id = None
-
-
-def iter_blocks(view: memoryview, block: int) -> Iterator[memoryview]:
-    """Consecutive ``block``-byte slices of ``view`` (last one short)."""
-    for start in range(0, len(view), block):
-        yield view[start : start + block]

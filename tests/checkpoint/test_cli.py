@@ -106,3 +106,27 @@ def test_console_script_runs(saved) -> None:
     assert "latest good step: 20" in done.stdout
     done = subprocess.run([str(exe), "verify", uri + "-missing"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3 and "no checkpoint at" in done.stderr
+
+
+def test_cli_against_s3_with_storage_options(moto_endpoint, tmp_path, capsys) -> None:
+    import json
+    import uuid
+
+    from tests.checkpoint.conftest import BUCKET, s3_options
+
+    uri = f"s3://{BUCKET}/cli-{uuid.uuid4().hex[:8]}"
+    state = {"w": torch.randn(100, 10), "n": torch.arange(3)}
+    with Checkpointer(uri, CheckpointConfig(storage_options=s3_options(moto_endpoint))) as ckpt:
+        ckpt.save(4, state)
+    opts = [
+        "-o", f"endpoint_url={moto_endpoint}",
+        "-o", "key=testing",
+        "-o", "secret=testing",
+        "-o", "client_kwargs=" + json.dumps({"region_name": "us-east-1"}),
+    ]
+    assert main(["ls", uri, *opts]) == 0
+    assert "latest good step: 4" in capsys.readouterr().out
+    assert main(["verify", uri, "--no-progress", *opts]) == 0
+    assert main(["export", uri, str(tmp_path / "hf"), "--no-progress", *opts]) == 0
+    loaded = safetensors.torch.load_file(str(tmp_path / "hf" / "model-00001-of-00001.safetensors"))
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["n"], state["n"])
