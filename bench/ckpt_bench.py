@@ -131,6 +131,79 @@ class Spotrun(Method):
             self.ckpt.close()
 
 
+def _process_writer_main(conn: Any, buf: torch.Tensor, layout_pieces: list, nice: int) -> None:
+    """Child of ``ProcessWriter``: writes the shared staging buffer as a safetensors shard on request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from checkpoint.shard import build_layout, write_shard
+    from checkpoint.storage import Storage, lower_thread_priority
+
+    lower_thread_priority(nice)
+    layout = build_layout("shard-00000-of-00001.safetensors", layout_pieces)
+    data = memoryview(buf.numpy()).cast("B")
+    with ThreadPoolExecutor(1, initializer=lower_thread_priority, initargs=(nice,)) as crc_pool:
+        while True:
+            root = conn.recv()
+            if root is None:
+                return
+            storage = Storage(root)
+            storage.write_stream(layout.file, lambda sink: write_shard(sink, layout, data, 4 << 20, rank=0, crc_pool=crc_pool))
+            conn.send("done")
+
+
+class ProcessWriter(Method):
+    """Experiment: stage into shared memory, a long-lived writer process writes (no GIL shared with training)."""
+
+    name = "experiment: shared-memory staging + writer process"
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        import torch.multiprocessing as tmp
+
+        from checkpoint.api import ChunkKey
+
+        pieces = [
+            (i, ChunkKey(k, (0,) * v.dim(), tuple(v.shape)), tuple(v.shape), "F32", v.numel() * 4)
+            for i, (k, v) in enumerate(state.items())
+        ]
+        from checkpoint.shard import build_layout
+
+        self.layout = build_layout("x", pieces)
+        self.buf = torch.empty(self.layout.data_bytes, dtype=torch.uint8).share_memory_()
+        self.views = [
+            self.buf[e.offset : e.offset + e.nbytes].view(torch.float32).view(e.key.lengths) for e in self.layout.entries
+        ]
+        self.items = list(state.values())
+        ctx = tmp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_process_writer_main, args=(child, self.buf, pieces, 10), daemon=True)
+        self.proc.start()
+        self.pending = False
+
+    def start(self, step, state, root):
+        for e, v in zip(self.layout.entries, self.views):
+            v.copy_(self.items[e.item_index])
+        path = os.path.join(root, f"step-{step}")
+        os.makedirs(path, exist_ok=True)
+        self.conn.send(path)
+        self.pending = True
+
+    def is_done(self):
+        return not self.pending or self.conn.poll()
+
+    def finish(self):
+        if self.pending:
+            assert self.conn.recv() == "done"
+            self.pending = False
+
+    def close(self):
+        if self.proc.is_alive():
+            self.conn.send(None)
+            self.proc.join(timeout=30)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+
+
 class DcpAsync(Method):
     def __init__(self, kept_stager: bool) -> None:
         self.kept = kept_stager
@@ -292,6 +365,7 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rss-saves", type=int, default=10)
+    parser.add_argument("--process-writer", action="store_true", help="also measure the writer-process experiment")
     args = parser.parse_args()
     base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")
     os.makedirs(base, exist_ok=True)
@@ -301,6 +375,8 @@ def main() -> None:
     loop = ComputeLoop()
     loop.baseline(0.5)  # warm-up; each save re-measures its own baseline
     methods: list[Method] = [BareCopy(state), Spotrun(), DcpAsync(False), DcpAsync(True), SafetensorsSync()]
+    if args.process_writer:
+        methods.append(ProcessWriter(state))
     results = {}
     for m in methods:
         results[m.name] = measure_save(m, state, base, args.reps, loop)
@@ -308,6 +384,8 @@ def main() -> None:
     rss = {}
     for m in methods[1:4]:
         rss[m.name] = measure_rss(m, state, base, args.rss_saves)
+        m.close()
+    for m in methods[4:]:
         m.close()
     loads = measure_load(state, base, args.reps)
     load_after = os.getloadavg()
