@@ -8,12 +8,13 @@ worker per agent for node scenarios, two workers on one agent for the worker-cra
 use their defaults, except ``--max-restarts 100`` (torchrun would give up otherwise) and the same
 ``--pg-timeout 60`` for the job's collectives. Scenarios, each time measured with wall clocks on one host:
 
-* scale_up: a second agent process is started -> first completed step at world size 2 (also reported from
-  the moment the new agent begins to rendezvous, to separate its own interpreter start).
-* node_loss_sigkill: the second agent *and its workers* are SIGKILLed (a machine vanishing) -> the survivor's
-  next completed step.
-* node_loss_sigstop: the second agent and its workers are SIGSTOPped (silent vanish, e.g. network partition)
-  -> the survivor's next completed step.
+* node_loss_sigkill: two agents (``--nnodes 1:2``, started together) train at world size 2; the second
+  agent *and its workers* are SIGKILLed (a machine vanishing) -> the survivor's next completed step.
+* node_loss_sigstop: same, but SIGSTOPped (silent vanish, e.g. a network partition).
+* scale_up: one agent trains alone; a second agent process is started -> first completed step at world size
+  2 (for spotrun also from the moment the new agent starts its rendezvous, i.e. without its own interpreter
+  start and ``import torch``; a running group is only interrupted from then on).
+Each repetition is a fresh job (fresh run id), so one launcher's failure cannot poison the next repetition.
 * worker_crash: one of two workers of a single agent is SIGKILLed -> next completed step by a new worker.
 
 Prints a Markdown table (median and min-max over the repetitions), the host load, and spotrun's recovery
@@ -58,13 +59,13 @@ class Samples:
 
     def cell(self) -> str:
         done = [v for v in self.values if v is not None]
-        timeouts = len(self.values) - len(done)
+        failed = len(self.values) - len(done)
         if not self.values:
             return "-"
         if not done:
-            return f">{self.limit:.0f} s (timeout x{timeouts})"
+            return f"failed/>{self.limit:.0f} s (x{failed})"
         text = f"{statistics.median(done):.2f} s ({min(done):.2f}-{max(done):.2f}, n={len(done)})"
-        return text + (f", {timeouts} timeout(s) >{self.limit:.0f} s" if timeouts else "")
+        return text + (f", {failed} failed/>{self.limit:.0f} s" if failed else "")
 
 
 def wait_for(check: Callable[[], object], timeout: float, what: str) -> object:
@@ -206,59 +207,90 @@ def first_join_time(events: Path, agent_pid: int, after: float) -> float | None:
     return None
 
 
-@dataclass(kw_only=True, slots=True)
-class NodeResults:
-    scale_up: Samples
-    scale_up_from_join: Samples
-    sigkill: Samples
-    sigstop: Samples
+def wait_listening(endpoint: str, timeout: float) -> None:
+    """torchrun's c10d store is hosted by the first agent: the second must start after it listens."""
+    host, port = endpoint.rsplit(":", 1)
+
+    def listening() -> bool:
+        with socket.socket() as sock:
+            sock.settimeout(0.2)
+            return sock.connect_ex((host, int(port))) == 0
+
+    wait_for(listening, timeout, "the first agent to host the c10d store")
 
 
-def node_scenarios(kind: LauncherKind, workdir: Path, reps: int, sigstop_reps: int, timeout: float,
-                   bar: tqdm) -> NodeResults:
-    res = NodeResults(scale_up=Samples(limit=timeout), scale_up_from_join=Samples(limit=timeout),
-                      sigkill=Samples(limit=timeout), sigstop=Samples(limit=timeout))
+def agents_alive(agents: list[Agent]) -> bool:
+    return all(agent.proc.poll() is None for agent in agents)
+
+
+def start_pair(kind: LauncherKind, endpoint: str, run_id: str, workdir: Path, tag: str) -> list[Agent]:
+    first = Agent(kind.argv(endpoint, run_id, "1:2", 1, workdir), workdir / f"{tag}-a.log")
+    if kind.name == "torchrun":
+        wait_listening(endpoint, 60)
+    return [first, Agent(kind.argv(endpoint, run_id, "1:2", 1, workdir), workdir / f"{tag}-b.log")]
+
+
+def node_loss(kind: LauncherKind, workdir: Path, mode: str, reps: int, timeout: float, bar: tqdm) -> Samples:
+    """Two agents train at world size 2; the second one and its workers are SIGKILLed/SIGSTOPped."""
+    samples = Samples(limit=timeout)
     progress = workdir / "progress.jsonl"
-    agents: list[Agent] = []
-    with rendezvous_endpoint(kind.name) as endpoint:
-        try:
-            first = Agent(kind.argv(endpoint, "bench-nodes", "1:2", 1, workdir), workdir / "agent-a.log")
-            agents.append(first)
-            wait_for(lambda: first_step(progress, after=0, world=1), 120, f"{kind.name}: first agent to train")
-            for i, mode in enumerate(["sigkill"] * reps + ["sigstop"] * sigstop_reps):
-                second = Agent(kind.argv(endpoint, "bench-nodes", "1:2", 1, workdir), workdir / f"agent-b{i}.log")
-                agents.append(second)
-                try:
-                    at = wait_for(lambda: first_step(progress, after=second.started_at, world=2), timeout, "scale-up")
-                    res.scale_up.values.append(at - second.started_at)  # type: ignore[operator]
-                    joined = first_join_time(workdir / "events.jsonl", second.proc.pid, second.started_at)
-                    if joined is not None:
-                        res.scale_up_from_join.values.append(at - joined)  # type: ignore[operator]
-                except Timeout:
-                    res.scale_up.values.append(None)
-                    continue
-                finally:
-                    bar.update(1)
-                victims = second.snapshot_tree()
+    for rep in range(reps):
+        with rendezvous_endpoint(kind.name) as endpoint:
+            agents: list[Agent] = []
+            try:
+                agents = start_pair(kind, endpoint, f"loss-{mode}-{rep}", workdir, f"{mode}{rep}")
+                began = agents[0].started_at
+                wait_for(lambda: first_step(progress, after=began, world=2), 150, f"{kind.name}: two nodes to train")
+                victims = agents[1].snapshot_tree()
                 lost_at = time.time()
                 signal_all(victims, signal.SIGKILL if mode == "sigkill" else signal.SIGSTOP)
-                samples = res.sigkill if mode == "sigkill" else res.sigstop
                 try:
-                    at = wait_for(lambda: first_step(progress, after=lost_at, world=1, exclude_pids=set(victims)),
-                                  timeout, f"{mode} recovery")
-                    samples.values.append(at - lost_at)  # type: ignore[operator]
+                    at = wait_for(lambda: first_step(progress, after=lost_at, world=1, exclude_pids=set(victims))
+                                  or not agents_alive(agents[:1]), timeout, f"{mode} recovery")
+                    samples.values.append(at - lost_at if isinstance(at, float) else None)
                 except Timeout:
                     samples.values.append(None)
                 signal_all(victims, signal.SIGKILL)
-                signal_all(victims, signal.SIGCONT)
-                second.close()
+            except Timeout:
+                samples.values.append(None)
+            finally:
+                for agent in agents:
+                    agent.close()
                 bar.update(1)
-                if samples.values[-1] is None:
-                    break  # the job is wedged; later repetitions would measure nothing
-        finally:
-            for agent in agents:
-                agent.close()
-    return res
+    return samples
+
+
+def scale_up(kind: LauncherKind, workdir: Path, reps: int, timeout: float, bar: tqdm) -> tuple[Samples, Samples, int]:
+    """One agent trains alone; a second agent process starts -> first step at world size 2.
+    Returns (from process start, from the new agent's rendezvous start, repetitions where an agent died)."""
+    total, from_join, deaths = Samples(limit=timeout), Samples(limit=timeout), 0
+    progress = workdir / "progress.jsonl"
+    for rep in range(reps):
+        with rendezvous_endpoint(kind.name) as endpoint:
+            agents: list[Agent] = []
+            try:
+                agents.append(Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-a.log"))
+                began = agents[0].started_at
+                wait_for(lambda: first_step(progress, after=began, world=1), 150, f"{kind.name}: first agent to train")
+                second = Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-b.log")
+                agents.append(second)
+                at = wait_for(lambda: first_step(progress, after=second.started_at, world=2)
+                              or not agents_alive(agents), timeout, "scale-up")
+                if isinstance(at, float):
+                    total.values.append(at - second.started_at)
+                    joined = first_join_time(workdir / "events.jsonl", second.proc.pid, second.started_at)
+                    if joined is not None:
+                        from_join.values.append(at - joined)
+                else:
+                    total.values.append(None)
+                    deaths += 1
+            except Timeout:
+                total.values.append(None)
+            finally:
+                for agent in agents:
+                    agent.close()
+                bar.update(1)
+    return total, from_join, deaths
 
 
 def worker_crash(kind: LauncherKind, workdir: Path, reps: int, timeout: float, bar: tqdm) -> Samples:
@@ -311,7 +343,7 @@ def spotrun_breakdown(events_file: Path) -> list[tuple[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="repetitions of scale-up, node loss and worker crash")
+    parser.add_argument("--reps", type=int, default=2, help="repetitions of scale-up, node loss and worker crash")
     parser.add_argument("--sigstop-reps", type=int, default=1, help="repetitions of the SIGSTOP node loss")
     parser.add_argument("--timeout", type=float, default=90.0, help="give up on one recovery after this many s")
     parser.add_argument("--launchers", default="torchrun,spotrun")
@@ -326,21 +358,33 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = set(args.scenarios.split(","))
     root = Path(args.workdir or tempfile.mkdtemp(prefix="spotrun-bench-"))
     load_before = os.getloadavg()
-    total = len(chosen) * ((2 * (args.reps + args.sigstop_reps) if "nodes" in scenarios else 0) +
+    total = len(chosen) * ((2 * args.reps + args.sigstop_reps if "nodes" in scenarios else 0) +
                            (args.reps if "worker_crash" in scenarios else 0))
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # run the finally blocks
     results: dict[str, dict[str, Samples]] = {}
     breakdowns: dict[str, list[tuple[str, float]]] = {}
+    notes: list[str] = []
     with tqdm(total=total, desc="recoveries", unit="rep", file=sys.stderr) as bar:
         for kind in chosen:
             results[kind.name] = {}
             if "nodes" in scenarios:
                 workdir = root / kind.name / "nodes"
                 workdir.mkdir(parents=True, exist_ok=True)
-                res = node_scenarios(kind, workdir, args.reps, args.sigstop_reps, args.timeout, bar)
-                results[kind.name].update(scale_up=res.scale_up, scale_up_from_join=res.scale_up_from_join,
-                                          node_loss_sigkill=res.sigkill, node_loss_sigstop=res.sigstop)
+                results[kind.name]["node_loss_sigkill"] = node_loss(kind, workdir, "sigkill", args.reps, args.timeout, bar)
+                if args.sigstop_reps:
+                    results[kind.name]["node_loss_sigstop"] = node_loss(kind, workdir, "sigstop", args.sigstop_reps,
+                                                                        args.timeout, bar)
                 if kind.name == "spotrun":
-                    breakdowns["node scenarios"] = spotrun_breakdown(workdir / "events.jsonl")
+                    breakdowns["node loss"] = spotrun_breakdown(workdir / "events.jsonl")
+                grow_dir = root / kind.name / "grow"
+                grow_dir.mkdir(parents=True, exist_ok=True)
+                total_s, join_s, deaths = scale_up(kind, grow_dir, args.reps, args.timeout, bar)
+                results[kind.name]["scale_up"] = total_s
+                if kind.name == "spotrun":
+                    results[kind.name]["scale_up_from_join"] = join_s
+                if deaths:
+                    notes.append(f"{kind.name}: scale-up failed in {deaths}/{args.reps} repetitions "
+                                 f"(an agent died; see {grow_dir}/grow*-*.log)")
             if "worker_crash" in scenarios:
                 workdir = root / kind.name / "crash"
                 workdir.mkdir(parents=True, exist_ok=True)
@@ -364,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         if stages:
             print(f"\nspotrun recovery breakdown, {name} (median s): "
                   + ", ".join(f"{stage} {secs:.2f}" for stage, secs in stages))
+    for note in notes:
+        print(f"\nnote: {note}")
     print(f"\nlogs: {root}")
     return 0
 

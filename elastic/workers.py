@@ -95,7 +95,53 @@ class PdeathsigEntrypoint:
     def __call__(self, *args: Any) -> Any:
         # The parent is the agent (spawn) or the agent's forkserver (warm workers).
         arm_parent_death_signal(agent_pid=self.agent_pid)
+        release_forkserver_alive_fd()
+        watch_agent(self.agent_pid)
         return self.fn(*args)
+
+
+def release_forkserver_alive_fd() -> None:
+    """Close the forkserver's "alive" pipe end that multiprocessing hands to every forkserver child.
+
+    The forkserver exits when that pipe's write ends are all closed, but each child inherits one (so that
+    it could reuse the server), so a forkserver and its children keep each other alive after the agent
+    dies. The child never uses it: its own ``ensure_running`` would start a new forkserver anyway."""
+    try:
+        from multiprocessing import forkserver
+    except ImportError:
+        return
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if server is not None and fd is not None and getattr(server, "_forkserver_pid", None) is None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
+def watch_agent(agent_pid: int) -> None:
+    """Belt and braces for workers whose parent is not the agent (forkserver children): a daemon thread
+    waits on a pidfd of the agent and SIGKILLs this worker the moment the agent exits."""
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is None:
+        return
+    try:
+        pidfd = pidfd_open(agent_pid)
+    except ProcessLookupError:
+        os._exit(ORPHANED_EXIT_CODE)
+    except OSError:  # kernel without pidfd support: PR_SET_PDEATHSIG still applies
+        return
+
+    def wait_for_agent_exit() -> None:
+        import select
+
+        select.select([pidfd], [], [])  # a pidfd becomes readable when the process exits
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    import threading
+
+    threading.Thread(target=wait_for_agent_exit, name="spotrun-agent-watch", daemon=True).start()
 
 
 class ScriptEntrypoint:
