@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    # Every survivor logs each loss (and shutdown revokes look like losses): keep the table readable.
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
     with EmbeddedEtcd() as server:
         print(f"etcd {server.endpoint}; lease_ttl={args.lease_ttl}s last_call_timeout={args.last_call}s")
         print(f"{'agents':>7} {'first round':>12} {'loss seen':>10} {'recovery round':>15}")
