@@ -307,6 +307,7 @@ def verified_range(
     return data, start
 
 
+@torch.no_grad()
 def apply_read(
     storage: Storage,
     step_rel: str,
@@ -347,7 +348,7 @@ def _read_direct(
     storage: Storage, path: str, req: ReadRequest, target: torch.Tensor, block_bytes: int, verify: bool
 ) -> int:
     lo, hi = req.read_range
-    out = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    out = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
     got = storage.read_into(path, lo, out)
     if got != hi - lo:
         raise CorruptCheckpointError(
