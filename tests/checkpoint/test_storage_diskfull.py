@@ -43,7 +43,9 @@ def test_disk_full_is_reported_and_previous_step_survives(small_fs, monkeypatch)
     if small_fs is not None:
         uri = f"{small_fs}/run"
     else:
-        uri = "memory://diskfull-run"
+        import uuid
+
+        uri = f"memory://diskfull-{uuid.uuid4().hex[:8]}"
     with Checkpointer(uri, CheckpointConfig(keep_last=3)) as ckpt:
         ckpt.save(1, small)
         ckpt.wait()
