@@ -41,7 +41,7 @@ import grpc
 
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
-from tenacity import Retrying, retry_if_exception, wait_random_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
@@ -254,7 +254,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     committed_mod = seen_mod
 
     def is_closed(self) -> bool:
-        self._ensure_connected()
+        if not self._released:  # after leave()/shutdown(): the last state seen, without I/O
+            self._ensure_connected()
         with self._cond:
             self._raise_if_fatal()
             return self._mirror.closed
@@ -274,7 +275,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         """Nodes that would join a new round now (> 0 tells the running agent to re-rendezvous)."""
-        self._ensure_connected()
+        if not self._released:
+            self._ensure_connected()
         with self._cond:
             self._raise_if_fatal()
             return self._nodes_waiting_locked()
@@ -505,7 +507,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._threads.append(keeper)
 
     def _register(self, conn: EtcdConnection) -> None:
-        """Grant a lease and write our node key under it (again after an expiry; ``seq`` is kept)."""
+        """Grant a lease and write our node key under it (again after an expiry; ``seq`` is kept).
+
+        Under heavy load the fresh lease itself can expire before we use it: then start over.
+        """
+        retrying = Retrying(
+            stop=stop_after_attempt(3),
+            retry=retry_if_exception(lambda exc: isinstance(exc, RendezvousConnectionError) and _is_lease_not_found(exc.__cause__)),
+            reraise=True,
+        )
+        retrying(self._register_once, conn)
+
+    def _register_once(self, conn: EtcdConnection) -> None:
         lease = conn.call("grant a lease", lambda: conn.client.lease(self._config.lease_ttl))
         value = json.dumps(
             {"node_id": self._node_id, "host": socket.gethostname(), "addr": self._addr, "pid": os.getpid(), "seq": self._seq}

@@ -309,3 +309,13 @@ def test_handler_threads_are_released(etcd_server: EmbeddedEtcd) -> None:
     h.shutdown()  # idempotent
     leftover = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("rdzv-")]
     assert leftover == []
+
+
+def test_queries_after_leave_answer_from_last_state(etcd_server: EmbeddedEtcd) -> None:
+    h = EtcdV3RendezvousHandler(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=1))
+    h.next_rendezvous()
+    h.leave()
+    assert h.is_closed() is False  # leave() does not close the job
+    assert h.num_nodes_waiting() == 0
+    with pytest.raises(RendezvousClosedError, match="shut down"):
+        h.next_rendezvous()
