@@ -424,16 +424,24 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return self._with_live_lease(put_join)
 
     def _with_live_lease(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (which writes under our lease); if etcd says the lease is gone, re-register and rerun once."""
-        lease = self._lease_id
-        try:
-            return fn()
-        except RendezvousConnectionError as exc:
-            if not _is_lease_not_found(exc.__cause__):
+        """Run ``fn`` (which writes under our lease); if etcd says the lease is gone, re-register and rerun."""
+
+        def attempt() -> T:
+            lease = self._lease_id
+            try:
+                return fn()
+            except RendezvousConnectionError as exc:
+                if _is_lease_not_found(exc.__cause__):
+                    log.warning("%slease %x is gone (expired or revoked); re-registering", self._ctx(), lease or 0)
+                    self._renew_lease(lease)
                 raise
-            log.warning("%slease %x is gone (expired or revoked); re-registering", self._ctx(), lease or 0)
-            self._renew_lease(lease)
-            return fn()
+
+        retrying = Retrying(
+            stop=stop_after_attempt(4),
+            retry=retry_if_exception(lambda exc: isinstance(exc, RendezvousConnectionError) and _is_lease_not_found(exc.__cause__)),
+            reraise=True,
+        )
+        return retrying(attempt)
 
     def _renew_lease(self, stale_lease: int | None) -> None:
         """Re-register unless another thread already replaced ``stale_lease``."""
