@@ -103,9 +103,9 @@ class BareCopy(Method):
 
 
 class Spotrun(Method):
-    name = "spotrun Checkpointer"
-
-    def __init__(self) -> None:
+    def __init__(self, writer: str = "thread") -> None:
+        self.writer = writer
+        self.name = f"spotrun Checkpointer (writer={writer})"
         self.ckpt: Any = None
         self.root: str | None = None
 
@@ -115,7 +115,7 @@ class Spotrun(Method):
         if self.root != root:
             if self.ckpt is not None:
                 self.ckpt.close()
-            self.ckpt = Checkpointer(root, CheckpointConfig(keep_last=1000))
+            self.ckpt = Checkpointer(root, CheckpointConfig(keep_last=1000, writer=self.writer))
             self.root = root
         self.ckpt.save(step, state)
 
@@ -129,79 +129,6 @@ class Spotrun(Method):
     def close(self):
         if self.ckpt is not None:
             self.ckpt.close()
-
-
-def _process_writer_main(conn: Any, buf: torch.Tensor, layout_pieces: list, nice: int) -> None:
-    """Child of ``ProcessWriter``: writes the shared staging buffer as a safetensors shard on request."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from checkpoint.shard import build_layout, write_shard
-    from checkpoint.storage import Storage, lower_thread_priority
-
-    lower_thread_priority(nice)
-    layout = build_layout("shard-00000-of-00001.safetensors", layout_pieces)
-    data = memoryview(buf.numpy()).cast("B")
-    with ThreadPoolExecutor(1, initializer=lower_thread_priority, initargs=(nice,)) as crc_pool:
-        while True:
-            root = conn.recv()
-            if root is None:
-                return
-            storage = Storage(root)
-            storage.write_stream(layout.file, lambda sink: write_shard(sink, layout, data, 4 << 20, rank=0, crc_pool=crc_pool))
-            conn.send("done")
-
-
-class ProcessWriter(Method):
-    """Experiment: stage into shared memory, a long-lived writer process writes (no GIL shared with training)."""
-
-    name = "experiment: shared-memory staging + writer process"
-
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        import torch.multiprocessing as tmp
-
-        from checkpoint.api import ChunkKey
-
-        pieces = [
-            (i, ChunkKey(k, (0,) * v.dim(), tuple(v.shape)), tuple(v.shape), "F32", v.numel() * 4)
-            for i, (k, v) in enumerate(state.items())
-        ]
-        from checkpoint.shard import build_layout
-
-        self.layout = build_layout("x", pieces)
-        self.buf = torch.empty(self.layout.data_bytes, dtype=torch.uint8).share_memory_()
-        self.views = [
-            self.buf[e.offset : e.offset + e.nbytes].view(torch.float32).view(e.key.lengths) for e in self.layout.entries
-        ]
-        self.items = list(state.values())
-        ctx = tmp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_process_writer_main, args=(child, self.buf, pieces, 10), daemon=True)
-        self.proc.start()
-        self.pending = False
-
-    def start(self, step, state, root):
-        for e, v in zip(self.layout.entries, self.views):
-            v.copy_(self.items[e.item_index])
-        path = os.path.join(root, f"step-{step}")
-        os.makedirs(path, exist_ok=True)
-        self.conn.send(path)
-        self.pending = True
-
-    def is_done(self):
-        return not self.pending or self.conn.poll()
-
-    def finish(self):
-        if self.pending:
-            assert self.conn.recv() == "done"
-            self.pending = False
-
-    def close(self):
-        if self.proc.is_alive():
-            self.conn.send(None)
-            self.proc.join(timeout=30)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
 
 
 class DcpAsync(Method):
@@ -365,7 +292,7 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rss-saves", type=int, default=10)
-    parser.add_argument("--process-writer", action="store_true", help="also measure the writer-process experiment")
+    parser.add_argument("--process-writer", action="store_true", help="also measure writer=\"process\" (shared-memory staging, writer process)")
     args = parser.parse_args()
     base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")
     os.makedirs(base, exist_ok=True)
@@ -376,16 +303,16 @@ def main() -> None:
     loop.baseline(0.5)  # warm-up; each save re-measures its own baseline
     methods: list[Method] = [BareCopy(state), Spotrun(), DcpAsync(False), DcpAsync(True), SafetensorsSync()]
     if args.process_writer:
-        methods.append(ProcessWriter(state))
+        methods.append(Spotrun("process"))
     results = {}
     for m in methods:
         results[m.name] = measure_save(m, state, base, args.reps, loop)
         print(f"# measured {m.name}", flush=True)
     rss = {}
-    for m in methods[1:4]:
+    for m in [m for m in methods if not isinstance(m, (BareCopy, SafetensorsSync))]:
         rss[m.name] = measure_rss(m, state, base, args.rss_saves)
         m.close()
-    for m in methods[4:]:
+    for m in methods:
         m.close()
     loads = measure_load(state, base, args.reps)
     load_after = os.getloadavg()
@@ -411,6 +338,11 @@ def main() -> None:
     if spot["interference"]:
         print(f"- interference: {statistics.median(spot['interference']):.2f}x (target <= 1.3)")
     print(f"- total / safetensors+fsync: {statistics.median(spot['total']) / st:.2f} (target <= 1.2)")
+    if len(methods) > 5:
+        proc = results[methods[5].name]
+        print(f"- writer=process: stall / bare {statistics.median(proc['stall']) / bare:.2f}, interference "
+              f"{statistics.median(proc['interference']) if proc['interference'] else float('nan'):.2f}x, "
+              f"total / safetensors+fsync {statistics.median(proc['total']) / st:.2f}")
     print(f"- load / safetensors: {statistics.median(loads['spotrun load (verify on)']) / statistics.median(loads['safetensors load_file + copy_ into model']):.2f} (target >= 0.8; reference: load_file + copy_ into the model)")
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)

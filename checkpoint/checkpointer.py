@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +30,7 @@ from checkpoint.api import (
     JSON,
     COMMIT_FILE,
     ChunkKey,
+    CheckpointConfigError,
     CheckpointError,
     SaveInProgressError,
     crash_point,
@@ -42,7 +45,7 @@ from checkpoint.shard import ShardLayout, read_requests
 from checkpoint.staging import Stager
 from checkpoint.state import FlatState, apply, flatten
 from checkpoint.storage import RetryPolicy, Storage, lower_thread_priority
-from checkpoint.writer import RankRecords, plan_files, write_rank_files
+from checkpoint.writer import RankRecords, WriterProcess, plan_files, write_rank_files
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +94,13 @@ class Checkpointer:
             if self.world_size > 1:
                 self._fg_group = dist.new_group(ranks=ranks, backend="gloo")
                 self._bg_group = dist.new_group(ranks=ranks, backend="gloo")
-        self._stager = Stager()
+        self._writer_proc: WriterProcess | None = None
+        if c.writer == "process":
+            self._writer_proc = self._start_writer_process()
+        shared = None
+        if self._writer_proc is not None:  # page-cache-free shared memory where there is some
+            shared = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self._stager = Stager(shared_dir=shared)
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix="ckpt-bg", initializer=lower_thread_priority, initargs=(c.writer_nice,)
         )
@@ -102,6 +111,26 @@ class Checkpointer:
         self._closed = False
         self.last_stage_seconds = 0.0
         """Wall time the last ``save`` blocked the caller (flatten + vote + staging copy)."""
+
+    def _start_writer_process(self) -> WriterProcess:
+        if type(self.storage.fs).__name__ == "MemoryFileSystem":
+            raise CheckpointConfigError(
+                'writer="process" cannot write to memory:// (that filesystem lives inside this process); '
+                'use writer="thread"'
+            )
+        c = self.config
+        return WriterProcess(
+            uri=self.storage.uri,
+            storage_options=c.storage_options,
+            retry={
+                "max_attempts": c.max_retries,
+                "timeout": c.retry_timeout.total_seconds(),
+                "max_wait": c.retry_max_wait.total_seconds(),
+            },
+            upload_threads=c.writer_threads,
+            multipart_chunk_bytes=c.multipart_chunk_bytes,
+            nice=c.writer_nice,
+        )
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.storage.display()!r}, rank={self.rank}/{self.world_size})"
@@ -130,7 +159,15 @@ class Checkpointer:
         if any_changed:
             self._replan(flat)
             self._signature = signature
+        if self._writer_proc is not None and not self._writer_proc.alive:
+            logger.warning("[rank %d] checkpoint writer process %d died; starting a new one", self.rank, self._writer_proc.proc.pid)
+            self._writer_proc.close()
+            self._writer_proc = self._start_writer_process()
+            self._stager.release()  # the new process must map fresh buffers
         buffers = self._stager.stage(self._layouts, flat.items)
+        if self._writer_proc is not None and self._stager.shared_paths:
+            self._writer_proc.attach(self._stager.shared_paths)  # new buffers: let the writer map them,
+            self._stager.unlink_shared()  # then drop their names so a crash leaves nothing in /dev/shm
         objects = flat.objects if self.rank == 0 else None
         self.last_stage_seconds = time.perf_counter() - started
         logger.debug("[rank %d step %d] staged in %.3fs", self.rank, step, self.last_stage_seconds)
@@ -199,16 +236,27 @@ class Checkpointer:
                     f"step {step} is already committed at {self.storage.display(rel)}; a committed step is never overwritten"
                 )
             self.storage.makedirs(rel)
-            records = write_rank_files(
-                self.storage,
-                rel,
-                layouts,
-                buffers,
-                block_bytes=self.config.checksum_block_bytes,
-                rank=self.rank,
-                threads=self.config.writer_threads,
-                nice=self.config.writer_nice,
-            )
+            if self._writer_proc is not None:
+                records = self._writer_proc.write(
+                    rel,
+                    layouts,
+                    block_bytes=self.config.checksum_block_bytes,
+                    rank=self.rank,
+                    threads=self.config.writer_threads,
+                )
+                if records.error:
+                    raise CheckpointError(records.error)
+            else:
+                records = write_rank_files(
+                    self.storage,
+                    rel,
+                    layouts,
+                    buffers,
+                    block_bytes=self.config.checksum_block_bytes,
+                    rank=self.rank,
+                    threads=self.config.writer_threads,
+                    nice=self.config.writer_nice,
+                )
         except Exception as exc:  # noqa: BLE001 - becomes a vote not to commit, re-raised below
             logger.error("[rank %d step %d] writing shards failed: %s", self.rank, step, exc)
             local_error = exc
@@ -343,6 +391,8 @@ class Checkpointer:
             self._closed = True
             self._executor.shutdown(wait=True)
             self.storage.close()
+            if self._writer_proc is not None:
+                self._writer_proc.close()
             self._stager.release()
 
     def __enter__(self) -> Checkpointer:

@@ -51,6 +51,11 @@ class CheckpointConfig:
     writer_threads: int = 4
     """Parallel shard writes / multipart part uploads / ranged reads per rank (>= 1)."""
 
+    writer: Literal["thread", "process"] = "thread"
+    """Who writes the shards: a background ``"thread"`` of the training process, or a long-lived
+    ``"process"`` per rank fed through shared memory (``/dev/shm``), which never competes with training
+    for the GIL. ``"process"`` needs JSON-serialisable ``storage_options`` and cannot write ``memory://``."""
+
     writer_nice: int = 10
     """Background save threads run this many nice steps below the training thread (Linux per-thread
     nice), so on a busy CPU the save yields to training; 0 keeps the same priority (0..19)."""
@@ -66,6 +71,8 @@ class CheckpointConfig:
         self._check_int("keep_last", self.keep_last, 1, "keep at least the newest step")
         if self.keep_every is not None:
             self._check_int("keep_every", self.keep_every, 1, "use None to disable, or a step interval >= 1")
+        if self.writer not in ("thread", "process"):
+            raise CheckpointConfigError(f'writer={self.writer!r} is invalid: use "thread" or "process"')
         if self.when_busy not in ("wait", "refuse"):
             raise CheckpointConfigError(f'when_busy={self.when_busy!r} is invalid: use "wait" or "refuse"')
         for name in ("async_mode", "verify_on_load"):

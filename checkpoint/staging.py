@@ -9,6 +9,9 @@ growth save after save); they are pinned when CUDA is available so device-to-hos
 from __future__ import annotations
 
 import logging
+import mmap
+import os
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,8 +26,13 @@ logger = logging.getLogger(__name__)
 class Stager:
     """Owns the reusable host buffers; ``stage`` fills them from live tensors."""
 
-    def __init__(self, *, pin_memory: bool | None = None) -> None:
+    def __init__(self, *, pin_memory: bool | None = None, shared_dir: str | None = None) -> None:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.shared_dir = shared_dir
+        """When set, buffers are file-backed shared memory in this directory (``/dev/shm``), so a writer
+        process can map them; ``shared_paths`` names the files until the caller unlinks them."""
+        self.shared_paths: list[tuple[str, int]] = []
+        self._mmaps: list[mmap.mmap] = []
         self._signature: tuple[Any, ...] | None = None
         self._buffers: list[torch.Tensor] = []
         self._views: list[list[torch.Tensor]] = []
@@ -35,10 +43,23 @@ class Stager:
     def nbytes(self) -> int:
         return sum(b.numel() for b in self._buffers)
 
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        if self.shared_dir is None:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        fd, path = tempfile.mkstemp(prefix="spotrun-ckpt-", dir=self.shared_dir)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+            mm = mmap.mmap(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        self._mmaps.append(mm)
+        self.shared_paths.append((path, max(nbytes, 1)))
+        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+
     def _allocate(self, layouts: Sequence[ShardLayout]) -> None:
-        self._buffers, self._views = [], []  # drop the old ones before allocating the new
+        self.release()  # drop the old buffers before allocating the new
         for layout in layouts:
-            buf = torch.empty(layout.data_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            buf = self._new_buffer(layout.data_bytes)
             views = []
             for e in layout.entries:
                 raw = buf[e.offset : e.offset + e.nbytes]
@@ -74,3 +95,19 @@ class Stager:
 
     def release(self) -> None:
         self._buffers, self._views, self._signature = [], [], None
+        for mm in self._mmaps:
+            try:
+                mm.close()
+            except BufferError:  # a caller still holds a view; the mapping goes when it does
+                logger.debug("staging buffer still referenced; left to the garbage collector")
+        self._mmaps = []
+        self.unlink_shared()
+
+    def unlink_shared(self) -> None:
+        """Remove the names of the shared buffers (mappings stay valid in every process that has them)."""
+        for path, _ in self.shared_paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.shared_paths = []

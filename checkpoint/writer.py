@@ -142,3 +142,218 @@ def write_rank_files(
             )
             rec.chunks.append(chunk)
     return records
+
+
+# --------------------------------------------------------------------------- writer process (writer="process")
+# The training process stages into file-backed shared memory; a long-lived child process (one per rank) maps
+# the same pages and writes the shard files, so the writes never compete with training for the GIL. The two
+# talk in JSON lines over pipes (no pickle); the child dies with its parent (PR_SET_PDEATHSIG).
+
+
+def _pieces_json(layout: ShardLayout) -> list[JSON]:
+    return [
+        [e.item_index, e.key.fqn, list(e.key.offsets), list(e.key.lengths), list(e.global_shape), e.dtype, e.nbytes]
+        for e in layout.entries
+    ]
+
+
+def _layout_from_json(d: dict[str, JSON]) -> ShardLayout:
+    from checkpoint.api import ChunkKey
+
+    pieces = [(i, ChunkKey(f, tuple(o), tuple(n)), tuple(g), dt, nb) for i, f, o, n, g, dt, nb in d["pieces"]]
+    return build_layout(str(d["file"]), pieces)
+
+
+class WriterProcess:
+    """Client of the per-rank writer process (``python -m checkpoint.writer``)."""
+
+    def __init__(self, *, uri: str, storage_options: dict[str, JSON], retry: dict[str, float], upload_threads: int,
+                 multipart_chunk_bytes: int, nice: int) -> None:
+        import json
+        import subprocess
+        import sys
+        import threading
+
+        from checkpoint.api import CheckpointConfigError
+
+        try:
+            init = json.dumps(
+                {
+                    "uri": uri,
+                    "storage_options": storage_options,
+                    "retry": retry,
+                    "upload_threads": upload_threads,
+                    "multipart_chunk_bytes": multipart_chunk_bytes,
+                    "nice": nice,
+                }
+            )
+        except TypeError as exc:
+            raise CheckpointConfigError(
+                f'writer="process" needs JSON-serialisable storage_options ({exc}); use writer="thread"'
+            ) from exc
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "checkpoint.writer"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            close_fds=True,
+        )
+        self._send(init)
+        logger.info("started checkpoint writer process pid %d", self.proc.pid)
+
+    def _send(self, line: str) -> None:
+        from checkpoint.api import CheckpointError
+
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise CheckpointError(f"the checkpoint writer process (pid {self.proc.pid}) is gone: {exc}") from exc
+
+    def _request(self, payload: dict[str, JSON]) -> dict[str, JSON]:
+        import json
+
+        from checkpoint.api import CheckpointError, CheckpointStorageError
+
+        with self._lock:
+            self._send(json.dumps(payload))
+            assert self.proc.stdout is not None
+            line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait(timeout=30)
+            raise CheckpointError(f"the checkpoint writer process (pid {self.proc.pid}) died with exit code {code}")
+        reply = json.loads(line)
+        if reply.get("ok"):
+            return reply
+        message = str(reply.get("message"))
+        if reply.get("kind") == "storage":
+            raise CheckpointStorageError(message, path=reply.get("path"), errno_=reply.get("errno"))
+        raise CheckpointError(f"{reply.get('type')}: {message}")
+
+    def attach(self, buffers: Sequence[tuple[str, int]]) -> None:
+        """Make the child map the staging buffers (the caller then unlinks their names)."""
+        self._request({"op": "attach", "buffers": [[p, n] for p, n in buffers]})
+
+    def write(self, step_rel: str, layouts: Sequence[ShardLayout], *, block_bytes: int, rank: int, threads: int) -> RankRecords:
+        reply = self._request(
+            {
+                "op": "write",
+                "step_rel": step_rel,
+                "files": [{"file": lay.file, "pieces": _pieces_json(lay)} for lay in layouts],
+                "block_bytes": block_bytes,
+                "rank": rank,
+                "threads": threads,
+            }
+        )
+        return RankRecords.from_json(reply["records"])
+
+    def close(self, timeout: float = 30.0) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            try:
+                self._send('{"op": "exit"}')
+                self.proc.wait(timeout=timeout)
+            except (subprocess.TimeoutExpired, Exception):  # noqa: BLE001 - make sure it goes away
+                self.proc.kill()
+                self.proc.wait(timeout=timeout)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:  # the child is gone; its pipe cannot take our buffered bytes
+                    pass
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def _serve() -> None:
+    """Child side: map staging buffers, write shard files on request, answer with records or the error."""
+    import json
+    import mmap
+    import os
+    import signal
+    import sys
+
+    from checkpoint.api import CheckpointStorageError
+    from checkpoint.storage import RetryPolicy
+
+    try:  # die with the training process, whatever kills it
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints must not corrupt the protocol
+    init = json.loads(sys.stdin.readline())
+    from datetime import timedelta
+
+    r = init["retry"]
+    storage = Storage(
+        init["uri"],
+        storage_options=init["storage_options"],
+        retry=RetryPolicy(
+            max_attempts=int(r["max_attempts"]),
+            timeout=timedelta(seconds=r["timeout"]),
+            max_wait=timedelta(seconds=r["max_wait"]),
+        ),
+        upload_threads=init["upload_threads"],
+        multipart_chunk_bytes=init["multipart_chunk_bytes"],
+        thread_nice=init["nice"],
+    )
+    lower_thread_priority(init["nice"])
+    maps: list[mmap.mmap] = []
+    views: list[memoryview] = []
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req["op"] == "exit":
+                break
+            if req["op"] == "attach":
+                for v in views:
+                    v.release()
+                for m in maps:
+                    m.close()
+                maps, views = [], []
+                for path, size in req["buffers"]:
+                    fd = os.open(path, os.O_RDWR)
+                    try:
+                        maps.append(mmap.mmap(fd, size))
+                    finally:
+                        os.close(fd)
+                views = [memoryview(m) for m in maps]
+                reply: dict[str, JSON] = {"ok": True}
+            elif req["op"] == "write":
+                layouts = [_layout_from_json(f) for f in req["files"]]
+                buffers = [v[: lay.data_bytes] for v, lay in zip(views, layouts)]
+                records = write_rank_files(
+                    storage,
+                    req["step_rel"],
+                    layouts,
+                    buffers,
+                    block_bytes=req["block_bytes"],
+                    rank=req["rank"],
+                    threads=req["threads"],
+                    nice=init["nice"],
+                )
+                del buffers  # views into the maps must not outlive a later re-attach
+                reply = {"ok": True, "records": records.to_json()}
+            else:
+                reply = {"ok": False, "type": "ValueError", "message": f"unknown op {req['op']!r}"}
+        except Exception as exc:  # noqa: BLE001 - every error goes back to the training process
+            reply = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+            if isinstance(exc, (CheckpointStorageError, OSError)):
+                reply.update(kind="storage", path=getattr(exc, "path", None) or getattr(exc, "filename", None),
+                             errno=getattr(exc, "errno", None))
+        replies.write(json.dumps(reply) + "\n")
+    storage.close()
+
+
+if __name__ == "__main__":
+    _serve()
