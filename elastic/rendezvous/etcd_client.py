@@ -112,13 +112,18 @@ class EtcdConnection:
             for host, port in cfg.endpoints
         ]
         # The constructor authenticates (one RPC) when user/password are set.
-        return etcd3.MultiEndpointEtcd3Client(
+        client = etcd3.MultiEndpointEtcd3Client(
             endpoints=endpoints,
             timeout=self.per_call_timeout,
             user=cfg.user,
             password=cfg.password,
             failover=many,
         )
+        if creds is None:
+            # grpc refuses call credentials on a plaintext channel ("insufficient security level");
+            # the auth token also travels as plain metadata, which etcd accepts.
+            client.call_credentials = None
+        return client
 
     # ------------------------------------------------------------------ calls
     def call(self, what: str, fn: Callable[[], T], *, within: float | None = None) -> T:

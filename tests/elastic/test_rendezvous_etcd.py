@@ -319,3 +319,32 @@ def test_queries_after_leave_answer_from_last_state(etcd_server: EmbeddedEtcd) -
     assert h.num_nodes_waiting() == 0
     with pytest.raises(RendezvousClosedError, match="shut down"):
         h.next_rendezvous()
+
+
+@pytest.mark.timeout(60)
+def test_user_password_auth(etcd_server: EmbeddedEtcd, handlers) -> None:
+    """etcd with auth enabled: right credentials work (rendezvous and store), wrong ones fail clearly."""
+    from elastic.etcd_server import find_etcd_binary
+
+    etcdctl = os.path.join(os.path.dirname(find_etcd_binary()), "etcdctl")
+    if not os.access(etcdctl, os.X_OK):
+        pytest.skip(f"etcdctl not found next to the etcd binary ({etcdctl}); needed to enable auth")
+
+    def ctl(*args: str) -> None:
+        subprocess.run(
+            [etcdctl, f"--endpoints={etcd_server.endpoint}", *args],
+            env=dict(os.environ, ETCDCTL_API="3"), check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+
+    ctl("user", "add", "root:s3cret", "--interactive=false")
+    ctl("user", "grant-role", "root", "root")
+    ctl("auth", "enable")
+
+    ok = handlers(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=1, user="root", password="s3cret"))
+    info = ok.next_rendezvous()
+    info.store.set("k", "v")
+    assert info.store.get("k") == b"v"
+    with pytest.raises(RendezvousConnectionError, match="authentication failed"):
+        handlers(make_config(etcd_server.endpoint, user="root", password="wrong", etcd_timeout=2)).next_rendezvous()
+    with pytest.raises(RendezvousConnectionError, match="user name is empty"):
+        handlers(make_config(etcd_server.endpoint, etcd_timeout=2)).next_rendezvous()
