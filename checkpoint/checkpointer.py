@@ -160,7 +160,9 @@ class Checkpointer:
             self._replan(flat)
             self._signature = signature
         if self._writer_proc is not None and not self._writer_proc.alive:
-            logger.warning("[rank %d] checkpoint writer process %d died; starting a new one", self.rank, self._writer_proc.proc.pid)
+            logger.warning(
+                "[rank %d] checkpoint writer process %d died; starting a new one", self.rank, self._writer_proc.proc.pid
+            )
             self._writer_proc.close()
             self._writer_proc = self._start_writer_process()
             self._stager.release()  # the new process must map fresh buffers
@@ -172,6 +174,8 @@ class Checkpointer:
         self.last_stage_seconds = time.perf_counter() - started
         logger.debug("[rank %d step %d] staged in %.3fs", self.rank, step, self.last_stage_seconds)
         self._in_flight = step
+        if self._writer_proc is not None:
+            buffers = []  # the writer process reads its own mapping; keep no views of ours alive
         self._future = self._executor.submit(self._write_and_commit, step, list(self._layouts), buffers, objects)
         if not self.config.async_mode:
             self.wait()
