@@ -727,7 +727,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._cond.notify_all()
         for thread in self._threads:
             if thread is not threading.current_thread():
-                thread.join(timeout=5.0)
+                thread.join(timeout=2.0)  # a stuck thread must not hold up a signal-driven leave()
         self._threads.clear()
 
     def _ctx(self) -> str:
