@@ -348,3 +348,20 @@ def test_user_password_auth(etcd_server: EmbeddedEtcd, handlers) -> None:
         handlers(make_config(etcd_server.endpoint, user="root", password="wrong", etcd_timeout=2)).next_rendezvous()
     with pytest.raises(RendezvousConnectionError, match="user name is empty"):
         handlers(make_config(etcd_server.endpoint, etcd_timeout=2)).next_rendezvous()
+
+
+@pytest.mark.timeout(60)
+def test_stale_commit_is_rejected_and_old_stores_are_dropped(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """A commit based on an old view of the round key fails (txn on its mod revision); stores are per round."""
+    h = handlers(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=1), node_id="solo")
+    info1 = h.next_rendezvous()
+    info1.store.set("k", "round1")
+    stale_mod = h._mirror.committed_mod
+    info2 = h.next_rendezvous()
+    assert h.round == 2
+    assert not info2.store.check(["k"]), "a new round starts from an empty store"
+    # An agent still acting on round 1's view tries to commit "its" round 2: etcd refuses.
+    assert h._commit(2, ("ghost",), stale_mod) is False
+    assert h._mirror.committed is not None and h._mirror.committed.participants == ("solo",)
+    h.next_rendezvous()  # round 3 drops round 1's store
+    assert not info1.store.check(["k"])
