@@ -14,7 +14,7 @@ from elastic.config import AgentSettings, parse_nnodes, parse_rdzv_conf
 from tests.conftest import descendants
 from tests.elastic.agent_harness import EXAMPLES, SPOTRUN, run_cli
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 SCRIPT = str(EXAMPLES / "print_env.py")
 
@@ -126,7 +126,7 @@ def test_bad_command_lines_exit_2_with_a_clear_message(argv: list[str], message:
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr
-    assert time.monotonic() - began < 20
+    assert time.monotonic() - began < 45, "a bad command line must be rejected before any rendezvous"
     _assert_no_children()
 
 
