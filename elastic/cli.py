@@ -18,6 +18,8 @@ Differences from torchrun:
                                  before giving up (env ``SPOTRUN_PEER_LOSS_GRACE``, default 5).
   ``--[no-]warm-workers``        fork Python script workers from a torch-preloaded forkserver (env
                                  ``SPOTRUN_WARM_WORKERS``, default on): a restart skips ``import torch``.
+                                 (torchrun's ``--start-method`` only ever applied to ``--run-path``
+                                 functions, and still does; ``--no-python`` binaries are never warm.)
   ``--events-file PATH``         structured recovery events (env ``SPOTRUN_EVENTS_FILE``; default
                                  ``<log-dir>/events.jsonl``, or in torch's temporary log directory
                                  ``/tmp/torchelastic_*/events.jsonl`` when no ``--log-dir`` is given).
