@@ -105,8 +105,20 @@ def test_single_node_without_endpoint_runs_standalone() -> None:
     assert not should_run_standalone(parser.parse_args(["--rdzv-backend", "c10d", SCRIPT]))
 
 
+@pytest.fixture(autouse=True)
+def _children_before_test() -> None:
+    """Processes already alive before the test (session-scoped servers such as moto_server) are not strays."""
+    global _BASELINE
+    _BASELINE = set(descendants(os.getpid()))
+
+
+_BASELINE: set[int] = set()
+
+
 def _assert_no_children(allowed: set[int | None] = frozenset()) -> None:
-    left = {pid: v for pid, v in descendants(os.getpid()).items() if pid not in allowed}
+    left = {
+        pid: v for pid, v in descendants(os.getpid()).items() if pid not in allowed and pid not in _BASELINE
+    }
     assert not left, f"stray processes: {left}"
 
 
