@@ -13,7 +13,18 @@ Measures, each as median [min-max] over ``--reps`` runs:
 * load: GB/s into preallocated tensors (from the page cache: the files were just written);
 * host RSS growth over 10 consecutive saves.
 
-Prints a Markdown table. Timings on a shared machine are noisy: the load average is printed with it.
+Multi-rank parts (gloo, one process per rank; see ``bench/ckpt_reshard_bench.py``), in the same run::
+
+    .venv/bin/python bench/ckpt_bench.py --dir /tmp/ckpt-bench --size-mib 1024 --reps 3 --reshard --ranks 2
+
+* ``--reshard``: the state as 16 DTensors ``Shard(0)`` saved at world size 4, loaded at 4 and at 3: load
+  time and bytes read / owned per rank, spotrun vs ``dcp.load`` (target: resharded reads <= 1.1x owned);
+* ``--ranks 2``: a DDP-style replicated state (``--size-mib`` per rank), each rank writes ~1/2: stall and
+  total save time, spotrun vs ``dcp.async_save`` (default stager), ``dcp.save`` and a bare copy.
+
+``--skip-single`` leaves out the 1-rank tables.
+
+Prints Markdown tables. Timings on a shared machine are noisy: the load average is printed with them.
 """
 
 from __future__ import annotations
@@ -293,9 +304,40 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rss-saves", type=int, default=10)
     parser.add_argument("--process-writer", action="store_true", help="also measure writer=\"process\" (shared-memory staging, writer process)")
+    parser.add_argument("--reshard", action="store_true", help="also measure 4->4 and 4->3 resharded loads (4, then 3 gloo processes)")
+    parser.add_argument("--ranks", type=int, default=1, help=">= 2: also measure replicated saves at this many gloo ranks")
+    parser.add_argument("--skip-single", action="store_true", help="leave out the 1-rank tables")
     args = parser.parse_args()
+    if args.size_mib < 1 or args.reps < 1 or args.ranks < 1:
+        parser.error("--size-mib, --reps and --ranks must be >= 1")
     base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")
     os.makedirs(base, exist_ok=True)
+    try:
+        if not args.skip_single:
+            run_single(args, base)
+        run_multi_rank(args, base)
+    finally:
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def run_multi_rank(args: argparse.Namespace, base: str) -> None:
+    """The multi-rank parts, in their own processes (bench/ckpt_reshard_bench.py), after the 1-rank ones."""
+    if not args.reshard and args.ranks < 2:
+        return
+    import ckpt_reshard_bench as multi  # a sibling of this script (its directory is on sys.path)
+
+    argv = ["--dir", base, "--size-mib", str(args.size_mib), "--reps", str(args.reps)]
+    if args.reshard:
+        print("\n## resharded loads (gloo processes)", flush=True)
+        multi.main([*argv, "--mode", "reshard"])
+    if args.ranks >= 2:
+        print(f"\n## {args.ranks}-rank replicated saves (gloo processes)", flush=True)
+        multi.main([*argv, "--mode", "replicated", "--ranks", str(args.ranks)])
+
+
+def run_single(args: argparse.Namespace, base: str) -> None:
+    """The 1-rank tables (this process)."""
     torch.set_num_threads(1)  # the compute loop and the copies share 1 thread, like one rank per core
     load_before = os.getloadavg()
     state = make_state(args.size_mib)
@@ -344,8 +386,6 @@ def main() -> None:
               f"{statistics.median(proc['interference']) if proc['interference'] else float('nan'):.2f}x, "
               f"total / safetensors+fsync {statistics.median(proc['total']) / st:.2f}")
     print(f"- load / safetensors: {statistics.median(loads['spotrun load (verify on)']) / statistics.median(loads['safetensors load_file + copy_ into model']):.2f} (target >= 0.8; reference: load_file + copy_ into the model)")
-    if not args.dir:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

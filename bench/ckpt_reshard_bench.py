@@ -298,7 +298,7 @@ def _timed_loads(state: dict[str, Any], root: str, reps: int) -> dict[str, Any]:
     return out
 
 
-def reshard_save_worker(rank: int, world: int, root: str, rows: int, reps: int) -> dict[str, Any]:
+def reshard_save_worker(rank: int, world: int, root: str, rows: int, reps: int, block: int | None) -> dict[str, Any]:
     """At the save world size: save with both libraries, then time same-world-size loads."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -307,7 +307,8 @@ def reshard_save_worker(rank: int, world: int, root: str, rows: int, reps: int) 
 
     state = make_sharded_state(rows, world, fill=True)
     dcp_pg = dist.new_group(backend="gloo")
-    with Checkpointer(f"{root}/spot", CheckpointConfig(keep_last=1000)) as ckpt:
+    config = CheckpointConfig(keep_last=1000) if block is None else CheckpointConfig(keep_last=1000, checksum_block_bytes=block)
+    with Checkpointer(f"{root}/spot", config) as ckpt:
         ckpt.save(1, state)
     dcp.save(state, checkpoint_id=f"{root}/dcp", process_group=dcp_pg)
     dist.barrier()
@@ -335,19 +336,24 @@ def print_load_table(title: str, per_rank: list[dict[str, Any]]) -> dict[str, fl
 
 
 def run_reshard(args: argparse.Namespace, scratch: str) -> None:
+    from checkpoint import CheckpointConfig
+
     rows = _rows(args.size_mib)
     root = tempfile.mkdtemp(dir=scratch, prefix="reshard-")
     before = os.getloadavg()
     t0 = time.perf_counter()
-    saved = run_ranks(reshard_save_worker, args.save_world, (root, rows, args.reps), scratch, args.timeout)
+    saved = run_ranks(
+        reshard_save_worker, args.save_world, (root, rows, args.reps, args.checksum_block_bytes), scratch, args.timeout
+    )
     print(f"# saved at world {args.save_world} and loaded {args.save_world}->{args.save_world} "
           f"({time.perf_counter() - t0:.0f}s)", flush=True)
     loaded = run_ranks(reshard_load_worker, args.load_world, (root, rows, args.reps), scratch, args.timeout)
     after = os.getloadavg()
     shutil.rmtree(root, ignore_errors=True)
     gib = rows * _COLS * 4 * _N_TENSORS / (1 << 30)
+    block = args.checksum_block_bytes or f"default ({CheckpointConfig().checksum_block_bytes})"
     print(f"\n{gib:.3f} GiB fp32 in {_N_TENSORS} DTensors [{rows}, {_COLS}] Shard(0), gloo, "
-          f"{os.cpu_count()} cores; reps={args.reps}; checksum_block_bytes=default; "
+          f"{os.cpu_count()} cores; reps={args.reps}; checksum_block_bytes={block}; "
           f"load average before {before[0]:.2f}, after {after[0]:.2f}; loads from the page cache")
     same = print_load_table(f"same world size: saved at {args.save_world}, loaded at {args.save_world}", saved)
     resh = print_load_table(f"resharded: saved at {args.save_world}, loaded at {args.load_world}", loaded)
@@ -489,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-world", type=int, default=4)
     p.add_argument("--load-world", type=int, default=3)
     p.add_argument("--ranks", type=int, default=2, help="world size of the replicated-save benchmark")
+    p.add_argument("--checksum-block-bytes", type=int, default=None,
+                   help="spotrun's checksum block size for the reshard save (default: the library default)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the rank processes are killed")
     return p
 
