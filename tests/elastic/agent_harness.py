@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +11,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
+
+from elastic.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -31,17 +32,8 @@ def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float 
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being appended right now
-            pass
-    return out
+    """Complete JSON lines of ``path`` (a line being appended right now is skipped)."""
+    return read_events(str(path))
 
 
 def pid_alive(pid: int) -> bool:
