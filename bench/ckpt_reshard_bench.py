@@ -383,7 +383,7 @@ def replicated_worker(rank: int, world: int, root: str, size_mib: int, reps: int
     mine = names[rank::world]  # a bare copy of the share this rank writes (the stall's lower bound)
     bufs = {k: torch.empty_like(v) for k, v in state.items()}
     dcp_pg = dist.new_group(backend="gloo")  # DCP's background collectives get their own group
-    spot = Checkpointer(f"{root}/spot", CheckpointConfig(keep_last=2))
+    spot = Checkpointer(f"{root}/spot", CheckpointConfig(keep_last=1000))
     step = [0]
 
     def bare_all() -> tuple[float, float]:
