@@ -103,8 +103,8 @@ def test_step_layout_and_safetensors_compatibility(backend) -> None:
     assert chunk["byte_range"][1] - chunk["byte_range"][0] == 32 * 16 * 4
 
 
-def test_save_returns_after_staging_and_snapshot_is_isolated(backend, monkeypatch) -> None:
-    """Mutating the state after save() returns must not change what gets written."""
+def gate_shard_writes(monkeypatch) -> threading.Event:
+    """Hold every background shard write until the returned event is set."""
     release = threading.Event()
     real = checkpointer_mod.write_rank_files
 
@@ -113,6 +113,12 @@ def test_save_returns_after_staging_and_snapshot_is_isolated(backend, monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(checkpointer_mod, "write_rank_files", gated)
+    return release
+
+
+def test_save_returns_after_staging_and_snapshot_is_isolated(backend, monkeypatch) -> None:
+    """Mutating the state after save() returns must not change what gets written."""
+    release = gate_shard_writes(monkeypatch)
     state, expected = make_state(4), make_state(4)
     with Checkpointer(backend.uri, backend.config()) as ckpt:
         ckpt.save(1, state)  # returns although the writer is blocked
@@ -212,14 +218,7 @@ def test_background_error_surfaces_and_previous_checkpoint_survives(backend, mon
 
 
 def test_when_busy_refuse(backend, monkeypatch) -> None:
-    release = threading.Event()
-    real = checkpointer_mod.write_rank_files
-
-    def gated(*args: Any, **kwargs: Any):
-        assert release.wait(30)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(checkpointer_mod, "write_rank_files", gated)
+    release = gate_shard_writes(monkeypatch)
     state = make_state(13)
     with Checkpointer(backend.uri, backend.config(when_busy="refuse")) as ckpt:
         ckpt.save(1, state)
