@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -77,13 +79,25 @@ def _dump(*agents: Launcher) -> str:
     return "\n".join(f"--- {a.log.name}\n{a.output()[-2500:]}" for a in agents)
 
 
+@contextlib.contextmanager
+def _running(agents: list[Launcher]) -> Iterator[list[Launcher]]:
+    """Closes every agent in ``agents`` (also ones appended inside); a failed assertion carries their logs."""
+    try:
+        yield agents
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_dump(*agents)}") from None
+    finally:
+        for agent in agents:
+            agent.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_node_loss_shrinks_the_group_and_a_new_node_grows_it_back(tmp_path: Path, etcd_server) -> None:
     agents = [_agent(tmp_path, "a", etcd_server.endpoint, "grow-shrink"),
               _agent(tmp_path, "b", etcd_server.endpoint, "grow-shrink")]
     a, b = agents
-    try:
+    with _running(agents):
         began = time.time()
         wait_for(lambda: _steps_at_world(tmp_path, 2, began) == {0, 1}, 90, "two agents to train at world size 2")
         b_workers = _worker_pids(tmp_path, b)
@@ -113,11 +127,6 @@ def test_node_loss_shrinks_the_group_and_a_new_node_grows_it_back(tmp_path: Path
         # prefix. The regrown group trains (its all_reduce checks the world size) at the first round's count.
         regrown = [p for p in _progress(tmp_path) if p["world_size"] == 2 and p["t_wall"] > joined_at]
         assert regrown and {p["restart"] for p in regrown} == {0}
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{_dump(*agents)}") from None
-    finally:
-        for agent in agents:
-            agent.close()
 
 
 @pytest.mark.slow
@@ -128,7 +137,7 @@ def test_job_survives_a_short_etcd_outage(tmp_path: Path, etcd_server) -> None:
     conf = "lease_ttl=6,last_call_timeout=0.5,join_timeout=60"
     agents = [_agent(tmp_path, "a", etcd_server.endpoint, "outage", nnodes="2", rdzv_conf=conf),
               _agent(tmp_path, "b", etcd_server.endpoint, "outage", nnodes="2", rdzv_conf=conf)]
-    try:
+    with _running(agents):
         began = time.time()
         wait_for(lambda: _steps_at_world(tmp_path, 2, began) == {0, 1}, 90, "two agents to train")
         etcd_server.stop()
@@ -143,11 +152,6 @@ def test_job_survives_a_short_etcd_outage(tmp_path: Path, etcd_server) -> None:
         assert all(agent.proc.poll() is None for agent in agents)
         failures = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "failure_detected"]
         assert not failures, f"an etcd outage must not restart the workers: {failures}"
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{_dump(*agents)}") from None
-    finally:
-        for agent in agents:
-            agent.close()
 
 
 @pytest.mark.slow
