@@ -19,7 +19,6 @@ import logging
 import re
 import sys
 import time
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -178,7 +177,7 @@ def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = Tr
     """Read every byte of every shard once: whole-file crc32 and every chunk block crc32. Returns problems."""
     from tqdm import tqdm
 
-    from checkpoint.shard import crc32_combine
+    from checkpoint.checksum import crc32, crc32_combine
 
     rel = step_dir(manifest.step)
     by_file: dict[str, list[tuple[str, Any]]] = {name: [] for name in manifest.files}
@@ -206,14 +205,14 @@ def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = Tr
                     start, end = c.byte_range
                     if start > pos:
                         gap = take(pos, start)
-                        crc = zlib.crc32(gap, crc)
+                        crc = crc32(gap, crc)
                         if len(gap) != start - pos:
                             raise CorruptCheckpointError(f"{storage.display(path)} is truncated")
                     for i, b0 in enumerate(range(start, end, block)):
                         data = take(b0, min(b0 + block, end))
                         if len(data) != min(b0 + block, end) - b0:
                             raise CorruptCheckpointError(f"{storage.display(path)} is truncated inside tensor {fqn!r}")
-                        got = zlib.crc32(data)
+                        got = crc32(data)
                         if i >= len(c.block_crc32) or got != c.block_crc32[i]:
                             problems.append(
                                 f"checksum mismatch in {storage.display(path)}: tensor {fqn!r} block {i} (bytes [{b0}, {b0 + len(data)}))"
@@ -221,7 +220,7 @@ def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = Tr
                         crc = crc32_combine(crc, got, len(data))
                     pos = max(pos, end)
                 if pos < frec.size:
-                    crc = zlib.crc32(take(pos, frec.size), crc)
+                    crc = crc32(take(pos, frec.size), crc)
                 if storage.size(path) != frec.size:
                     problems.append(f"{storage.display(path)} has {storage.size(path)} bytes, manifest says {frec.size}")
                 elif crc != frec.crc32:

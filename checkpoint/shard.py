@@ -3,7 +3,7 @@
 We lay the file out ourselves (8-byte little-endian header length, JSON header with ``dtype``, ``shape``,
 ``data_offsets``, then the data) so that every chunk's absolute byte range is known before a byte is
 written, the data can be streamed straight from the staging buffer, and the per-block crc32 is computed
-during the single pass that writes it. Files still load with ``safetensors.torch.load_file``.
+during the single pass that writes it (ISA-L's crc32 when available, see checksum.py). Files still load with ``safetensors.torch.load_file``.
 Tensors inside a file are sorted by element size (largest first) so each one is naturally aligned.
 """
 
@@ -13,11 +13,9 @@ import json
 import logging
 import struct
 import warnings
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -30,6 +28,7 @@ from checkpoint.api import (
     ReadRequest,
     crash_point,
 )
+from checkpoint.checksum import crc32, crc32_combine
 from checkpoint.plan import chunk_view
 from checkpoint.storage import Sink, Storage
 
@@ -67,52 +66,6 @@ def dtype_name(dtype: torch.dtype) -> str:
         return DTYPE_NAMES[dtype]
     except KeyError:
         raise TypeError(f"dtype {dtype} cannot be stored in safetensors") from None
-
-
-# --------------------------------------------------------------------------- crc32 combination
-_CRC_POLY = 0xEDB88320
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a(x) * b(x) mod p(x) over GF(2), reflected bit order (zlib's multmodp)."""
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                break
-        m >>= 1
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-    return p
-
-
-def _x2n_table() -> list[int]:
-    table = [1 << 30]  # x^1
-    for _ in range(31):
-        table.append(_multmodp(table[-1], table[-1]))
-    return table
-
-
-_X2N = _x2n_table()
-
-
-@lru_cache(maxsize=256)
-def _x8nmodp(nbytes: int) -> int:
-    p = 1 << 31  # x^0
-    k = 3  # bytes -> bits
-    n = nbytes
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return p
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (no second pass over the data)."""
-    return _multmodp(_x8nmodp(len2), crc1) ^ crc2
 
 
 # --------------------------------------------------------------------------- layout
@@ -180,7 +133,7 @@ def block_crcs(layout: ShardLayout, data: memoryview, block_bytes: int) -> list[
     out = []
     for entry in layout.entries:
         piece = data[entry.offset : entry.offset + entry.nbytes]
-        out.append([zlib.crc32(piece[s : s + block_bytes]) for s in range(0, entry.nbytes, block_bytes)])
+        out.append([crc32(piece[s : s + block_bytes]) for s in range(0, entry.nbytes, block_bytes)])
     return out
 
 
@@ -210,12 +163,12 @@ def write_shard(
         for start in range(0, entry.nbytes, block_bytes):
             block = piece[start : start + block_bytes]
             if crcs_future is None:
-                blocks.append(zlib.crc32(block))
+                blocks.append(crc32(block))
             crash_point("shard.block")
             sink.write(block)
         inline.append(blocks)
     crcs = crcs_future.result() if crcs_future is not None else inline
-    file_crc = zlib.crc32(layout.header)
+    file_crc = crc32(layout.header)
     base = len(layout.header)
     chunks: list[tuple[ShardEntry, ChunkRecord]] = []
     for entry, blocks in zip(layout.entries, crcs):
@@ -296,7 +249,7 @@ def verified_range(
         view = memoryview(data)
         for i, block_index in enumerate(range(first, last)):
             block = view[i * block_bytes : (i + 1) * block_bytes]
-            if zlib.crc32(block) != req.block_crc32[block_index]:
+            if crc32(block) != req.block_crc32[block_index]:
                 at = start + i * block_bytes
                 raise CorruptCheckpointError(
                     f"checksum mismatch in {storage.display(path)} for tensor {req.fqn!r} "
@@ -368,7 +321,7 @@ def _read_direct(
             )
         for i, start in enumerate(range(0, hi - lo, block_bytes)):
             block = out[start : start + block_bytes]
-            if zlib.crc32(block) != req.block_crc32[first + i]:
+            if crc32(block) != req.block_crc32[first + i]:
                 raise CorruptCheckpointError(
                     f"checksum mismatch in {storage.display(path)} for tensor {req.fqn!r} "
                     f"(block {first + i}, bytes [{lo + start}, {lo + start + len(block)}))",

@@ -14,7 +14,9 @@ import torch
 
 from checkpoint.api import ChunkKey, CheckpointError, Manifest, TensorItem, shard_file_name
 from checkpoint.commit import build_index, merge_records
-from checkpoint.shard import build_layout, crc32_combine, write_shard
+from checkpoint import checksum
+from checkpoint.checksum import crc32_combine
+from checkpoint.shard import build_layout, write_shard
 from checkpoint.writer import RankRecords, plan_files
 
 pytestmark = pytest.mark.timeout(30)
@@ -56,6 +58,23 @@ def serialise(items: list[TensorItem], block: int = 64) -> tuple[bytes, object, 
 def test_crc32_combine_matches_zlib(n1: int, n2: int) -> None:
     a, b = os.urandom(n1), os.urandom(n2)
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b)
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 63, 64, 4095, 1 << 20, (1 << 20) + 7])
+def test_fast_crc32_equals_zlib(n: int) -> None:
+    """The manifest promises zlib's crc32: the accelerated implementation must give the same values,
+    from any seed value and on memoryviews of tensor memory."""
+    data = os.urandom(n)
+    assert checksum.crc32(data) == zlib.crc32(data)
+    assert checksum.crc32(data, 0xDEADBEEF) == zlib.crc32(data, 0xDEADBEEF)
+    view = memoryview(torch.frombuffer(bytearray(data), dtype=torch.uint8).numpy()) if n else memoryview(b"")
+    assert checksum.crc32(view) == zlib.crc32(data)
+
+
+def test_fast_crc32_is_in_use() -> None:
+    """isal is a dependency: if the accelerated crc is not picked, verified loads silently get ~7x slower."""
+    pytest.importorskip("isal", reason="isal wheel not installed on this platform; zlib fallback in use")
+    assert checksum.IMPLEMENTATION == "isal"
 
 
 def test_shard_is_valid_safetensors_with_exact_records() -> None:
