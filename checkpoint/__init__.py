@@ -19,10 +19,10 @@ def __getattr__(name: str):  # lazy: importing the package must not import torch
         from checkpoint.checkpointer import Checkpointer
 
         return Checkpointer
-    if name == "ModelOptimizer":
-        from checkpoint.state import ModelOptimizer
+    if name in ("ModelOptimizer", "PerRank", "RNGState"):
+        import checkpoint.state
 
-        return ModelOptimizer
+        return getattr(checkpoint.state, name)
     raise AttributeError(f"module 'checkpoint' has no attribute {name!r}")
 
 
@@ -36,6 +36,8 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "ModelOptimizer",
+    "PerRank",
+    "RNGState",
     "SaveInProgressError",
     "__version__",
 ]

@@ -26,7 +26,11 @@ COMMIT_FILE = ".commit"
 INDEX_FILE = "model.safetensors.index.json"
 """Per step directory: Hugging Face-style ``{"metadata": ..., "weight_map": {fqn: file}}``."""
 OBJECTS_FILE = "objects.json"
-"""Per step directory: non-tensor state (step counters, RNG seeds, sampler position) as JSON."""
+"""Per step directory: rank 0's non-tensor state (shared step counters, hyperparameters) as JSON."""
+RANK_OBJECTS_FORMAT = "spotrun-rank-objects"
+"""``format`` field of a per-rank objects file (``objects-00003-of-00004.json``)."""
+RANK_OBJECTS_MAX_BYTES = 64 << 20
+"""Largest per-rank objects file a save accepts: per-rank state is for small values (RNG, sampler)."""
 LATEST_FILE = "latest"
 """At the checkpoint root: the name of the newest committed step directory."""
 
@@ -177,6 +181,23 @@ class FileRecord:
 
 
 @dataclass(slots=True)
+class RankObjectsRecord:
+    """One rank's per-rank objects file (``PerRank`` entries): size, whole-file crc32, rank, top-level keys."""
+
+    size: int
+    crc32: int
+    rank: int
+    keys: list[str]
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"size": self.size, "crc32": self.crc32, "rank": self.rank, "keys": sorted(self.keys)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, JSON]) -> RankObjectsRecord:
+        return cls(size=int(d["size"]), crc32=int(d["crc32"]), rank=int(d["rank"]), keys=[str(k) for k in d["keys"]])
+
+
+@dataclass(slots=True)
 class Manifest:
     """The whole description of one committed step (``manifest.json``)."""
 
@@ -188,6 +209,9 @@ class Manifest:
     files: dict[str, FileRecord]
     has_objects: bool = False
     checksum_block_bytes: int = 1 << 20
+    rank_objects: dict[str, RankObjectsRecord] = field(default_factory=dict)
+    """Per-rank objects files by name (one per saving rank, or none); absent in manifests written before
+    per-rank state existed, which still load (the field defaults to empty)."""
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -202,6 +226,7 @@ class Manifest:
             "has_objects": self.has_objects,
             "checksum_block_bytes": self.checksum_block_bytes,
             "files": {k: v.to_json() for k, v in sorted(self.files.items())},
+            "rank_objects": {k: v.to_json() for k, v in sorted(self.rank_objects.items())},
             "tensors": {k: v.to_json() for k, v in sorted(self.tensors.items())},
         }
 
@@ -223,7 +248,15 @@ class Manifest:
             checksum_block_bytes=int(d["checksum_block_bytes"]),
             files={k: FileRecord.from_json(v) for k, v in d["files"].items()},
             tensors={k: TensorRecord.from_json(v) for k, v in d["tensors"].items()},
+            rank_objects={k: RankObjectsRecord.from_json(v) for k, v in d.get("rank_objects", {}).items()},
         )
+
+    def rank_objects_of(self, rank: int) -> tuple[str, RankObjectsRecord] | None:
+        """The per-rank objects file saved by ``rank`` (name, record), or None."""
+        for name, rec in self.rank_objects.items():
+            if rec.rank == rank:
+                return name, rec
+        return None
 
 
 # --------------------------------------------------------------------------- read plan
@@ -273,6 +306,36 @@ def shard_file_name(rank: int, world_size: int, part: int = 0) -> str:
     return f"{base}.safetensors" if part == 0 else f"{base}-part-{part:03d}.safetensors"
 
 
+def rank_objects_file_name(rank: int, world_size: int) -> str:
+    """Name of a rank's per-rank objects file: ``objects-00003-of-00004.json`` (like its shard files)."""
+    return f"objects-{rank:05d}-of-{world_size:05d}.json"
+
+
+ON_RESIZE_RULES = ("rank_modulo", "rank0", "skip")
+"""What a ``PerRank`` entry loads when the world size changed since the save (see ``per_rank_source``)."""
+
+
+def per_rank_source(rank: int, world_size: int, saved_world_size: int, on_resize: str) -> int | None:
+    """The saved rank whose copy of a per-rank entry ``rank`` loads, or None to leave the live value as is.
+
+    At the saving world size every rank gets its own copy whatever the rule. Otherwise ``rank_modulo``
+    (default) gives rank r the copy of saved rank ``r % saved_world_size`` (its own while r < saved world
+    size; when shrinking, the copies of saved ranks >= world size are dropped), ``rank0`` gives every rank
+    saved rank 0's copy, ``skip`` keeps the live value.
+    """
+    if on_resize not in ON_RESIZE_RULES:
+        raise ValueError(f"on_resize={on_resize!r} is not one of {ON_RESIZE_RULES}")
+    if saved_world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"bad rank/world sizes: rank={rank} world_size={world_size} saved_world_size={saved_world_size}")
+    if world_size == saved_world_size:
+        return rank
+    if on_resize == "skip":
+        return None
+    if on_resize == "rank0":
+        return 0
+    return rank % saved_world_size
+
+
 @dataclass(slots=True)
 class CommitMarker:
     """Content of ``.commit``: written last; ties the step to the exact manifest bytes it commits."""
@@ -315,6 +378,7 @@ CRASH_POINTS = (
     "shard.block",
     "shard.before_commit",
     "shard.after_commit",
+    "rank_objects.after",
     "records.gathered",
     "objects.after",
     "index.after",

@@ -18,6 +18,7 @@ import logging
 import os
 import tempfile
 import time
+import zlib
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
@@ -32,18 +33,22 @@ from checkpoint.api import (
     ChunkKey,
     CheckpointConfigError,
     CheckpointError,
+    IncompatibleCheckpointError,
+    RankObjectsRecord,
     SaveInProgressError,
     crash_point,
+    per_rank_source,
+    rank_objects_file_name,
     step_dir,
 )
-from checkpoint.commit import commit_step, merge_records
+from checkpoint.commit import commit_step, merge_records, rank_objects_payload
 from checkpoint.config import CheckpointConfig
-from checkpoint.discover import latest_good_step, list_steps, read_objects, validate_step
+from checkpoint.discover import latest_good_step, list_steps, read_objects, read_rank_objects, validate_step
 from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.retention import delete_step, steps_to_delete
 from checkpoint.shard import ShardLayout, read_requests
 from checkpoint.staging import Stager
-from checkpoint.state import FlatState, apply, flatten
+from checkpoint.state import FlatState, apply, flatten, per_rank_entries
 from checkpoint.storage import RetryPolicy, Storage, lower_thread_priority
 from checkpoint.writer import RankRecords, WriterProcess, plan_files, write_rank_files
 
@@ -83,6 +88,7 @@ class Checkpointer:
             upload_threads=c.writer_threads,
             multipart_chunk_bytes=c.multipart_chunk_bytes,
             thread_nice=c.writer_nice,
+            writeback_bytes=c.writeback_bytes,
         )
         self.rank, self.world_size = 0, 1
         self._fg_group: Any = None
@@ -130,6 +136,7 @@ class Checkpointer:
             upload_threads=c.writer_threads,
             multipart_chunk_bytes=c.multipart_chunk_bytes,
             nice=c.writer_nice,
+            writeback_bytes=c.writeback_bytes,
         )
 
     def __repr__(self) -> str:
@@ -146,10 +153,20 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
         started = time.perf_counter()
-        flat = flatten(state)
+        try:
+            flat = flatten(state)
+            rank_payload = self._rank_objects_payload(flat, step)
+        except (TypeError, ValueError) as exc:  # bad state on this rank: vote, so no rank waits for it
+            flat, rank_payload, state_error = FlatState(), None, exc
+        else:
+            state_error = None
         signature = tuple((i.key, i.dtype, tuple(i.global_shape), i.replicated) for i in flat.items)
         busy = self._future is not None and not self._future.done()
-        any_busy, any_changed = self._vote(busy, signature != self._signature)
+        any_busy, any_changed, any_bad = self._vote(busy, signature != self._signature, state_error is not None)
+        if any_bad:  # every rank raises, so none is left waiting in the commit's collectives
+            if state_error is not None:
+                raise state_error
+            raise CheckpointError(f"rank {self.rank}: step {step} not saved: another rank's state was rejected (see its error)")
         if any_busy and self.config.when_busy == "refuse":
             raise SaveInProgressError(
                 f"rank {self.rank}: save of step {self._in_flight} is still writing; step {step} was not saved "
@@ -176,7 +193,9 @@ class Checkpointer:
         self._in_flight = step
         if self._writer_proc is not None:
             buffers = []  # the writer process reads its own mapping; keep no views of ours alive
-        self._future = self._executor.submit(self._write_and_commit, step, list(self._layouts), buffers, objects)
+        self._future = self._executor.submit(
+            self._write_and_commit, step, list(self._layouts), buffers, objects, rank_payload
+        )
         if not self.config.async_mode:
             self.wait()
 
@@ -190,13 +209,22 @@ class Checkpointer:
         finally:
             self._in_flight = None
 
-    def _vote(self, busy: bool, changed: bool) -> tuple[bool, bool]:
-        """Agree across ranks whether any rank is busy / has new items (so all take the same branch)."""
+    def _vote(self, busy: bool, changed: bool, bad: bool = False) -> tuple[bool, bool, bool]:
+        """Agree across ranks whether any rank is busy / has new items / refuses this save (so all take the
+        same branch)."""
         if self._fg_group is None:
-            return busy, changed
-        flags = torch.tensor([int(busy), int(changed)], dtype=torch.int64)
+            return busy, changed, bad
+        flags = torch.tensor([int(busy), int(changed), int(bad)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._fg_group)
-        return bool(flags[0]), bool(flags[1])
+        return bool(flags[0]), bool(flags[1]), bool(flags[2])
+
+    def _rank_objects_payload(self, flat: FlatState, step: int) -> tuple[str, bytes, list[str]] | None:
+        """This rank's per-rank objects file (name, bytes, keys), encoded now so the save snapshots it;
+        ValueError when it is too large."""
+        if not flat.rank_objects:
+            return None
+        data = rank_objects_payload(flat.rank_objects, rank=self.rank, world_size=self.world_size, step=step)
+        return rank_objects_file_name(self.rank, self.world_size), data, sorted(flat.rank_objects)
 
     def _replan(self, flat: FlatState) -> None:
         """Gather every rank's item metadata once, decide who writes what, lay out this rank's files."""
@@ -229,7 +257,12 @@ class Checkpointer:
         )
 
     def _write_and_commit(
-        self, step: int, layouts: list[ShardLayout], buffers: list[memoryview], objects: dict[str, JSON] | None
+        self,
+        step: int,
+        layouts: list[ShardLayout],
+        buffers: list[memoryview],
+        objects: dict[str, JSON] | None,
+        rank_payload: tuple[str, bytes, list[str]] | None = None,
     ) -> int:
         """Background: write this rank's shards, then commit on rank 0; every rank learns the outcome."""
         rel = step_dir(step)
@@ -261,6 +294,13 @@ class Checkpointer:
                     threads=self.config.writer_threads,
                     nice=self.config.writer_nice,
                 )
+            if rank_payload is not None:
+                name, data, keys = rank_payload
+                self.storage.write_bytes(f"{rel}/{name}", data)  # atomic and durable, like a shard
+                records.rank_objects[name] = RankObjectsRecord(
+                    size=len(data), crc32=zlib.crc32(data), rank=self.rank, keys=keys
+                )
+                crash_point("rank_objects.after")
         except Exception as exc:  # noqa: BLE001 - becomes a vote not to commit, re-raised below
             logger.error("[rank %d step %d] writing shards failed: %s", self.rank, step, exc)
             local_error = exc
@@ -346,7 +386,8 @@ class Checkpointer:
             return None
         started = time.perf_counter()
         manifest = validate_step(self.storage, chosen)
-        flat = flatten(state)
+        shared = read_objects(self.storage, manifest)
+        flat = flatten(state, as_shared=self._saved_as_shared(manifest, state, shared))
         requests = plan_reads(manifest, flat.items)
         destinations = {item.key: item.tensor for item in flat.items}
         nbytes = read_requests(
@@ -358,7 +399,8 @@ class Checkpointer:
             self.config.verify_on_load,
             self.config.writer_threads,
         )
-        flat.objects = read_objects(self.storage, manifest)
+        flat.objects = shared
+        flat.rank_objects = self._load_rank_objects(manifest, flat.per_rank)
         apply(state, flat)
         logger.info(
             "[rank %d] loaded step %d: %d bytes in %d reads, %.2fs",
@@ -369,6 +411,55 @@ class Checkpointer:
             time.perf_counter() - started,
         )
         return chosen
+
+    def _saved_as_shared(self, manifest: Any, state: Mapping[str, Any], shared: dict[str, JSON]) -> set[str]:
+        """Per-rank keys of the live state that ``manifest``'s step saved as shared state (it predates per-rank
+        entries, e.g. an ``RNGState`` saved by an older spotrun): they load rank 0's copy, as they were saved."""
+        saved_per_rank = {k for rec in manifest.rank_objects.values() for k in rec.keys}
+        legacy = {k for k in per_rank_entries(state) if k not in saved_per_rank and k in shared}
+        if legacy and self.rank == 0:
+            logger.warning(
+                "[rank %d step %d] %s saved as shared state (before per-rank entries): every rank loads rank 0's copy",
+                self.rank,
+                manifest.step,
+                sorted(legacy),
+            )
+        return legacy
+
+    def _load_rank_objects(self, manifest: Any, per_rank: dict[str, str]) -> dict[str, JSON]:
+        """This rank's copies of the per-rank entries, chosen by ``per_rank_source`` (each file read once,
+        checked against the manifest). Entries whose rule is ``skip`` at a new world size are left out."""
+        if not per_rank:
+            return {}
+        saved = manifest.world_size
+        sources = {key: per_rank_source(self.rank, self.world_size, saved, rule) for key, rule in per_rank.items()}
+        if saved != self.world_size and self.rank == 0:
+            logger.warning(
+                "[rank %d step %d] per-rank state saved at world size %d, loading at %d: %s "
+                "(rank_modulo: rank r takes saved rank r %% %d's copy; rank0: saved rank 0's; skip: kept as is)",
+                self.rank,
+                manifest.step,
+                saved,
+                self.world_size,
+                ", ".join(f"{k}={rule}" for k, rule in sorted(per_rank.items())),
+                saved,
+            )
+        files: dict[int, dict[str, JSON]] = {}
+        out: dict[str, JSON] = {}
+        for key, src in sorted(sources.items()):
+            if src is None:
+                continue
+            if src not in files:
+                files[src] = read_rank_objects(self.storage, manifest, src)
+            if key not in files[src]:
+                raise IncompatibleCheckpointError(
+                    f"step {manifest.step} has no per-rank entry {key!r} (saved per-rank entries: {sorted(files[src])}); "
+                    f"remove the key from the state or wrap it as PerRank(..., on_resize='skip')"
+                )
+            out[key] = files[src][key]
+            if src != self.rank:
+                logger.info("[rank %d step %d] per-rank entry %r from saved rank %d", self.rank, manifest.step, key, src)
+        return out
 
     def _agree_on_step(self, step: int | None) -> int | None:
         """Rank 0 picks the step (so all ranks load the same one even if a commit lands meanwhile)."""

@@ -163,6 +163,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"files: {len(manifest.files)}, {human(sum(f.size for f in manifest.files.values()))}")
     for name, frec in sorted(manifest.files.items()):
         print(f"  {name}  {human(frec.size)}  rank {frec.rank}  crc32 {frec.crc32:08x}")
+    if manifest.rank_objects:
+        keys = sorted({k for r in manifest.rank_objects.values() for k in r.keys})
+        print(f"per-rank entries: {', '.join(keys)} ({len(manifest.rank_objects)} files, one per saving rank)")
+        for name, rrec in sorted(manifest.rank_objects.items(), key=lambda nr: nr[1].rank):
+            print(f"  rank {rrec.rank}: {name}  {human(rrec.size)}  crc32 {rrec.crc32:08x}  keys {', '.join(sorted(rrec.keys))}")
     print(f"tensors: {len(manifest.tensors)}")
     for fqn, rec in sorted(manifest.tensors.items()):
         chunking = "whole" if len(rec.chunks) == 1 else f"{len(rec.chunks)} chunks"
@@ -232,6 +237,19 @@ def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = Tr
     return problems
 
 
+def verify_rank_objects(storage: Storage, manifest: Manifest) -> list[str]:
+    """Read every per-rank objects file whole and check its size, crc32 and content. Returns problems."""
+    from checkpoint.discover import read_rank_objects
+
+    problems: list[str] = []
+    for rrec in sorted(manifest.rank_objects.values(), key=lambda r: r.rank):
+        try:
+            read_rank_objects(storage, manifest, rrec.rank)
+        except (CorruptCheckpointError, CheckpointStorageError) as exc:
+            problems.append(str(exc))
+    return problems
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     storage = _storage(args)
     if args.step is not None:
@@ -241,13 +259,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         manifest = resolve_step(storage, None)
     problems = verify_manifest(storage, manifest, progress=not args.no_progress)
+    problems += verify_rank_objects(storage, manifest)
     if problems:
         for p in problems:
             print(f"FAIL {p}", file=sys.stderr)
         print(f"step {manifest.step}: {len(problems)} problem(s)", file=sys.stderr)
         return 4
     nbytes = sum(f.size for f in manifest.files.values())
-    print(f"step {manifest.step}: OK ({len(manifest.files)} files, {human(nbytes)}, {len(manifest.tensors)} tensors)")
+    per_rank = f", {len(manifest.rank_objects)} per-rank files" if manifest.rank_objects else ""
+    print(f"step {manifest.step}: OK ({len(manifest.files)} files, {human(nbytes)}, {len(manifest.tensors)} tensors{per_rank})")
     return 0
 
 

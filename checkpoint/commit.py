@@ -1,7 +1,9 @@
 """The commit protocol, in one place (run on rank 0 once every rank's shards are durable).
 
-1. Every rank writes its shard files (atomic per file: temp+fsync+rename on POSIX, completed upload on S3).
-2. Ranks send their records (chunks, byte ranges, block crc32s, file sizes and crc32s) to rank 0.
+1. Every rank writes its shard files (atomic per file: temp+fsync+rename on POSIX, completed upload on S3),
+   then, if the state has per-rank entries, its ``objects-<rank>-of-<world>.json`` the same way.
+2. Ranks send their records (chunks, byte ranges, block crc32s, file sizes and crc32s, the per-rank
+   objects file's size, crc32 and keys) to rank 0.
 3. Rank 0 merges them into the manifest and checks that the chunks tile every tensor exactly.
 4. Rank 0 writes ``objects.json``, ``model.safetensors.index.json``, then ``manifest.json``.
 5. Rank 0 writes ``.commit`` (step, crc32 and size of the manifest bytes). From this moment the step exists.
@@ -27,9 +29,12 @@ from checkpoint.api import (
     LATEST_FILE,
     MANIFEST_FILE,
     OBJECTS_FILE,
+    RANK_OBJECTS_FORMAT,
+    RANK_OBJECTS_MAX_BYTES,
     CheckpointError,
     CommitMarker,
     Manifest,
+    RankObjectsRecord,
     TensorRecord,
     crash_point,
     step_dir,
@@ -63,9 +68,10 @@ def merge_records(
         raise CheckpointError(f"step {step} not committed because a rank failed to write: {detail}")
     tensors: dict[str, TensorRecord] = {}
     files = {}
+    rank_objects = merge_rank_objects(results, step=step)
     for r in results:
         for name, frec in r.files.items():
-            if name in files:
+            if name in files or name in rank_objects:
                 raise CheckpointError(f"step {step}: two ranks wrote the same file {name}")
             files[name] = frec
         for fqn, trec in r.tensors.items():
@@ -87,9 +93,52 @@ def merge_records(
         files=files,
         has_objects=has_objects,
         checksum_block_bytes=block_bytes,
+        rank_objects=rank_objects,
     )
     validate_tiling(manifest)
     return manifest
+
+
+def merge_rank_objects(results: Sequence[RankRecords], *, step: int) -> dict[str, RankObjectsRecord]:
+    """The per-rank objects files of all ranks (pure): none, or exactly one per rank with the same keys,
+    so every rank of any later world size finds the copy its resize rule names."""
+    merged: dict[str, RankObjectsRecord] = {}
+    for r in results:
+        for name, rec in r.rank_objects.items():
+            if name in merged:
+                raise CheckpointError(f"step {step}: two ranks wrote the same per-rank objects file {name}")
+            merged[name] = rec
+    if not merged:
+        return merged
+    by_rank: dict[int, RankObjectsRecord] = {}
+    for rec in merged.values():
+        if rec.rank in by_rank:
+            raise CheckpointError(f"step {step}: rank {rec.rank} wrote more than one per-rank objects file")
+        by_rank[rec.rank] = rec
+    missing = sorted({r.rank for r in results} - set(by_rank))
+    if missing:
+        raise CheckpointError(f"step {step}: ranks {missing} wrote no per-rank objects while others did")
+    keys = {tuple(sorted(rec.keys)) for rec in merged.values()}
+    if len(keys) > 1:
+        detail = "; ".join(f"rank {r}: {sorted(rec.keys)}" for r, rec in sorted(by_rank.items()))
+        raise CheckpointError(
+            f"step {step}: ranks disagree on the per-rank entries of the state ({detail}); every rank must put "
+            f"the same PerRank keys in the state"
+        )
+    return merged
+
+
+def rank_objects_payload(objects: dict[str, JSON], *, rank: int, world_size: int, step: int) -> bytes:
+    """Bytes of a rank's per-rank objects file (pure); ValueError above ``RANK_OBJECTS_MAX_BYTES``."""
+    doc = {"format": RANK_OBJECTS_FORMAT, "step": step, "rank": rank, "world_size": world_size, "objects": objects}
+    data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    if len(data) > RANK_OBJECTS_MAX_BYTES:
+        raise ValueError(
+            f"rank {rank}'s per-rank state ({sorted(objects)}) is {len(data) / 2**20:.1f} MiB as JSON, more than "
+            f"the {RANK_OBJECTS_MAX_BYTES / 2**20:.0f} MiB limit of a per-rank file (meant for RNG state and sampler "
+            f"positions); put large values in the sharded state (a top-level entry without PerRank)"
+        )
+    return data
 
 
 def build_index(manifest: Manifest) -> dict[str, JSON]:

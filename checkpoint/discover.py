@@ -15,14 +15,17 @@ from checkpoint.api import (
     COMMIT_FILE,
     MANIFEST_FILE,
     OBJECTS_FILE,
+    RANK_OBJECTS_FORMAT,
     JSON,
     CheckpointNotFoundError,
     CommitMarker,
     CorruptCheckpointError,
+    IncompatibleCheckpointError,
     Manifest,
     parse_step_dir,
     step_dir,
 )
+from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -100,9 +103,18 @@ def _parse_manifest(storage: Storage, rel: str, data: dict[str, JSON]) -> Manife
 
 
 def check_files(storage: Storage, manifest: Manifest) -> None:
-    """Every shard file of the manifest exists with the recorded size (cheap: one listing)."""
+    """Every shard file and per-rank objects file of the manifest exists with the recorded size (cheap: one listing)."""
     rel = step_dir(manifest.step)
     present = storage.listdir(rel)
+    for name, rrec in sorted(manifest.rank_objects.items()):
+        entry = present.get(name)
+        if entry is None or entry[1] != rrec.size:
+            problem = "is missing" if entry is None else f"has {entry[1]} bytes, the manifest says {rrec.size}"
+            raise CorruptCheckpointError(
+                f"per-rank objects file {storage.display(f'{rel}/{name}')} {problem} (step {manifest.step}, "
+                f"written by rank {rrec.rank})",
+                file=name,
+            )
     for name, frec in sorted(manifest.files.items()):
         entry = present.get(name)
         if entry is None:
@@ -131,9 +143,51 @@ def read_objects(storage: Storage, manifest: Manifest) -> dict[str, JSON]:
     return data
 
 
+def read_rank_objects(storage: Storage, manifest: Manifest, saved_rank: int) -> dict[str, JSON]:
+    """The per-rank entries saved by ``saved_rank``, read whole and checked against the manifest (size, crc32).
+
+    CorruptCheckpointError (naming the file) when the file is missing, damaged or not what the manifest says;
+    IncompatibleCheckpointError when the step has no per-rank state of that rank.
+    """
+    found = manifest.rank_objects_of(saved_rank)
+    if found is None:
+        have = sorted(r.rank for r in manifest.rank_objects.values())
+        raise IncompatibleCheckpointError(
+            f"step {manifest.step} holds no per-rank state of rank {saved_rank} "
+            + (f"(per-rank files of ranks {have})" if have else "(it was saved without per-rank entries)")
+            + "; remove the per-rank keys from the state or wrap them as PerRank(..., on_resize='skip')"
+        )
+    name, rec = found
+    rel = f"{step_dir(manifest.step)}/{name}"
+    if not storage.exists(rel):
+        raise CorruptCheckpointError(f"per-rank objects file {storage.display(rel)} is missing", file=name)
+    raw = storage.read_bytes(rel)
+    if len(raw) != rec.size or zlib.crc32(raw) != rec.crc32:
+        raise CorruptCheckpointError(
+            f"per-rank objects file {storage.display(rel)} fails its check: {len(raw)} bytes / crc32 "
+            f"{zlib.crc32(raw):08x}, the manifest says {rec.size} bytes / crc32 {rec.crc32:08x}",
+            file=name,
+        )
+    try:
+        doc = json.loads(raw)
+        if doc["format"] != RANK_OBJECTS_FORMAT or int(doc["rank"]) != saved_rank or not isinstance(doc["objects"], dict):
+            raise ValueError(f"format {doc['format']!r}, rank {doc['rank']!r} (expected rank {saved_rank})")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"per-rank objects file {storage.display(rel)} is malformed: {exc}", file=name) from exc
+    return doc["objects"]
+
+
 def validate_step(storage: Storage, step: int) -> Manifest:
-    """Manifest of ``step`` after the cheap checks (marker, manifest, files present with their sizes)."""
+    """Manifest of ``step`` after the cheap checks (marker, manifest, chunks tile every tensor, files
+    present with their sizes)."""
     manifest = read_manifest(storage, step)
+    try:
+        validate_tiling(manifest)
+    except CorruptCheckpointError as exc:
+        rel = f"{step_dir(step)}/{MANIFEST_FILE}"
+        raise CorruptCheckpointError(
+            f"manifest {storage.display(rel)} is inconsistent: {exc}", file=rel, tensor=exc.tensor
+        ) from exc
     check_files(storage, manifest)
     return manifest
 

@@ -23,14 +23,16 @@ Optimizer state is keyed by parameter FQN (``get_optimizer_state_dict``), so it 
 An optimizer needs its model: it pairs with the only ``nn.Module`` of the mapping, or is given explicitly
 as ``ModelOptimizer(model, optim)``.
 
-A regular tensor is assumed identical on every rank (it is written once). Per-rank values such as each
-rank's RNG state are therefore restored from one rank's copy; keep them per rank under rank-specific keys
-if that matters.
+A regular tensor is assumed identical on every rank (it is written once). State that differs between
+ranks (RNG state, a per-rank data position or counter) goes into a :class:`PerRank` entry: its whole
+subtree, tensors included (inlined as base64 with dtype and shape), lands in ``FlatState.rank_objects``
+and every rank saves and restores its own copy. :class:`RNGState` is per-rank by default.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import logging
 import math
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
@@ -40,15 +42,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from .api import JSON, ChunkKey, IncompatibleCheckpointError, TensorItem
+from .api import (
+    JSON,
+    ON_RESIZE_RULES,
+    RANK_OBJECTS_MAX_BYTES,
+    CheckpointConfigError,
+    ChunkKey,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    TensorItem,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "BYTES_MARKER",
+    "INLINE_TENSOR_MARKER",
     "TENSOR_MARKER",
     "FlatState",
     "ModelOptimizer",
+    "PerRank",
     "RNGState",
     "apply",
     "dtype_to_st",
@@ -61,6 +74,10 @@ TENSOR_MARKER = "__tensor__"
 """Key of the one-entry dict that stands for a tensor leaf inside an ``objects`` skeleton."""
 BYTES_MARKER = "__bytes__"
 """Key of the one-entry dict that stands for a ``bytes`` value (base64) inside an ``objects`` skeleton."""
+INLINE_TENSOR_MARKER = "__tensor_data__"
+"""Key of the one-entry dict that stands for a tensor stored inline in a per-rank skeleton:
+``{"__tensor_data__": {"dtype": "U8", "shape": [5056], "data": <base64 of the C-contiguous bytes>}}``."""
+_MARKERS = ({TENSOR_MARKER}, {BYTES_MARKER}, {INLINE_TENSOR_MARKER})
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -112,6 +129,58 @@ class FlatState:
     """One piece per tensor leaf, this rank's local shard (global offsets in ``key``)."""
     objects: dict[str, JSON] = field(default_factory=dict)
     """Per top-level key, the JSON skeleton of the value; tensors appear as ``{"__tensor__": fqn}``."""
+    rank_objects: dict[str, JSON] = field(default_factory=dict)
+    """Per per-rank top-level key, this rank's JSON skeleton with tensors inline (``__tensor_data__``).
+    On load the caller replaces it with the copies to restore; a key it leaves out is kept as is when
+    its rule is ``skip`` and an error otherwise."""
+    per_rank: dict[str, str] = field(default_factory=dict)
+    """The live state's per-rank keys and their ``on_resize`` rule."""
+
+
+class PerRank:
+    """Marks a top-level state entry whose value differs between ranks; each rank saves and gets back its own.
+
+    ``state = {"model": m, "optim": o, "rng": RNGState(), "loader": PerRank(sampler)}``. The wrapped value is
+    a stateful object (``state_dict()``/``load_state_dict()``), a dict or list (restored in place), a tensor
+    (copied in place) or a JSON scalar (restored into ``.value``). Its whole subtree, tensors included, is
+    written by every rank to its own small JSON file (``objects-00003-of-00004.json``; tensors as base64 with
+    dtype and shape). It is meant for KB-MB state: RNG state, sampler positions, counters. A rank's per-rank
+    file may hold at most ``RANK_OBJECTS_MAX_BYTES`` (64 MiB); larger tensors belong in the sharded state.
+
+    ``on_resize`` says what a rank loads when the world size differs from the saving one (at the same world
+    size each rank always gets its own copy): ``"rank_modulo"`` (default) rank r takes saved rank
+    ``r % saved_world_size``'s copy, i.e. its own while r < saved world size; ``"rank0"`` every rank takes
+    saved rank 0's copy; ``"skip"`` leaves the live value untouched.
+    """
+
+    __slots__ = ("on_resize", "value")
+
+    def __init__(self, value: Any, *, on_resize: str = "rank_modulo"):
+        if isinstance(value, PerRank):
+            raise TypeError("PerRank(PerRank(...)): wrap the value once")
+        if isinstance(value, (nn.Module, torch.optim.Optimizer, ModelOptimizer)):
+            raise TypeError(
+                f"PerRank cannot hold a {type(value).__name__}: models and optimizers go in the sharded state "
+                f"(a top-level entry without PerRank)"
+            )
+        if on_resize not in ON_RESIZE_RULES:
+            raise CheckpointConfigError(f"PerRank(on_resize={on_resize!r}) must be one of {', '.join(ON_RESIZE_RULES)}")
+        self.value = value
+        self.on_resize = on_resize
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.value!r}, on_resize={self.on_resize!r})"
+
+
+def per_rank_entries(state: Mapping[str, Any]) -> dict[str, PerRank]:
+    """The per-rank top-level entries of ``state``: ``PerRank`` values, and bare ``RNGState`` (per-rank by default)."""
+    out: dict[str, PerRank] = {}
+    for key, value in state.items():
+        if isinstance(value, PerRank):
+            out[key] = value
+        elif isinstance(value, RNGState):
+            out[key] = PerRank(value)
+    return out
 
 
 class ModelOptimizer:
@@ -193,7 +262,9 @@ def _adapters(state: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in state.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"checkpoint state keys must be non-empty str, got {key!r}")
-        if isinstance(value, nn.Module):
+        if isinstance(value, PerRank):
+            out[key] = value.value
+        elif isinstance(value, nn.Module):
             out[key] = _ModelState(value)
         elif isinstance(value, torch.optim.Optimizer):
             if len(modules) != 1:
@@ -288,9 +359,75 @@ def _json_scalar(value: Any) -> tuple[bool, Any]:
     return False, None
 
 
-def _walk(value: Any, path: str, items: list[TensorItem], seen: set[str]) -> JSON:
-    """Return the JSON skeleton of ``value``, appending its tensor leaves to ``items``."""
+class _InlineBudget:
+    """Running total of the tensor bytes one rank inlines into its per-rank file (fail before encoding)."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int = RANK_OBJECTS_MAX_BYTES):
+        self.limit = limit
+        self.used = 0
+
+    def take(self, path: str, nbytes: int) -> None:
+        self.used += nbytes
+        if self.used > self.limit:
+            raise ValueError(
+                f"per-rank state is too large at {path!r}: {self.used / 2**20:.1f} MiB of tensors, more than the "
+                f"{self.limit / 2**20:.0f} MiB a rank's per-rank file may hold (stored as base64 JSON, meant for RNG "
+                f"state and sampler positions); put large tensors in the sharded state (a top-level entry without PerRank)"
+            )
+
+
+def encode_tensor(path: str, t: torch.Tensor, budget: _InlineBudget | None = None) -> JSON:
+    """A tensor as inline JSON (dtype, shape, base64 of its C-contiguous little-endian bytes)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor) or t.layout != torch.strided or t.is_meta:
+        raise TypeError(
+            f"{path!r} inside a per-rank entry is a DTensor, sparse or meta tensor; per-rank entries hold small "
+            f"dense tensors only (put sharded tensors in the sharded state)"
+        )
+    try:
+        st = dtype_to_st(t.dtype)
+    except TypeError as exc:
+        raise TypeError(f"tensor {path!r}: {exc}") from None
+    local = t.detach().cpu().contiguous()
+    nbytes = local.numel() * local.element_size()
+    if budget is not None:
+        budget.take(path, nbytes)
+    raw = local.reshape(-1).view(torch.uint8).numpy().tobytes() if nbytes else b""
+    data = {"dtype": st, "shape": [int(n) for n in local.shape], "data": base64.b64encode(raw).decode("ascii")}
+    return {INLINE_TENSOR_MARKER: data}
+
+
+def decode_tensor(path: str, spec: Any) -> torch.Tensor:
+    """The tensor of an ``encode_tensor`` value; CorruptCheckpointError when it is malformed."""
+    try:
+        dtype = st_to_dtype(str(spec["dtype"]))
+        shape = tuple(int(n) for n in spec["shape"])
+        raw = base64.b64decode(spec["data"], validate=True)
+    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise CorruptCheckpointError(f"inline tensor {path!r} in the per-rank state is malformed: {exc}", tensor=path) from exc
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if len(raw) != expected or any(n < 0 for n in shape):
+        raise CorruptCheckpointError(
+            f"inline tensor {path!r} in the per-rank state has {len(raw)} bytes, its shape {list(shape)} and dtype "
+            f"{spec['dtype']} need {expected}",
+            tensor=path,
+        )
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _walk(
+    value: Any, path: str, items: list[TensorItem], seen: set[str], inline: _InlineBudget | None = None
+) -> JSON:
+    """Return the JSON skeleton of ``value``, appending its tensor leaves to ``items`` (or inlining them
+    when ``inline`` is given: a per-rank entry)."""
     if isinstance(value, torch.Tensor):
+        if inline is not None:
+            return encode_tensor(path, value, inline)
         if path in seen:
             raise ValueError(f"two entries of the state flatten to the same name {path!r}; rename one")
         seen.add(path)
@@ -308,12 +445,12 @@ def _walk(value: Any, path: str, items: list[TensorItem], seen: set[str]) -> JSO
                 raise TypeError(f"key {k!r} under {path!r} is a {type(k).__name__}; only str and int keys can be stored as JSON")
             if str(k) in out:
                 raise ValueError(f"keys under {path!r} collide when written as JSON strings: {k!r}")
-            out[str(k)] = _walk(v, f"{path}.{k}", items, seen)
-        if set(out) in ({TENSOR_MARKER}, {BYTES_MARKER}):
+            out[str(k)] = _walk(v, f"{path}.{k}", items, seen, inline)
+        if set(out) in _MARKERS:
             raise ValueError(f"{path!r} is a dict whose only key is {next(iter(out))!r}, which is reserved")
         return out
     if isinstance(value, (list, tuple)):
-        return [_walk(v, f"{path}.{i}", items, seen) for i, v in enumerate(value)]
+        return [_walk(v, f"{path}.{i}", items, seen, inline) for i, v in enumerate(value)]
     if isinstance(value, (nn.Module, torch.optim.Optimizer)) or _is_stateful(value):
         raise TypeError(
             f"{path!r} is a {type(value).__name__} nested inside another value; put models, optimizers and "
@@ -326,23 +463,37 @@ def _walk(value: Any, path: str, items: list[TensorItem], seen: set[str]) -> JSO
     )
 
 
-def flatten(state: Mapping[str, Any]) -> FlatState:
+def flatten(state: Mapping[str, Any], *, as_shared: Iterable[str] = ()) -> FlatState:
     """Flatten ``state`` into this rank's tensor pieces and a JSON skeleton per top-level key.
 
     Called on the live state it also yields the destination pieces for a load (see the module docstring).
     May initialise an optimizer's empty state with a zero-lr step, as DCP's ``get_optimizer_state_dict`` does.
+    Per-rank entries go to ``rank_objects`` with their tensors inline, except the keys in ``as_shared``
+    (loading a checkpoint that saved them as shared state, before they were per-rank).
     """
     flat = FlatState()
     seen: set[str] = set()
+    per_rank = per_rank_entries(state)
+    shared = set(as_shared)
+    budget = _InlineBudget()
     for key, adapter in _adapters(state).items():
         value = adapter.state_dict() if _is_stateful(adapter) else adapter
         try:
+            if key in per_rank and key not in shared:
+                flat.rank_objects[key] = _walk(value, key, flat.items, seen, budget)
+                flat.per_rank[key] = per_rank[key].on_resize
+                continue
             flat.objects[key] = _walk(value, key, flat.items, seen)
         except TypeError as exc:
             if not _is_stateful(adapter) or "cannot checkpoint" not in str(exc):
                 raise
             raise TypeError(f"{exc} (from {type(adapter).__name__}.state_dict() of key {key!r})") from None
-    logger.debug("flatten: %d tensor items, %d top-level keys", len(flat.items), len(flat.objects))
+    logger.debug(
+        "flatten: %d tensor items, %d shared and %d per-rank top-level keys",
+        len(flat.items),
+        len(flat.objects),
+        len(flat.rank_objects),
+    )
     return flat
 
 
@@ -367,6 +518,8 @@ def _rebuild(skel: JSON, live: Any, path: str, loaded: Mapping[str, torch.Tensor
                 f"the checkpoint holds tensor {fqn!r} but the live state has no tensor there to load it into"
             )
         return _as_live(fqn, loaded[fqn], live)
+    if isinstance(skel, dict) and set(skel) == {INLINE_TENSOR_MARKER}:
+        return _as_live(path, decode_tensor(path, skel[INLINE_TENSOR_MARKER]), live)
     if isinstance(skel, dict) and set(skel) == {BYTES_MARKER}:
         raw = base64.b64decode(skel[BYTES_MARKER])
         return bytearray(raw) if isinstance(live, bytearray) else raw
@@ -431,11 +584,25 @@ def _assign(state: Mapping[str, Any], key: str, live: Any, value: Any) -> None:
         raise TypeError(f"cannot restore {key!r}: the state is a read-only {type(state).__name__}; pass a dict")
 
 
+def _assign_per_rank(wrapper: PerRank, value: Any) -> None:
+    """Restore a plain per-rank value: containers in place (references held by the caller see it), else ``.value``."""
+    live = wrapper.value
+    if isinstance(live, dict) and isinstance(value, dict):
+        live.clear()
+        live.update(value)
+    elif isinstance(live, list) and isinstance(value, list):
+        live[:] = value
+    else:
+        wrapper.value = value
+
+
 class RNGState:
     """Stateful wrapper of the global RNGs (torch CPU, CUDA if present, Python ``random``).
 
-    Put it in the state as ``{"rng": RNGState()}``. The generators are restored from one rank's copy
-    (regular tensors are written once), which is what a single-seed data-parallel run wants.
+    Put it in the state as ``{"rng": RNGState()}``. It is per-rank by default (as if wrapped in
+    ``PerRank``): each rank saves its own generator states and gets them back, so a resumed run draws
+    the same numbers on every rank as an uninterrupted one. At another world size rank r gets saved rank
+    ``r % saved_world_size``'s state; write ``PerRank(RNGState(), on_resize="rank0" | "skip")`` to change that.
     """
 
     __slots__ = ()
@@ -468,12 +635,23 @@ def apply(state: Mapping[str, Any], flat: FlatState) -> None:
     """
     loaded = _loaded_tensors(flat)
     for key, adapter in _adapters(state).items():
-        if key not in flat.objects:
+        if key in flat.per_rank:
+            if key not in flat.rank_objects:
+                if flat.per_rank[key] == "skip":
+                    logger.debug("apply: per-rank entry %r kept as is (on_resize='skip')", key)
+                    continue
+                raise IncompatibleCheckpointError(
+                    f"the checkpoint has no per-rank entry {key!r} for this rank (it has {sorted(flat.rank_objects)}); "
+                    f"remove the key from the state or wrap it as PerRank(..., on_resize='skip') to load the rest"
+                )
+            skel = flat.rank_objects[key]
+        elif key not in flat.objects:
             raise IncompatibleCheckpointError(
                 f"the checkpoint has no entry {key!r} (it has {sorted(flat.objects)}); "
                 f"remove the key from the state to load the rest"
             )
-        skel = flat.objects[key]
+        else:
+            skel = flat.objects[key]
         if _is_stateful(adapter):
             value = _rebuild(skel, adapter.state_dict(), key, loaded)
             adapter.load_state_dict(value)
@@ -483,6 +661,8 @@ def apply(state: Mapping[str, Any], flat: FlatState) -> None:
                 raise IncompatibleCheckpointError(f"{key!r} is a tensor in the live state but not in the checkpoint")
             if value is not adapter:  # _rebuild copies into the live tensor and returns it
                 raise IncompatibleCheckpointError(f"{key!r}: loaded tensor could not be placed into the live tensor")
+        elif isinstance(state.get(key), PerRank):
+            _assign_per_rank(state[key], _rebuild(skel, adapter, key, loaded))
         else:
             _assign(state, key, adapter, _rebuild(skel, adapter, key, loaded))
     logger.debug("apply: restored %d top-level keys, %d tensors", len(state), len(loaded))

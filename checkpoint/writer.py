@@ -11,6 +11,7 @@ from checkpoint.api import (
     JSON,
     ChunkRecord,
     FileRecord,
+    RankObjectsRecord,
     TensorItem,
     TensorRecord,
     crash_point,
@@ -30,6 +31,8 @@ class RankRecords:
     tensors: dict[str, TensorRecord] = field(default_factory=dict)
     files: dict[str, FileRecord] = field(default_factory=dict)
     error: str | None = None
+    rank_objects: dict[str, RankObjectsRecord] = field(default_factory=dict)
+    """This rank's per-rank objects file (at most one), written before the records are gathered."""
 
     def to_json(self) -> dict[str, JSON]:
         return {
@@ -37,6 +40,7 @@ class RankRecords:
             "error": self.error,
             "tensors": {k: v.to_json() for k, v in self.tensors.items()},
             "files": {k: v.to_json() for k, v in self.files.items()},
+            "rank_objects": {k: v.to_json() for k, v in self.rank_objects.items()},
         }
 
     @classmethod
@@ -46,6 +50,7 @@ class RankRecords:
             error=d.get("error"),
             tensors={k: TensorRecord.from_json(v) for k, v in d["tensors"].items()},
             files={k: FileRecord.from_json(v) for k, v in d["files"].items()},
+            rank_objects={k: RankObjectsRecord.from_json(v) for k, v in d.get("rank_objects", {}).items()},
         )
 
 
@@ -168,7 +173,7 @@ class WriterProcess:
     """Client of the per-rank writer process (``python -m checkpoint.writer``)."""
 
     def __init__(self, *, uri: str, storage_options: dict[str, JSON], retry: dict[str, float], upload_threads: int,
-                 multipart_chunk_bytes: int, nice: int) -> None:
+                 multipart_chunk_bytes: int, nice: int, writeback_bytes: int = 0) -> None:
         import json
         import subprocess
         import sys
@@ -185,6 +190,7 @@ class WriterProcess:
                     "upload_threads": upload_threads,
                     "multipart_chunk_bytes": multipart_chunk_bytes,
                     "nice": nice,
+                    "writeback_bytes": writeback_bytes,
                 }
             )
         except TypeError as exc:
@@ -306,6 +312,7 @@ def _serve() -> None:
         upload_threads=init["upload_threads"],
         multipart_chunk_bytes=init["multipart_chunk_bytes"],
         thread_nice=init["nice"],
+        writeback_bytes=int(init.get("writeback_bytes", 0)),
     )
     lower_thread_priority(init["nice"])
     maps: list[mmap.mmap] = []

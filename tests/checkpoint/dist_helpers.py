@@ -38,6 +38,8 @@ class MemoryCheckpoint:
     manifest: Manifest
     files: dict[str, bytes]
     objects: dict[str, Any]
+    rank_objects: list[dict[str, Any]] | None = None
+    """Each saving rank's per-rank skeletons (``FlatState.rank_objects``)."""
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -87,11 +89,14 @@ def save_flats(flats: Sequence[FlatState], step: int = 1) -> MemoryCheckpoint:
         checksum_block_bytes=BLOCK,
     )
     validate_tiling(manifest)
-    return MemoryCheckpoint(manifest=manifest, files=files, objects=flats[0].objects)
+    return MemoryCheckpoint(
+        manifest=manifest, files=files, objects=flats[0].objects, rank_objects=[f.rank_objects for f in flats]
+    )
 
 
-def load_flat(ckpt: MemoryCheckpoint, flat: FlatState) -> tuple[FlatState, int]:
-    """Fill ``flat``'s destination pieces from ``ckpt``; returns (flat with the checkpoint's objects, bytes read)."""
+def load_flat(ckpt: MemoryCheckpoint, flat: FlatState, rank: int = 0) -> tuple[FlatState, int]:
+    """Fill ``flat``'s destination pieces from ``ckpt``; returns (flat with the checkpoint's objects and saved
+    rank ``rank % saved world size``'s per-rank objects, bytes read)."""
     validate_tiling(ckpt.manifest)
     by_key = {i.key: i for i in flat.items}
     nread = 0
@@ -103,7 +108,10 @@ def load_flat(ckpt: MemoryCheckpoint, flat: FlatState) -> tuple[FlatState, int]:
         src = chunk_view(buf, req.dtype, req.chunk_lengths, req.chunk_byte_range[0], req.read_range, req.src_slices)
         dst = by_key[req.dst].tensor
         dst[tuple(slice(a, b) for a, b in req.dst_slices)].copy_(src)
-    return FlatState(items=flat.items, objects=ckpt.objects), nread
+    saved = ckpt.rank_objects or [{}]
+    return FlatState(
+        items=flat.items, objects=ckpt.objects, rank_objects=saved[rank % len(saved)], per_rank=flat.per_rank
+    ), nread
 
 
 # --------------------------------------------------------------------------- multi-process launcher

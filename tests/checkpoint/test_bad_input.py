@@ -102,10 +102,14 @@ def test_manifest_edited_after_commit(run: Path) -> None:
 
 
 def test_manifest_with_wrong_shape(run: Path) -> None:
+    # A committed manifest whose chunks no longer tile the tensor is corrupt: validating the step catches it.
     rewrite_manifest(run, 2, lambda d: d["tensors"]["w"].update(shape=[64, 33]), resign=True)
     with Checkpointer(str(run)) as ckpt:
-        with pytest.raises(IncompatibleCheckpointError, match=r"tensor 'w' has shape \(64, 33\) in the checkpoint but \(64, 32\)"):
+        assert ckpt.latest() == 1
+        with pytest.raises(CorruptCheckpointError, match=r"manifest .* is inconsistent: .*'w' do not tile its shape \[64, 33\]"):
             ckpt.load(zeros(), step=2)
+        with pytest.raises(IncompatibleCheckpointError, match=r"tensor 'w' has shape \(64, 32\) in the checkpoint but \(64, 33\)"):
+            ckpt.load({**zeros(), "w": torch.zeros(64, 33)}, step=1)
 
 
 def test_unknown_format_version(run: Path) -> None:

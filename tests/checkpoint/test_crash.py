@@ -22,6 +22,7 @@ from checkpoint.api import CRASH_POINTS
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.config import CheckpointConfig
 from checkpoint.discover import list_steps
+from checkpoint.state import RNGState
 
 SEED = 20261121
 ROWS = 256
@@ -33,6 +34,7 @@ torch.set_num_threads(1)
 import checkpoint.api as api
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.config import CheckpointConfig
+from checkpoint.state import RNGState
 
 def say(text):
     os.write(1, (text + "\n").encode())
@@ -42,7 +44,7 @@ def child(point, n, step, uri):
     os.environ[api.CRASH_NOTIFY_FD_ENV] = "1"
     api._crash_counts.clear()
     state = {"a": torch.full((ROWS, 1024), float(step)), "b": torch.full((ROWS, 1024), -float(step)),
-             "step": step}
+             "step": step, "rng": RNGState()}
     cfg = CheckpointConfig(keep_last=2, async_mode=True, checksum_block_bytes=1 << 16,
                            max_shard_bytes=1 << 20, writer_threads=2)
     with Checkpointer(uri, cfg) as ckpt:
@@ -87,7 +89,7 @@ def assert_loadable(uri: str) -> int:
     with Checkpointer(uri) as ckpt:
         latest = ckpt.latest()
         assert latest is not None, "a crash left no loadable step"
-        dst = {"a": torch.zeros(ROWS, 1024), "b": torch.zeros(ROWS, 1024), "step": -1}
+        dst = {"a": torch.zeros(ROWS, 1024), "b": torch.zeros(ROWS, 1024), "step": -1, "rng": RNGState()}
         assert ckpt.load(dst) == latest
     want = expected_state(latest)
     assert torch.equal(dst["a"], want["a"]) and torch.equal(dst["b"], want["b"]) and dst["step"] == latest
@@ -99,7 +101,7 @@ def assert_loadable(uri: str) -> int:
 def test_sigkill_at_seeded_points_always_leaves_a_loadable_step(tmp_path: Path) -> None:
     uri = str(tmp_path / "run")
     with Checkpointer(uri, CheckpointConfig(keep_last=2)) as ckpt:
-        ckpt.save(1, expected_state(1))
+        ckpt.save(1, {**expected_state(1), "rng": RNGState()})
     points = schedule(random.Random(SEED))
     assert len(points) >= 20
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
@@ -130,7 +132,14 @@ def test_sigkill_at_seeded_points_always_leaves_a_loadable_step(tmp_path: Path) 
             assert now in (latest, step), f"after a crash at {point}:{n} latest went from {latest} to {now}"
             if point in ("commit.after", "latest.before", "latest.after", "retention.before", "retention.delete"):
                 assert now == step, f"the commit marker was written before {point}, step {step} must count"
-            if point in ("stage.end", "shard.after_commit", "records.gathered", "manifest.after", "commit.before"):
+            if point in (
+                "stage.end",
+                "shard.after_commit",
+                "rank_objects.after",
+                "records.gathered",
+                "manifest.after",
+                "commit.before",
+            ):
                 assert now == latest, f"crash at {point} is before the commit marker: step {step} must not count"
             latest = now
     finally:
