@@ -209,35 +209,45 @@ def _prune(root: str, keep_step: int) -> None:
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
 
 
-def measure_save(method: Method, state, base: str, reps: int, loop: ComputeLoop) -> dict[str, list[float]]:
-    """Per rep: one save alone (stall, total) and, for async methods, one with the loop running (interference)."""
-    out: dict[str, list[float]] = {"stall": [], "total": [], "interference": []}
-    root = tempfile.mkdtemp(dir=base)
+def measure_saves(methods: list[Method], state, base: str, reps: int, loop: ComputeLoop) -> dict[str, dict[str, list[float]]]:
+    """Per rep, every method once alone (stall, total), then every async one with the loop running
+    (interference). The arms are interleaved (order alternating every rep) and each timed save starts
+    after an ``os.sync()`` outside the timing: on this VM's disk an fsync's cost depends on the dirty pages
+    earlier saves left behind, and running arms back to back made the first one pay for the others."""
+    out = {m.name: {"stall": [], "total": [], "interference": []} for m in methods}
+    roots = {m.name: tempfile.mkdtemp(dir=base) for m in methods}
     step = 0
     for rep in range(reps + 1):  # rep 0 warms up (allocations, imports); buffers are reused after it
-        t0 = time.perf_counter()
-        method.start(step, state, root)
-        method.staged()
-        stall = time.perf_counter() - t0
-        method.finish()
-        total = time.perf_counter() - t0
-        _prune(root, step)
-        step += 1
-        if rep:
-            out["stall"].append(stall)
-            out["total"].append(total)
-        if isinstance(method, (BareCopy, SafetensorsSync)):
-            continue  # blocking: nothing runs beside it
-        baseline = loop.baseline(0.7)  # right before the save: the machine's load drifts
-        method.start(step, state, root)
-        method.staged()
-        during = loop.during(method.is_done)
-        method.finish()
-        _prune(root, step)
-        step += 1
-        if rep and during is not None:
-            out["interference"].append(during / baseline)
-    shutil.rmtree(root, ignore_errors=True)
+        for method in methods if rep % 2 == 0 else methods[::-1]:
+            root = roots[method.name]
+            os.sync()
+            t0 = time.perf_counter()
+            method.start(step, state, root)
+            method.staged()
+            stall = time.perf_counter() - t0
+            method.finish()
+            total = time.perf_counter() - t0
+            _prune(root, step)
+            step += 1
+            if rep:
+                out[method.name]["stall"].append(stall)
+                out[method.name]["total"].append(total)
+        for method in methods:
+            if isinstance(method, (BareCopy, SafetensorsSync)):
+                continue  # blocking: nothing runs beside it
+            root = roots[method.name]
+            os.sync()
+            baseline = loop.baseline(0.7)  # right before the save: the machine's load drifts
+            method.start(step, state, root)
+            method.staged()
+            during = loop.during(method.is_done)
+            method.finish()
+            _prune(root, step)
+            step += 1
+            if rep and during is not None:
+                out[method.name]["interference"].append(during / baseline)
+    for root in roots.values():
+        shutil.rmtree(root, ignore_errors=True)
     return out
 
 
@@ -300,7 +310,10 @@ def measure_load(state, base: str, reps: int) -> dict[str, list[float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
-    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--size-mib", type=int, nargs="+", default=[1024],
+                        help="state size(s) for the 1-rank tables (e.g. 1024 4096); the multi-rank parts use the first")
+    parser.add_argument("--loop-threads", type=int, default=1,
+                        help="torch threads of the compute loop (interference); 2 makes it use both cores")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rss-saves", type=int, default=10)
     parser.add_argument("--process-writer", action="store_true", help="also measure writer=\"process\" (shared-memory staging, writer process)")
@@ -308,13 +321,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1, help=">= 2: also measure replicated saves at this many gloo ranks")
     parser.add_argument("--skip-single", action="store_true", help="leave out the 1-rank tables")
     args = parser.parse_args()
-    if args.size_mib < 1 or args.reps < 1 or args.ranks < 1:
-        parser.error("--size-mib, --reps and --ranks must be >= 1")
+    if min(args.size_mib) < 1 or args.reps < 1 or args.ranks < 1 or args.loop_threads < 1:
+        parser.error("--size-mib, --reps, --ranks and --loop-threads must be >= 1")
     base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")
     os.makedirs(base, exist_ok=True)
     try:
         if not args.skip_single:
-            run_single(args, base)
+            for size_mib in args.size_mib:
+                run_single(args, base, size_mib)
         run_multi_rank(args, base)
     finally:
         if not args.dir:
@@ -327,7 +341,7 @@ def run_multi_rank(args: argparse.Namespace, base: str) -> None:
         return
     import ckpt_reshard_bench as multi  # a sibling of this script (its directory is on sys.path)
 
-    argv = ["--dir", base, "--size-mib", str(args.size_mib), "--reps", str(args.reps)]
+    argv = ["--dir", base, "--size-mib", str(args.size_mib[0]), "--reps", str(args.reps)]
     if args.reshard:
         print("\n## resharded loads (gloo processes)", flush=True)
         multi.main([*argv, "--mode", "reshard"])
@@ -336,32 +350,36 @@ def run_multi_rank(args: argparse.Namespace, base: str) -> None:
         multi.main([*argv, "--mode", "replicated", "--ranks", str(args.ranks)])
 
 
-def run_single(args: argparse.Namespace, base: str) -> None:
-    """The 1-rank tables (this process)."""
-    torch.set_num_threads(1)  # the compute loop and the copies share 1 thread, like one rank per core
+def run_single(args: argparse.Namespace, base: str, size_mib: int) -> None:
+    """The 1-rank tables (this process) for one state size."""
+    torch.set_num_threads(args.loop_threads)  # 1: the loop and the copies share one thread, like one rank per core
     load_before = os.getloadavg()
-    state = make_state(args.size_mib)
+    state = make_state(size_mib)
     loop = ComputeLoop()
     loop.baseline(0.5)  # warm-up; each save re-measures its own baseline
-    methods: list[Method] = [BareCopy(state), Spotrun(), DcpAsync(False), DcpAsync(True), SafetensorsSync()]
+    bare, spot, st = BareCopy(state), Spotrun(), SafetensorsSync()
+    methods: list[Method] = [bare, spot, DcpAsync(False)]
+    if size_mib <= 2048:  # a kept stager holds another full copy; at 4 GiB the arms would not fit in 24 GiB
+        methods.append(DcpAsync(True))
+    methods.append(st)
     if args.process_writer:
         methods.append(Spotrun("process"))
-    results = {}
-    for m in methods:
-        results[m.name] = measure_save(m, state, base, args.reps, loop)
-        print(f"# measured {m.name}", flush=True)
+    results = measure_saves(methods, state, base, args.reps, loop)
+    print("# measured saves", flush=True)
     rss = {}
     for m in [m for m in methods if not isinstance(m, (BareCopy, SafetensorsSync))]:
         rss[m.name] = measure_rss(m, state, base, args.rss_saves)
         m.close()
     for m in methods:
         m.close()
+    del bare
     loads = measure_load(state, base, args.reps)
     load_after = os.getloadavg()
 
     size = sum(t.numel() * t.element_size() for t in state.values()) / (1 << 30)
-    print(f"\n{size:.2f} GiB fp32 in {len(state)} tensors, 1 rank, {base}; reps={args.reps}; "
-          f"torch threads=1; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")
+    print(f"\n{size:.2f} GiB fp32 in {len(state)} tensors, 1 rank, {base}; reps={args.reps}; arms interleaved, "
+          f"os.sync() before each timed save; torch threads={args.loop_threads}; "
+          f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")
     print("| method | stall (save -> safe to modify) | interference (loop slowdown) | total (durable) | RSS growth over 10 saves |")
     print("|---|---|---|---|---|")
     for m in methods:
@@ -372,20 +390,22 @@ def run_single(args: argparse.Namespace, base: str) -> None:
     print("|---|---|")
     for name, xs in loads.items():
         print(f"| {name} | {fmt(xs, 'GB/s')} |")
-    bare = statistics.median(results[methods[0].name]["stall"])
-    spot = results[methods[1].name]
-    st = statistics.median(results[methods[4].name]["total"])
+    r_bare, r_spot, r_st = results[BareCopy.name], results[spot.name], results[st.name]
     print("\nratios vs targets:")
-    print(f"- stall / bare copy: {statistics.median(spot['stall']) / bare:.2f} (target <= 1.1)")
-    if spot["interference"]:
-        print(f"- interference: {statistics.median(spot['interference']):.2f}x (target <= 1.3)")
-    print(f"- total / safetensors+fsync: {statistics.median(spot['total']) / st:.2f} (target <= 1.2)")
-    if len(methods) > 5:
-        proc = results[methods[5].name]
-        print(f"- writer=process: stall / bare {statistics.median(proc['stall']) / bare:.2f}, interference "
-              f"{statistics.median(proc['interference']) if proc['interference'] else float('nan'):.2f}x, "
-              f"total / safetensors+fsync {statistics.median(proc['total']) / st:.2f}")
-    print(f"- load / safetensors: {statistics.median(loads['spotrun load (verify on)']) / statistics.median(loads['safetensors load_file + copy_ into model']):.2f} (target >= 0.8; reference: load_file + copy_ into the model)")
+    print(f"- stall / bare copy: {statistics.median(r_spot['stall']) / statistics.median(r_bare['stall']):.2f} (target <= 1.1)")
+    if r_spot["interference"]:
+        print(f"- interference: {statistics.median(r_spot['interference']):.2f}x (target <= 1.3)")
+    print(f"- total / safetensors+fsync: {statistics.median(r_spot['total']) / statistics.median(r_st['total']):.2f} "
+          f"(target <= 1.2; ratio of medians); per-rep paired ratio "
+          f"{fmt([a / b for a, b in zip(r_spot['total'], r_st['total'])], 'x')}")
+    if args.process_writer:
+        proc = results[methods[-1].name]
+        print(f"- writer=process: stall / bare {statistics.median(proc['stall']) / statistics.median(r_bare['stall']):.2f}, "
+              f"interference {statistics.median(proc['interference']) if proc['interference'] else float('nan'):.2f}x, "
+              f"total / safetensors+fsync {statistics.median(proc['total']) / statistics.median(r_st['total']):.2f}")
+    verify_on = statistics.median(loads["spotrun load (verify on)"])
+    print(f"- load / safetensors: {verify_on / statistics.median(loads['safetensors load_file + copy_ into model']):.2f} "
+          f"(target >= 0.8; reference: load_file + copy_ into the model)")
 
 
 if __name__ == "__main__":

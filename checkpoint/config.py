@@ -31,7 +31,7 @@ class CheckpointConfig:
     ``"refuse"`` by raising :class:`~checkpoint.api.SaveInProgressError` (the caller skips this save)."""
 
     verify_on_load: bool = True
-    """Check the crc32 of every checksum block a load reads (costs one crc pass, ~4 GB/s per core)."""
+    """Check the crc32 of every checksum block a load reads (one crc32 pass over the bytes read: ISA-L ~29 GB/s per core, zlib ~5 GB/s without the isal wheel)."""
 
     checksum_block_bytes: int = 1 * _MIB
     """Granularity of the per-chunk crc32 blocks: a ranged read verifies only the blocks it touches, so a
@@ -69,6 +69,11 @@ class CheckpointConfig:
     """A rank splits what it writes into shard files of at most this many bytes (a single larger
     tensor gets a file of its own), so big ranks upload several files in parallel."""
 
+    writeback_bytes: int = 32 * _MIB
+    """Local/POSIX shards: start the kernel's writeback every this many bytes written
+    (``sync_file_range``), so the disk works while the rest of the shard is written and the final
+    ``fsync`` has little left to do; 0 leaves everything to ``fsync``. Does not change durability."""
+
     def __post_init__(self) -> None:
         self._check_int("keep_last", self.keep_last, 1, "keep at least the newest step")
         if self.keep_every is not None:
@@ -89,6 +94,7 @@ class CheckpointConfig:
         self._check_int(
             "multipart_chunk_bytes", self.multipart_chunk_bytes, _S3_MIN_PART, "S3 rejects parts under 5 MiB"
         )
+        self._check_int("writeback_bytes", self.writeback_bytes, 0, "0 disables, e.g. 32 MiB (33554432)")
         self._check_int("max_shard_bytes", self.max_shard_bytes, _MIB, "use at least 1 MiB, e.g. 2 GiB")
         for name in ("retry_timeout", "retry_max_wait"):
             value = getattr(self, name)
