@@ -156,3 +156,53 @@ def test_background_threads_can_be_made_nicer() -> None:
     main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert seen["delta"] == min(5, 19 - main_nice)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice  # the caller is untouched
+
+
+def test_local_sink_starts_writeback_of_contiguous_ranges(tmp_path, monkeypatch) -> None:
+    """Every ``writeback_bytes`` written, the sink asks the kernel to start writing back exactly the bytes
+    not yet handed over (contiguous, no gaps or overlaps), and the file still commits whole."""
+    import checkpoint.storage as storage_mod
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(storage_mod, "_writeback", lambda fd, start, n: calls.append((start, n)))
+    s = Storage(str(tmp_path), writeback_bytes=4096)
+    payload = bytes(range(256)) * 400  # 102400 bytes in 1000-byte writes
+
+    def produce(sink) -> None:
+        for i in range(0, len(payload), 1000):
+            sink.write(payload[i : i + 1000])
+
+    s.write_stream("f.bin", produce)
+    assert (tmp_path / "f.bin").read_bytes() == payload
+    assert calls and calls[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:]))
+    assert all(n >= 4096 for _, n in calls)
+    assert calls[-1][0] + calls[-1][1] > len(payload) - 4096  # the tail is left to fsync
+
+
+def test_range_writeback_is_real_on_linux_and_switches_itself_off_on_error(tmp_path) -> None:
+    import sys
+
+    from checkpoint.storage import _RangeWriteback
+
+    wb = _RangeWriteback()
+    if not sys.platform.startswith("linux"):
+        pytest.skip(f"sync_file_range is Linux-only; this is {sys.platform}")
+    assert wb.fn is not None
+    f = tmp_path / "x"
+    f.write_bytes(b"x" * 8192)
+    with open(f, "rb+") as fh:
+        wb(fh.fileno(), 0, 8192)
+    assert wb.fn is not None  # a valid call keeps it on
+    wb(-1, 0, 4096)  # EBADF
+    assert wb.fn is None
+    wb(-1, 0, 4096)  # and it is a no-op from then on
+
+
+def test_writeback_bytes_is_validated() -> None:
+    from checkpoint import CheckpointConfig
+    from checkpoint.api import CheckpointConfigError
+
+    with pytest.raises(CheckpointConfigError, match="writeback_bytes"):
+        CheckpointConfig(writeback_bytes=-1)
+    assert CheckpointConfig(writeback_bytes=0).writeback_bytes == 0
