@@ -192,6 +192,8 @@ def _tiles_exactly(bounds: Box, boxes: Sequence[Box]) -> str | None:
     if ndim == 0:
         n = len(nonempty)
         return None if n == 1 else f"{n} chunks cover a 0-dim tensor (expected 1)"
+    if _row_slabs_tile(bounds, nonempty):
+        return None  # the common case (whole tensors, dim-0 shards), without the grid
     cuts: list[list[int]] = []
     for d in range(ndim):
         pts = {bounds[d][0], bounds[d][1]}
@@ -210,6 +212,20 @@ def _tiles_exactly(bounds: Box, boxes: Sequence[Box]) -> str | None:
         cell = tuple(int(i) for i in np.argwhere(grid == 0)[0])
         return "no chunk covers element " + str(tuple(cuts[d][cell[d]] for d in range(ndim)))
     return None
+
+
+def _row_slabs_tile(bounds: Box, boxes: Sequence[Box]) -> bool:
+    """True when ``boxes`` span ``bounds`` fully in every dim but the first and, sorted, follow each other
+    without gap or overlap along it (cheap; False means "ask the grid", not "does not tile")."""
+    rest = bounds[1:]
+    if any(b[1:] != rest for b in boxes):
+        return False
+    pos = bounds[0][0]
+    for lo, hi in sorted(b[0] for b in boxes):
+        if lo != pos:
+            return False
+        pos = hi
+    return pos == bounds[0][1]
 
 
 def _validate_tensor(fqn: str, rec: TensorRecord, block_bytes: int) -> None:
