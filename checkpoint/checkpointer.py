@@ -2,8 +2,10 @@
 
 Save (per rank): ``flatten`` the state -> decide who writes what (``plan.assign_writers``, recomputed only
 when the items change) -> ``Stager`` copies the pieces this rank writes into reused host buffers (the only
-time the training step blocks) -> a background thread writes this rank's shard files, gathers every rank's
-records on rank 0 over a dedicated gloo group, and rank 0 commits (see ``checkpoint.commit``).
+time the training step blocks) -> a background thread writes this rank's shard files and its per-rank objects
+file (``PerRank`` entries, encoded at ``save`` time), gathers every rank's records on rank 0 over a dedicated
+gloo group, and rank 0 commits (see ``checkpoint.commit``). ``load`` gives each rank its own per-rank entries
+back (at another world size, the copy ``api.per_rank_source`` names).
 
 Two gloo groups are created at construction (collective, same order on all ranks): a foreground one for
 the cheap per-save vote and the item metadata gather (training thread), and a background one for the

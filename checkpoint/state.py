@@ -64,8 +64,11 @@ __all__ = [
     "PerRank",
     "RNGState",
     "apply",
+    "decode_tensor",
     "dtype_to_st",
+    "encode_tensor",
     "flatten",
+    "per_rank_entries",
     "st_to_dtype",
     "total_bytes",
 ]
