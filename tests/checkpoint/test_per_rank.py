@@ -63,6 +63,28 @@ def test_resize_rule(rank: int, world: int, saved: int, rule: str, expected: int
     assert per_rank_source(rank, world, saved, rule) == expected
 
 
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor(3.5),
+        torch.zeros(0, 3),
+        torch.tensor([True, False, True]),
+        torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),  # non-contiguous
+        torch.get_rng_state(),
+    ],
+)
+def test_inline_tensor_round_trip(tensor: torch.Tensor) -> None:
+    from checkpoint.state import INLINE_TENSOR_MARKER, decode_tensor, encode_tensor
+
+    spec = json.loads(json.dumps(encode_tensor("x", tensor)))[INLINE_TENSOR_MARKER]
+    back = decode_tensor("x", spec)
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape and torch.equal(back, tensor)
+    spec["shape"] = [99]
+    with pytest.raises(CorruptCheckpointError, match="inline tensor 'x' .* has .* bytes, its shape \\[99\\]"):
+        decode_tensor("x", spec)
+
+
 def test_per_rank_wrapper_rejects_bad_arguments() -> None:
     with pytest.raises(CheckpointConfigError, match=r"PerRank\(on_resize='modulo'\) must be one of rank_modulo, rank0, skip"):
         PerRank({}, on_resize="modulo")
