@@ -35,6 +35,8 @@ from checkpoint.api import (
     ChunkKey,
     CheckpointConfigError,
     CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
     IncompatibleCheckpointError,
     RankObjectsRecord,
     SaveInProgressError,
@@ -55,6 +57,10 @@ from checkpoint.storage import RetryPolicy, Storage, lower_thread_priority
 from checkpoint.writer import RankRecords, WriterProcess, plan_files, write_rank_files
 
 logger = logging.getLogger(__name__)
+
+
+_LOAD_OK, _LOAD_DAMAGED, _LOAD_FAILED = 0, 1, 2
+"""A load attempt's outcome, ordered so the max over ranks is the worst."""
 
 
 class Checkpointer:
@@ -378,7 +384,10 @@ class Checkpointer:
     def load(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
         """Restore ``state`` in place from ``step`` (default: latest good step) at the current world size.
 
-        Returns the step loaded, or None when there is no checkpoint yet (only with ``step=None``).
+        Returns the step loaded, or None when there is no checkpoint yet (only with ``step=None``). With
+        ``step=None``, damage found only while reading (a checksum mismatch, a truncated shard) makes every
+        rank fall back to the next older good step, with a warning: a job that keeps restarting must not
+        stay stuck on one bad checkpoint. A named ``step`` is loaded or raises.
         """
         self._check_open()
         self.wait()
@@ -386,6 +395,38 @@ class Checkpointer:
         if chosen is None:
             logger.info("[rank %d] no checkpoint at %s; starting fresh", self.rank, self.storage.display())
             return None
+        while True:
+            error: BaseException | None = None
+            try:
+                self._load_step(state, chosen)
+            except Exception as exc:  # noqa: BLE001 - voted on below, then re-raised or recovered from
+                error = exc
+            verdict = self._load_verdict(error)
+            if verdict == _LOAD_OK:
+                return chosen
+            if verdict == _LOAD_FAILED or step is not None:
+                if error is not None:
+                    raise error
+                raise CheckpointError(f"rank {self.rank}: loading step {chosen} failed on another rank (see its error)")
+            older = self._agree_on_older_step(chosen)
+            if older is None:
+                if error is not None:
+                    raise error
+                raise CorruptCheckpointError(
+                    f"step {chosen} at {self.storage.display()} is damaged (see the failing rank's error) "
+                    f"and no older good step exists"
+                )
+            logger.warning(
+                "[rank %d] step %d at %s is damaged (%s); falling back to step %d",
+                self.rank,
+                chosen,
+                self.storage.display(),
+                error if error is not None else "found by another rank",
+                older,
+            )
+            chosen = older
+
+    def _load_step(self, state: Mapping[str, Any], chosen: int) -> None:
         started = time.perf_counter()
         manifest = validate_step(self.storage, chosen)
         shared = read_objects(self.storage, manifest)
@@ -412,7 +453,30 @@ class Checkpointer:
             len(requests),
             time.perf_counter() - started,
         )
-        return chosen
+
+    def _load_verdict(self, error: BaseException | None) -> int:
+        """Worst outcome over ranks: OK, DAMAGED (data of this step is corrupt: an older step may do) or
+        FAILED (anything else: wrong state, storage unreachable; an older step would not help, or would
+        silently lose progress)."""
+        damaged = isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError))  # NotFound: deleted meanwhile
+        mine = _LOAD_OK if error is None else _LOAD_DAMAGED if damaged else _LOAD_FAILED
+        if self._fg_group is None:
+            return mine
+        box = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._fg_group)
+        return int(box.item())
+
+    def _agree_on_older_step(self, below: int) -> int | None:
+        """Rank 0 picks the newest good step older than ``below``; every rank gets its choice."""
+
+        def pick() -> int | None:
+            return latest_good_step(self.storage, below=below)
+
+        if self._fg_group is None:
+            return pick()
+        box: list[Any] = [pick() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, group=self._fg_group, group_src=0)
+        return box[0]
 
     def _saved_as_shared(self, manifest: Any, state: Mapping[str, Any], shared: dict[str, JSON]) -> set[str]:
         """Per-rank keys of the live state that ``manifest``'s step saved as shared state (it predates per-rank

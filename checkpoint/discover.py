@@ -192,10 +192,13 @@ def validate_step(storage: Storage, step: int) -> Manifest:
     return manifest
 
 
-def latest_good_step(storage: Storage, *, listing: StepListing | None = None) -> int | None:
-    """Newest committed step that passes ``validate_step``; corrupt ones are skipped with a warning."""
+def latest_good_step(storage: Storage, *, listing: StepListing | None = None, below: int | None = None) -> int | None:
+    """Newest committed step (older than ``below`` if given) that passes ``validate_step``; corrupt ones
+    are skipped with a warning."""
     listing = listing or list_steps(storage)
     for step in reversed(listing.committed):
+        if below is not None and step >= below:
+            continue
         try:
             validate_step(storage, step)
             return step

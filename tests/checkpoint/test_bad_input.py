@@ -67,10 +67,46 @@ def test_flipped_byte_names_file_and_tensor(run: Path) -> None:
     with Checkpointer(str(run)) as ckpt:
         assert ckpt.latest() == 2  # same size: only the checksums can tell
         with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in .*shard-00000-of-00001\.safetensors for tensor 'w'") as exc:
-            ckpt.load(zeros())
+            ckpt.load(zeros(), step=2)
         assert exc.value.file.endswith(SHARD) and exc.value.tensor == "w"
     with Checkpointer(str(run), CheckpointConfig(verify_on_load=False)) as ckpt:
         assert ckpt.load(zeros()) == 2  # verification off: loads (damaged) data, as asked
+
+
+def test_damage_found_while_loading_falls_back_to_the_previous_step(run: Path, caplog) -> None:
+    """latest() cannot see a flipped byte (sizes match); the load finds it and, with step=None, loads the
+    previous good step with a warning instead of failing: a restarting job must not stay stuck on it."""
+    shard = run / step_dir(2) / SHARD
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with Checkpointer(str(run)) as ckpt:
+        assert ckpt.latest() == 2
+        dst = zeros()
+        assert ckpt.load(dst) == 1
+        assert all(torch.equal(dst[k], v) for k, v in state().items())  # step 1 wholly, over the partial step 2
+        assert "step 2" in caplog.text and "falling back to step 1" in caplog.text
+        assert "checksum mismatch" in caplog.text
+
+
+def test_damage_with_no_older_step_is_an_error(tmp_path: Path) -> None:
+    root = tmp_path / "one"
+    with Checkpointer(str(root), CheckpointConfig(checksum_block_bytes=4096)) as ckpt:
+        ckpt.save(7, state())
+    shard = root / step_dir(7) / SHARD
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with Checkpointer(str(root)) as ckpt:
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+            ckpt.load(zeros())
+
+
+def test_wrong_live_state_does_not_fall_back(run: Path) -> None:
+    """An older step cannot fix a state that does not match: the error is raised, not papered over."""
+    with Checkpointer(str(run)) as ckpt:
+        with pytest.raises(IncompatibleCheckpointError):
+            ckpt.load({"w": torch.zeros(64, 31), "b": torch.zeros(32), "i": torch.zeros(5, dtype=torch.int64)})
 
 
 def test_truncated_shard_falls_back_and_errors_when_asked_for(run: Path, caplog) -> None:

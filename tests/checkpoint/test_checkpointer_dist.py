@@ -101,3 +101,38 @@ def test_two_ranks_save_commit_fail_and_reshard_to_one(tmp_path: Path) -> None:
     assert manifest.world_size == 2 and len(manifest.tensors["sharded"].chunks) == 2
     for k, v in vals.items():
         assert torch.equal(dst[k], v), k
+
+
+def _fallback_worker(rank: int, world: int, uri: str) -> dict[str, Any]:
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from checkpoint.api import MANIFEST_FILE
+
+    mesh = init_device_mesh("cpu", (world,))
+    step1 = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+    with Checkpointer(uri) as ckpt:
+        ckpt.save(1, {"w": distribute_tensor(step1, mesh, [Shard(0)])})
+        ckpt.save(2, {"w": distribute_tensor(step1 + 1000, mesh, [Shard(0)])})
+        ckpt.wait()
+        if rank == 0:  # damage the bytes of step 2 that only rank 1 reads (its row shard)
+            root = Path(uri) / step_dir(2)
+            chunk = next(c for c in json.loads((root / MANIFEST_FILE).read_text())["tensors"]["w"]["chunks"] if c["offsets"][0])
+            path = root / chunk["file"]
+            data = bytearray(path.read_bytes())
+            data[chunk["byte_range"][0] + 17] ^= 0x08
+            path.write_bytes(bytes(data))
+        dist.barrier()
+        dst = {"w": distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)])}
+        loaded = ckpt.load(dst)
+        return {"loaded": loaded, "equal": torch.equal(dst["w"].full_tensor(), step1)}
+
+
+def test_damage_seen_by_one_rank_makes_every_rank_fall_back(tmp_path: Path) -> None:
+    """Only rank 1 reads the damaged bytes; the ranks vote, and both load step 1 (not a mix of 1 and 2)."""
+    results = run_workers(_fallback_worker, 2, (str(tmp_path / "run"),), tmpdir=str(tmp_path), timeout=90)
+    assert [r["loaded"] for r in results] == [1, 1]
+    assert all(r["equal"] for r in results)
