@@ -85,10 +85,10 @@ def instrument_spotrun_storage() -> None:
         SPOT_READ.add(len(data))
         return data
 
-    def counted_into(self: Any, rel: str, start: int, out: memoryview) -> int:
+    def counted_into(self: Any, rel: str, start: int, out: memoryview, **kwargs: Any) -> int:
         if not self.is_local:  # the remote path goes through read_range, which counts it
-            return read_into(self, rel, start, out)
-        n = read_into(self, rel, start, out)
+            return read_into(self, rel, start, out, **kwargs)
+        n = read_into(self, rel, start, out, **kwargs)
         SPOT_READ.add(n)
         return n
 

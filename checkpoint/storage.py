@@ -259,23 +259,51 @@ class Storage:
             return self._call("read", rel, self._read_local, rel, start, end)
         return self._call("read", rel, self.fs.cat_file, self.full(rel), start=start, end=end)
 
-    def read_into(self, rel: str, start: int, out: memoryview) -> int:
-        """Read ``len(out)`` bytes of ``rel`` from ``start`` straight into ``out``; returns bytes read."""
+    def read_into(
+        self,
+        rel: str,
+        start: int,
+        out: memoryview,
+        *,
+        piece_bytes: int = 0,
+        on_piece: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Read ``len(out)`` bytes of ``rel`` from ``start`` straight into ``out``; returns bytes read.
+
+        With ``on_piece``, ``on_piece(offset, n)`` is called for each completed piece ``out[offset:offset+n]``
+        (``piece_bytes`` each, the last one shorter; none for bytes past a short read), so the caller can
+        check each piece while it is still in the CPU cache. Remote reads arrive whole: one call.
+        """
         if self.is_local:
-            return self._call("read", rel, self._read_into_local, rel, start, out)
+            return self._call("read", rel, self._read_into_local, rel, start, out, piece_bytes, on_piece)
         data = self.read_range(rel, start, start + len(out))
         out[: len(data)] = data
+        if on_piece is not None and len(data) == len(out):
+            on_piece(0, len(data))
         return len(data)
 
-    def _read_into_local(self, rel: str, start: int, out: memoryview) -> int:
+    def _read_into_local(
+        self,
+        rel: str,
+        start: int,
+        out: memoryview,
+        piece_bytes: int = 0,
+        on_piece: Callable[[int, int], None] | None = None,
+    ) -> int:
+        step = piece_bytes if piece_bytes > 0 and on_piece is not None else len(out)
         with open(self.full(rel), "rb", buffering=0) as f:
             f.seek(start)
             got = 0
             while got < len(out):
-                n = f.readinto(out[got:])
-                if not n:
-                    break
-                got += n
+                end = min(got + step, len(out))
+                piece_start = got
+                while got < end:
+                    n = f.readinto(out[got:end])
+                    if not n:
+                        return got  # short file: the caller reports the truncation
+                    got += n
+                if on_piece is not None:
+                    on_piece(piece_start, got - piece_start)
             return got
 
     def _read_local(self, rel: str, start: int, end: int | None) -> bytes:

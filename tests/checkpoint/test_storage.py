@@ -206,3 +206,20 @@ def test_writeback_bytes_is_validated() -> None:
     with pytest.raises(CheckpointConfigError, match="writeback_bytes"):
         CheckpointConfig(writeback_bytes=-1)
     assert CheckpointConfig(writeback_bytes=0).writeback_bytes == 0
+
+
+def test_read_into_reports_each_completed_piece_and_stops_at_a_short_file(tmp_path) -> None:
+    s = Storage(str(tmp_path))
+    payload = bytes(range(256)) * 40  # 10240 bytes
+    s.write_bytes("f.bin", payload)
+    out = bytearray(8000)
+    pieces: list[tuple[int, int, bytes]] = []
+    got = s.read_into("f.bin", 100, memoryview(out), piece_bytes=3000,
+                      on_piece=lambda off, n: pieces.append((off, n, bytes(out[off : off + n]))))
+    assert got == 8000 and bytes(out) == payload[100:8100]
+    assert [(o, n) for o, n, _ in pieces] == [(0, 3000), (3000, 3000), (6000, 2000)]
+    assert all(data == payload[100 + o : 100 + o + n] for o, n, data in pieces)  # filled when reported
+    pieces.clear()
+    short = bytearray(8000)
+    got = s.read_into("f.bin", 5000, memoryview(short), piece_bytes=3000, on_piece=lambda o, n: pieces.append((o, n, b"")))
+    assert got == 5240 and [(o, n) for o, n, _ in pieces] == [(0, 3000)]  # the partial piece is not reported
