@@ -440,7 +440,7 @@ class Checkpointer:
             destinations.__getitem__,
             manifest.checksum_block_bytes,
             self.config.verify_on_load,
-            self.config.writer_threads,
+            self._read_threads(),
         )
         flat.objects = shared
         flat.rank_objects = self._load_rank_objects(manifest, flat.per_rank)
@@ -453,6 +453,13 @@ class Checkpointer:
             len(requests),
             time.perf_counter() - started,
         )
+
+    def _read_threads(self) -> int:
+        if self.config.read_threads is not None:
+            return self.config.read_threads
+        if self.storage.is_local:
+            return max(1, min(self.config.writer_threads, os.cpu_count() or 1))
+        return self.config.writer_threads
 
     def _load_verdict(self, error: BaseException | None) -> int:
         """Worst outcome over ranks: OK, DAMAGED (data of this step is corrupt: an older step may do) or

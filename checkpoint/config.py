@@ -51,7 +51,12 @@ class CheckpointConfig:
     """Passed to the fsspec filesystem, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}`` for S3."""
 
     writer_threads: int = 4
-    """Parallel shard writes / multipart part uploads / ranged reads per rank (>= 1)."""
+    """Parallel shard writes / multipart part uploads per rank (>= 1)."""
+
+    read_threads: int | None = None
+    """Parallel ranged reads per rank on load. None: for local/POSIX storage one per CPU core (reads from
+    the page cache are CPU-bound: on 2 cores, 2 threads loaded a verified 1 GiB at 12.4 GB/s and 4 threads
+    at 12.0), for remote storage ``writer_threads`` (reads wait on the network)."""
 
     writer: Literal["thread", "process"] = "thread"
     """Who writes the shards: a background ``"thread"`` of the training process, or a long-lived
@@ -88,6 +93,8 @@ class CheckpointConfig:
         self._check_int("checksum_block_bytes", self.checksum_block_bytes, 4096, "use e.g. 1 MiB (1048576)")
         self._check_int("max_retries", self.max_retries, 1, "1 means no retry")
         self._check_int("writer_threads", self.writer_threads, 1, "use 1 for sequential writes")
+        if self.read_threads is not None:
+            self._check_int("read_threads", self.read_threads, 1, "use None for the default, 1 for sequential reads")
         self._check_int("writer_nice", self.writer_nice, 0, "0 disables, 19 is the lowest priority")
         if self.writer_nice > 19:
             raise CheckpointConfigError(f"writer_nice={self.writer_nice} is invalid: use 0..19")

@@ -317,20 +317,30 @@ def _read_direct(
             tensor=req.fqn,
         )
 
-    def check(offset: int, nbytes: int) -> None:  # offset is block-aligned: lo is, pieces are whole blocks
-        for start in range(offset, offset + nbytes, block_bytes):
-            block = out[start : min(start + block_bytes, offset + nbytes)]
-            index = first + start // block_bytes
-            if crc32(block) != req.block_crc32[index]:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {storage.display(path)} for tensor {req.fqn!r} "
-                    f"(block {index}, bytes [{lo + start}, {lo + start + len(block)}))",
-                    file=req.file,
-                    tensor=req.fqn,
-                )
+    running = [0]  # crc32 of the bytes of the current block seen so far
+
+    def check(offset: int, nbytes: int) -> None:
+        """Pieces arrive in order; fold each into its block's crc32 and compare at every block end."""
+        pos, end = offset, offset + nbytes
+        while pos < end:
+            rel = pos // block_bytes
+            block_end = min((rel + 1) * block_bytes, len(out))
+            upto = min(block_end, end)
+            running[0] = crc32(out[pos:upto], running[0])
+            pos = upto
+            if pos == block_end:
+                if running[0] != req.block_crc32[first + rel]:
+                    at = lo + rel * block_bytes
+                    raise CorruptCheckpointError(
+                        f"checksum mismatch in {storage.display(path)} for tensor {req.fqn!r} "
+                        f"(block {first + rel}, bytes [{at}, {lo + block_end}))",
+                        file=req.file,
+                        tensor=req.fqn,
+                    )
+                running[0] = 0
 
     got = storage.read_into(
-        path, lo, out, piece_bytes=max(1, _VERIFY_PIECE_BYTES // block_bytes) * block_bytes, on_piece=check if verify else None
+        path, lo, out, piece_bytes=_VERIFY_PIECE_BYTES, on_piece=check if verify else None
     )
     if got != hi - lo:
         raise CorruptCheckpointError(
