@@ -106,8 +106,8 @@ class Checkpointer:
             self.rank = dist.get_rank(process_group)
             self.world_size = dist.get_world_size(process_group)
             if self.world_size > 1:
-                self._fg_group = dist.new_group(ranks=ranks, backend="gloo")
-                self._bg_group = dist.new_group(ranks=ranks, backend="gloo")
+                self._fg_group = dist.new_group(ranks=ranks, backend="gloo", timeout=c.collective_timeout)
+                self._bg_group = dist.new_group(ranks=ranks, backend="gloo", timeout=c.collective_timeout)
         self._writer_proc: WriterProcess | None = None
         if c.writer == "process":
             self._writer_proc = self._start_writer_process()
@@ -123,6 +123,9 @@ class Checkpointer:
         self._signature: tuple[Any, ...] | None = None
         self._layouts: list[ShardLayout] = []
         self._closed = False
+        self._broken: str | None = None
+        """Set when a collective of the background group failed: the ranks may disagree on where they are in
+        the sequence of collectives, so this Checkpointer refuses further saves and loads."""
         self.last_stage_seconds = 0.0
         """Wall time the last ``save`` blocked the caller (flatten + vote + staging copy)."""
 
@@ -313,7 +316,7 @@ class Checkpointer:
             logger.error("[rank %d step %d] writing shards failed: %s", self.rank, step, exc)
             local_error = exc
             records = RankRecords(rank=self.rank, error=f"{type(exc).__name__}: {exc}")
-        all_records = self._gather_records(records)
+        all_records = self._collective("records gather", step, self._gather_records, records)
         crash_point("records.gathered")
         outcome: str | None = None
         commit_error: BaseException | None = None
@@ -332,7 +335,7 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 - reported to every rank
                 commit_error = exc
                 outcome = str(exc)
-        outcome = self._broadcast_outcome(outcome)
+        outcome = self._collective("outcome broadcast", step, self._broadcast_outcome, outcome)
         if self.rank == 0 and outcome is None:
             self._apply_retention(step)  # after the broadcast: other ranks need not wait for deletions
         if local_error is not None:
@@ -342,6 +345,18 @@ class Checkpointer:
         if outcome is not None:
             raise CheckpointError(outcome)
         return step
+
+    def _collective(self, what: str, step: int, fn: Any, *args: Any) -> Any:
+        """Run one background collective; a failure (peer gone, ``collective_timeout``) becomes a
+        CheckpointError naming the step, and breaks this Checkpointer (see ``_broken``)."""
+        try:
+            return fn(*args)
+        except (RuntimeError, ValueError) as exc:  # gloo's DistBackendError / timeouts are RuntimeErrors
+            self._broken = (
+                f"the checkpoint {what} for step {step} failed on rank {self.rank} (another rank died, hung or "
+                f"exceeded collective_timeout={self.config.collective_timeout.total_seconds():.0f}s): {exc}"
+            )
+            raise CheckpointError(f"step {step} not committed: {self._broken}") from exc
 
     def _gather_records(self, records: RankRecords) -> list[RankRecords] | None:
         if self._bg_group is None:
@@ -548,6 +563,10 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
+        if self._broken is not None:
+            self.wait()  # the failed save's own error first (raised once)
+            raise CheckpointError(f"this Checkpointer cannot be used any more: {self._broken}; create a new one "
+                                  f"(after the process group is rebuilt)")
 
     def close(self) -> None:
         """Flush the in-flight save (re-raising its error) and release threads and buffers."""

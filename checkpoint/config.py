@@ -47,6 +47,11 @@ class CheckpointConfig:
     retry_max_wait: timedelta = timedelta(seconds=8)
     """Upper bound of the random exponential back-off between two attempts."""
 
+    collective_timeout: timedelta = timedelta(minutes=30)
+    """Timeout of the checkpointer's own gloo groups (torch's default for gloo). A rank that stops
+    answering (hung, or its node frozen) makes the other ranks' save fail with a CheckpointError after this
+    long instead of hanging; it must exceed the slowest rank's shard write (large S3 uploads)."""
+
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Passed to the fsspec filesystem, e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}`` for S3."""
 
@@ -103,7 +108,7 @@ class CheckpointConfig:
         )
         self._check_int("writeback_bytes", self.writeback_bytes, 0, "0 disables, e.g. 32 MiB (33554432)")
         self._check_int("max_shard_bytes", self.max_shard_bytes, _MIB, "use at least 1 MiB, e.g. 2 GiB")
-        for name in ("retry_timeout", "retry_max_wait"):
+        for name in ("retry_timeout", "retry_max_wait", "collective_timeout"):
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value.total_seconds() <= 0:
                 raise CheckpointConfigError(f"{name}={value!r} must be a positive datetime.timedelta")

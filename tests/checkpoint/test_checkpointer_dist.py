@@ -136,3 +136,54 @@ def test_damage_seen_by_one_rank_makes_every_rank_fall_back(tmp_path: Path) -> N
     results = run_workers(_fallback_worker, 2, (str(tmp_path / "run"),), tmpdir=str(tmp_path), timeout=90)
     assert [r["loaded"] for r in results] == [1, 1]
     assert all(r["equal"] for r in results)
+
+
+def _hung_peer_worker(rank: int, world: int, uri: str) -> dict[str, Any]:
+    import os
+    import time
+    from datetime import timedelta
+
+    from checkpoint.api import CRASH_AT_ENV, CheckpointError
+    from checkpoint.config import CheckpointConfig
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))  # sharded: every rank writes a shard of its own
+    state = {"w": distribute_tensor(torch.arange(1000, dtype=torch.float32), mesh, [Shard(0)])}
+    ckpt = Checkpointer(uri, CheckpointConfig(collective_timeout=timedelta(seconds=3)))
+    ckpt.save(1, state)
+    ckpt.wait()
+    if rank == 1:
+        os.environ[CRASH_AT_ENV] = "shard.open:1"  # rank 1's writer hangs before its shard: a frozen peer
+        ckpt.save(2, state)
+        return {"hung": True}  # this process is killed by the launcher (its writer thread never returns)
+    ckpt.save(2, state)
+    started = time.monotonic()
+    out: dict[str, Any] = {}
+    try:
+        ckpt.wait()
+    except CheckpointError as exc:
+        out["error"] = str(exc)
+    out["seconds"] = time.monotonic() - started
+    try:
+        ckpt.save(3, state)
+    except CheckpointError as exc:
+        out["next_save"] = str(exc)
+    from checkpoint.discover import latest_good_step
+
+    out["latest"] = latest_good_step(Storage(uri))  # not a new Checkpointer: its construction is collective
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_peer_fails_the_save_after_collective_timeout(tmp_path: Path) -> None:
+    """Rank 1 freezes mid-save: rank 0 gets a CheckpointError naming the step after collective_timeout (3 s)
+    instead of hanging for torch's 30 minutes; step 2 is not committed, step 1 stays the latest, and the
+    broken Checkpointer refuses further saves."""
+    results = run_workers(_hung_peer_worker, 2, (str(tmp_path / "run"),), tmpdir=str(tmp_path), timeout=40)
+    r0 = results[0]
+    assert "step 2 not committed" in r0["error"] and "collective_timeout=3s" in r0["error"], r0
+    assert 2.5 <= r0["seconds"] < 20, r0
+    assert "cannot be used any more" in r0["next_save"], r0
+    assert r0["latest"] == 1

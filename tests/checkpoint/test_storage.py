@@ -206,6 +206,8 @@ def test_writeback_bytes_is_validated() -> None:
     with pytest.raises(CheckpointConfigError, match="writeback_bytes"):
         CheckpointConfig(writeback_bytes=-1)
     assert CheckpointConfig(writeback_bytes=0).writeback_bytes == 0
+    with pytest.raises(CheckpointConfigError, match="collective_timeout"):
+        CheckpointConfig(collective_timeout=timedelta(seconds=0))
 
 
 def test_read_into_reports_each_completed_piece_and_stops_at_a_short_file(tmp_path) -> None:
