@@ -21,7 +21,7 @@ import os
 import tempfile
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
@@ -490,15 +490,7 @@ class Checkpointer:
 
     def _agree_on_older_step(self, below: int) -> int | None:
         """Rank 0 picks the newest good step older than ``below``; every rank gets its choice."""
-
-        def pick() -> int | None:
-            return latest_good_step(self.storage, below=below)
-
-        if self._fg_group is None:
-            return pick()
-        box: list[Any] = [pick() if self.rank == 0 else None]
-        dist.broadcast_object_list(box, group=self._fg_group, group_src=0)
-        return box[0]
+        return self._rank0_decides(lambda: latest_good_step(self.storage, below=below))
 
     def _saved_as_shared(self, manifest: Any, state: Mapping[str, Any], shared: dict[str, JSON]) -> set[str]:
         """Per-rank keys of the live state that ``manifest``'s step saved as shared state (it predates per-rank
@@ -553,9 +545,13 @@ class Checkpointer:
         """Rank 0 picks the step (so all ranks load the same one even if a commit lands meanwhile)."""
         if step is not None:
             return step
+        return self._rank0_decides(self.latest)
+
+    def _rank0_decides(self, pick: Callable[[], int | None]) -> int | None:
+        """``pick()`` on rank 0, its result on every rank (one broadcast on the foreground group)."""
         if self._fg_group is None:
-            return self.latest()
-        box: list[Any] = [self.latest() if self.rank == 0 else None]
+            return pick()
+        box: list[Any] = [pick() if self.rank == 0 else None]
         dist.broadcast_object_list(box, group=self._fg_group, group_src=0)
         return box[0]
 

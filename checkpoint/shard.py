@@ -216,6 +216,32 @@ def bytes_as_tensor(data: bytes | bytearray | memoryview, dtype: str) -> torch.T
     return raw.view(torch_dtype(dtype))
 
 
+def _truncated(storage: Storage, path: str, req: ReadRequest, start: int, end: int, got: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"shard {storage.display(path)} is truncated: tensor {req.fqn!r} needs bytes [{start}, {end}) but only "
+        f"{got} could be read",
+        file=req.file,
+        tensor=req.fqn,
+    )
+
+
+def _too_few_blocks(storage: Storage, path: str, req: ReadRequest) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"manifest lists {len(req.block_crc32)} checksum blocks for tensor {req.fqn!r} in "
+        f"{storage.display(path)}, fewer than its size needs",
+        file=req.file,
+        tensor=req.fqn,
+    )
+
+
+def _mismatch(storage: Storage, path: str, req: ReadRequest, block: int, start: int, end: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"checksum mismatch in {storage.display(path)} for tensor {req.fqn!r} (block {block}, bytes [{start}, {end}))",
+        file=req.file,
+        tensor=req.fqn,
+    )
+
+
 def verified_range(
     storage: Storage, step_rel: str, req: ReadRequest, block_bytes: int, verify: bool
 ) -> tuple[bytes, int]:
@@ -232,31 +258,16 @@ def verified_range(
         end = min(cstart + last * block_bytes, cend)
     data = storage.read_range(path, start, end)
     if len(data) != end - start:
-        raise CorruptCheckpointError(
-            f"shard {storage.display(path)} is truncated: tensor {req.fqn!r} needs bytes "
-            f"[{start}, {end}) but only {len(data)} could be read",
-            file=req.file,
-            tensor=req.fqn,
-        )
+        raise _truncated(storage, path, req, start, end, len(data))
     if verify:
         if last > len(req.block_crc32):
-            raise CorruptCheckpointError(
-                f"manifest lists {len(req.block_crc32)} checksum blocks for tensor {req.fqn!r} in "
-                f"{storage.display(path)}, fewer than its size needs",
-                file=req.file,
-                tensor=req.fqn,
-            )
+            raise _too_few_blocks(storage, path, req)
         view = memoryview(data)
         for i, block_index in enumerate(range(first, last)):
             block = view[i * block_bytes : (i + 1) * block_bytes]
             if crc32(block) != req.block_crc32[block_index]:
                 at = start + i * block_bytes
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {storage.display(path)} for tensor {req.fqn!r} "
-                    f"(block {block_index}, bytes [{at}, {at + len(block)}))",
-                    file=req.file,
-                    tensor=req.fqn,
-                )
+                raise _mismatch(storage, path, req, block_index, at, at + len(block))
     return data, start
 
 
@@ -310,45 +321,27 @@ def _read_direct(
     out = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
     first = (lo - req.chunk_byte_range[0]) // block_bytes
     if verify and first + -(-(hi - lo) // block_bytes) > len(req.block_crc32):
-        raise CorruptCheckpointError(
-            f"manifest lists {len(req.block_crc32)} checksum blocks for tensor {req.fqn!r} in "
-            f"{storage.display(path)}, fewer than its size needs",
-            file=req.file,
-            tensor=req.fqn,
-        )
-
-    running = [0]  # crc32 of the bytes of the current block seen so far
+        raise _too_few_blocks(storage, path, req)
+    running = 0  # crc32 of the bytes of the current block seen so far
 
     def check(offset: int, nbytes: int) -> None:
         """Pieces arrive in order; fold each into its block's crc32 and compare at every block end."""
+        nonlocal running
         pos, end = offset, offset + nbytes
         while pos < end:
             rel = pos // block_bytes
             block_end = min((rel + 1) * block_bytes, len(out))
             upto = min(block_end, end)
-            running[0] = crc32(out[pos:upto], running[0])
+            running = crc32(out[pos:upto], running)
             pos = upto
             if pos == block_end:
-                if running[0] != req.block_crc32[first + rel]:
-                    at = lo + rel * block_bytes
-                    raise CorruptCheckpointError(
-                        f"checksum mismatch in {storage.display(path)} for tensor {req.fqn!r} "
-                        f"(block {first + rel}, bytes [{at}, {lo + block_end}))",
-                        file=req.file,
-                        tensor=req.fqn,
-                    )
-                running[0] = 0
+                if running != req.block_crc32[first + rel]:
+                    raise _mismatch(storage, path, req, first + rel, lo + rel * block_bytes, lo + block_end)
+                running = 0
 
-    got = storage.read_into(
-        path, lo, out, piece_bytes=_VERIFY_PIECE_BYTES, on_piece=check if verify else None
-    )
+    got = storage.read_into(path, lo, out, piece_bytes=_VERIFY_PIECE_BYTES, on_piece=check if verify else None)
     if got != hi - lo:
-        raise CorruptCheckpointError(
-            f"shard {storage.display(path)} is truncated: tensor {req.fqn!r} needs bytes [{lo}, {hi}) but only "
-            f"{got} could be read",
-            file=req.file,
-            tensor=req.fqn,
-        )
+        raise _truncated(storage, path, req, lo, hi, got)
     return got
 
 
