@@ -209,6 +209,19 @@ def _prune(root: str, keep_step: int) -> None:
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
 
 
+def timed_save(method: Method, step: int, state, root: str) -> tuple[float, float]:
+    """One save after an ``os.sync()`` (outside the timing): (stall, total); older steps pruned afterwards."""
+    os.sync()
+    t0 = time.perf_counter()
+    method.start(step, state, root)
+    method.staged()
+    stall = time.perf_counter() - t0
+    method.finish()
+    total = time.perf_counter() - t0
+    _prune(root, step)
+    return stall, total
+
+
 def measure_saves(methods: list[Method], state, base: str, reps: int, loop: ComputeLoop) -> dict[str, dict[str, list[float]]]:
     """Per rep, every method once alone (stall, total), then every async one with the loop running
     (interference). The arms are interleaved (order alternating every rep) and each timed save starts
@@ -219,15 +232,7 @@ def measure_saves(methods: list[Method], state, base: str, reps: int, loop: Comp
     step = 0
     for rep in range(reps + 1):  # rep 0 warms up (allocations, imports); buffers are reused after it
         for method in methods if rep % 2 == 0 else methods[::-1]:
-            root = roots[method.name]
-            os.sync()
-            t0 = time.perf_counter()
-            method.start(step, state, root)
-            method.staged()
-            stall = time.perf_counter() - t0
-            method.finish()
-            total = time.perf_counter() - t0
-            _prune(root, step)
+            stall, total = timed_save(method, step, state, roots[method.name])
             step += 1
             if rep:
                 out[method.name]["stall"].append(stall)
@@ -257,17 +262,8 @@ def measure_stall_pairs(bare: BareCopy, spot: Method, state, base: str, pairs: i
     root = tempfile.mkdtemp(dir=base)
     ratios = []
     for i in range(pairs + 1):
-        os.sync()
-        t = time.perf_counter()
-        bare.start(i, state, root)
-        b = time.perf_counter() - t
-        os.sync()
-        t = time.perf_counter()
-        spot.start(i, state, root)
-        spot.staged()
-        s = time.perf_counter() - t
-        spot.finish()
-        _prune(root, i)
+        b, _ = timed_save(bare, i, state, root)
+        s, _ = timed_save(spot, i, state, root)
         if i:
             ratios.append(s / b)
     shutil.rmtree(root, ignore_errors=True)
