@@ -15,6 +15,9 @@ Run it (from the repository root):
     python -m elastic.etcd_server --host 0.0.0.0          # once, somewhere reachable (or a real etcd >= 3.5)
     spotrun --nnodes 1:4 --nproc-per-node 2 --rdzv-endpoint ETCD_HOST:PORT --rdzv-id job1 \\
         examples/train_ddp.py --steps 100000 --ckpt-dir s3://bucket/job1
+    # S3 outside AWS (MinIO, Ceph, ...): needs `pip install spotrun[s3]`; AWS_ENDPOINT_URL works as well
+    spotrun --standalone --nproc-per-node 2 examples/train_ddp.py --ckpt-dir s3://bucket/job1 \\
+        --storage-option endpoint_url=http://127.0.0.1:9000
 Every ``--log-every`` steps rank 0 prints ``step=N loss=X world_size=W``.
 """
 
@@ -91,6 +94,13 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 1))
 
 
+def storage_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (key, value), the same rule as ``spotrun-ckpt --storage-option``."""
+    from checkpoint.cli import parse_option  # one parser for both CLIs; checkpoint is only needed with options
+
+    return parse_option(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="elastic DDP training with async checkpoints")
     p.add_argument("--steps", type=int, default=200, help="train until this many optimizer steps are done")
@@ -99,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dataset-size", type=int, default=4096)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ckpt-dir", default=None, help="checkpoint URI (local path or s3://...); none: no checkpoints")
+    p.add_argument("--storage-option", "-o", action="append", default=[], type=storage_option, metavar="KEY=VALUE",
+                   help="fsspec option for --ckpt-dir, repeatable, e.g. endpoint_url=http://127.0.0.1:9000 "
+                        "(values parse as JSON when they are JSON: numbers, booleans, objects)")
     p.add_argument("--ckpt-every", type=int, default=50, help="save every N steps (and at the end)")
     p.add_argument("--log-every", type=int, default=20, help="rank 0 prints one line every N steps")
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch recoveries)")
@@ -128,14 +141,14 @@ def init_distributed(pg_timeout: float) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def open_checkpointer(uri: str | None) -> Any:
+def open_checkpointer(uri: str | None, storage_options: dict[str, Any] | None = None) -> Any:
     if uri is None:
         return None
     try:
         from checkpoint import CheckpointConfig, Checkpointer
     except ImportError as exc:
         raise SystemExit(f"--ckpt-dir needs the spotrun `checkpoint` package (Checkpointer), which failed to import: {exc}")
-    return Checkpointer(uri, CheckpointConfig())
+    return Checkpointer(uri, CheckpointConfig(storage_options=storage_options or {}))
 
 
 def append_progress(path: str, record_: dict[str, Any]) -> None:
@@ -160,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = TrainerState()
     # Checkpoint the bare module: its keys do not depend on DDP or on the world size.
     state = {"model": model, "optim": optimizer, "trainer": trainer}
-    ckpt = open_checkpointer(args.ckpt_dir)
+    ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option))
     if ckpt is not None:
         restored = ckpt.load(state)
         if restored is not None:
