@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 1 or args.log_every < 1:
         p.error("--steps must be >= 0 and --global-batch, --ckpt-every, --log-every >= 1")
+    if args.storage_option and args.ckpt_dir is None:
+        p.error("--storage-option configures the --ckpt-dir location; pass --ckpt-dir too")
     return args
 
 
