@@ -96,7 +96,8 @@ def make_model() -> nn.Module:
 
 def storage_option(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` -> (key, value), the same rule as ``spotrun-ckpt --storage-option``."""
-    from checkpoint.cli import parse_option  # one parser for both CLIs; checkpoint is only needed with options
+    # One parser for both CLIs, imported here: the checkpoint package is only needed when options are given.
+    from checkpoint.cli import parse_option
 
     return parse_option(text)
 

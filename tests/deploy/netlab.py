@@ -37,15 +37,15 @@ def loopback_reason() -> str | None:
     if shutil.which("ip") is None:
         return "no `ip` command (iproute2)"
     probe = f"spotrun-probe-{os.getpid()}"
-    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
+    result = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, text=True, timeout=10)
     if result.returncode != 0:
         return f"`ip netns add` failed: {result.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
+    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True, timeout=10)
     return None
 
 
 def _ip(*args: str) -> None:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+    result = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, timeout=10)
     if result.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
 
@@ -140,7 +140,7 @@ class NetLab:
 
     def run(self, key: str, argv: Sequence[str], *, env: Mapping[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
         prefix = self._on(key)
-        return subprocess.run([*prefix, *argv], env=dict(env), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run([*prefix, *argv], check=False, env=dict(env), capture_output=True, text=True, timeout=timeout)
 
     def stop(self, proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
         """SIGTERM the process group we created, SIGKILL it after ``grace``; reap the leader."""
@@ -165,6 +165,6 @@ class NetLab:
         for proc in reversed(self._procs):
             self.stop(proc, grace=2.0)
         for netns in reversed(self._namespaces):
-            subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=10)
+            subprocess.run(["ip", "netns", "del", netns], check=False, capture_output=True, timeout=10)
             shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
         self._namespaces.clear()

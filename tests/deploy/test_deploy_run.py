@@ -30,7 +30,9 @@ from elastic.etcd_server import find_etcd_binary
 from tests.deploy import manifests as m
 from tests.deploy.netlab import NetLab, loopback_reason
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+# Bounds against hangs, not speed targets: on a quiet 2-core machine each run takes ~15 s, under a load of 14
+# (8 test sessions on 2 cores) up to ~110 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STEPS = 6
 NODES = 2
@@ -149,7 +151,7 @@ def _wait_healthy(c: Cluster, members: int, timeout: float = 30.0) -> None:
 
 
 def _run_all(c: Cluster, procs: list[tuple[str | None, list[str], dict[str, str]]], label: str,
-             timeout: float = 110.0) -> list[str]:
+             timeout: float = 240.0) -> list[str]:
     """Start every (host, argv, env) at once, wait for all; returns their outputs (fails with them on error)."""
     started = []
     for i, (host, argv, env) in enumerate(procs):
@@ -183,7 +185,7 @@ def _assert_trained(outputs: list[str], ckpt: Path) -> None:
 
 
 def _trainer_container(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    doc = [d for d in m.documents(path) if d["kind"] in ("Job", "PyTorchJob")][0]
+    doc = next(d for d in m.documents(path) if d["kind"] in ("Job", "PyTorchJob"))
     (container,) = m.pod_template(doc)["spec"]["containers"]
     return doc, container
 

@@ -127,7 +127,7 @@ def test_etcd_survives_node_loss_and_drains() -> None:
 # --- trainer -------------------------------------------------------------------------------------------------
 
 def _trainer(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    doc = [d for d in m.documents(path) if d["kind"] in ("Job", "PyTorchJob")][0]
+    doc = next(d for d in m.documents(path) if d["kind"] in ("Job", "PyTorchJob"))
     (container,) = m.pod_template(doc)["spec"]["containers"]
     return doc, container
 
@@ -180,16 +180,16 @@ def test_trainer_command_parses_and_gives_the_agent_its_notice(name: str) -> Non
 # --- image and Slurm -----------------------------------------------------------------------------------------
 
 def _dockerfile_workdir() -> str:
-    (workdir,) = re.findall(r"^WORKDIR\s+(\S+)", m.DOCKERFILE.read_text(), re.M)
+    (workdir,) = re.findall(r"^WORKDIR\s+(\S+)", m.DOCKERFILE.read_text(), re.MULTILINE)
     return workdir
 
 
 def test_image_holds_the_project_and_its_examples() -> None:
     text = m.DOCKERFILE.read_text()
-    copied = {src.rstrip("/") for src, _ in re.findall(r"^COPY\s+(\S+)\s+(\S+)", text, re.M)}
+    copied = {src.rstrip("/") for src, _ in re.findall(r"^COPY\s+(\S+)\s+(\S+)", text, re.MULTILINE)}
     assert {"elastic", "checkpoint", "examples", "pyproject.toml"} <= copied
-    assert re.search(r'^RUN pip install .*"\.\[s3\]"', text, re.M), "install the project itself, with S3 support"
-    assert not re.search(r"^ENTRYPOINT", text, re.M), "the agent must be PID 1 to get SIGTERM from the kubelet"
+    assert re.search(r'^RUN pip install .*"\.\[s3\]"', text, re.MULTILINE), "install the project itself, with S3 support"
+    assert not re.search(r"^ENTRYPOINT", text, re.MULTILINE), "the agent must be PID 1 to get SIGTERM from the kubelet"
 
 
 def test_slurm_script_signals_the_agents_and_requeues() -> None:
