@@ -246,3 +246,64 @@ def test_slurm_script_trains_one_agent_per_node(cluster: Cluster) -> None:
            "SRUN_NETNS": " ".join(netns), "SRUN_LOG_DIR": str(logs)}
     _run_all(cluster, [(None, ["bash", str(m.SBATCH)], env)], "slurm")
     _assert_trained([p.read_text(errors="replace") for p in sorted(logs.glob("srun-task*.log"))], ckpt)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float, what: str, c: Cluster) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}\n{c.logs()}")
+        time.sleep(0.2)  # poll with deadline: no event to wait on across processes we only observe
+
+
+def test_prestop_hook_gives_the_agent_its_notice(cluster: Cluster) -> None:
+    """job.yaml's preStop command, as written, run in the PID namespace of an agent that is PID 1 (as in its
+    container) while training: the agent and its workers stop, and its registration leaves etcd."""
+    if not cluster.lab.isolated:
+        pytest.skip("needs namespaces: the agent must be PID 1 of its own PID namespace, as in a container")
+    job, container = _trainer_container(m.KUBERNETES / "job.yaml")
+    hook = container["lifecycle"]["preStop"]["exec"]["command"]
+    ckpt = cluster.root / "prestop-ckpt"
+    uid = str(uuid.uuid4())
+    started = []
+    for i in range(NODES):
+        host = cluster.lab.hosts[f"node-{i}"]
+        fields = {"status.podIP": host.addr,
+                  "metadata.labels['batch.kubernetes.io/job-name']": job["metadata"]["name"],
+                  "metadata.labels['batch.kubernetes.io/controller-uid']": uid}
+        env = _pod_env(cluster, container, fields, {}, {"TRAIN_STEPS": "100000000", "CKPT_URI": str(ckpt)})
+        argv = m.container_argv(container, env)
+        if i == 0:  # the container's PID namespace: the agent is PID 1 (unshare forks it and waits)
+            argv = ["unshare", "--pid", "--fork", "--mount-proc", *argv]
+        with open(cluster.root / f"prestop-{i}.log", "wb") as log:
+            started.append(cluster.lab.popen(f"node-{i}", argv, env={**cluster.base_env, **env}, cwd=m.REPO, log=log))
+    pod0 = started[0]
+    try:
+        _wait_for(lambda: (ckpt / "latest").exists(), 240, "the first committed checkpoint", cluster)
+        (agent,) = _children(pod0.pid)
+        # The kubelet runs the hook inside the container, i.e. in the agent's PID namespace.
+        hook_run = subprocess.run(["nsenter", f"--target={agent}", "--pid", "--", *hook],
+                                  check=False, capture_output=True, text=True, timeout=120)
+        # The hook loops until PID 1 is gone; the namespace's end then takes the hook's shell with it.
+        assert pod0.wait(timeout=30) is not None, hook_run
+        assert not os.path.exists(f"/proc/{agent}")
+        etcdctl = str(Path(find_etcd_binary()).with_name("etcdctl"))
+
+        def registered() -> list[str]:
+            out = cluster.lab.run("node-1", [etcdctl, f"--endpoints={cluster.endpoints}", "get", "--prefix",
+                                             "--keys-only", f"/spotrun/rdzv/{uid}/ctl/nodes/"],
+                                  env=cluster.base_env, timeout=10)
+            return [k for k in out.stdout.split() if k]
+
+        # Gone at once, not after its lease's TTL (3 s): the agent revoked it when it left on SIGTERM.
+        keys = registered()
+        assert not any(f"/{cluster.lab.hosts['node-0'].hostname}-" in k for k in keys), keys
+        assert any(f"/{cluster.lab.hosts['node-1'].hostname}-" in k for k in keys), keys
+    finally:
+        for proc in started:
+            cluster.lab.stop(proc)
