@@ -198,21 +198,27 @@ def _pod_env(c: Cluster, container: dict[str, Any], fields: dict[str, str], base
     return env
 
 
-def test_indexed_job_trains_against_the_etcd_cluster(cluster: Cluster) -> None:
+def _indexed_job_pods(c: Cluster, steps: int, ckpt: Path) -> list[tuple[str | None, list[str], dict[str, str]]]:
+    """(host, argv, env) of each of job.yaml's pods, one Job (one controller UID) per call."""
     job, container = _trainer_container(m.KUBERNETES / "job.yaml")
-    ckpt = cluster.root / "job-ckpt"
     uid = str(uuid.uuid4())
-    procs = []
+    pods: list[tuple[str | None, list[str], dict[str, str]]] = []
     for i in range(NODES):
-        host = cluster.lab.hosts[f"node-{i}"]
+        host = c.lab.hosts[f"node-{i}"]
         fields = {"status.podIP": host.addr,
                   "metadata.labels['batch.kubernetes.io/job-name']": job["metadata"]["name"],
                   "metadata.labels['batch.kubernetes.io/controller-uid']": uid}
         base = {"JOB_COMPLETION_INDEX": str(i), "HOSTNAME": f"{job['metadata']['name']}-{i}"}
-        env = _pod_env(cluster, container, fields, base, {"TRAIN_STEPS": str(STEPS), "CKPT_URI": str(ckpt)})
-        procs.append((f"node-{i}", m.container_argv(container, env), {**cluster.base_env, **env}))
+        env = _pod_env(c, container, fields, base, {"TRAIN_STEPS": str(steps), "CKPT_URI": str(ckpt)})
+        pods.append((f"node-{i}", m.container_argv(container, env), {**c.base_env, **env}))
+    return pods
+
+
+def test_indexed_job_trains_against_the_etcd_cluster(cluster: Cluster) -> None:
+    ckpt = cluster.root / "job-ckpt"
+    procs = _indexed_job_pods(cluster, STEPS, ckpt)
     # As written: the endpoint list names all three members.
-    assert procs[0][1][procs[0][1].index(f"--rdzv-endpoint={cluster.endpoints}")]
+    assert f"--rdzv-endpoint={cluster.endpoints}" in procs[0][1]
     _assert_trained(_run_all(cluster, procs, "job"), ckpt)
 
 
@@ -266,22 +272,17 @@ def test_prestop_hook_gives_the_agent_its_notice(cluster: Cluster) -> None:
     container) while training: the agent and its workers stop, and its registration leaves etcd."""
     if not cluster.lab.isolated:
         pytest.skip("needs namespaces: the agent must be PID 1 of its own PID namespace, as in a container")
-    job, container = _trainer_container(m.KUBERNETES / "job.yaml")
+    _, container = _trainer_container(m.KUBERNETES / "job.yaml")
     hook = container["lifecycle"]["preStop"]["exec"]["command"]
     ckpt = cluster.root / "prestop-ckpt"
-    uid = str(uuid.uuid4())
+    pods = _indexed_job_pods(cluster, 100_000_000, ckpt)
+    uid = m.flag_value(pods[0][1], "--rdzv-id")
     started = []
-    for i in range(NODES):
-        host = cluster.lab.hosts[f"node-{i}"]
-        fields = {"status.podIP": host.addr,
-                  "metadata.labels['batch.kubernetes.io/job-name']": job["metadata"]["name"],
-                  "metadata.labels['batch.kubernetes.io/controller-uid']": uid}
-        env = _pod_env(cluster, container, fields, {}, {"TRAIN_STEPS": "100000000", "CKPT_URI": str(ckpt)})
-        argv = m.container_argv(container, env)
+    for i, (host, argv, env) in enumerate(pods):
         if i == 0:  # the container's PID namespace: the agent is PID 1 (unshare forks it and waits)
             argv = ["unshare", "--pid", "--fork", "--mount-proc", *argv]
         with open(cluster.root / f"prestop-{i}.log", "wb") as log:
-            started.append(cluster.lab.popen(f"node-{i}", argv, env={**cluster.base_env, **env}, cwd=m.REPO, log=log))
+            started.append(cluster.lab.popen(host, argv, env=env, cwd=m.REPO, log=log))
     pod0 = started[0]
     try:
         _wait_for(lambda: (ckpt / "latest").exists(), 240, "the first committed checkpoint", cluster)
