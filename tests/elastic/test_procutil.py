@@ -7,14 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import elastic.workers
 from elastic.etcd_server import _die_with_parent
-from elastic.procutil import ORPHANED_EXIT_CODE, pid_exists
+from elastic.procutil import ORPHANED_EXIT_CODE
+from tests.harness.procs import reap, signal_all, wait_for
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux-only")]
 
@@ -39,23 +39,6 @@ def test_etcd_preexec_exits_when_the_launcher_died_before_arming() -> None:
     assert proc.wait(30) == ORPHANED_EXIT_CODE
 
 
-def _wait_dead(pid: int, timeout: float) -> int | None:
-    """Reap ``pid`` (re-parented to this session, a child subreaper) and return its wait status; None if
-    it was reaped by someone else (not our child)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            reaped, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            if not pid_exists(pid):
-                return None
-        else:
-            if reaped == pid:
-                return status
-        time.sleep(0.02)
-    raise AssertionError(f"pid {pid} still alive {timeout} s after its parent was SIGKILLed")
-
-
 def test_shim_child_is_killed_when_its_parent_is_sigkilled(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
     parent_code = (
@@ -67,22 +50,17 @@ def test_shim_child_is_killed_when_its_parent_is_sigkilled(tmp_path: Path) -> No
     parent = subprocess.Popen([sys.executable, "-c", parent_code])
     child = None
     try:
-        deadline = time.monotonic() + 30
-        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        child = int(pid_file.read_text())
-        # The shim execs `sleep` (same PID) once armed; wait for that so the signal is armed.
-        while time.monotonic() < deadline and not Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"sleep"):
-            time.sleep(0.02)
+        child = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), 30, "the parent to start the shim"))
+        # The shim execs `sleep` (same PID) once the signal is armed.
+        wait_for(lambda: Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"sleep"), 30, "the shim to exec")
         parent.kill()
         parent.wait(10)
-        status = _wait_dead(child, 10)
-        assert status is None or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL)
+        reap([child], 10)  # SIGKILLed by the kernel; without the death signal `sleep 60` would outlive this
         child = None
     finally:
         if parent.poll() is None:
             parent.kill()
             parent.wait(10)
-        if child is not None and pid_exists(child):
-            os.kill(child, signal.SIGKILL)
-            _wait_dead(child, 10)
+        if child is not None:
+            signal_all([child], signal.SIGKILL)
+            reap([child], 10)
