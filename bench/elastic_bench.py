@@ -164,33 +164,40 @@ def start_pair(kind: LauncherKind, endpoint: str, run_id: str, workdir: Path, ta
     return [first, Agent(kind.argv(endpoint, run_id, "1:2", 1, workdir), workdir / f"{tag}-b.log")]
 
 
+@contextlib.contextmanager
+def repetition(kind: LauncherKind, bar: tqdm, samples: Samples) -> Iterator[tuple[str, list[Agent]]]:
+    """One repetition as a fresh job: a fresh rendezvous endpoint, every agent added to the list closed at the
+    end, and a :class:`Timeout` counted as a failed repetition (``None`` in ``samples``) instead of raised."""
+    with rendezvous_endpoint(kind.name) as endpoint:
+        agents: list[Agent] = []
+        try:
+            yield endpoint, agents
+        except Timeout:
+            samples.values.append(None)
+        finally:
+            for agent in agents:
+                agent.close()
+            bar.update(1)
+
+
 def node_loss(kind: LauncherKind, workdir: Path, mode: str, reps: int, timeout: float, bar: tqdm) -> Samples:
     """Two agents train at world size 2; the second one and its workers are SIGKILLed/SIGSTOPped."""
     samples = Samples(limit=timeout)
     progress = workdir / "progress.jsonl"
     for rep in range(reps):
-        with rendezvous_endpoint(kind.name) as endpoint:
-            agents: list[Agent] = []
+        with repetition(kind, bar, samples) as (endpoint, agents):
+            agents += start_pair(kind, endpoint, f"loss-{mode}-{rep}", workdir, f"{mode}{rep}")
+            began = agents[0].started_at
+            wait_for(lambda: first_step(progress, after=began, world=2), 150, f"{kind.name}: two nodes to train")
+            victims = agents[1].snapshot_tree()
+            lost_at = time.time()
+            signal_all(victims, signal.SIGKILL if mode == "sigkill" else signal.SIGSTOP)
             try:
-                agents = start_pair(kind, endpoint, f"loss-{mode}-{rep}", workdir, f"{mode}{rep}")
-                began = agents[0].started_at
-                wait_for(lambda: first_step(progress, after=began, world=2), 150, f"{kind.name}: two nodes to train")
-                victims = agents[1].snapshot_tree()
-                lost_at = time.time()
-                signal_all(victims, signal.SIGKILL if mode == "sigkill" else signal.SIGSTOP)
-                try:
-                    at = wait_for_step(lambda: first_step(progress, after=lost_at, world=1, exclude_pids=set(victims)),
-                                       agents[:1], timeout, f"{mode} recovery")
-                    samples.values.append(None if at is None else at - lost_at)
-                except Timeout:
-                    samples.values.append(None)
-                signal_all(victims, signal.SIGKILL)
-            except Timeout:
-                samples.values.append(None)
+                at = wait_for_step(lambda: first_step(progress, after=lost_at, world=1, exclude_pids=set(victims)),
+                                   agents[:1], timeout, f"{mode} recovery")
+                samples.values.append(None if at is None else at - lost_at)
             finally:
-                for agent in agents:
-                    agent.close()
-                bar.update(1)
+                signal_all(victims, signal.SIGKILL)
     return samples
 
 
@@ -200,30 +207,22 @@ def scale_up(kind: LauncherKind, workdir: Path, reps: int, timeout: float, bar: 
     total, from_join, deaths = Samples(limit=timeout), Samples(limit=timeout), 0
     progress = workdir / "progress.jsonl"
     for rep in range(reps):
-        with rendezvous_endpoint(kind.name) as endpoint:
-            agents: list[Agent] = []
-            try:
-                agents.append(Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-a.log"))
-                began = agents[0].started_at
-                wait_for(lambda: first_step(progress, after=began, world=1), 150, f"{kind.name}: first agent to train")
-                second = Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-b.log")
-                agents.append(second)
-                at = wait_for_step(lambda: first_step(progress, after=second.started_at, world=2), agents, timeout,
-                                   "scale-up")
-                if at is None:
-                    total.values.append(None)
-                    deaths += 1
-                else:
-                    total.values.append(at - second.started_at)
-                    joined = first_join_time(workdir / "events.jsonl", second.pid, second.started_at)
-                    if joined is not None:
-                        from_join.values.append(at - joined)
-            except Timeout:
+        with repetition(kind, bar, total) as (endpoint, agents):
+            agents.append(Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-a.log"))
+            began = agents[0].started_at
+            wait_for(lambda: first_step(progress, after=began, world=1), 150, f"{kind.name}: first agent to train")
+            second = Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-b.log")
+            agents.append(second)
+            at = wait_for_step(lambda: first_step(progress, after=second.started_at, world=2), agents, timeout,
+                               "scale-up")
+            if at is None:
                 total.values.append(None)
-            finally:
-                for agent in agents:
-                    agent.close()
-                bar.update(1)
+                deaths += 1
+            else:
+                total.values.append(at - second.started_at)
+                joined = first_join_time(workdir / "events.jsonl", second.pid, second.started_at)
+                if joined is not None:
+                    from_join.values.append(at - joined)
     return total, from_join, deaths
 
 
