@@ -58,7 +58,14 @@ from .api import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from .etcd_client import EtcdConnection, WatchCanceledError, describe, is_transient, prefix_end
+from .etcd_client import (
+    EtcdConnection,
+    WatchCanceledError,
+    describe,
+    is_token_expired,
+    is_transient,
+    prefix_end,
+)
 from .state import Action, Decision, RoundRecord, Snapshot, decide, membership
 from .store import EtcdV3Store
 
@@ -644,6 +651,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                         self._mirror.loaded = False  # resync on the next attempt
                     raise WatchCanceledError(f"watch fell behind compaction at {response.compact_revision}")
                 if response.canceled:
+                    if "auth token" in response.cancel_reason:  # etcd refuses a watch with an expired token
+                        conn.call("renew the auth token", conn.renew_token)
                     raise WatchCanceledError(f"watch canceled by etcd: {response.cancel_reason}")
                 if response.events:
                     self._apply_events(response.events)
@@ -652,6 +661,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         except Exception as exc:
             if self._stop.is_set():
                 return
+            if is_token_expired(exc):
+                conn.call("renew the auth token", lambda: conn.renew_token(exc))
+                raise WatchCanceledError(f"watch refused: {describe(exc)}") from exc
             self._note_etcd_failure(exc)
             raise
         if not self._stop.is_set():
@@ -688,9 +700,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             except Exception as exc:  # noqa: BLE001 (keep refreshing; classify below)
                 if self._stop.is_set():
                     return
+                if is_token_expired(exc):
+                    self._renew_token_quietly(conn, exc)
+                    continue
                 if not is_transient(exc):
                     log.exception("%slease refresh failed unexpectedly", self._ctx())
                 self._note_etcd_failure(exc)
+
+    def _renew_token_quietly(self, conn: EtcdConnection, stale: BaseException) -> None:
+        """Renew the auth token from a background thread; a failure counts as etcd being unreachable."""
+        try:
+            conn.renew_token(stale)
+        except Exception as exc:  # noqa: BLE001 (the next refresh tries again)
+            self._note_etcd_failure(exc)
 
     # ================================================================== etcd health
     def _note_etcd_ok(self) -> None:
