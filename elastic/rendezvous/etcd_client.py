@@ -80,6 +80,18 @@ _TLS_MARKERS = ("ssl", "handshake", "certificate", "tls", "wrong_version_number"
 _TOKEN_MARKERS = ("invalid auth token", "revision of auth store is old", "auth token is expired")
 
 
+def grpc_error(exc: BaseException | None) -> grpc.RpcError | None:
+    """The grpc error behind ``exc``: python3-etcd3 replaces UNAVAILABLE & co. by its own detail-less
+    exceptions (``ConnectionFailedError``), raised while handling the grpc one."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
 def _grpc_code(exc: BaseException) -> grpc.StatusCode | None:
     return exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
 
@@ -98,6 +110,7 @@ def is_token_expired(exc: BaseException | None) -> bool:
 
 def is_tls_failure(exc: BaseException | None) -> bool:
     """The connection failed in the TLS handshake: retrying cannot help, the certificates must change."""
+    exc = grpc_error(exc)
     if exc is None or _grpc_code(exc) != grpc.StatusCode.UNAVAILABLE:
         return False
     details = _grpc_details(exc).lower()
@@ -106,9 +119,9 @@ def is_tls_failure(exc: BaseException | None) -> bool:
 
 def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: etcd unreachable, restarting, electing a leader, or overloaded."""
+    if is_tls_failure(exc):
+        return False
     if isinstance(exc, grpc.RpcError):
-        if is_tls_failure(exc):
-            return False
         code = exc.code() if hasattr(exc, "code") else None
         return code in _TRANSIENT_CODES
     if isinstance(exc, Etcd3Exception):
@@ -221,18 +234,20 @@ class EtcdConnection:
             return retrying(self._renewing_token(fn))
         except RetryError as exc:
             cause = exc.last_attempt.exception()
+            # A plaintext client talking to a TLS etcd only ever sees the socket closed.
+            tls_hint = (
+                " If etcd serves TLS, pass cacert (and cert/key) in --rdzv-conf."
+                if self.config.cacert is None and "socket closed" in describe(cause).lower()
+                else ""
+            )
             raise RendezvousConnectionError(
                 f"{self._context()}etcd at {self.config.endpoint_str} unreachable for {limit:.0f} s "
                 f"while trying to {what}: {describe(cause)}. Check that etcd is running and "
-                f"reachable, or raise etcd_timeout in --rdzv-conf."
+                f"reachable, or raise etcd_timeout in --rdzv-conf.{tls_hint}"
             ) from cause
-        except grpc.RpcError as exc:
+        except (grpc.RpcError, Etcd3Exception, ValueError) as exc:
             if is_tls_failure(exc):
-                raise RendezvousTLSError(tls_advice(self.config, self._context(), exc)) from exc
-            raise RendezvousConnectionError(
-                f"{self._context()}etcd at {self.config.endpoint_str} refused to {what}: {describe(exc)}"
-            ) from exc
-        except (Etcd3Exception, ValueError) as exc:
+                raise RendezvousTLSError(tls_advice(self.config, self._context(), grpc_error(exc))) from exc
             if isinstance(exc, ValueError) and not is_transient(exc):
                 raise
             raise RendezvousConnectionError(
@@ -339,7 +354,7 @@ def tls_advice(config: EtcdRendezvousConfig, context: str, exc: BaseException) -
         )
     else:
         hint = "check that cacert signed etcd's certificate and that etcd trusts the CA of cert"
-    return f"{context}TLS handshake with etcd at {config.endpoint_str} failed: {describe(exc)}. {hint}"
+    return f"{context}TLS handshake with etcd at {config.endpoint_str} failed: {describe(exc)}. Hint: {hint}"
 
 
 def describe(exc: BaseException | None) -> str:
@@ -347,4 +362,7 @@ def describe(exc: BaseException | None) -> str:
         return "unknown error"
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
+    behind = grpc_error(exc)
+    if behind is not None:
+        return f"{type(exc).__name__} ({describe(behind)})"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
