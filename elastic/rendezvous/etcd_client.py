@@ -108,6 +108,13 @@ def is_token_expired(exc: BaseException | None) -> bool:
     return any(marker in details for marker in _TOKEN_MARKERS)
 
 
+def is_auth_refusal(cancel_reason: str) -> bool:
+    """A watch canceled for its token: etcd says "invalid auth token", or, for a token it no longer knows
+    (a restarted etcd forgets simple tokens), "permission denied"."""
+    reason = cancel_reason.lower()
+    return "permission denied" in reason or any(marker in reason for marker in _TOKEN_MARKERS)
+
+
 def is_tls_failure(exc: BaseException | None) -> bool:
     """The connection failed in the TLS handshake: retrying cannot help, the certificates must change."""
     exc = grpc_error(exc)

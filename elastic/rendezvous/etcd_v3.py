@@ -68,6 +68,7 @@ from .etcd_client import (
     EtcdConnection,
     WatchCanceledError,
     describe,
+    is_auth_refusal,
     is_token_expired,
     is_transient,
     prefix_end,
@@ -117,6 +118,10 @@ class _Mirror:
     revision: int = 0
     """Highest etcd revision applied."""
     loaded: bool = False
+
+
+class _WatchTokenRenewed(WatchCanceledError):
+    """etcd refused the watch for its auth token, which has been renewed: watch again at once."""
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
@@ -183,6 +188,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._unreachable_since: float | None = None
         self._released = False
         self._connect_failed = False
+        self._watch_token_renewed = False
+        """The watch was refused and the token renewed; a second refusal in a row is fatal."""
         self._start_lock = threading.Lock()
         self._lease_lock = threading.Lock()
 
@@ -717,14 +724,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 stream.cancel()
                 return
             for response in stream:
+                if response.canceled and is_auth_refusal(response.cancel_reason):
+                    self._renew_token_for_watch(conn, response.cancel_reason)
+                    raise _WatchTokenRenewed(response.cancel_reason)
+                self._watch_token_renewed = False  # a fresh token got the watch through
                 self._note_etcd_ok()
                 if response.compact_revision:
                     with self._cond:
                         self._mirror.loaded = False  # resync on the next attempt
                     raise WatchCanceledError(f"watch fell behind compaction at {response.compact_revision}")
                 if response.canceled:
-                    if "auth token" in response.cancel_reason:  # etcd refuses a watch with an expired token
-                        conn.call("renew the auth token", conn.renew_token)
                     raise WatchCanceledError(f"watch canceled by etcd: {response.cancel_reason}")
                 if response.events:
                     self._apply_events(response.events)
@@ -733,13 +742,26 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         except Exception as exc:
             if self._stop.is_set():
                 return
+            if isinstance(exc, _WatchTokenRenewed):
+                raise
             if is_token_expired(exc):
-                conn.call("renew the auth token", lambda: conn.renew_token(exc))
-                raise WatchCanceledError(f"watch refused: {describe(exc)}") from exc
+                self._renew_token_for_watch(conn, describe(exc))
+                raise _WatchTokenRenewed(describe(exc)) from exc
             self._note_etcd_failure(exc)
             raise
         if not self._stop.is_set():
             raise WatchCanceledError("watch stream ended")
+
+    def _renew_token_for_watch(self, conn: EtcdConnection, reason: str) -> None:
+        """etcd refused the watch for its token (after a restart it says "permission denied"): renew once;
+        refused again with a fresh token, the user really lacks the permission and the job cannot go on."""
+        if self._watch_token_renewed:
+            raise RendezvousConnectionError(
+                f"{self._ctx()}etcd refuses to let user {self._config.user!r} watch {self._ctl!r} ({reason}), "
+                f"even with a fresh token: grant its role readwrite on the prefix {self._config.etcd_prefix!r}/"
+            )
+        conn.call("renew the auth token", conn.renew_token)
+        self._watch_token_renewed = True
 
     def _apply_events(self, events: Any) -> None:
         with self._cond:
