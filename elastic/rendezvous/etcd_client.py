@@ -350,7 +350,7 @@ class _TokenRenewed(Exception):
     """The auth token had expired and was renewed: retry the call at once."""
 
 
-def tls_advice(config: EtcdRendezvousConfig, context: str, exc: BaseException) -> str:
+def tls_advice(config: EtcdRendezvousConfig, context: str, exc: BaseException | None) -> str:
     """What a failed TLS handshake means for this configuration, and what to check."""
     if config.cacert is None:
         hint = "etcd seems to speak TLS: pass cacert (and cert/key if etcd checks client certificates) in --rdzv-conf"

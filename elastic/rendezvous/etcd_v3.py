@@ -573,7 +573,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 log.info("%srun id reused: cleared the keys of the ended job", self._ctx())
                 self._wait_mirror(lambda m: not m.closed, deadline)  # the deletes arrive in one watch response
             else:  # another newcomer cleared it, or a node registered: wait for that change, then look again
-                self._wait_mirror(lambda m: m.revision > seen, deadline)
+                self._wait_revision_after(seen, deadline)
 
     def _delete_ended_run(self, conn: EtcdConnection, closed_mod: int) -> bool:
         tx = conn.client.transactions
@@ -587,6 +587,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             "clear the ended run's keys", lambda: conn.client.transaction(compare=compare, success=success, failure=[])
         )
         return bool(ok)
+
+    def _wait_revision_after(self, revision: int, deadline: float) -> None:
+        self._wait_mirror(lambda m: m.revision > revision, deadline)
 
     def _wait_mirror(self, ready: Callable[[_Mirror], bool], deadline: float) -> None:
         """Block until the watch delivered a state with ``ready(mirror)`` (or ``deadline`` passed)."""

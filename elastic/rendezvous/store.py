@@ -187,7 +187,8 @@ class EtcdV3Store(Store):
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return False
             if is_token_expired(exc):
-                self._conn.call("renew the auth token", lambda: self._conn.renew_token(exc))
+                stale = exc
+                self._conn.call("renew the auth token", lambda: self._conn.renew_token(stale))
                 return False
             if not is_transient(exc):
                 raise

@@ -27,7 +27,7 @@ TOKEN_TTL = 3
 """etcd's --auth-token-ttl in these tests (etcd's default is 300 s): a simple token unused this long dies."""
 
 
-def _config(endpoint: str, **kw) -> EtcdRendezvousConfig:  # noqa: ANN003
+def _config(endpoint: str, **kw: object) -> EtcdRendezvousConfig:
     return make_config(endpoint, **kw)
 
 
@@ -73,7 +73,7 @@ def test_job_outliving_the_auth_token_survives_a_node_loss_and_an_etcd_restart(
     auth_etcd: EmbeddedEtcd, handlers, pool, caplog: pytest.LogCaptureFixture  # noqa: F811
 ) -> None:
     caplog.set_level(logging.INFO, logger="elastic.rendezvous")
-    conf = dict(min_nodes=1, max_nodes=3, user=USER, password=PASSWORD)
+    conf: dict[str, object] = {"min_nodes": 1, "max_nodes": 3, "user": USER, "password": PASSWORD}
     hs = [handlers(_config(auth_etcd.endpoint, **conf), node_id=f"n{i}") for i in range(2)]
     infos = rendezvous_all(pool, hs)
     infos[0].store.set("before", "1")
