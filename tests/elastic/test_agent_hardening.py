@@ -95,8 +95,10 @@ def test_missing_script_fails_like_torchrun(tmp_path: Path) -> None:
     theirs_s = time.monotonic() - began
     assert ours.returncode == theirs.returncode == 1
     assert "can't open file" in ours.stderr + ours.stdout and "can't open file" in theirs.stderr + theirs.stdout
-    # Same order of time as torchrun (which took ~2 s on an idle machine; spotrun took ~10 s before).
-    assert ours_s < theirs_s + 3.0, f"spotrun {ours_s:.1f} s vs torchrun {theirs_s:.1f} s"
+    # Same order of time as torchrun (idle machine: torchrun ~2 s, spotrun took ~10 s before: a forkserver
+    # importing torch for a script that cannot run, then the 5 s peer-loss grace). Relative, as the machine's
+    # load scales both.
+    assert ours_s < 1.5 * theirs_s + 2.0, f"spotrun {ours_s:.1f} s vs torchrun {theirs_s:.1f} s"
 
 
 # ------------------------------------------------------------------ python -m elastic.etcd_server
