@@ -37,7 +37,7 @@ def secure_etcd(certs: Certs) -> Iterator[EmbeddedEtcd]:
     if etcdctl is None:
         pytest.skip("etcdctl not found next to the etcd binary nor on PATH; it enables etcd auth")
     server = EmbeddedEtcd(tls=ServerTLS(certs.server_cert, certs.server_key, certs.ca),
-                          extra_args=[f"--auth-token-ttl={TOKEN_TTL}"])  # fmt: skip
+                          extra_args=["--auth-token=simple", f"--auth-token-ttl={TOKEN_TTL}"])  # fmt: skip
     try:
         server.start()
         enable_auth(etcdctl, server.endpoint, certs)

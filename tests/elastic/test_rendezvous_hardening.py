@@ -50,7 +50,7 @@ def etcdctl() -> str:
 @pytest.fixture
 def auth_etcd(etcdctl: str) -> Iterator[EmbeddedEtcd]:
     """etcd with auth enabled, simple tokens living TOKEN_TTL seconds, and the non-root user USER."""
-    server = EmbeddedEtcd(extra_args=[f"--auth-token-ttl={TOKEN_TTL}"])
+    server = EmbeddedEtcd(extra_args=["--auth-token=simple", f"--auth-token-ttl={TOKEN_TTL}"])
     try:
         server.start()
         enable_auth(etcdctl, server.endpoint)
@@ -98,6 +98,13 @@ def test_job_outliving_the_auth_token_survives_a_node_loss_and_an_etcd_restart(
     assert sorted(i.rank for i in infos) == [0, 1]
     infos[1].store.set("k", "v")
     assert infos[0].store.get("k") == b"v"  # a blocking store read (a watch) with a renewed token
+
+    # A real permission problem is not mistaken for an expired token: named at once, not retried.
+    outsider = handlers(_config(auth_etcd.endpoint, etcd_prefix="/not-granted", **conf))
+    began = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="permission denied"):
+        outsider.next_rendezvous()
+    assert time.monotonic() - began < 5.0
 
 
 # ------------------------------------------------------------------ run id reuse
