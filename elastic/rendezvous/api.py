@@ -48,10 +48,6 @@ class RendezvousConfigError(RendezvousError, ValueError):
     """A rendezvous parameter or ``--rdzv-conf`` key is unknown or has an invalid value."""
 
 
-class RendezvousTLSError(RendezvousConnectionError):
-    """The TLS handshake with etcd failed (wrong CA, missing or rejected client certificate, TLS vs plain)."""
-
-
 # Keys torch's launcher or other torch backends put into --rdzv-conf. We accept them so an existing
 # torchrun command line keeps working when only --rdzv-backend changes, but they have no effect here:
 # ``timeout`` is injected by torch's LaunchConfig (900) and, as in torch's dynamic rendezvous, is not
@@ -73,6 +69,10 @@ IGNORED_TORCH_KEYS: Final = frozenset(
 
 # Spellings used by torch's etcd-v2 backend, mapped to ours.
 KEY_ALIASES: Final = {"ca_cert": "cacert", "ssl_cert": "cert", "ssl_cert_key": "key"}
+
+
+class RendezvousTLSError(RendezvousConnectionError):
+    """The TLS handshake with etcd failed (wrong CA, missing or rejected client certificate, TLS vs plain)."""
 
 
 @dataclass(kw_only=True, slots=True)
