@@ -25,7 +25,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -81,14 +80,6 @@ def find_etcd_binary() -> str:
     )
 
 
-def _free_port(host: str) -> int:
-    """A port that was free a moment ago (the caller must tolerate losing the race for it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def _netloc(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -115,6 +106,14 @@ class ServerTLS:
         if self.trusted_ca_file is not None:
             result += [f"--trusted-ca-file={self.trusted_ca_file}", "--client-cert-auth"]
         return result
+
+
+def _free_port(host: str) -> int:
+    """A port that was free a moment ago (the caller must tolerate losing the race for it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def _die_with_parent() -> None:
@@ -149,7 +148,7 @@ class EmbeddedEtcd:
         client_port: int | None = None,
         data_dir: str | None = None,
         tls: ServerTLS | None = None,
-        extra_args: Sequence[str] = (),
+        extra_args: tuple[str, ...] | list[str] = (),
     ) -> None:
         if startup_timeout <= 0:
             raise ValueError(f"startup_timeout must be > 0 seconds, got {startup_timeout}")

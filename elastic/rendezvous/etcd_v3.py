@@ -112,9 +112,9 @@ class _Mirror:
     committed: RoundRecord | None = None
     committed_mod: int = 0
     """mod revision of the round key (0: none yet), compared by the commit transaction."""
-    closed: bool = False
     closed_mod: int = 0
     """mod revision of the closed key (0: open), compared when an ended run is cleared for reuse."""
+    closed: bool = False
     revision: int = 0
     """Highest etcd revision applied."""
     loaded: bool = False
@@ -668,7 +668,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 for number in [n for n in mirror.joins if n <= record.number]:
                     del mirror.joins[number]
             elif rel == "closed":
-                mirror.closed, mirror.closed_mod = True, mod_revision
+                mirror.closed_mod = mod_revision
+                mirror.closed = True
         except (ValueError, KeyError, TypeError) as exc:
             # Someone wrote garbage under our prefix: refuse to guess.
             self._fatal = RendezvousStateError(f"{self._ctx()}corrupt rendezvous key {key!r} in etcd: {exc}")
@@ -682,15 +683,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if committed is not None and node in committed.participants:
                 self._lost.setdefault(committed.number, set()).add(node)
                 log.warning("%sparticipant %s of round %d lost its lease", self._ctx(), node, committed.number)
+        elif rel == "round":  # an ended run was cleared for reuse: numbering starts again
+            mirror.committed, mirror.committed_mod = None, 0
         elif rel.startswith("join/"):
             number, _, node = rel[len("join/") :].partition("/")
             joins = mirror.joins.get(int(number))
             if joins is not None:
                 joins.pop(node, None)
         elif rel == "closed":
-            mirror.closed, mirror.closed_mod = False, 0
-        elif rel == "round":  # an ended run was cleared for reuse: numbering starts again
-            mirror.committed, mirror.committed_mod = None, 0
+            mirror.closed_mod = 0
+            mirror.closed = False
 
     def _watch_loop(self) -> None:
         retrying = Retrying(
