@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cert-file", default=None, help="PEM server certificate (enables TLS)")
     parser.add_argument("--key-file", default=None, help="PEM key of --cert-file")
     parser.add_argument("--trusted-ca-file", default=None, help="CA of client certificates (enables client-cert auth)")
-    parser.add_argument("--fsync", action="store_true", help="fsync writes (off by default: faster, for tests)")
+    parser.add_argument("--fsync", action="store_true",
+                        help="fsync writes (on with --data-dir, whose data outlives the process; off otherwise: faster)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     if (args.cert_file is None) != (args.key_file is None):
@@ -436,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         tls = ServerTLS(args.cert_file, args.key_file, args.trusted_ca_file) if args.cert_file else None
         server = EmbeddedEtcd(
             host=args.host, client_port=args.port, data_dir=args.data_dir, tls=tls,
-            die_with_parent=True, unsafe_no_fsync=not args.fsync,
+            die_with_parent=True, unsafe_no_fsync=not (args.fsync or args.data_dir),
         )
     except EtcdServerError as exc:
         parser.error(str(exc))
