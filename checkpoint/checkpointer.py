@@ -15,27 +15,23 @@ can never interleave with the training's own collectives.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from checkpoint.api import (
-    JSON,
     COMMIT_FILE,
-    ChunkKey,
+    JSON,
     CheckpointConfigError,
     CheckpointError,
     CheckpointNotFoundError,
+    ChunkKey,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     RankObjectsRecord,
@@ -45,9 +41,16 @@ from checkpoint.api import (
     rank_objects_file_name,
     step_dir,
 )
+from checkpoint.collective import open_collectives
 from checkpoint.commit import commit_step, merge_records, rank_objects_payload
 from checkpoint.config import CheckpointConfig
-from checkpoint.discover import latest_good_step, list_steps, read_objects, read_rank_objects, validate_step
+from checkpoint.discover import (
+    latest_good_step,
+    list_steps,
+    read_objects,
+    read_rank_objects,
+    validate_step,
+)
 from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.retention import delete_step, steps_to_delete
 from checkpoint.shard import ShardLayout, read_requests
@@ -98,16 +101,10 @@ class Checkpointer:
             thread_nice=c.writer_nice,
             writeback_bytes=c.writeback_bytes,
         )
-        self.rank, self.world_size = 0, 1
-        self._fg_group: Any = None
-        self._bg_group: Any = None
-        if dist.is_available() and dist.is_initialized():
-            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-            self.rank = dist.get_rank(process_group)
-            self.world_size = dist.get_world_size(process_group)
-            if self.world_size > 1:
-                self._fg_group = dist.new_group(ranks=ranks, backend="gloo", timeout=c.collective_timeout)
-                self._bg_group = dist.new_group(ranks=ranks, backend="gloo", timeout=c.collective_timeout)
+        self._fg, self._bg = open_collectives(process_group, c.collective_timeout, 2)
+        """Foreground (training thread: vote, item metadata, step choice) and background (writer thread:
+        records gather, commit outcome) collectives."""
+        self.rank, self.world_size = self._fg.rank, self._fg.world_size
         self._writer_proc: WriterProcess | None = None
         if c.writer == "process":
             self._writer_proc = self._start_writer_process()
@@ -223,11 +220,8 @@ class Checkpointer:
     def _vote(self, busy: bool, changed: bool, bad: bool = False) -> tuple[bool, bool, bool]:
         """Agree across ranks whether any rank is busy / has new items / refuses this save (so all take the
         same branch)."""
-        if self._fg_group is None:
-            return busy, changed, bad
-        flags = torch.tensor([int(busy), int(changed), int(bad)], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._fg_group)
-        return bool(flags[0]), bool(flags[1]), bool(flags[2])
+        any_busy, any_changed, any_bad = self._fg.any(busy, changed, bad)
+        return any_busy, any_changed, any_bad
 
     def _rank_objects_payload(self, flat: FlatState, step: int) -> tuple[str, bytes, list[str]] | None:
         """This rank's per-rank objects file (name, bytes, keys), encoded now so the save snapshots it;
@@ -239,16 +233,11 @@ class Checkpointer:
 
     def _replan(self, flat: FlatState) -> None:
         """Gather every rank's item metadata once, decide who writes what, lay out this rank's files."""
-        mine = [(i.key, i.nbytes, i.replicated) for i in flat.items]
-        if self._fg_group is None:
-            everyone = [mine]
-        else:
-            payload = json.dumps([[k.fqn, list(k.offsets), list(k.lengths), n, r] for k, n, r in mine])
-            gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, payload, group=self._fg_group)
-            everyone = [
-                [(ChunkKey(f, tuple(o), tuple(ln)), n, r) for f, o, ln, n, r in json.loads(p)] for p in gathered
-            ]
+        mine = [[i.key.fqn, list(i.key.offsets), list(i.key.lengths), i.nbytes, i.replicated] for i in flat.items]
+        everyone = [
+            [(ChunkKey(f, tuple(o), tuple(ln)), n, r) for f, o, ln, n, r in theirs]
+            for theirs in self._fg.all_gather(mine)
+        ]
         writes = set(assign_writers(everyone)[self.rank])
         indices = [i for i, item in enumerate(flat.items) if item.key in writes]
         self._layouts = plan_files(
@@ -335,7 +324,7 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 - reported to every rank
                 commit_error = exc
                 outcome = str(exc)
-        outcome = self._collective("outcome broadcast", step, self._broadcast_outcome, outcome)
+        outcome = self._collective("outcome broadcast", step, self._bg.broadcast, outcome)
         if self.rank == 0 and outcome is None:
             self._apply_retention(step)  # after the broadcast: other ranks need not wait for deletions
         if local_error is not None:
@@ -359,20 +348,8 @@ class Checkpointer:
             raise CheckpointError(f"step {step} not committed: {self._broken}") from exc
 
     def _gather_records(self, records: RankRecords) -> list[RankRecords] | None:
-        if self._bg_group is None:
-            return [records]
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(json.dumps(records.to_json()), gathered, group=self._bg_group, group_dst=0)
-        if gathered is None:
-            return None
-        return [RankRecords.from_json(json.loads(g)) for g in gathered]
-
-    def _broadcast_outcome(self, outcome: str | None) -> str | None:
-        if self._bg_group is None:
-            return outcome
-        box = [outcome]
-        dist.broadcast_object_list(box, group=self._bg_group, group_src=0)
-        return box[0]
+        gathered = self._bg.gather(records.to_json())
+        return None if gathered is None else [RankRecords.from_json(g) for g in gathered]
 
     def _apply_retention(self, committed_step: int) -> None:
         try:
@@ -482,15 +459,11 @@ class Checkpointer:
         silently lose progress)."""
         damaged = isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError))  # NotFound: deleted meanwhile
         mine = _LOAD_OK if error is None else _LOAD_DAMAGED if damaged else _LOAD_FAILED
-        if self._fg_group is None:
-            return mine
-        box = torch.tensor([mine], dtype=torch.int64)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._fg_group)
-        return int(box.item())
+        return self._fg.max(mine)
 
     def _agree_on_older_step(self, below: int) -> int | None:
         """Rank 0 picks the newest good step older than ``below``; every rank gets its choice."""
-        return self._rank0_decides(lambda: latest_good_step(self.storage, below=below))
+        return self._fg.rank0_decides(lambda: latest_good_step(self.storage, below=below))
 
     def _saved_as_shared(self, manifest: Any, state: Mapping[str, Any], shared: dict[str, JSON]) -> set[str]:
         """Per-rank keys of the live state that ``manifest``'s step saved as shared state (it predates per-rank
@@ -545,15 +518,7 @@ class Checkpointer:
         """Rank 0 picks the step (so all ranks load the same one even if a commit lands meanwhile)."""
         if step is not None:
             return step
-        return self._rank0_decides(self.latest)
-
-    def _rank0_decides(self, pick: Callable[[], int | None]) -> int | None:
-        """``pick()`` on rank 0, its result on every rank (one broadcast on the foreground group)."""
-        if self._fg_group is None:
-            return pick()
-        box: list[Any] = [pick() if self.rank == 0 else None]
-        dist.broadcast_object_list(box, group=self._fg_group, group_src=0)
-        return box[0]
+        return self._fg.rank0_decides(self.latest)
 
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
