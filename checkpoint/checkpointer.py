@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 import zlib
 from collections.abc import Mapping
@@ -28,13 +27,14 @@ from typing import Any
 from checkpoint.api import (
     COMMIT_FILE,
     JSON,
-    CheckpointConfigError,
     CheckpointError,
     CheckpointNotFoundError,
     ChunkKey,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     RankObjectsRecord,
+    RankRecords,
+    ShardWriter,
     SaveInProgressError,
     crash_point,
     per_rank_source,
@@ -54,10 +54,9 @@ from checkpoint.discover import (
 from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.retention import delete_step, steps_to_delete
 from checkpoint.shard import ShardLayout, read_requests
-from checkpoint.staging import Stager
 from checkpoint.state import FlatState, apply, flatten, per_rank_entries
-from checkpoint.storage import RetryPolicy, Storage, lower_thread_priority
-from checkpoint.writer import RankRecords, WriterProcess, plan_files, write_rank_files
+from checkpoint.storage import StorageSpec, lower_thread_priority
+from checkpoint.writer import open_writer, plan_files
 
 logger = logging.getLogger(__name__)
 
@@ -90,28 +89,13 @@ class Checkpointer:
     ) -> None:
         self.config = config or CheckpointConfig()
         c = self.config
-        self.storage = Storage(
-            uri,
-            storage_options=c.storage_options,
-            retry=RetryPolicy(
-                max_attempts=c.max_retries, timeout=c.retry_timeout, max_wait=c.retry_max_wait, sleep=sleep
-            ),
-            upload_threads=c.writer_threads,
-            multipart_chunk_bytes=c.multipart_chunk_bytes,
-            thread_nice=c.writer_nice,
-            writeback_bytes=c.writeback_bytes,
-        )
+        spec = StorageSpec.from_config(uri, c)
+        self.storage = spec.open(sleep=sleep)
         self._fg, self._bg = open_collectives(process_group, c.collective_timeout, 2)
         """Foreground (training thread: vote, item metadata, step choice) and background (writer thread:
         records gather, commit outcome) collectives."""
         self.rank, self.world_size = self._fg.rank, self._fg.world_size
-        self._writer_proc: WriterProcess | None = None
-        if c.writer == "process":
-            self._writer_proc = self._start_writer_process()
-        shared = None
-        if self._writer_proc is not None:  # page-cache-free shared memory where there is some
-            shared = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        self._stager = Stager(shared_dir=shared)
+        self._writer: ShardWriter = open_writer(c, self.storage, spec, self.rank)
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix="ckpt-bg", initializer=lower_thread_priority, initargs=(c.writer_nice,)
         )
@@ -125,27 +109,6 @@ class Checkpointer:
         the sequence of collectives, so this Checkpointer refuses further saves and loads."""
         self.last_stage_seconds = 0.0
         """Wall time the last ``save`` blocked the caller (flatten + vote + staging copy)."""
-
-    def _start_writer_process(self) -> WriterProcess:
-        if type(self.storage.fs).__name__ == "MemoryFileSystem":
-            raise CheckpointConfigError(
-                'writer="process" cannot write to memory:// (that filesystem lives inside this process); '
-                'use writer="thread"'
-            )
-        c = self.config
-        return WriterProcess(
-            uri=self.storage.uri,
-            storage_options=c.storage_options,
-            retry={
-                "max_attempts": c.max_retries,
-                "timeout": c.retry_timeout.total_seconds(),
-                "max_wait": c.retry_max_wait.total_seconds(),
-            },
-            upload_threads=c.writer_threads,
-            multipart_chunk_bytes=c.multipart_chunk_bytes,
-            nice=c.writer_nice,
-            writeback_bytes=c.writeback_bytes,
-        )
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.storage.display()!r}, rank={self.rank}/{self.world_size})"
@@ -184,23 +147,11 @@ class Checkpointer:
         if any_changed:
             self._replan(flat)
             self._signature = signature
-        if self._writer_proc is not None and not self._writer_proc.alive:
-            logger.warning(
-                "[rank %d] checkpoint writer process %d died; starting a new one", self.rank, self._writer_proc.proc.pid
-            )
-            self._writer_proc.close()
-            self._writer_proc = self._start_writer_process()
-            self._stager.release()  # the new process must map fresh buffers
-        buffers = self._stager.stage(self._layouts, flat.items)
-        if self._writer_proc is not None and self._stager.shared_paths:
-            self._writer_proc.attach(self._stager.shared_paths)  # new buffers: let the writer map them,
-            self._stager.unlink_shared()  # then drop their names so a crash leaves nothing in /dev/shm
+        buffers = self._writer.stage(self._layouts, flat.items)
         objects = flat.objects if self.rank == 0 else None
         self.last_stage_seconds = time.perf_counter() - started
         logger.debug("[rank %d step %d] staged in %.3fs", self.rank, step, self.last_stage_seconds)
         self._in_flight = step
-        if self._writer_proc is not None:
-            buffers = []  # the writer process reads its own mapping; keep no views of ours alive
         self._future = self._executor.submit(
             self._write_and_commit, step, list(self._layouts), buffers, objects, rank_payload
         )
@@ -273,27 +224,7 @@ class Checkpointer:
                     f"step {step} is already committed at {self.storage.display(rel)}; a committed step is never overwritten"
                 )
             self.storage.makedirs(rel)
-            if self._writer_proc is not None:
-                records = self._writer_proc.write(
-                    rel,
-                    layouts,
-                    block_bytes=self.config.checksum_block_bytes,
-                    rank=self.rank,
-                    threads=self.config.writer_threads,
-                )
-                if records.error:
-                    raise CheckpointError(records.error)
-            else:
-                records = write_rank_files(
-                    self.storage,
-                    rel,
-                    layouts,
-                    buffers,
-                    block_bytes=self.config.checksum_block_bytes,
-                    rank=self.rank,
-                    threads=self.config.writer_threads,
-                    nice=self.config.writer_nice,
-                )
+            records = self._writer.write(rel, layouts, buffers)
             if rank_payload is not None:
                 name, data, keys = rank_payload
                 self.storage.write_bytes(f"{rel}/{name}", data)  # atomic and durable, like a shard
@@ -538,10 +469,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            self._writer.close()
             self.storage.close()
-            if self._writer_proc is not None:
-                self._writer_proc.close()
-            self._stager.release()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -41,7 +41,7 @@ from checkpoint.api import (
 )
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
-from checkpoint.writer import RankRecords
+from checkpoint.api import RankRecords
 
 logger = logging.getLogger(__name__)
 
