@@ -28,9 +28,7 @@ from checkpoint.api import (
     COMMIT_FILE,
     JSON,
     CheckpointError,
-    CheckpointNotFoundError,
     ChunkKey,
-    CorruptCheckpointError,
     IncompatibleCheckpointError,
     RankObjectsRecord,
     RankRecords,
@@ -46,23 +44,19 @@ from checkpoint.commit import commit_step, merge_records, rank_objects_payload
 from checkpoint.config import CheckpointConfig
 from checkpoint.discover import (
     latest_good_step,
-    list_steps,
     read_objects,
     read_rank_objects,
     validate_step,
 )
 from checkpoint.plan import assign_writers, plan_reads
-from checkpoint.retention import delete_step, steps_to_delete
+from checkpoint.fallback import LoadOutcome, load_with_fallback
+from checkpoint.retention import apply_retention
 from checkpoint.shard import ShardLayout, read_requests
 from checkpoint.state import FlatState, apply, flatten, per_rank_entries
 from checkpoint.storage import StorageSpec, lower_thread_priority
 from checkpoint.writer import open_writer, plan_files
 
 logger = logging.getLogger(__name__)
-
-
-_LOAD_OK, _LOAD_DAMAGED, _LOAD_FAILED = 0, 1, 2
-"""A load attempt's outcome, ordered so the max over ranks is the worst."""
 
 
 class Checkpointer:
@@ -257,7 +251,8 @@ class Checkpointer:
                 outcome = str(exc)
         outcome = self._collective("outcome broadcast", step, self._bg.broadcast, outcome)
         if self.rank == 0 and outcome is None:
-            self._apply_retention(step)  # after the broadcast: other ranks need not wait for deletions
+            apply_retention(self.storage, step, keep_last=self.config.keep_last, keep_every=self.config.keep_every)
+            # after the broadcast: other ranks need not wait for deletions
         if local_error is not None:
             raise local_error
         if commit_error is not None:
@@ -282,22 +277,6 @@ class Checkpointer:
         gathered = self._bg.gather(records.to_json())
         return None if gathered is None else [RankRecords.from_json(g) for g in gathered]
 
-    def _apply_retention(self, committed_step: int) -> None:
-        try:
-            crash_point("retention.before")
-            listing = list_steps(self.storage)
-            doomed = steps_to_delete(
-                listing.committed,
-                listing.uncommitted,
-                keep_last=self.config.keep_last,
-                keep_every=self.config.keep_every,
-                in_flight=committed_step,
-            )
-            for step in doomed:
-                delete_step(self.storage, step)
-        except CheckpointError as exc:  # the new step is committed; failing to prune must not undo that
-            logger.warning("[step %d] retention failed (old steps kept): %s", committed_step, exc)
-
     # ------------------------------------------------------------------ discover / load
     def latest(self) -> int | None:
         """Newest committed step that is intact (uncommitted and corrupt steps are skipped), or None."""
@@ -318,36 +297,15 @@ class Checkpointer:
         if chosen is None:
             logger.info("[rank %d] no checkpoint at %s; starting fresh", self.rank, self.storage.display())
             return None
-        while True:
-            error: BaseException | None = None
-            try:
-                self._load_step(state, chosen)
-            except Exception as exc:  # noqa: BLE001 - voted on below, then re-raised or recovered from
-                error = exc
-            verdict = self._load_verdict(error)
-            if verdict == _LOAD_OK:
-                return chosen
-            if verdict == _LOAD_FAILED or step is not None:
-                if error is not None:
-                    raise error
-                raise CheckpointError(f"rank {self.rank}: loading step {chosen} failed on another rank (see its error)")
-            older = self._agree_on_older_step(chosen)
-            if older is None:
-                if error is not None:
-                    raise error
-                raise CorruptCheckpointError(
-                    f"step {chosen} at {self.storage.display()} is damaged (see the failing rank's error) "
-                    f"and no older good step exists"
-                )
-            logger.warning(
-                "[rank %d] step %d at %s is damaged (%s); falling back to step %d",
-                self.rank,
-                chosen,
-                self.storage.display(),
-                error if error is not None else "found by another rank",
-                older,
-            )
-            chosen = older
+        return load_with_fallback(
+            chosen,
+            step_named=step is not None,
+            attempt=lambda at: self._load_step(state, at),
+            worst=lambda mine: LoadOutcome(self._fg.max(mine)),
+            older_step=lambda below: self._fg.rank0_decides(lambda: latest_good_step(self.storage, below=below)),
+            where=self.storage.display(),
+            rank=self.rank,
+        )
 
     def _load_step(self, state: Mapping[str, Any], chosen: int) -> None:
         started = time.perf_counter()
@@ -383,18 +341,6 @@ class Checkpointer:
         if self.storage.is_local:
             return max(1, min(self.config.writer_threads, os.cpu_count() or 1))
         return self.config.writer_threads
-
-    def _load_verdict(self, error: BaseException | None) -> int:
-        """Worst outcome over ranks: OK, DAMAGED (data of this step is corrupt: an older step may do) or
-        FAILED (anything else: wrong state, storage unreachable; an older step would not help, or would
-        silently lose progress)."""
-        damaged = isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError))  # NotFound: deleted meanwhile
-        mine = _LOAD_OK if error is None else _LOAD_DAMAGED if damaged else _LOAD_FAILED
-        return self._fg.max(mine)
-
-    def _agree_on_older_step(self, below: int) -> int | None:
-        """Rank 0 picks the newest good step older than ``below``; every rank gets its choice."""
-        return self._fg.rank0_decides(lambda: latest_good_step(self.storage, below=below))
 
     def _saved_as_shared(self, manifest: Any, state: Mapping[str, Any], shared: dict[str, JSON]) -> set[str]:
         """Per-rank keys of the live state that ``manifest``'s step saved as shared state (it predates per-rank
