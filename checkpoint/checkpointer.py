@@ -32,8 +32,8 @@ from checkpoint.api import (
     IncompatibleCheckpointError,
     RankObjectsRecord,
     RankRecords,
-    ShardWriter,
     SaveInProgressError,
+    ShardWriter,
     crash_point,
     per_rank_source,
     rank_objects_file_name,
@@ -48,8 +48,8 @@ from checkpoint.discover import (
     read_rank_objects,
     validate_step,
 )
-from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.fallback import LoadOutcome, load_with_fallback
+from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.retention import apply_retention
 from checkpoint.shard import ShardLayout, read_requests
 from checkpoint.state import FlatState, apply, flatten, per_rank_entries

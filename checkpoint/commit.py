@@ -35,13 +35,13 @@ from checkpoint.api import (
     CommitMarker,
     Manifest,
     RankObjectsRecord,
+    RankRecords,
     TensorRecord,
     crash_point,
     step_dir,
 )
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
-from checkpoint.api import RankRecords
 
 logger = logging.getLogger(__name__)
 

@@ -29,44 +29,11 @@ from checkpoint.api import (
     crash_point,
 )
 from checkpoint.checksum import crc32, crc32_combine
+from checkpoint.dtypes import torch_dtype
 from checkpoint.plan import chunk_view
 from checkpoint.storage import Sink, Storage
 
 logger = logging.getLogger(__name__)
-
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise CorruptCheckpointError(f"unknown safetensors dtype {name!r}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise TypeError(f"dtype {dtype} cannot be stored in safetensors") from None
-
 
 # --------------------------------------------------------------------------- layout
 def chunk_name(key: ChunkKey, global_shape: Sequence[int]) -> str:
