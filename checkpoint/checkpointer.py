@@ -34,11 +34,11 @@ from checkpoint.api import (
     RankRecords,
     SaveInProgressError,
     ShardWriter,
-    crash_point,
     per_rank_source,
     rank_objects_file_name,
     step_dir,
 )
+from checkpoint.faults import crash_point
 from checkpoint.collective import open_collectives
 from checkpoint.commit import commit_step, merge_records, rank_objects_payload
 from checkpoint.config import CheckpointConfig

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from checkpoint.api import COMMIT_FILE, CheckpointError, crash_point, step_dir
+from checkpoint.api import COMMIT_FILE, CheckpointError, step_dir
+from checkpoint.faults import crash_point
 from checkpoint.discover import list_steps
 from checkpoint.storage import Storage
 

@@ -23,11 +23,10 @@ import torch
 from checkpoint.api import (
     ChunkKey,
     ChunkRecord,
-    CorruptCheckpointError,
     FileRecord,
     ReadRequest,
-    crash_point,
 )
+from checkpoint.faults import crash_point
 from checkpoint.checksum import crc32, crc32_combine
 from checkpoint.dtypes import torch_dtype
 from checkpoint.plan import chunk_view
@@ -159,21 +158,6 @@ def write_shard(
 
 
 # --------------------------------------------------------------------------- reading
-def read_header(storage: Storage, rel: str) -> tuple[int, dict[str, Any]]:
-    """(data start offset, parsed JSON header) of a safetensors file."""
-    prefix = storage.read_range(rel, 0, 8)
-    if len(prefix) < 8:
-        raise CorruptCheckpointError(f"{storage.display(rel)} is truncated (no safetensors header)", file=rel)
-    (n,) = struct.unpack("<Q", prefix)
-    if n > 100 << 20:
-        raise CorruptCheckpointError(f"{storage.display(rel)} has an implausible header length {n}", file=rel)
-    raw = storage.read_range(rel, 8, 8 + n)
-    try:
-        return 8 + n, json.loads(raw)
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{storage.display(rel)} has an unreadable header: {exc}", file=rel) from exc
-
-
 def bytes_as_tensor(data: bytes | bytearray | memoryview, dtype: str) -> torch.Tensor:
     """A flat tensor of ``dtype`` over ``data`` without copying (read-only use)."""
     if len(data) == 0:

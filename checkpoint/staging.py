@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from checkpoint.api import TensorItem, crash_point
+from checkpoint.api import TensorItem
+from checkpoint.faults import crash_point
 from checkpoint.dtypes import torch_dtype
 from checkpoint.shard import ShardLayout
 

@@ -409,14 +409,8 @@ class Storage:
 
         self._call("write", rel, attempt)
 
-    def open_sink(self, rel: str) -> Sink:
-        """A streaming writer for a large file (not retried here: the caller retries the whole file)."""
-        try:
-            return self._open_sink(rel)
-        except _FOREIGN as exc:
-            raise self.error("write", rel, exc) from exc
-
     def _open_sink(self, rel: str) -> Sink:
+        """The backend's Sink for ``rel``; only ``write_bytes`` and ``write_stream`` use it (they retry it)."""
         if self.is_local:
             return _LocalAtomicSink(self.full(rel), self.writeback_bytes)
         if self.is_s3:

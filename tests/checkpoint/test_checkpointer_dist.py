@@ -143,7 +143,8 @@ def _hung_peer_worker(rank: int, world: int, uri: str) -> dict[str, Any]:
     import time
     from datetime import timedelta
 
-    from checkpoint.api import CRASH_AT_ENV, CheckpointError
+    from checkpoint.api import CheckpointError
+    from checkpoint.faults import CRASH_AT_ENV
     from checkpoint.config import CheckpointConfig
 
     from torch.distributed.device_mesh import init_device_mesh
