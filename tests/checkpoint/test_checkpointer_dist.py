@@ -12,7 +12,8 @@ import torch
 from checkpoint.api import step_dir
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.storage import Storage
-from tests.checkpoint.dist_helpers import run_workers, shutdown_launcher
+from tests.harness.dist import run_workers
+from tests.harness.dist import shutdown as shutdown_launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -33,7 +33,8 @@ from checkpoint.cli import main
 from checkpoint.discover import validate_step
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
-from tests.checkpoint.dist_helpers import run_workers, shutdown_launcher
+from tests.harness.dist import run_workers
+from tests.harness.dist import shutdown as shutdown_launcher
 
 pytestmark = pytest.mark.timeout(60)
 
