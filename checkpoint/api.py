@@ -373,27 +373,6 @@ ON_RESIZE_RULES = ("rank_modulo", "rank0", "skip")
 """What a ``PerRank`` entry loads when the world size changed since the save (see ``per_rank_source``)."""
 
 
-def per_rank_source(rank: int, world_size: int, saved_world_size: int, on_resize: str) -> int | None:
-    """The saved rank whose copy of a per-rank entry ``rank`` loads, or None to leave the live value as is.
-
-    At the saving world size every rank gets its own copy whatever the rule. Otherwise ``rank_modulo``
-    (default) gives rank r the copy of saved rank ``r % saved_world_size`` (its own while r < saved world
-    size; when shrinking, the copies of saved ranks >= world size are dropped), ``rank0`` gives every rank
-    saved rank 0's copy, ``skip`` keeps the live value.
-    """
-    if on_resize not in ON_RESIZE_RULES:
-        raise ValueError(f"on_resize={on_resize!r} is not one of {ON_RESIZE_RULES}")
-    if saved_world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"bad rank/world sizes: rank={rank} world_size={world_size} saved_world_size={saved_world_size}")
-    if world_size == saved_world_size:
-        return rank
-    if on_resize == "skip":
-        return None
-    if on_resize == "rank0":
-        return 0
-    return rank % saved_world_size
-
-
 @dataclass(slots=True)
 class CommitMarker:
     """Content of ``.commit``: written last; ties the step to the exact manifest bytes it commits."""
