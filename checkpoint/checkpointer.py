@@ -1,16 +1,25 @@
-"""The Checkpointer: async sharded saves, loads at any world size.
+"""The Checkpointer: async sharded saves, loads at any world size. It orchestrates; each rule lives in its
+own module.
 
 Save (per rank): ``flatten`` the state -> decide who writes what (``plan.assign_writers``, recomputed only
-when the items change) -> ``Stager`` copies the pieces this rank writes into reused host buffers (the only
-time the training step blocks) -> a background thread writes this rank's shard files and its per-rank objects
-file (``PerRank`` entries, encoded at ``save`` time), gathers every rank's records on rank 0 over a dedicated
-gloo group, and rank 0 commits (see ``checkpoint.commit``). ``load`` gives each rank its own per-rank entries
-back (at another world size, the copy ``per_rank.per_rank_source`` names).
+when the items change) -> the ``ShardWriter`` (``writer.open_writer``: thread or process, chosen once)
+stages the pieces this rank writes into reused host buffers (the only time the training step blocks) -> a
+background thread has it write this rank's shard files, writes its per-rank objects file (``PerRank``
+entries, encoded at ``save`` time), gathers every rank's records on rank 0, and rank 0 commits (see
+``checkpoint.commit``) and prunes (``retention.apply_retention``).
 
-Two gloo groups are created at construction (collective, same order on all ranks): a foreground one for
-the cheap per-save vote and the item metadata gather (training thread), and a background one for the
-commit (writer thread). Neither is the training's default group, so a collective the writer thread runs
-can never interleave with the training's own collectives.
+Load: rank 0 picks the step -> ``discover.validate_step`` -> ``plan.plan_reads`` -> ``shard.read_requests``
+(verified by ``verify``) -> ``state.apply``; per-rank entries come back through ``per_rank``; damage found
+while reading falls back to an older step as ``fallback`` decides.
+
+Collectives go through two ``collective.Collective`` objects created at construction (collective, same
+order on all ranks): a foreground one for the cheap per-save vote, the item metadata gather and the step
+choices (training thread), and a background one for the commit (writer thread). Neither is the training's
+default group, so a collective the writer thread runs can never interleave with the training's own.
+
+Seams for what comes next: a save triggered by a preemption notice is ``save`` + ``wait`` (or a new
+``ShardWriter``); hardening the readers is ``discover``, ``shard``, ``verify`` and ``per_rank``, not this
+class.
 """
 
 from __future__ import annotations
@@ -125,7 +134,8 @@ class Checkpointer:
             state_error = None
         signature = tuple((i.key, i.dtype, tuple(i.global_shape), i.replicated) for i in flat.items)
         busy = self._future is not None and not self._future.done()
-        any_busy, any_changed, any_bad = self._vote(busy, signature != self._signature, state_error is not None)
+        # every rank takes the same branch: busy / new items / refused anywhere
+        any_busy, any_changed, any_bad = self._fg.any(busy, signature != self._signature, state_error is not None)
         if any_bad:  # every rank raises, so none is left waiting in the commit's collectives
             if state_error is not None:
                 raise state_error
@@ -159,12 +169,6 @@ class Checkpointer:
             future.result()
         finally:
             self._in_flight = None
-
-    def _vote(self, busy: bool, changed: bool, bad: bool = False) -> tuple[bool, bool, bool]:
-        """Agree across ranks whether any rank is busy / has new items / refuses this save (so all take the
-        same branch)."""
-        any_busy, any_changed, any_bad = self._fg.any(busy, changed, bad)
-        return any_busy, any_changed, any_bad
 
     def _rank_objects_payload(self, flat: FlatState, step: int) -> tuple[str, bytes, list[str]] | None:
         """This rank's per-rank objects file (name, bytes, keys), encoded now so the save snapshots it;
