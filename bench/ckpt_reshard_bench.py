@@ -30,15 +30,15 @@ import io
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
-import sys
 from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.harness
-from tests.harness.dist import run_workers  # noqa: E402 - needs the repo root on sys.path first
+from tests.harness.dist import run_workers  # needs the repo root on sys.path first
 
 _COLS = 1024
 _N_TENSORS = 16

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from checkpoint.api import (
     COMMIT_FILE,
+    JSON,
     MANIFEST_FILE,
     OBJECTS_FILE,
     RANK_OBJECTS_FORMAT,
-    JSON,
     CheckpointNotFoundError,
     CommitMarker,
     CorruptCheckpointError,

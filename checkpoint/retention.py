@@ -6,8 +6,8 @@ import logging
 from collections.abc import Sequence
 
 from checkpoint.api import COMMIT_FILE, CheckpointError, step_dir
-from checkpoint.faults import crash_point
 from checkpoint.discover import list_steps
+from checkpoint.faults import crash_point
 from checkpoint.storage import Storage
 
 logger = logging.getLogger(__name__)

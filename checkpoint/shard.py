@@ -26,9 +26,9 @@ from checkpoint.api import (
     FileRecord,
     ReadRequest,
 )
-from checkpoint.faults import crash_point
 from checkpoint.checksum import crc32, crc32_combine
 from checkpoint.dtypes import torch_dtype
+from checkpoint.faults import crash_point
 from checkpoint.plan import chunk_view
 from checkpoint.storage import Sink, Storage
 from checkpoint.verify import BlockVerifier, truncated

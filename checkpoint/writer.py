@@ -30,8 +30,8 @@ from checkpoint.api import (
     TensorRecord,
     shard_file_name,
 )
-from checkpoint.faults import crash_point
 from checkpoint.config import CheckpointConfig
+from checkpoint.faults import crash_point
 from checkpoint.shard import ShardLayout, build_layout, write_shard
 from checkpoint.staging import Stager
 from checkpoint.storage import Sink, Storage, StorageSpec, lower_thread_priority
@@ -327,7 +327,6 @@ def _serve() -> None:
     import sys
 
     from checkpoint.api import CheckpointStorageError
-
     from elastic.procutil import arm_parent_death_signal
 
     try:  # die with the training process, whatever kills it (one that died before this sees stdin EOF)

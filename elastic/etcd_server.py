@@ -393,7 +393,7 @@ class EmbeddedEtcd:
 
 def _healthy(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:  # noqa: S310 (loopback http)
+        with urllib.request.urlopen(url, timeout=1.0) as resp:  # loopback http
             return resp.status == 200 and b'"health":"true"' in resp.read()
     except (urllib.error.URLError, OSError, ValueError):
         return False

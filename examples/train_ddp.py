@@ -150,7 +150,7 @@ def open_checkpointer(uri: str | None, storage_options: dict[str, Any] | None = 
     try:
         from checkpoint import CheckpointConfig, Checkpointer
     except ImportError as exc:
-        raise SystemExit(f"--ckpt-dir needs the spotrun `checkpoint` package (Checkpointer), which failed to import: {exc}")
+        raise SystemExit(f"--ckpt-dir needs the spotrun `checkpoint` package (Checkpointer), which failed to import: {exc}") from exc
     return Checkpointer(uri, CheckpointConfig(storage_options=storage_options or {}))
 
 

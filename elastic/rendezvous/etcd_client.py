@@ -293,7 +293,7 @@ class EtcdConnection:
     def close(self) -> None:
         try:
             self.client.close()
-        except Exception:  # noqa: BLE001 (best effort on the way out)
+        except Exception:  # best effort on the way out
             log.debug("%sclosing the etcd client failed", self._context(), exc_info=True)
 
     # ------------------------------------------------------------------ watch streams

@@ -44,8 +44,6 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import grpc
-
-from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 from torch.distributed.elastic.rendezvous.api import (
@@ -272,9 +270,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if action is Action.JOIN:
                 if self._write_join(target, seen_mod):
                     joined_target = (target, self._lease_id)
-            elif action is Action.COMMIT:
-                if self._commit(target, decision.participants, seen_mod):
-                    committed_mod = seen_mod
+            elif action is Action.COMMIT and self._commit(target, decision.participants, seen_mod):
+                committed_mod = seen_mod
 
     def is_closed(self) -> bool:
         if not self._released:  # after leave()/shutdown(): the last state seen, without I/O
@@ -704,7 +701,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         )
         try:
             retrying(self._watch_once)
-        except Exception as exc:  # noqa: BLE001 (the thread must report, not die silently)
+        except Exception as exc:  # the thread must report, not die silently
             if not self._stop.is_set():
                 log.exception("%sthe rendezvous watch failed", self._ctx())
                 with self._cond:
@@ -796,7 +793,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._renew_lease(lease)
             except RendezvousConnectionError as exc:
                 self._note_etcd_failure(exc)
-            except Exception as exc:  # noqa: BLE001 (keep refreshing; classify below)
+            except Exception as exc:  # keep refreshing; classify below
                 if self._stop.is_set():
                     return
                 if is_token_expired(exc):

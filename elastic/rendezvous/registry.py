@@ -27,7 +27,7 @@ def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
     return EtcdV3RendezvousHandler(EtcdRendezvousConfig.from_parameters(params))
 
 
-def handler_factory():  # noqa: ANN201 (torch expects the creator callable back)
+def handler_factory():
     """Entry point ``torchrun.handlers: etcd-v3``: torch calls ``load()()`` and registers the result."""
     return create_handler
 

@@ -17,7 +17,6 @@ import time
 from datetime import timedelta
 
 import grpc
-from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random
 from torch.distributed import DistStoreError, Store
@@ -56,7 +55,7 @@ class EtcdV3Store(Store):
         return self.prefix + key
 
     @property
-    def _client(self):  # noqa: ANN202
+    def _client(self):
         return self._conn.client
 
     def _timeout_s(self, override: timedelta | None = None) -> float:
@@ -199,7 +198,7 @@ class EtcdV3Store(Store):
             stream.cancel()
         return False
 
-    def _cas_loop(self, attempt):  # noqa: ANN001, ANN202
+    def _cas_loop(self, attempt):
         retrying = Retrying(
             stop=stop_after_delay(self._conn.config.etcd_timeout),
             wait=wait_random(0, 0.02),

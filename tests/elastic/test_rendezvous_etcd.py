@@ -9,7 +9,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -40,27 +39,6 @@ def make_config(endpoint: str, *, run_id: str = "job", min_nodes: int = 1, max_n
     return EtcdRendezvousConfig(
         run_id=run_id, endpoints=((host, int(port)),), min_nodes=min_nodes, max_nodes=max_nodes, **kw
     )
-
-
-@pytest.fixture
-def handlers() -> Iterator[Callable[..., EtcdV3RendezvousHandler]]:
-    """Factory of handlers that are all released at teardown (leave(): the etcd may already be gone)."""
-    made: list[EtcdV3RendezvousHandler] = []
-
-    def make(config: EtcdRendezvousConfig, node_id: str | None = None) -> EtcdV3RendezvousHandler:
-        handler = EtcdV3RendezvousHandler(config, node_id=node_id)
-        made.append(handler)
-        return handler
-
-    yield make
-    for handler in made:
-        handler._simulate_crash()  # no etcd calls: fast teardown even when etcd was stopped
-
-
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(max_workers=16) as executor:
-        yield executor
 
 
 def rendezvous_all(pool: ThreadPoolExecutor, hs: list[EtcdV3RendezvousHandler], timeout: float = 20.0) -> list[RendezvousInfo]:
