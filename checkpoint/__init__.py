@@ -1,5 +1,7 @@
 """spotrun's checkpointer: async, sharded safetensors checkpoints through fsspec, restorable at any world size."""
 
+from typing import Any
+
 __version__ = "0.1.0"
 
 from checkpoint.api import (
@@ -14,7 +16,7 @@ from checkpoint.api import (
 from checkpoint.config import CheckpointConfig
 
 
-def __getattr__(name: str):  # lazy: importing the package must not import torch (CLI --help, api users)
+def __getattr__(name: str) -> Any:  # lazy: importing the package must not import torch (CLI --help, api users)
     if name == "Checkpointer":
         from checkpoint.checkpointer import Checkpointer
 

@@ -125,6 +125,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
         started = time.perf_counter()
+        state_error: TypeError | ValueError | None
         try:
             flat = flatten(state)
             rank_payload = self._rank_objects_payload(flat, step)

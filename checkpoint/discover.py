@@ -42,7 +42,9 @@ class StepListing:
 
 
 def list_steps(storage: Storage) -> StepListing:
-    committed, uncommitted, sizes = [], [], {}
+    committed: list[int] = []
+    uncommitted: list[int] = []
+    sizes: dict[int, int] = {}
     for name, (kind, _) in storage.listdir("").items():
         step = parse_step_dir(name)
         if step is None or kind != "directory":

@@ -193,6 +193,7 @@ class SpotrunAgent(LocalElasticAgent):
         self._emit(RecoveryEvent.RENDEZVOUS_STARTED)
         super()._rendezvous(worker_group)
         self._round += 1
+        assert worker_group.group_world_size is not None, "torch's _rendezvous sets the group world size"
         if should_refund(
             charged=self._charged_restart_pending,
             previous_group_world_size=self._previous_group_world_size,
@@ -253,7 +254,7 @@ class SpotrunAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # CHANGE: torch calls self._shutdown() with its 30 s default between SIGTERM and SIGKILL; workers
         # blocked in a collective with a dead peer ignore SIGTERM, so use a short grace.
-        self._shutdown(timeout=self._settings.stop_grace)  # type: ignore[arg-type]
+        self._shutdown(timeout=self._settings.stop_grace)  # type: ignore[arg-type]  # torch says int; any seconds work
         self._emit(RecoveryEvent.WORKERS_STOPPED)
 
     # --- monitor loop ------------------------------------------------------------------------------------
@@ -368,9 +369,9 @@ def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[
 
     def close(death_sig: signal.Signals | None = None, timeout: float | None = None) -> None:
         on_close()
-        original(death_sig, grace if timeout is None else timeout)  # type: ignore[arg-type]
+        original(death_sig, grace if timeout is None else timeout)  # type: ignore[arg-type]  # torch says int; any seconds work
 
-    pcontext.close = close  # type: ignore[method-assign]
+    pcontext.close = close  # type: ignore[method-assign]  # this instance only (CHANGE above)
 
 
 def membership_aware(handler: RendezvousHandler) -> MembershipAwareHandler | None:

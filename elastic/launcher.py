@@ -181,14 +181,16 @@ def launch(
         config.run_id, config.rdzv_backend, config.rdzv_endpoint, config.min_nodes, config.max_nodes,
         config.nproc_per_node, event_log.path,
     )
+    # LaunchConfig.__post_init__ fills both in (DefaultLogsSpecs; $TORCHELASTIC_SHUTDOWN_TIMEOUT or 30 s).
+    assert config.logs_specs is not None and config.shutdown_timeout is not None
     agent = SpotrunAgent(
         spec,
-        config.logs_specs,  # type: ignore[arg-type]
+        config.logs_specs,
         settings=settings,
         events=event_log,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
+        shutdown_timeout=config.shutdown_timeout,
     )
 
     _preimport_log_formatter_dependencies()

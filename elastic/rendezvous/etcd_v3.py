@@ -662,8 +662,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     master_port=int(data["master_port"]),
                 )
                 mirror.committed, mirror.committed_mod = record, mod_revision
-                for number in [n for n in mirror.joins if n <= record.number]:
-                    del mirror.joins[number]
+                for stale in [n for n in mirror.joins if n <= record.number]:
+                    del mirror.joins[stale]
             elif rel == "closed":
                 mirror.closed_mod = mod_revision
                 mirror.closed = True
@@ -691,12 +691,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             mirror.closed_mod = 0
             mirror.closed = False
 
+    def _sleep_unless_stopped(self, seconds: float) -> None:
+        """The watch loop's retry backoff: cut short by shutdown."""
+        self._stop.wait(seconds)
+
     def _watch_loop(self) -> None:
         retrying = Retrying(
             stop=lambda _state: self._stop.is_set(),
             wait=wait_random_exponential(multiplier=0.05, max=1.0),
             retry=retry_if_exception(lambda exc: not self._stop.is_set() and (is_transient(exc) or isinstance(exc, WatchCanceledError))),
-            sleep=self._stop.wait,
+            sleep=self._sleep_unless_stopped,
             reraise=True,
         )
         try:

@@ -117,7 +117,7 @@ def test_sigkilled_agent_process_is_detected(etcd_server: EmbeddedEtcd, handlers
     fut = pool.submit(survivor.next_rendezvous)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     try:
-        line = pool.submit(proc.stdout.readline).result(timeout=30)  # type: ignore[union-attr]
+        line = pool.submit(proc.stdout.readline).result(timeout=30)  # type: ignore[union-attr]  # stdout=PIPE
         assert line.startswith("rank "), line
         assert fut.result(timeout=20).world_size == 2
         proc.send_signal(signal.SIGKILL)
@@ -153,7 +153,9 @@ def test_new_node_below_max_triggers_waiting_then_larger_round(etcd_server: Embe
 
 @pytest.mark.timeout(60)
 def test_node_beyond_max_is_a_spare_until_a_loss(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
-    cfg = lambda: make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2, join_timeout=1.0)  # noqa: E731
+    def cfg() -> EtcdRendezvousConfig:
+        return make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2, join_timeout=1.0)
+
     hs = [handlers(cfg()) for _ in range(2)]
     assert_consistent(rendezvous_all(pool, hs), 2)
 
@@ -214,7 +216,9 @@ def test_join_timeout_below_min(etcd_server: EmbeddedEtcd, handlers) -> None:
 # ------------------------------------------------------------------ etcd trouble
 @pytest.mark.timeout(60)
 def test_etcd_restart_keeps_membership(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
-    cfg = lambda: make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2, lease_ttl=2, last_call_timeout=10)  # noqa: E731
+    def cfg() -> EtcdRendezvousConfig:
+        return make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2, lease_ttl=2, last_call_timeout=10)
+
     hs = [handlers(cfg()) for _ in range(2)]
     assert_consistent(rendezvous_all(pool, hs), 2)
 
