@@ -384,11 +384,17 @@ class Checkpointer:
                 keep_last=self.config.keep_last,
                 keep_every=self.config.keep_every,
                 in_flight=committed_step,
+                protect=self._newest_good(listing),
             )
             for step in doomed:
                 delete_step(self.storage, step)
         except CheckpointError as exc:  # the new step is committed; failing to prune must not undo that
             logger.warning("[step %d] retention failed (old steps kept): %s", committed_step, exc)
+
+    def _newest_good(self, listing: Any) -> tuple[int, ...]:
+        """The newest step that validates (retention keeps it even when a newer commit turns out damaged)."""
+        good = latest_good_step(self.storage, listing=listing)
+        return () if good is None else (good,)
 
     # ------------------------------------------------------------------ discover / load
     def latest(self) -> int | None:

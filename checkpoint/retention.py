@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from checkpoint.api import COMMIT_FILE, crash_point, step_dir
 from checkpoint.storage import Storage
@@ -18,12 +18,14 @@ def steps_to_delete(
     keep_last: int,
     keep_every: int | None = None,
     in_flight: int | None = None,
+    protect: Iterable[int] = (),
 ) -> list[int]:
     """Steps whose directories can go, ascending.
 
     Keeps the newest ``keep_last`` committed steps and every step divisible by ``keep_every``; deletes
-    uncommitted debris older than the newest commit. Never returns the newest committed step nor the
-    in-flight one, whatever the arguments.
+    uncommitted debris older than the newest commit. Never returns the newest committed step, the in-flight
+    one nor any of ``protect`` (the newest step that validates: when the newest commit is damaged, the good
+    step before it is what a restart loads), whatever the arguments.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -37,6 +39,7 @@ def steps_to_delete(
         doomed.update(s for s in uncommitted if s < newest and s not in set(done))
         doomed.discard(newest)
     doomed.discard(in_flight)  # type: ignore[arg-type]
+    doomed.difference_update(protect)
     return sorted(doomed)
 
 

@@ -29,6 +29,7 @@ from checkpoint.api import (
     crash_point,
 )
 from checkpoint.checksum import crc32, crc32_combine
+from checkpoint.confine import parse_json
 from checkpoint.plan import chunk_view
 from checkpoint.storage import Sink, Storage
 
@@ -200,10 +201,12 @@ def read_header(storage: Storage, rel: str) -> tuple[int, dict[str, Any]]:
     if n > 100 << 20:
         raise CorruptCheckpointError(f"{storage.display(rel)} has an implausible header length {n}", file=rel)
     raw = storage.read_range(rel, 8, 8 + n)
-    try:
-        return 8 + n, json.loads(raw)
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{storage.display(rel)} has an unreadable header: {exc}", file=rel) from exc
+    if len(raw) != n:
+        raise CorruptCheckpointError(f"{storage.display(rel)} is truncated inside its safetensors header", file=rel)
+    header = parse_json(raw, f"the safetensors header of {storage.display(rel)}", file=rel)
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{storage.display(rel)} has a safetensors header that is not a JSON object", file=rel)
+    return 8 + n, header
 
 
 def bytes_as_tensor(data: bytes | bytearray | memoryview, dtype: str) -> torch.Tensor:
