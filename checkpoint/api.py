@@ -325,7 +325,8 @@ class Manifest:
     def from_json(cls, d: dict[str, JSON]) -> Manifest:
         d = _obj(d, "manifest")
         if d.get("format") != FORMAT_NAME:
-            raise IncompatibleCheckpointError(f"not a spotrun checkpoint manifest (format={d.get('format')!r})")
+            # Committed by a marker yet not ours: damage (the step is skipped), unlike a newer version below.
+            raise ValueError(f"not a spotrun checkpoint manifest (format={d.get('format')!r})")
         if d.get("version") != FORMAT_VERSION:
             raise IncompatibleCheckpointError(
                 f"checkpoint format version {d.get('version')!r} is not supported by this spotrun "
