@@ -13,8 +13,13 @@ and never pickled.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from checkpoint.shard import ShardLayout
 
 FORMAT_NAME = "spotrun-checkpoint"
 FORMAT_VERSION = 1
@@ -146,7 +151,7 @@ def _str(v: JSON, what: str) -> str:
 
 
 def _num(v: JSON, what: str) -> float:
-    if type(v) not in (int, float) or v != v or v in (float("inf"), float("-inf")):
+    if type(v) not in (int, float) or not math.isfinite(v):
         raise TypeError(f"{what}={v!r} must be a finite number")
     return float(v)
 
@@ -364,6 +369,60 @@ class Manifest:
             if rec.rank == rank:
                 return name, rec
         return None
+
+
+@dataclass(slots=True)
+class RankRecords:
+    """What one rank wrote for a step (sent to rank 0 as JSON for the manifest)."""
+
+    rank: int
+    tensors: dict[str, TensorRecord] = field(default_factory=dict)
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    error: str | None = None
+    rank_objects: dict[str, RankObjectsRecord] = field(default_factory=dict)
+    """This rank's per-rank objects file (at most one), written before the records are gathered."""
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "rank": self.rank,
+            "error": self.error,
+            "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+            "files": {k: v.to_json() for k, v in self.files.items()},
+            "rank_objects": {k: v.to_json() for k, v in self.rank_objects.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, JSON]) -> RankRecords:
+        return cls(
+            rank=int(d["rank"]),
+            error=d.get("error"),
+            tensors={k: TensorRecord.from_json(v) for k, v in d["tensors"].items()},
+            files={k: FileRecord.from_json(v) for k, v in d["files"].items()},
+            rank_objects={k: RankObjectsRecord.from_json(v) for k, v in d.get("rank_objects", {}).items()},
+        )
+
+
+# --------------------------------------------------------------------------- writer protocol
+@runtime_checkable
+class ShardWriter(Protocol):
+    """Writes one rank's shard files for a step; one implementation per ``CheckpointConfig.writer`` mode
+    (``writer.ThreadWriter``, ``writer.ProcessWriter``), chosen once by ``writer.open_writer``.
+
+    ``stage`` runs on the training thread (the only part of a save that blocks it); ``write`` runs on the
+    Checkpointer's background thread, one step at a time.
+    """
+
+    def stage(self, layouts: Sequence[ShardLayout], items: Sequence[TensorItem]) -> list[memoryview]:
+        """Copy ``items`` into the host buffers this writer reads; returns what ``write`` takes as ``buffers``."""
+        ...
+
+    def write(self, step_rel: str, layouts: Sequence[ShardLayout], buffers: Sequence[memoryview]) -> RankRecords:
+        """Write the staged shard files under ``step_rel``, durable on return; raises on failure."""
+        ...
+
+    def close(self) -> None:
+        """Release buffers, threads and processes (idempotent)."""
+        ...
 
 
 # --------------------------------------------------------------------------- read plan

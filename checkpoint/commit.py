@@ -39,13 +39,13 @@ from checkpoint.api import (
     CorruptCheckpointError,
     Manifest,
     RankObjectsRecord,
+    RankRecords,
     TensorRecord,
     crash_point,
     step_dir,
 )
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
-from checkpoint.writer import RankRecords
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from checkpoint.api import (
     COMMIT_FILE,
     INDEX_FILE,
+    JSON,
     MANIFEST_FILE,
     OBJECTS_FILE,
     RANK_OBJECTS_FORMAT,
-    JSON,
     CheckpointNotFoundError,
     CheckpointStorageError,
     CommitMarker,

@@ -11,6 +11,7 @@ chunk. :func:`chunk_view` turns the bytes of such a range into a tensor view of 
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -311,7 +312,7 @@ def _check_byte_ranges(manifest: Manifest) -> None:
                 by_file.setdefault(c.file, []).append((start, end, fqn))
     for name, ranges in by_file.items():
         ranges.sort()
-        for (_, end_a, fqn_a), (start_b, _, fqn_b) in zip(ranges, ranges[1:]):
+        for (_, end_a, fqn_a), (start_b, _, fqn_b) in itertools.pairwise(ranges):
             if start_b < end_a:
                 raise CorruptCheckpointError(
                     f"tensors {fqn_a!r} and {fqn_b!r} share bytes of {name} (from byte {start_b})", tensor=fqn_b, file=name

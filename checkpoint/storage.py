@@ -19,6 +19,7 @@ On every backend a step only counts once its ``.commit`` marker exists, so a hal
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import threading
@@ -26,16 +27,24 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import fsspec
 import tenacity
 from fsspec.implementations.local import LocalFileSystem
 
-from checkpoint.api import CheckpointError, CheckpointStorageError, CorruptCheckpointError
+from checkpoint.api import (
+    CheckpointConfigError,
+    CheckpointError,
+    CheckpointStorageError,
+    CorruptCheckpointError,
+)
 from checkpoint.confine import check_local, check_rel
+
+if TYPE_CHECKING:
+    from checkpoint.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +113,69 @@ class RetryPolicy:
     """Cap of the random exponential back-off."""
     sleep: Callable[[float], None] = time.sleep
     """Injected so fault tests do not wait for real."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StorageSpec:
+    """Everything needed to open the same Storage again, in this process or in a writer process.
+
+    Plain data that travels as JSON (``to_json``/``from_json``), never pickled; ``from_config`` is the one
+    place that maps a CheckpointConfig to storage settings.
+    """
+
+    uri: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    max_attempts: int = 5
+    retry_timeout_seconds: float = 60.0
+    retry_max_wait_seconds: float = 8.0
+    upload_threads: int = 4
+    multipart_chunk_bytes: int = 64 << 20
+    thread_nice: int = 0
+    writeback_bytes: int = 32 << 20
+
+    @classmethod
+    def from_config(cls, uri: str, config: CheckpointConfig) -> StorageSpec:
+        return cls(
+            uri=uri,
+            storage_options=dict(config.storage_options),
+            max_attempts=config.max_retries,
+            retry_timeout_seconds=config.retry_timeout.total_seconds(),
+            retry_max_wait_seconds=config.retry_max_wait.total_seconds(),
+            upload_threads=config.writer_threads,
+            multipart_chunk_bytes=config.multipart_chunk_bytes,
+            thread_nice=config.writer_nice,
+            writeback_bytes=config.writeback_bytes,
+        )
+
+    def open(self, *, sleep: Callable[[float], None] = time.sleep) -> Storage:
+        """The Storage this spec describes (``sleep`` is the retry back-off's, injectable for tests)."""
+        return Storage(
+            self.uri,
+            storage_options=self.storage_options,
+            retry=RetryPolicy(
+                max_attempts=self.max_attempts,
+                timeout=timedelta(seconds=self.retry_timeout_seconds),
+                max_wait=timedelta(seconds=self.retry_max_wait_seconds),
+                sleep=sleep,
+            ),
+            upload_threads=self.upload_threads,
+            multipart_chunk_bytes=self.multipart_chunk_bytes,
+            thread_nice=self.thread_nice,
+            writeback_bytes=self.writeback_bytes,
+        )
+
+    def to_json(self) -> str:
+        """The spec as one JSON text; CheckpointConfigError when ``storage_options`` is not JSON-serialisable."""
+        try:
+            return json.dumps({name: getattr(self, name) for name in self.__dataclass_fields__})
+        except (TypeError, ValueError) as exc:
+            raise CheckpointConfigError(
+                f'writer="process" needs JSON-serialisable storage_options ({exc}); use writer="thread"'
+            ) from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> StorageSpec:
+        return cls(**json.loads(text))
 
 
 class Sink(Protocol):

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, uri: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    import checkpoint.checkpointer as mod
+    import checkpoint.writer as mod
     from checkpoint.api import CheckpointError
     from checkpoint.config import CheckpointConfig
 

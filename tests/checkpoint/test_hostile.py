@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-import checkpoint.checkpointer
 import checkpoint.commit
+import checkpoint.retention
 from checkpoint.api import (
     COMMIT_FILE,
     MANIFEST_FILE,
@@ -340,9 +340,8 @@ def test_per_rank_file_world_size_and_step_are_checked(tmp_path: Path) -> None:
     raw = json.dumps(doc).encode()
     path.write_bytes(raw)
     edit_manifest(root, 2, lambda d: d["rank_objects"][name].update(size=len(raw), crc32=zlib.crc32(raw)))
-    with Checkpointer(str(root)) as ckpt:
-        with pytest.raises(CorruptCheckpointError, match="world size, step"):
-            ckpt.load({**zeros(), "pos": PerRank({"i": 0})}, step=2)
+    with Checkpointer(str(root)) as ckpt, pytest.raises(CorruptCheckpointError, match="world size, step"):
+        ckpt.load({**zeros(), "pos": PerRank({"i": 0})}, step=2)
     assert cli("verify", str(root), "--step", "2", "--no-progress") == 4
 
 
@@ -363,6 +362,7 @@ def test_inspect_into_a_closed_pipe_exits_quietly(run: Path) -> None:
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "checkpoint.cli", "inspect", str(run), "--verbose"],
+            check=False,
             stdout=w,
             stderr=subprocess.PIPE,
             timeout=60,
@@ -386,10 +386,12 @@ def test_rm_during_a_save_fails_the_save_and_keeps_the_good_step(run: Path, monk
         real(point)
 
     monkeypatch.setattr(checkpoint.commit, "crash_point", rm_at)
-    with Checkpointer(str(run), CheckpointConfig(keep_last=1)) as ckpt:
-        with pytest.raises(CheckpointError, match="files changed during the save"):
-            ckpt.save(3, state(3))
-            ckpt.wait()
+    with (
+        Checkpointer(str(run), CheckpointConfig(keep_last=1)) as ckpt,
+        pytest.raises(CheckpointError, match="files changed during the save"),
+    ):
+        ckpt.save(3, state(3))
+        ckpt.wait()
     assert answers == [1, 0]  # refused without --force: a job may be writing it
     assert "may be writing it" in capsys.readouterr().err
     assert list_steps(Storage(str(run))).committed == [1, 2]
@@ -399,14 +401,14 @@ def test_rm_during_a_save_fails_the_save_and_keeps_the_good_step(run: Path, monk
 
 
 def test_retention_keeps_the_newest_good_step_when_the_newest_commit_is_damaged(run: Path, monkeypatch) -> None:
-    real = checkpoint.checkpointer.crash_point
+    real = checkpoint.retention.crash_point
 
     def damage_at(point: str) -> None:  # the new step loses a shard between its commit and retention
         if point == "retention.before":
             (run / step_dir(3) / SHARD).unlink()
         real(point)
 
-    monkeypatch.setattr(checkpoint.checkpointer, "crash_point", damage_at)
+    monkeypatch.setattr(checkpoint.retention, "crash_point", damage_at)
     with Checkpointer(str(run), CheckpointConfig(keep_last=1)) as ckpt:
         ckpt.save(3, state(3))
         ckpt.wait()
