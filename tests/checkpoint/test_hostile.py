@@ -435,3 +435,37 @@ def test_save_does_not_commit_when_files_are_gone(run: Path) -> None:
     assert not (run / step_dir(3) / COMMIT_FILE).exists()
     with pytest.raises(CheckpointNotFoundError):
         Checkpointer(str(run)).load(zeros(), step=3)
+
+
+# --------------------------------------------------------------------------- every backend
+def test_names_are_confined_on_every_backend(backend) -> None:
+    with Checkpointer(backend.uri, backend.config()) as ckpt:
+        ckpt.save(1, state(1))
+        ckpt.save(2, state(2))
+        ckpt.wait()
+    storage = Storage(backend.uri, storage_options=backend.storage_options)
+    for rel in (f"{step_dir(2)}/../{step_dir(1)}/{MANIFEST_FILE}", "/etc/hostname", "../x", f"{step_dir(2)}//x"):
+        with pytest.raises(UnsafePathError):
+            storage.read_bytes(rel)
+        with pytest.raises(UnsafePathError):
+            storage.rm(rel, recursive=True)
+        with pytest.raises(UnsafePathError):
+            storage.write_bytes(rel, b"x")
+    rel = f"{step_dir(2)}/{MANIFEST_FILE}"
+    doc = json.loads(storage.read_bytes(rel))
+    hostile = f"../{step_dir(1)}/{SHARD}"
+    doc["files"][hostile] = doc["files"].pop(SHARD)
+    for rec in doc["tensors"].values():
+        for c in rec["chunks"]:
+            c["file"] = hostile
+    raw = json.dumps(doc).encode()
+    storage.write_bytes(rel, raw)
+    marker = json.loads(storage.read_bytes(f"{step_dir(2)}/{COMMIT_FILE}"))
+    marker.update(manifest_crc32=zlib.crc32(raw), manifest_size=len(raw))
+    storage.write_bytes(f"{step_dir(2)}/{COMMIT_FILE}", json.dumps(marker).encode())
+    with Checkpointer(backend.uri, backend.config()) as ckpt:
+        with pytest.raises(UnsafePathError):
+            ckpt.load(zeros(), step=2)
+        assert ckpt.latest() == 1
+        live = zeros()
+        assert ckpt.load(live) == 1 and live["epoch"] == 1
