@@ -358,9 +358,9 @@ class Manifest:
                 for k, v in _obj(d.get("checksums", {}), "checksums").items()
             },
         )
-        for rec in [*manifest.files.values(), *manifest.rank_objects.values()]:
-            if rec.rank >= manifest.world_size:
-                raise ValueError(f"a file of rank {rec.rank} in a step saved by {manifest.world_size} ranks")
+        ranks = [r.rank for r in manifest.files.values()] + [r.rank for r in manifest.rank_objects.values()]
+        if any(rank >= manifest.world_size for rank in ranks):
+            raise ValueError(f"a file of rank {max(ranks)} in a step saved by {manifest.world_size} ranks")
         return manifest
 
     def rank_objects_of(self, rank: int) -> tuple[str, RankObjectsRecord] | None:
