@@ -138,10 +138,14 @@ def _int(v: JSON, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
     return v
 
 
-def _ints(v: JSON, what: str, lo: int = 0) -> list[int]:
+def _list(v: JSON, what: str) -> list[JSON]:
     if not isinstance(v, list):
-        raise TypeError(f"{what} must be a list of integers, not {type(v).__name__}")
-    return [_int(x, what, lo) for x in v]
+        raise TypeError(f"{what} must be a list, not {type(v).__name__}")
+    return v
+
+
+def _ints(v: JSON, what: str, lo: int = 0) -> list[int]:
+    return [_int(x, what, lo) for x in _list(v, what)]
 
 
 def _str(v: JSON, what: str) -> str:
@@ -220,13 +224,10 @@ class TensorRecord:
     @classmethod
     def from_json(cls, d: dict[str, JSON]) -> TensorRecord:
         d = _obj(d, "tensor")
-        chunks = d["chunks"]
-        if not isinstance(chunks, list):
-            raise TypeError(f"tensor chunks must be a list, not {type(chunks).__name__}")
         return cls(
             shape=_ints(d["shape"], "tensor shape"),
             dtype=_str(d["dtype"], "tensor dtype"),
-            chunks=[ChunkRecord.from_json(c) for c in chunks],
+            chunks=[ChunkRecord.from_json(c) for c in _list(d["chunks"], "tensor chunks")],
         )
 
 
@@ -278,14 +279,11 @@ class RankObjectsRecord:
     @classmethod
     def from_json(cls, d: dict[str, JSON]) -> RankObjectsRecord:
         d = _obj(d, "per-rank objects record")
-        keys = d["keys"]
-        if not isinstance(keys, list):
-            raise TypeError(f"per-rank keys must be a list, not {type(keys).__name__}")
         return cls(
             size=_int(d["size"], "per-rank size"),
             crc32=_crc(d["crc32"], "per-rank crc32"),
             rank=_int(d["rank"], "per-rank rank"),
-            keys=[_str(k, "per-rank key") for k in keys],
+            keys=[_str(k, "per-rank key") for k in _list(d["keys"], "per-rank keys")],
         )
 
 

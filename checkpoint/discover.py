@@ -182,12 +182,17 @@ def read_checksummed(storage: Storage, manifest: Manifest, name: str) -> bytes:
     rec = manifest.checksums.get(name)
     if rec is None:
         return read_step_file(storage, rel, limit=storage.size(rel) if storage.exists(rel) else 0, what="file")
-    raw = read_step_file(storage, rel, limit=rec.size, what="file")
-    if len(raw) != rec.size or zlib.crc32(raw) != rec.crc32:
+    return read_checked(storage, rel, size=rec.size, crc32=rec.crc32, what="file", file=name)
+
+
+def read_checked(storage: Storage, rel: str, *, size: int, crc32: int, what: str, file: str) -> bytes:
+    """Bytes of ``rel`` (at most ``size`` read); CorruptCheckpointError unless they have that size and crc32."""
+    raw = read_step_file(storage, rel, limit=size, what=what)
+    if len(raw) != size or zlib.crc32(raw) != crc32:
         raise CorruptCheckpointError(
-            f"{storage.display(rel)} fails its check: {len(raw)} bytes / crc32 {zlib.crc32(raw):08x}, the manifest "
-            f"says {rec.size} bytes / crc32 {rec.crc32:08x} (changed after the commit)",
-            file=name,
+            f"{what} {storage.display(rel)} fails its check: {len(raw)} bytes / crc32 {zlib.crc32(raw):08x}, the "
+            f"manifest says {size} bytes / crc32 {crc32:08x} (changed after the commit)",
+            file=file,
         )
     return raw
 
@@ -208,13 +213,7 @@ def read_rank_objects(storage: Storage, manifest: Manifest, saved_rank: int) -> 
         )
     name, rec = found
     rel = f"{step_dir(manifest.step)}/{name}"
-    raw = read_step_file(storage, rel, limit=rec.size, what="per-rank objects file")
-    if len(raw) != rec.size or zlib.crc32(raw) != rec.crc32:
-        raise CorruptCheckpointError(
-            f"per-rank objects file {storage.display(rel)} fails its check: {len(raw)} bytes / crc32 "
-            f"{zlib.crc32(raw):08x}, the manifest says {rec.size} bytes / crc32 {rec.crc32:08x}",
-            file=name,
-        )
+    raw = read_checked(storage, rel, size=rec.size, crc32=rec.crc32, what="per-rank objects file", file=name)
     doc = parse_json(raw, f"per-rank objects file {storage.display(rel)}", file=name)
     try:
         if not isinstance(doc, dict):

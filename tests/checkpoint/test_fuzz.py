@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, note, settings
+from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from checkpoint.api import (
@@ -41,7 +41,12 @@ from checkpoint.api import (
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.cli import main as cli
 from checkpoint.config import CheckpointConfig
-from checkpoint.discover import read_objects, read_rank_objects, resolve_step, validate_step
+from checkpoint.discover import (
+    read_objects,
+    read_rank_objects,
+    resolve_step,
+    validate_step,
+)
 from checkpoint.shard import read_header
 from checkpoint.state import PerRank
 from checkpoint.storage import Storage
