@@ -482,27 +482,6 @@ ON_RESIZE_RULES = ("rank_modulo", "rank0", "skip")
 """What a ``PerRank`` entry loads when the world size changed since the save (see ``per_rank_source``)."""
 
 
-def per_rank_source(rank: int, world_size: int, saved_world_size: int, on_resize: str) -> int | None:
-    """The saved rank whose copy of a per-rank entry ``rank`` loads, or None to leave the live value as is.
-
-    At the saving world size every rank gets its own copy whatever the rule. Otherwise ``rank_modulo``
-    (default) gives rank r the copy of saved rank ``r % saved_world_size`` (its own while r < saved world
-    size; when shrinking, the copies of saved ranks >= world size are dropped), ``rank0`` gives every rank
-    saved rank 0's copy, ``skip`` keeps the live value.
-    """
-    if on_resize not in ON_RESIZE_RULES:
-        raise ValueError(f"on_resize={on_resize!r} is not one of {ON_RESIZE_RULES}")
-    if saved_world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"bad rank/world sizes: rank={rank} world_size={world_size} saved_world_size={saved_world_size}")
-    if world_size == saved_world_size:
-        return rank
-    if on_resize == "skip":
-        return None
-    if on_resize == "rank0":
-        return 0
-    return rank % saved_world_size
-
-
 @dataclass(slots=True)
 class CommitMarker:
     """Content of ``.commit``: written last; ties the step to the exact manifest bytes it commits."""
@@ -529,56 +508,3 @@ class CommitMarker:
             manifest_size=_int(d["manifest_size"], "manifest_size"),
             created_unix=_num(d["created_unix"], "created_unix"),
         )
-
-
-# --------------------------------------------------------------------------- fault injection (tests)
-CRASH_AT_ENV = "SPOTRUN_CKPT_CRASH_AT"
-"""``<point>:<n>``: at the n-th (1-based) time the named point is reached, announce it and block forever
-(the test then kills the process by PID). Points are listed in ``CRASH_POINTS``."""
-CRASH_NOTIFY_FD_ENV = "SPOTRUN_CKPT_CRASH_NOTIFY_FD"
-"""File descriptor that receives ``reached <point> <pid>\\n`` when the crash point triggers (default 2)."""
-
-CRASH_POINTS = (
-    "stage.begin",
-    "stage.end",
-    "shard.open",
-    "shard.header",
-    "shard.block",
-    "shard.before_commit",
-    "shard.after_commit",
-    "rank_objects.after",
-    "records.gathered",
-    "objects.after",
-    "index.after",
-    "manifest.before",
-    "manifest.after",
-    "commit.before",
-    "commit.after",
-    "latest.before",
-    "latest.after",
-    "retention.before",
-    "retention.delete",
-)
-
-_crash_counts: dict[str, int] = {}
-
-
-def crash_point(name: str) -> None:
-    """Fault-injection hook: a no-op unless ``SPOTRUN_CKPT_CRASH_AT`` names this point."""
-    import os
-
-    spec = os.environ.get(CRASH_AT_ENV)
-    if not spec:
-        return
-    point, _, nth = spec.rpartition(":")
-    if point != name:
-        return
-    count = _crash_counts.get(name, 0) + 1
-    _crash_counts[name] = count
-    if count != int(nth):
-        return
-    import threading
-
-    fd = int(os.environ.get(CRASH_NOTIFY_FD_ENV, "2"))
-    os.write(fd, f"reached {name} {os.getpid()}\n".encode())
-    threading.Event().wait()  # block until the test kills us

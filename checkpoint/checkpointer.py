@@ -1,16 +1,25 @@
-"""The Checkpointer: async sharded saves, loads at any world size.
+"""The Checkpointer: async sharded saves, loads at any world size. It orchestrates; each rule lives in its
+own module.
 
 Save (per rank): ``flatten`` the state -> decide who writes what (``plan.assign_writers``, recomputed only
-when the items change) -> ``Stager`` copies the pieces this rank writes into reused host buffers (the only
-time the training step blocks) -> a background thread writes this rank's shard files and its per-rank objects
-file (``PerRank`` entries, encoded at ``save`` time), gathers every rank's records on rank 0 over a dedicated
-gloo group, and rank 0 commits (see ``checkpoint.commit``). ``load`` gives each rank its own per-rank entries
-back (at another world size, the copy ``api.per_rank_source`` names).
+when the items change) -> the ``ShardWriter`` (``writer.open_writer``: thread or process, chosen once)
+stages the pieces this rank writes into reused host buffers (the only time the training step blocks) -> a
+background thread has it write this rank's shard files, writes its per-rank objects file (``PerRank``
+entries, encoded at ``save`` time), gathers every rank's records on rank 0, and rank 0 commits (see
+``checkpoint.commit``) and prunes (``retention.apply_retention``).
 
-Two gloo groups are created at construction (collective, same order on all ranks): a foreground one for
-the cheap per-save vote and the item metadata gather (training thread), and a background one for the
-commit (writer thread). Neither is the training's default group, so a collective the writer thread runs
-can never interleave with the training's own collectives.
+Load: rank 0 picks the step -> ``discover.validate_step`` -> ``plan.plan_reads`` -> ``shard.read_requests``
+(verified by ``verify``) -> ``state.apply``; per-rank entries come back through ``per_rank``; damage found
+while reading falls back to an older step as ``fallback`` decides.
+
+Collectives go through two ``collective.Collective`` objects created at construction (collective, same
+order on all ranks): a foreground one for the cheap per-save vote, the item metadata gather and the step
+choices (training thread), and a background one for the commit (writer thread). Neither is the training's
+default group, so a collective the writer thread runs can never interleave with the training's own.
+
+Seams for what comes next: a save triggered by a preemption notice is ``save`` + ``wait`` (or a new
+``ShardWriter``); hardening the readers is ``discover``, ``shard``, ``verify`` and ``per_rank``, not this
+class.
 """
 
 from __future__ import annotations
@@ -29,13 +38,10 @@ from checkpoint.api import (
     JSON,
     CheckpointError,
     ChunkKey,
-    IncompatibleCheckpointError,
     RankObjectsRecord,
     RankRecords,
     SaveInProgressError,
     ShardWriter,
-    crash_point,
-    per_rank_source,
     rank_objects_file_name,
     step_dir,
 )
@@ -45,14 +51,15 @@ from checkpoint.config import CheckpointConfig
 from checkpoint.discover import (
     latest_good_step,
     read_objects,
-    read_rank_objects,
     validate_step,
 )
 from checkpoint.fallback import LoadOutcome, load_with_fallback
+from checkpoint.faults import crash_point
+from checkpoint.per_rank import load_rank_entries, saved_as_shared
 from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.retention import apply_retention
 from checkpoint.shard import ShardLayout, read_requests
-from checkpoint.state import FlatState, apply, flatten, per_rank_entries
+from checkpoint.state import FlatState, apply, flatten
 from checkpoint.storage import StorageSpec, lower_thread_priority
 from checkpoint.writer import open_writer, plan_files
 
@@ -127,7 +134,8 @@ class Checkpointer:
             state_error = None
         signature = tuple((i.key, i.dtype, tuple(i.global_shape), i.replicated) for i in flat.items)
         busy = self._future is not None and not self._future.done()
-        any_busy, any_changed, any_bad = self._vote(busy, signature != self._signature, state_error is not None)
+        # every rank takes the same branch: busy / new items / refused anywhere
+        any_busy, any_changed, any_bad = self._fg.any(busy, signature != self._signature, state_error is not None)
         if any_bad:  # every rank raises, so none is left waiting in the commit's collectives
             if state_error is not None:
                 raise state_error
@@ -161,12 +169,6 @@ class Checkpointer:
             future.result()
         finally:
             self._in_flight = None
-
-    def _vote(self, busy: bool, changed: bool, bad: bool = False) -> tuple[bool, bool, bool]:
-        """Agree across ranks whether any rank is busy / has new items / refuses this save (so all take the
-        same branch)."""
-        any_busy, any_changed, any_bad = self._fg.any(busy, changed, bad)
-        return any_busy, any_changed, any_bad
 
     def _rank_objects_payload(self, flat: FlatState, step: int) -> tuple[str, bytes, list[str]] | None:
         """This rank's per-rank objects file (name, bytes, keys), encoded now so the save snapshots it;
@@ -311,7 +313,7 @@ class Checkpointer:
         started = time.perf_counter()
         manifest = validate_step(self.storage, chosen)
         shared = read_objects(self.storage, manifest)
-        flat = flatten(state, as_shared=self._saved_as_shared(manifest, state, shared))
+        flat = flatten(state, as_shared=saved_as_shared(manifest, state, shared, rank=self.rank))
         requests = plan_reads(manifest, flat.items)
         destinations = {item.key: item.tensor for item in flat.items}
         nbytes = read_requests(
@@ -324,7 +326,9 @@ class Checkpointer:
             self._read_threads(),
         )
         flat.objects = shared
-        flat.rank_objects = self._load_rank_objects(manifest, flat.per_rank)
+        flat.rank_objects = load_rank_entries(
+            self.storage, manifest, flat.per_rank, rank=self.rank, world_size=self.world_size
+        )
         apply(state, flat)
         logger.info(
             "[rank %d] loaded step %d: %d bytes in %d reads, %.2fs",
@@ -341,55 +345,6 @@ class Checkpointer:
         if self.storage.is_local:
             return max(1, min(self.config.writer_threads, os.cpu_count() or 1))
         return self.config.writer_threads
-
-    def _saved_as_shared(self, manifest: Any, state: Mapping[str, Any], shared: dict[str, JSON]) -> set[str]:
-        """Per-rank keys of the live state that ``manifest``'s step saved as shared state (it predates per-rank
-        entries, e.g. an ``RNGState`` saved by an older spotrun): they load rank 0's copy, as they were saved."""
-        saved_per_rank = {k for rec in manifest.rank_objects.values() for k in rec.keys}
-        legacy = {k for k in per_rank_entries(state) if k not in saved_per_rank and k in shared}
-        if legacy and self.rank == 0:
-            logger.warning(
-                "[rank %d step %d] %s saved as shared state (before per-rank entries): every rank loads rank 0's copy",
-                self.rank,
-                manifest.step,
-                sorted(legacy),
-            )
-        return legacy
-
-    def _load_rank_objects(self, manifest: Any, per_rank: dict[str, str]) -> dict[str, JSON]:
-        """This rank's copies of the per-rank entries, chosen by ``per_rank_source`` (each file read once,
-        checked against the manifest). Entries whose rule is ``skip`` at a new world size are left out."""
-        if not per_rank:
-            return {}
-        saved = manifest.world_size
-        sources = {key: per_rank_source(self.rank, self.world_size, saved, rule) for key, rule in per_rank.items()}
-        if saved != self.world_size and self.rank == 0:
-            logger.warning(
-                "[rank %d step %d] per-rank state saved at world size %d, loading at %d: %s "
-                "(rank_modulo: rank r takes saved rank r %% %d's copy; rank0: saved rank 0's; skip: kept as is)",
-                self.rank,
-                manifest.step,
-                saved,
-                self.world_size,
-                ", ".join(f"{k}={rule}" for k, rule in sorted(per_rank.items())),
-                saved,
-            )
-        files: dict[int, dict[str, JSON]] = {}
-        out: dict[str, JSON] = {}
-        for key, src in sorted(sources.items()):
-            if src is None:
-                continue
-            if src not in files:
-                files[src] = read_rank_objects(self.storage, manifest, src)
-            if key not in files[src]:
-                raise IncompatibleCheckpointError(
-                    f"step {manifest.step} has no per-rank entry {key!r} (saved per-rank entries: {sorted(files[src])}); "
-                    f"remove the key from the state or wrap it as PerRank(..., on_resize='skip')"
-                )
-            out[key] = files[src][key]
-            if src != self.rank:
-                logger.info("[rank %d step %d] per-rank entry %r from saved rank %d", self.rank, manifest.step, key, src)
-        return out
 
     def _agree_on_step(self, step: int | None) -> int | None:
         """Rank 0 picks the step (so all ranks load the same one even if a commit lands meanwhile)."""

@@ -41,9 +41,9 @@ from checkpoint.api import (
     RankObjectsRecord,
     RankRecords,
     TensorRecord,
-    crash_point,
     step_dir,
 )
+from checkpoint.faults import crash_point
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
 

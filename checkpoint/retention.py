@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from checkpoint.api import COMMIT_FILE, CheckpointError, crash_point, step_dir
+from checkpoint.api import COMMIT_FILE, CheckpointError, step_dir
 from checkpoint.discover import latest_good_step, list_steps
+from checkpoint.faults import crash_point
 from checkpoint.storage import Storage
 
 logger = logging.getLogger(__name__)

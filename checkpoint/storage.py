@@ -444,14 +444,8 @@ class Storage:
 
         self._call("write", rel, attempt)
 
-    def open_sink(self, rel: str) -> Sink:
-        """A streaming writer for a large file (not retried here: the caller retries the whole file)."""
-        try:
-            return self._open_sink(rel)
-        except _FOREIGN as exc:
-            raise self.error("write", rel, exc) from exc
-
     def _open_sink(self, rel: str) -> Sink:
+        """The backend's Sink for ``rel``; only ``write_bytes`` and ``write_stream`` use it (they retry it)."""
         if self.is_local:
             return _LocalAtomicSink(self.full(rel), self.writeback_bytes)
         if self.is_s3:
@@ -554,9 +548,8 @@ class _RangeWriteback:
 
     Why: with the default dirty-page thresholds (10 % of RAM) a 1 GiB shard sits in the page cache until
     our ``fsync``, which then writes all of it while we wait. Starting writeback of each 32 MiB as soon
-    as it is written overlaps the disk with the rest of the write: measured here on 1 GiB (virtio disk,
-    ext4, interleaved, median of 8) 0.45 s to durable vs 0.76 s without, and less spread. RocksDB's
-    ``bytes_per_sync`` does the same. It only starts I/O, so durability still comes from ``fsync``.
+    as it is written overlaps the disk with the rest of the write (figures in the README's benchmarks).
+    RocksDB's ``bytes_per_sync`` does the same. It only starts I/O, so durability still comes from ``fsync``.
     Linux only; any failure (other OS, a file system without it) switches it off for the process.
     """
 

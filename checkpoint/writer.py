@@ -28,9 +28,9 @@ from checkpoint.api import (
     ShardWriter,
     TensorItem,
     TensorRecord,
-    crash_point,
     shard_file_name,
 )
+from checkpoint.faults import crash_point
 from checkpoint.config import CheckpointConfig
 from checkpoint.shard import ShardLayout, build_layout, write_shard
 from checkpoint.staging import Stager

@@ -60,7 +60,7 @@ def test_process_writer_storage_error_names_the_file(tmp_path: Path) -> None:
 
 
 def test_dead_writer_process_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
-    from checkpoint.api import CRASH_AT_ENV
+    from checkpoint.faults import CRASH_AT_ENV
 
     root = str(tmp_path / "run")
     # The writer process inherits this: it blocks on its 3rd block (the first of step 2: 2 blocks per save).
