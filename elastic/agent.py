@@ -42,7 +42,13 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs, PContext, Proce
 
 from elastic.api import EventSink, FailureCause, RecoveryEvent
 from elastic.config import AgentSettings
-from elastic.workers import DeathClock, PdeathsigEntrypoint, shim_command, terminate_processes
+from elastic.workers import (
+    DeathClock,
+    PdeathsigEntrypoint,
+    fall_back_to_plain_workers,
+    shim_command,
+    terminate_processes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +201,12 @@ class SpotrunAgent(LocalElasticAgent):
                    master_port=worker_group.master_port)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        reason = fall_back_to_plain_workers(worker_group.spec)
+        if reason is not None:
+            # CHANGE: a warm worker that a script could tell apart from torchrun's is not started; from now
+            # on this agent starts plain `python -u` subprocesses (the spec was rewritten, so this logs once).
+            logger.warning("%s warm workers off: %s; starting workers as plain subprocesses like torchrun",
+                           self._ctx(), reason)
         pids = super()._start_workers(worker_group)
         if self._pcontext is not None:
             self._close_started_at = None
@@ -357,7 +369,13 @@ def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[
 
     def close(death_sig: signal.Signals | None = None, timeout: float | None = None) -> None:
         on_close()
-        original(death_sig, grace if timeout is None else timeout)  # type: ignore[arg-type]
+        wait = grace if timeout is None else timeout
+        # CHANGE: torch's MultiprocessContext signals only each worker's PID; warm workers lead their own
+        # process group like torchrun's subprocess workers, so signal the group (DataLoader workers too), as
+        # torch's SubprocessHandler.close does. Torch's close then only joins.
+        processes = getattr(getattr(pcontext, "_pc", None), "processes", None) or []
+        terminate_processes(processes, wait, death_sig or signal.SIGTERM)
+        original(death_sig, wait)  # type: ignore[arg-type]
 
     pcontext.close = close  # type: ignore[method-assign]
 

@@ -85,13 +85,17 @@ def _preimport_log_formatter_dependencies() -> None:
     """torch's log formatter (``TorchLogsFormatter``) imports ``torch._dynamo`` the first time it formats a
     record with an exception, and torch logs a worker failure with ``logger.exception``: the first worker
     crash would cost the agent 1.5-4 s of imports before it even starts recovering. Import it in a daemon
-    thread while the first rendezvous and worker start are under way."""
+    thread while the first rendezvous and worker start are under way. What the import writes into the
+    agent's environment (``TORCHINDUCTOR_CACHE_DIR``) is undone: torchrun's workers never see it."""
 
     def preimport() -> None:
+        before = dict(os.environ)
         try:
             importlib.import_module("torch._dynamo")
         except Exception:  # only an optimisation
             logger.debug("pre-importing torch._dynamo failed", exc_info=True)
+        for name in set(os.environ) - set(before):
+            os.environ.pop(name, None)
 
     threading.Thread(target=preimport, name="spotrun-preimport", daemon=True).start()
 
@@ -175,11 +179,12 @@ def launch(
         shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
     )
 
-    _preimport_log_formatter_dependencies()
     if config.start_method == "forkserver":
         # After every env change the workers must inherit (OMP_NUM_THREADS, TORCHELASTIC_SIGNALS_TO_HANDLE)
         # and before joining the rendezvous: a joining node must not stall a running group on its imports.
+        # Before the agent's own pre-import, whose passing env changes the forkserver must not see.
         logger.info("warm workers: forkserver ready in %.2f s", start_warm_forkserver())
+    _preimport_log_formatter_dependencies()
 
     shutdown_rdzv = True
     try:
