@@ -139,7 +139,7 @@ def exit_status(exc: BaseException | None) -> tuple[int, str | None]:
         code = exc.code
         if code is None:
             return 0, None
-        if isinstance(code, bool) or isinstance(code, int):
+        if isinstance(code, int):  # bool too: sys.exit(True) is 1
             return int(code) & 0xFF, None
         return 1, f"{code}\n"
     return 1, None
@@ -181,6 +181,7 @@ def become_fresh_interpreter(launch: WarmLaunch, target: str, *, module: bool) -
     except OSError:
         pass
     _reset_multiprocessing()
+    _reseed_inherited_random_state()
     env = worker_environ(launch.agent_environ, launch.forkserver_environ, dict(os.environ))
     os.environ.clear()
     os.environ.update(env)
@@ -202,13 +203,23 @@ def _reset_multiprocessing() -> None:
     process._parent_process = None  # type: ignore[attr-defined]
     process._children = set()  # type: ignore[attr-defined]
     tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
-    if getattr(tracker, "_pid", None) is None and getattr(tracker, "_fd", None) is not None:
+    if getattr(tracker, "_pid", None) is None and getattr(tracker, "_fd", None) is not None:  # inherited fd
         try:
-            os.close(tracker._fd)
+            os.close(tracker._fd)  # type: ignore[attr-defined]
         except OSError:
             pass
-        tracker._fd = None
+        tracker._fd = None  # type: ignore[attr-defined]
     del multiprocessing
+
+
+def _reseed_inherited_random_state() -> None:
+    """A fresh interpreter seeds numpy's global generator from OS entropy when it imports numpy; a forked
+    worker would inherit the forkserver's, so every worker of every restart would draw the same numbers.
+    (``random`` reseeds itself after a fork; torch's default generator has a fixed seed in every process.)"""
+    numpy_random = sys.modules.get("numpy.random")
+    seed = getattr(numpy_random, "seed", None)
+    if callable(seed):
+        seed()
 
 
 def _main_process() -> Any:
@@ -222,7 +233,8 @@ def _main_process() -> Any:
             self._parent_pid = None
             self._popen = None
             self._closed = False
-            self._config = {"authkey": process.AuthenticationString(os.urandom(32)), "semprefix": "/mp"}
+            authkey = process.AuthenticationString(os.urandom(32))  # type: ignore[attr-defined]
+            self._config = {"authkey": authkey, "semprefix": "/mp"}
 
         def close(self) -> None:
             pass
@@ -251,7 +263,8 @@ def _restore_stdio(stdin_handle: Any) -> None:
     _named(buffered.raw, "<stdin>")
     # `python -u` leaves stdin buffered and never line-buffered; newlines split at "\n" (POSIX).
     new_in = io.TextIOWrapper(buffered, encoding=encoding, errors=errors, newline="\n", line_buffering=False)
-    sys.stdin = sys.__stdin__ = new_in
+    sys.stdin = new_in
+    sys.__stdin__ = new_in  # type: ignore[misc]  # a fresh interpreter's original stdin is this one
     if old_in is not None:
         try:
             old_in.close()  # multiprocessing's /dev/null wrapper (closefd=False: fd 0 is kept)

@@ -16,11 +16,13 @@ import atexit
 import json
 import multiprocessing
 import os
+import random
 import signal
 import sys
 import threading
 import time
 
+import numpy
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
@@ -90,9 +92,14 @@ if args.mode == "observe":
         "flags": str(sys.flags),
         "batches": list(batches()),
         "torch_threads": torch.get_num_threads(),
+        "torch_initial_seed": torch.initial_seed(),
+        "torch_first_draw": torch.rand(1).item(),
     }
+    draws = {"numpy": numpy.random.random(), "random": random.random()}
     with open(os.path.join(args.out, f"observed.{rank}.json"), "w") as handle:
         json.dump(observed, handle)
+    with open(os.path.join(args.out, f"draws.{rank}.json"), "w") as handle:
+        json.dump(draws, handle)  # unseeded generators: per process, so compared across ranks
     print(f"fidelity-stdout rank={rank}", flush=True)
     print(f"fidelity-stderr rank={rank}", file=sys.stderr, flush=True)
 else:
