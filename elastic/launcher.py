@@ -31,11 +31,13 @@ from elastic.agent import SpotrunAgent
 from elastic.api import DEFAULT_RDZV_BACKEND, LaunchConfigError, RendezvousUnavailableError
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
+from elastic.warm import note_agent_import_env
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
 logger = logging.getLogger(__name__)
 
 EVENTS_FILE_NAME = "events.jsonl"
+_COMPILER_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TRITON_")
 
 
 def register_backends() -> None:
@@ -94,7 +96,10 @@ def _preimport_log_formatter_dependencies() -> None:
             importlib.import_module("torch._dynamo")
         except Exception:  # only an optimisation
             logger.debug("pre-importing torch._dynamo failed", exc_info=True)
-        for name in set(os.environ) - set(before):
+        # Only the compiler stack's own variables: the main thread may set others meanwhile.
+        added = {name for name in set(os.environ) - set(before) if name.startswith(_COMPILER_ENV_PREFIXES)}
+        note_agent_import_env(added)
+        for name in added:
             os.environ.pop(name, None)
 
     threading.Thread(target=preimport, name="spotrun-preimport", daemon=True).start()
@@ -179,12 +184,11 @@ def launch(
         shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
     )
 
+    _preimport_log_formatter_dependencies()
     if config.start_method == "forkserver":
         # After every env change the workers must inherit (OMP_NUM_THREADS, TORCHELASTIC_SIGNALS_TO_HANDLE)
         # and before joining the rendezvous: a joining node must not stall a running group on its imports.
-        # Before the agent's own pre-import, whose passing env changes the forkserver must not see.
         logger.info("warm workers: forkserver ready in %.2f s", start_warm_forkserver())
-    _preimport_log_formatter_dependencies()
 
     shutdown_rdzv = True
     try:

@@ -57,6 +57,16 @@ def forkserver_environ() -> tuple[dict[str, str], dict[str, str]] | None:
     return _forkserver_environ
 
 
+#: Variables the agent's own background imports set and then removed again (``launcher``'s pre-import of
+#: ``torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR``); whether the forkserver started before or after that
+#: passing change says nothing about the user's environment.
+_agent_import_env: set[str] = set()
+
+
+def note_agent_import_env(names: set[str]) -> None:
+    _agent_import_env.update(names)
+
+
 # --- decisions (pure, agent side) ------------------------------------------------------------------------
 
 
@@ -93,7 +103,8 @@ def warm_fallback_reason(
     ``forkserver``: the environments at forkserver start and after its imports (None: no forkserver)."""
     if forkserver is None:
         return "the warm forkserver was not started"
-    changed = import_time_env_changes(forkserver[0], forkserver[1], current)
+    changed = [name for name in import_time_env_changes(forkserver[0], forkserver[1], current)
+               if name not in _agent_import_env]
     if changed:
         return (f"environment variables read at import time changed since the forkserver imported torch: "
                 f"{', '.join(changed)}")
