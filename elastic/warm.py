@@ -206,7 +206,6 @@ def _reset_multiprocessing() -> None:
     """Fresh-interpreter multiprocessing state: no start method chosen yet (so ``fork`` is the default on
     Linux, as torchrun's workers see), this process is ``MainProcess`` with no parent, its own authkey, and
     its own resource tracker when it needs one (the inherited one is the agent's)."""
-    import multiprocessing
     from multiprocessing import context, process, resource_tracker
 
     context._default_context._actual_context = None  # type: ignore[attr-defined]
@@ -220,7 +219,6 @@ def _reset_multiprocessing() -> None:
         except OSError:
             pass
         tracker._fd = None  # type: ignore[attr-defined]
-    del multiprocessing
 
 
 def _reseed_inherited_random_state() -> None:
@@ -278,7 +276,11 @@ def _restore_stdio(stdin_handle: Any) -> None:
     sys.__stdin__ = new_in  # type: ignore[misc]  # a fresh interpreter's original stdin is this one
     if old_in is not None:
         try:
-            old_in.close()  # multiprocessing's /dev/null wrapper (closefd=False: fd 0 is kept)
+            # multiprocessing's /dev/null wrapper does not own its descriptor (closefd=False): close both.
+            old_fd = old_in.fileno()
+            old_in.close()
+            if old_fd > 2:
+                os.close(old_fd)
         except (OSError, ValueError):
             pass
     for fd, name in ((1, "stdout"), (2, "stderr")):
