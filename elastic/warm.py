@@ -222,9 +222,14 @@ def _reset_multiprocessing() -> None:
 
 
 def _reseed_inherited_random_state() -> None:
-    """A fresh interpreter seeds numpy's global generator from OS entropy when it imports numpy; a forked
-    worker would inherit the forkserver's, so every worker of every restart would draw the same numbers.
-    (``random`` reseeds itself after a fork; torch's default generator has a fixed seed in every process.)"""
+    """A fresh interpreter seeds torch's default CPU generator and numpy's global one from OS entropy when
+    it imports them; a forked worker would inherit the forkserver's, so every rank of every restart would
+    draw the same "random" numbers (initial weights, dropout masks, shuffles). ``random`` reseeds itself
+    after a fork; CUDA generators are created fresh (CUDA is never initialised in the forkserver)."""
+    torch = sys.modules.get("torch")
+    generator = getattr(torch, "default_generator", None)
+    if generator is not None:
+        generator.seed()
     numpy_random = sys.modules.get("numpy.random")
     seed = getattr(numpy_random, "seed", None)
     if callable(seed):

@@ -92,10 +92,9 @@ if args.mode == "observe":
         "flags": str(sys.flags),
         "batches": list(batches()),
         "torch_threads": torch.get_num_threads(),
-        "torch_initial_seed": torch.initial_seed(),
-        "torch_first_draw": torch.rand(1).item(),
     }
-    draws = {"numpy": numpy.random.random(), "random": random.random()}
+    draws = {"numpy": numpy.random.random(), "random": random.random(), "torch": torch.rand(1).item(),
+             "torch_seed": torch.initial_seed()}
     with open(os.path.join(args.out, f"observed.{rank}.json"), "w") as handle:
         json.dump(observed, handle)
     with open(os.path.join(args.out, f"draws.{rank}.json"), "w") as handle:

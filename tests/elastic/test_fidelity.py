@@ -123,7 +123,7 @@ def test_clean_run_observes_the_same_worker(runs: dict[tuple[str, str], Run]) ->
 def test_unseeded_generators_differ_between_workers_as_in_fresh_interpreters(runs: dict[tuple[str, str], Run]) -> None:
     for run in _pair(runs, "observe"):
         draws = [json.loads((run.out / f"draws.{rank}.json").read_text()) for rank in range(NPROC["observe"])]
-        for generator in ("numpy", "random"):
+        for generator in ("numpy", "random", "torch", "torch_seed"):
             assert draws[0][generator] != draws[1][generator], f"{run.launcher}: {generator} draws equal across ranks"
 
 
