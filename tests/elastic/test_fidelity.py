@@ -102,6 +102,14 @@ def _context(run: Run) -> str:
 # --- a clean run ----------------------------------------------------------------------------------------
 
 
+def test_spotrun_really_ran_warm_workers(runs: dict[tuple[str, str], Run]) -> None:
+    """Otherwise the comparisons below would compare two plain subprocess launches."""
+    for mode in NPROC:
+        spotrun = runs["spotrun", mode]
+        assert "warm workers: forkserver ready" in spotrun.stderr, _context(spotrun)
+        assert "warm workers off" not in spotrun.stderr, _context(spotrun)
+
+
 def test_clean_run_observes_the_same_worker(runs: dict[tuple[str, str], Run]) -> None:
     torchrun, spotrun = _pair(runs, "observe")
     assert torchrun.returncode == 0, _context(torchrun)
