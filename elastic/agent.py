@@ -48,7 +48,13 @@ from elastic.api import EventSink, FailureCause, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.rendezvous.api import MembershipAwareHandler
 from elastic.torch_internals import check_agent_internals, worker_processes
-from elastic.workers import DeathClock, PdeathsigEntrypoint, shim_command, terminate_processes
+from elastic.workers import (
+    DeathClock,
+    PdeathsigEntrypoint,
+    fall_back_to_plain_workers,
+    shim_command,
+    terminate_processes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +214,12 @@ class SpotrunAgent(LocalElasticAgent):
                    master_port=worker_group.master_port)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        reason = fall_back_to_plain_workers(worker_group.spec)
+        if reason is not None:
+            # CHANGE: a warm worker that a script could tell apart from torchrun's is not started; from now
+            # on this agent starts plain `python -u` subprocesses (the spec was rewritten, so this logs once).
+            logger.warning("%s warm workers off: %s; starting workers as plain subprocesses like torchrun",
+                           self._ctx(), reason)
         pids = super()._start_workers(worker_group)
         if self._pcontext is not None:
             self._close_started_at = None
@@ -368,7 +380,12 @@ def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[
 
     def close(death_sig: signal.Signals | None = None, timeout: float | None = None) -> None:
         on_close()
-        original(death_sig, grace if timeout is None else timeout)  # type: ignore[arg-type]
+        wait = grace if timeout is None else timeout
+        # CHANGE: torch's MultiprocessContext signals only each worker's PID; warm workers lead their own
+        # process group like torchrun's subprocess workers, so signal the group (DataLoader workers too), as
+        # torch's SubprocessHandler.close does. Torch's close then only joins.
+        terminate_processes(worker_processes(pcontext) or [], wait, death_sig or signal.SIGTERM)
+        original(death_sig, wait)  # type: ignore[arg-type]
 
     pcontext.close = close  # type: ignore[method-assign]
 
