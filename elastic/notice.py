@@ -185,7 +185,7 @@ def parse_sources(text: str | None) -> tuple[str, ...]:
 def _request(url: str, *, method: str = "GET", headers: dict[str, str] | None = None) -> tuple[int, str]:
     req = urllib.request.Request(url, method=method, headers=headers or {})
     try:
-        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT) as resp:  # noqa: S310 (fixed http URLs)
+        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT) as resp:
             return int(resp.status), resp.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as exc:
         return int(exc.code), exc.read().decode("utf-8", "replace")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import signal
 import threading
-from datetime import datetime, timezone
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
