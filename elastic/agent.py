@@ -1,10 +1,13 @@
 """``SpotrunAgent``: torch's ``LocalElasticAgent`` with fast, membership-aware recovery.
 
 Everything torch does for workers is kept (environment, ranks, error files, log redirection, exit barrier).
-Each place that changes torch 2.13's behaviour is marked ``CHANGE:`` with the reason:
+Each place that changes torch 2.13's behaviour is marked ``CHANGE:`` with the reason; the torch internals it
+relies on are checked by ``elastic.torch_internals`` (at run time) and fingerprinted by
+tests/elastic/test_torch_internals.py (when torch changes):
 
-* monitor loop reacts to rendezvous membership changes at once (``membership_changed()`` /
-  ``num_nodes_waiting()``) and sleeps on ``wait_membership_change`` instead of a blind ``time.sleep``;
+* with a :class:`~elastic.rendezvous.api.MembershipAwareHandler` (etcd-v3; checked once at start, other
+  handlers get torch's ``num_nodes_waiting()`` polling, said once in the log) the monitor loop reacts to
+  membership changes at once and sleeps on ``wait_membership_change`` instead of a blind ``time.sleep``;
 * worker failures that coincide with a lost peer do not use up ``--max-restarts``;
 * workers are stopped with a short SIGTERM->SIGKILL grace (torch waits 30 s), also when torch's process
   context closes the survivors of a crashed worker;
@@ -39,9 +42,12 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.metrics import put_metric
 from torch.distributed.elastic.multiprocessing import LogsSpecs, PContext, ProcessFailure, SignalException
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
 from elastic.api import EventSink, FailureCause, RecoveryEvent
 from elastic.config import AgentSettings
+from elastic.rendezvous.api import MembershipAwareHandler
+from elastic.torch_internals import check_agent_internals, worker_processes
 from elastic.workers import DeathClock, PdeathsigEntrypoint, shim_command, terminate_processes
 
 logger = logging.getLogger(__name__)
@@ -101,8 +107,10 @@ class SpotrunAgent(LocalElasticAgent):
             log_line_prefix_template=log_line_prefix_template,
             shutdown_timeout=shutdown_timeout,
         )
+        check_agent_internals(self)
         self._settings = settings
         self._events = events
+        self._membership = membership_aware(spec.rdzv_handler)
         self._round = 0
         self._charged_restart_pending = False
         self._previous_group_world_size: int | None = None
@@ -130,27 +138,36 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _rdzv_round(self) -> int | None:
         """The backend's round number when it has one (etcd-v3's ``round``), for cross-node correlation."""
-        try:
-            value = getattr(self._worker_group.spec.rdzv_handler, "round", None)
-        except Exception:  # a backend property must never break event logging
-            return None
-        return value if isinstance(value, int) else None
+        return self._membership.round if self._membership is not None else None
 
-    # --- membership signals (duck-typed: only the etcd-v3 handler has membership_changed) -----------------
+    # --- membership signals ---------------------------------------------------------------------------------
 
     def _membership_changed(self) -> bool:
         handler = self._worker_group.spec.rdzv_handler
+        if self._membership is None:
+            return self._nodes_waiting(handler)
         try:
-            changed = getattr(handler, "membership_changed", None)
-            if callable(changed) and changed():
+            if self._membership.membership_changed():
                 return True
+        except RendezvousError:
+            # CHANGE: torch lets a rendezvous error here kill the agent. The workers do not need the backend
+            # while training, so an etcd restart must not end a healthy job; the next tick retries. Errors
+            # outside the declared tree (a bug, a changed handler) propagate.
+            logger.warning("%s cannot query the rendezvous for membership changes; will retry", self._ctx(),
+                           exc_info=logger.isEnabledFor(logging.DEBUG))
+            return False
+        return self._nodes_waiting(handler)
+
+    def _nodes_waiting(self, handler: RendezvousHandler) -> bool:
+        """torch's own signal: a node is waiting to join."""
+        try:
             return handler.num_nodes_waiting() > 0
         except SignalException:
             raise
         except Exception:
-            # CHANGE: torch lets a store error here kill the agent. The workers do not need the rendezvous
-            # backend while training, so an etcd restart must not end a healthy job; the next tick retries.
-            logger.warning("%s cannot query the rendezvous for membership changes; will retry", self._ctx(),
+            # CHANGE: as above. Any handler may sit behind this call (torch's c10d raises store errors outside
+            # the RendezvousError tree), so here any error counts as transient.
+            logger.warning("%s cannot query the rendezvous for waiting nodes; will retry", self._ctx(),
                            exc_info=logger.isEnabledFor(logging.DEBUG))
             return False
 
@@ -158,21 +175,17 @@ class SpotrunAgent(LocalElasticAgent):
         """Block up to ``timeout`` s, returning early (True) on a membership event when the handler has one."""
         if timeout <= 0:
             return False
-        handler = self._worker_group.spec.rdzv_handler
-        wait = getattr(handler, "wait_membership_change", None)
-        if callable(wait):
-            started = time.monotonic()
-            try:
-                return bool(wait(timeout))
-            except SignalException:
-                raise
-            except Exception:
-                logger.warning("%s wait_membership_change failed; sleeping instead", self._ctx(),
-                               exc_info=logger.isEnabledFor(logging.DEBUG))
-                time.sleep(max(0.0, timeout - (time.monotonic() - started)))
-                return False
-        time.sleep(timeout)
-        return False
+        if self._membership is None:
+            time.sleep(timeout)  # torch's path: poll once per monitor interval
+            return False
+        started = time.monotonic()
+        try:
+            return self._membership.wait_membership_change(timeout)
+        except RendezvousError:
+            logger.warning("%s wait_membership_change failed; sleeping instead", self._ctx(),
+                           exc_info=logger.isEnabledFor(logging.DEBUG))
+            time.sleep(max(0.0, timeout - (time.monotonic() - started)))
+            return False
 
     # --- rendezvous, start and stop with events ------------------------------------------------------------
 
@@ -211,8 +224,7 @@ class SpotrunAgent(LocalElasticAgent):
         if self._death_clock is not None:
             self._death_clock.stop()
         self._death_clock = None
-        pc = getattr(pcontext, "_pc", None)  # MultiprocessContext's torch.multiprocessing ProcessContext
-        processes = getattr(pc, "processes", None)
+        processes = worker_processes(pcontext)
         if processes:
             self._death_clock = DeathClock({rank: proc.sentinel for rank, proc in enumerate(processes)})
 
@@ -221,8 +233,8 @@ class SpotrunAgent(LocalElasticAgent):
             # CHANGE: on a failure torch.multiprocessing's ProcessContext.join SIGTERMs the other workers and
             # waits up to 30 s before SIGKILL; workers stuck in a collective with a Python SIGTERM handler
             # never run it. Terminate them ourselves with the short grace first.
-            processes = getattr(getattr(self._pcontext, "_pc", None), "processes", [])
-            if any(proc.exitcode not in (None, 0) for proc in processes):
+            processes = worker_processes(self._pcontext) if self._pcontext is not None else None
+            if processes and any(proc.exitcode not in (None, 0) for proc in processes):
                 self._note_close_started()
                 terminate_processes(processes, self._settings.stop_grace)
         result = super()._monitor_workers(worker_group)
@@ -342,7 +354,7 @@ def _failure_order(failure: ProcessFailure, died_at: dict[int, float]) -> tuple[
 
 def _exitcode(pcontext: PContext, local_rank: int) -> int:
     """Exit code of a worker of a MultiprocessContext (1, like an uncaught exception, if unknown)."""
-    processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
+    processes = worker_processes(pcontext)
     if processes and local_rank < len(processes) and processes[local_rank].exitcode is not None:
         return int(processes[local_rank].exitcode)
     return 1
@@ -360,6 +372,16 @@ def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[
         original(death_sig, grace if timeout is None else timeout)  # type: ignore[arg-type]
 
     pcontext.close = close  # type: ignore[method-assign]
+
+
+def membership_aware(handler: RendezvousHandler) -> MembershipAwareHandler | None:
+    """The handler as a :class:`MembershipAwareHandler`, or None (said once) when it does not implement it."""
+    if isinstance(handler, MembershipAwareHandler):
+        return handler
+    logger.info("rendezvous backend %r (%s) is not membership-aware (no MembershipAwareHandler): the agent polls "
+                "num_nodes_waiting() every monitor interval like torch's, and a lost peer is noticed only when "
+                "the workers fail", handler.get_backend(), type(handler).__name__)
+    return None
 
 
 def _tie_entrypoint_to_agent(spec: WorkerSpec) -> WorkerSpec:

@@ -74,3 +74,7 @@ class RendezvousUnavailableError(SpotrunError):
 
 class StandaloneEtcdError(SpotrunError):
     """``--standalone`` could not start its embedded etcd."""
+
+
+class TorchInternalsError(SpotrunError, AssertionError):
+    """A private torch hook or attribute the agent relies on is missing or changed (torch newer than verified)."""

@@ -71,18 +71,11 @@ class JsonlEventLog:
                 logger.warning("[%s] could not append %s to %s", self._node, event.value, self.path, exc_info=True)
 
 
-class MemoryEventLog:
-    """Keeps events in a list (unit tests)."""
-
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-
-    def emit(self, event: RecoveryEvent, **fields: Any) -> None:
-        self.records.append({"event": event.value, **fields})
-
-
 def read_events(path: str) -> list[dict[str, Any]]:
-    """All complete events in ``path`` (a partially written last line is skipped)."""
+    """All complete events in ``path``, in file order (a line still being appended is skipped).
+
+    Public: ``events.jsonl`` is an interface (event names and fields are only ever added to), and this is
+    its reader for reports and tools; missing file -> no events."""
     try:
         with open(path, encoding="utf-8") as handle:
             lines = handle.readlines()

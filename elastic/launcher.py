@@ -31,6 +31,7 @@ from elastic.agent import SpotrunAgent
 from elastic.api import DEFAULT_RDZV_BACKEND, LaunchConfigError, RendezvousUnavailableError
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
+from elastic.rendezvous.api import MembershipAwareHandler
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
 logger = logging.getLogger(__name__)
@@ -100,12 +101,12 @@ def _leave_rendezvous(handler: RendezvousHandler) -> None:
     """On SIGTERM/SIGINT (e.g. spot preemption) give up this node's membership at once when the backend can
     (etcd-v3 ``leave()`` revokes the lease), so peers re-form now instead of after the lease TTL. Unlike
     ``shutdown()`` this does not close the job for the other nodes."""
-    leave = getattr(handler, "leave", None)
-    if callable(leave):
-        try:
-            leave()
-        except Exception:
-            logger.warning("leaving the rendezvous failed; peers will notice when the lease expires", exc_info=True)
+    if not isinstance(handler, MembershipAwareHandler):
+        return  # torch's backends have no way to leave; peers notice when this node's heartbeat stops
+    try:
+        handler.leave()
+    except RendezvousError:
+        logger.warning("leaving the rendezvous failed; peers will notice when the lease expires", exc_info=True)
 
 
 def events_path(config: LaunchConfig, settings: AgentSettings) -> str:

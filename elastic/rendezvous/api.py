@@ -3,6 +3,9 @@
 The errors reuse torch's ``RendezvousError`` family, so torch's agent and launcher treat ours exactly
 like theirs; third-party (etcd3, grpc) errors are converted where they enter with ``raise ... from exc``.
 
+``MembershipAwareHandler`` is the capability the agent's fast recovery relies on, declared as a runtime-checkable
+protocol and checked once when the agent starts (a handler without it gets torch's polling path).
+
 ``EtcdRendezvousConfig.from_parameters`` turns torch's ``RendezvousParameters`` (``--rdzv-endpoint``,
 ``--rdzv-id``, ``--nnodes`` and the ``--rdzv-conf`` dict) into a validated config. Unknown
 ``--rdzv-conf`` keys are rejected with the list of accepted ones: a typo must not silently become a
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Final
+from typing import Any, Final, Protocol, runtime_checkable
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -28,6 +31,7 @@ from torch.distributed.elastic.rendezvous.api import (
 __all__ = [
     "BACKEND_NAME",
     "EtcdRendezvousConfig",
+    "MembershipAwareHandler",
     "RendezvousClosedError",
     "RendezvousConfigError",
     "RendezvousConnectionError",
@@ -45,6 +49,34 @@ DEFAULT_ETCD_PORT: Final = 2379
 
 class RendezvousConfigError(RendezvousError, ValueError):
     """A rendezvous parameter or ``--rdzv-conf`` key is unknown or has an invalid value."""
+
+
+@runtime_checkable
+class MembershipAwareHandler(Protocol):
+    """A torch ``RendezvousHandler`` that reports membership changes as they happen (etcd-v3 does).
+
+    torch's agent learns of a lost or new node only by polling ``num_nodes_waiting()`` every monitor
+    interval, and of a lost node only when its workers crash. With this protocol spotrun's agent sleeps
+    on ``wait_membership_change`` and restarts the group the moment a peer's lease expires, and a
+    preempted node leaves at once. Every method raises only from the ``RendezvousError`` tree (e.g.
+    ``RendezvousConnectionError`` once the backend is unreachable for longer than its timeout); the
+    agent handles those, and lets anything else propagate.
+    """
+
+    @property
+    def round(self) -> int | None:
+        """Number of the last round this node completed (None before the first); no I/O."""
+
+    def membership_changed(self) -> bool:
+        """Non-blocking: True when the current round cannot go on as is (a participant lost, re-joined
+        or a waiting node would get a slot); False before the first round."""
+
+    def wait_membership_change(self, timeout: float) -> bool:
+        """Block until ``membership_changed()`` is True (True), or ``timeout`` s pass or the handler shuts
+        down (False)."""
+
+    def leave(self) -> None:
+        """Give up this node's membership at once (peers re-form now) without closing the job; idempotent."""
 
 
 # Keys torch's launcher or other torch backends put into --rdzv-conf. We accept them so an existing

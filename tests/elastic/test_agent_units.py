@@ -14,8 +14,9 @@ import pytest
 
 from elastic.api import LaunchConfigError, RecoveryEvent
 from elastic.config import AgentSettings
-from elastic.events import JsonlEventLog, MemoryEventLog, read_events
+from elastic.events import JsonlEventLog, read_events
 from elastic.workers import DeathClock, ScriptEntrypoint, shim_command, terminate_processes, warm_entrypoint
+from tests.elastic.doubles import MemoryEventLog
 
 pytestmark = pytest.mark.timeout(60)
 

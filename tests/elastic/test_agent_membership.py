@@ -1,0 +1,174 @@
+"""The agent's contract with the rendezvous handler: ``MembershipAwareHandler`` checked once at start.
+
+A handler with the protocol drives the monitor loop (its declared ``RendezvousError``s are handled as
+transient, anything else propagates); a handler without it gets torch's polling path, said once in the log.
+No process or server is started: the agent is only constructed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
+
+from elastic.agent import SpotrunAgent
+from elastic.config import AgentSettings
+from elastic.launcher import _leave_rendezvous
+from elastic.rendezvous.api import EtcdRendezvousConfig, MembershipAwareHandler, RendezvousConnectionError
+from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
+from tests.elastic.doubles import MemoryEventLog
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class PollingHandler(RendezvousHandler):
+    """torch's interface only (like c10d): the agent can only poll ``num_nodes_waiting``."""
+
+    def __init__(self, waiting: int = 0) -> None:
+        self.waiting = waiting
+        self.polls = 0
+
+    def get_backend(self) -> str:
+        return "polling"
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        raise NotImplementedError
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        self.polls += 1
+        return self.waiting
+
+    def get_run_id(self) -> str:
+        return "job"
+
+    def shutdown(self) -> bool:
+        return True
+
+
+class AwareHandler(PollingHandler):
+    """Implements ``MembershipAwareHandler``; ``error`` is raised by its membership methods when set."""
+
+    def __init__(self, *, changed: bool = False, error: Exception | None = None) -> None:
+        super().__init__()
+        self.changed = changed
+        self.error = error
+        self.waits: list[float] = []
+        self.left = 0
+
+    def get_backend(self) -> str:
+        return "aware"
+
+    @property
+    def round(self) -> int | None:
+        return 7
+
+    def membership_changed(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.changed
+
+    def wait_membership_change(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.changed
+
+    def leave(self) -> None:
+        self.left += 1
+        if self.error is not None:
+            raise self.error
+
+
+class RenamedHandler(PollingHandler):
+    """A membership-aware handler whose method was renamed: it must not pass for one."""
+
+    @property
+    def round(self) -> int | None:
+        return 1
+
+    def membership_has_changed(self) -> bool:
+        return True
+
+    def wait_membership_change(self, timeout: float) -> bool:
+        return True
+
+    def leave(self) -> None:
+        pass
+
+
+def make_agent(handler: RendezvousHandler, tmp_path: Path) -> SpotrunAgent:
+    spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint="/bin/true", args=(), rdzv_handler=handler,
+                      max_restarts=0, monitor_interval=0.01)
+    return SpotrunAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path)), settings=AgentSettings(),
+                        events=MemoryEventLog(), tie_workers_to_agent=False)
+
+
+def test_the_etcd_v3_handler_is_membership_aware() -> None:
+    config = EtcdRendezvousConfig(run_id="job", endpoints=(("127.0.0.1", 2379),), min_nodes=1, max_nodes=2)
+    assert isinstance(EtcdV3RendezvousHandler(config), MembershipAwareHandler)  # constructing does not connect
+
+
+def test_a_renamed_method_is_not_membership_aware() -> None:
+    assert not isinstance(RenamedHandler(), MembershipAwareHandler)
+    assert isinstance(AwareHandler(), MembershipAwareHandler)
+
+
+def test_handler_without_the_protocol_gets_torchs_polling_path_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler = PollingHandler(waiting=0)
+    with caplog.at_level(logging.INFO, logger="elastic.agent"):
+        agent = make_agent(handler, tmp_path)
+        assert not agent._wait_for_membership_change(0.01)
+        assert not agent._membership_changed()
+        handler.waiting = 1
+        assert agent._membership_changed()
+        assert agent._membership_changed()
+    notes = [r for r in caplog.records if "not membership-aware" in r.getMessage()]
+    assert len(notes) == 1 and "'polling'" in notes[0].getMessage()
+    assert handler.polls == 3
+    assert agent._rdzv_round() is None
+
+
+def test_handler_with_the_protocol_drives_the_monitor_loop(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    handler = AwareHandler(changed=True)
+    with caplog.at_level(logging.INFO, logger="elastic.agent"):
+        agent = make_agent(handler, tmp_path)
+    assert not [r for r in caplog.records if "not membership-aware" in r.getMessage()]
+    assert agent._wait_for_membership_change(5.0) and handler.waits == [5.0]
+    assert agent._membership_changed() and handler.polls == 0  # membership_changed answered first
+    handler.changed = False
+    assert not agent._membership_changed() and handler.polls == 1  # then torch's waiting-node signal
+    assert agent._rdzv_round() == 7
+
+
+def test_declared_rendezvous_errors_of_a_membership_aware_handler_are_transient(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler = AwareHandler(error=RendezvousConnectionError("etcd 127.0.0.1:1 unreachable for 30 s"))
+    agent = make_agent(handler, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="elastic.agent"):
+        assert not agent._membership_changed()
+        assert not agent._wait_for_membership_change(0.01)
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
+    _leave_rendezvous(handler)  # logged, not raised: the agent is already exiting on a signal
+    assert handler.left == 1
+
+
+@pytest.mark.parametrize("error", [TypeError("membership_changed() takes 0 arguments"), AttributeError("_mirror")])
+def test_other_errors_of_a_membership_aware_handler_propagate(tmp_path: Path, error: Exception) -> None:
+    agent = make_agent(AwareHandler(error=error), tmp_path)
+    with pytest.raises(type(error)):
+        agent._membership_changed()
+    with pytest.raises(type(error)):
+        agent._wait_for_membership_change(0.01)
