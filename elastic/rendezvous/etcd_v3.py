@@ -123,9 +123,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     ``leave() -> None``
         Revoke this node's lease and release resources WITHOUT closing the job: peers see the loss at
         once instead of after ``lease_ttl`` (for preemption notices). Idempotent.
-    ``publish_notice(notice: dict) -> None`` / ``notices() -> dict[str, dict]``
+    ``publish_notice(notice: dict) -> None`` / ``peer_notices() -> dict[str, dict]``
         Publish this node's preemption deadline to the group (a key under the node's lease, so it vanishes
-        with the node) / every node's published notice, as mirrored from the watch (no I/O).
+        with the node) / the notices the other participants of this node's round published (no I/O).
     ``lost_peers() -> set[str]``
         Participants of this node's round whose registration vanished (crashed or left), no I/O.
     ``node_id`` / ``round`` properties
@@ -326,9 +326,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._with_live_lease(lambda: conn.call("publish a preemption notice", lambda: conn.client.put(key, value, lease=self._lease_id)))
         log.info("%spublished preemption notice %s", self._ctx(), value)
 
-    def notices(self) -> dict[str, dict[str, Any]]:
+    def peer_notices(self) -> dict[str, dict[str, Any]]:
         with self._cond:
-            return {node: dict(n) for node, n in self._mirror.notices.items()}
+            mine = self._my_round
+            peers = set(mine.participants) - {self._node_id} if mine is not None else set()
+            return {node: dict(n) for node, n in self._mirror.notices.items() if node in peers}
 
     def lost_peers(self) -> set[str]:
         with self._cond:

@@ -375,13 +375,13 @@ def test_a_published_notice_reaches_peers_and_vanishes_with_the_node(etcd_server
     rendezvous_all(pool, [a, b])
     a.publish_notice({"source": "sigterm", "deadline": 123.5})
     deadline = time.monotonic() + 10
-    while "a" not in b.notices() and time.monotonic() < deadline:
+    while "a" not in b.peer_notices() and time.monotonic() < deadline:
         b.wait_membership_change(0.05)
-    assert b.notices() == {"a": {"source": "sigterm", "deadline": 123.5, "node": "a"}}
+    assert b.peer_notices() == {"a": {"source": "sigterm", "deadline": 123.5, "node": "a"}}
     assert not b.membership_changed(), "a notice alone is not a membership change"
     a.leave()
     assert b.wait_membership_change(LOSS_BOUND_S), "a revoked lease is seen at once"
     assert b.lost_peers() == {"a"}
-    while b.notices() and time.monotonic() < deadline:
+    while b.peer_notices() and time.monotonic() < deadline:
         b.wait_membership_change(0.05)
-    assert b.notices() == {}, "the notice is attached to the leaver's lease"
+    assert b.peer_notices() == {}, "the notice is attached to the leaver's lease"
