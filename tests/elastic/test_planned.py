@@ -17,7 +17,7 @@ from elastic.events import read_events
 from elastic.notice import Notice
 from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
 from elastic.preemption import WorkerNotice
-from tests.elastic.agent_harness import EXAMPLES, SPOTRUN, Launcher, read_jsonl, wait_for
+from tests.elastic.agent_harness import EXAMPLES, SPOTRUN, Launcher, pid_alive, read_jsonl, wait_for
 
 TRAIN = str(EXAMPLES / "train_ddp.py")
 RDZV_CONF = "lease_ttl=2,last_call_timeout=0.3,join_timeout=60"
@@ -164,6 +164,27 @@ def test_sigterm_to_every_agent_saves_and_a_restart_resumes_there(tmp_path: Path
     assert min(resumed) == agreed + 1 and max(resumed) == agreed + 6
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_worker_that_exits_0_on_sigterm_does_not_hold_its_agent(tmp_path: Path, etcd_server) -> None:
+    """torch's shutdown waited its whole 30 s timeout for a worker that had already returned."""
+    agent = Launcher(
+        [*SPOTRUN, "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint", etcd_server.endpoint,
+         "--rdzv-id", "exit0", "--rdzv-conf", RDZV_CONF, "--log-dir", str(tmp_path / "logs"),
+         "--events-file", str(tmp_path / "events.jsonl"), str(EXAMPLES / "fault_worker.py"), "--steps", "0",
+         "--no-collective", "--exit-0-on-sigterm", "--out", str(tmp_path)],
+        tmp_path / "agent.log",
+    )
+    with _running([agent]):
+        wait_for(lambda: _progress(tmp_path), 120, "the worker to step")
+        worker = _events(tmp_path, "workers_started")[-1]["pids"][0]
+        began = time.monotonic()
+        agent.signal(signal.SIGTERM)
+        agent.wait(60)
+        assert time.monotonic() - began < 15, "the agent waited for a worker that had returned"
+        assert not pid_alive(worker)
+
+
 # --- exactness at the same world size ----------------------------------------------------------------------------
 
 
@@ -236,5 +257,5 @@ def test_interrupted_run_ends_bit_identical_to_an_uninterrupted_one(
             assert agents[-1].wait(120) == 0
     got = _final_state(tmp_path / "ckpt", STEPS)
     assert reference.keys() == got.keys()
-    for key in reference:
-        assert torch.equal(reference[key], got[key]), f"{key} differs after {fault}"
+    for key, expected in reference.items():
+        assert torch.equal(expected, got[key]), f"{key} differs after {fault}"
