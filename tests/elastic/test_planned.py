@@ -17,6 +17,7 @@ from elastic.events import read_events
 from elastic.notice import Notice
 from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
 from elastic.preemption import WorkerNotice
+from tests.conftest import descendants
 from tests.elastic.agent_harness import EXAMPLES, SPOTRUN, Launcher, pid_alive, read_jsonl, wait_for
 
 TRAIN = str(EXAMPLES / "train_ddp.py")
@@ -178,11 +179,14 @@ def test_a_worker_that_exits_0_on_sigterm_does_not_hold_its_agent(tmp_path: Path
     with _running([agent]):
         wait_for(lambda: _progress(tmp_path), 120, "the worker to step")
         worker = _events(tmp_path, "workers_started")[-1]["pids"][0]
+        helpers = set(descendants(agent.pid))  # the worker, its forkserver, the embedded etcd's none
         began = time.monotonic()
         agent.signal(signal.SIGTERM)
         agent.wait(60)
         assert time.monotonic() - began < 15, "the agent waited for a worker that had returned"
         assert not pid_alive(worker)
+        # A forkserver with torch loaded takes seconds to exit on a loaded machine: wait, bounded.
+        wait_for(lambda: not any(pid_alive(pid) for pid in helpers), 60, f"the agent's processes {helpers} to exit")
 
 
 # --- exactness at the same world size ----------------------------------------------------------------------------
