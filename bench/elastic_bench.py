@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,16 +36,24 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-JOB = str(REPO / "examples" / "train_ddp.py")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the shared process harness
+from tests.harness.procs import (  # noqa: E402
+    EXAMPLES,
+    SPOTRUN,
+    TORCHRUN,
+    Launcher,
+    Timeout,
+    free_port,
+    make_env,
+    read_jsonl,
+    signal_all,
+    wait_for,
+)
+
+JOB = str(EXAMPLES / "train_ddp.py")
 JOB_ARGS = ["--steps", "1000000000", "--step-time", "0.05", "--log-every", "1000000", "--pg-timeout", "60"]
-
-
-class Timeout(Exception):
-    """A scenario did not reach its goal in time (reported as '>N s')."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,89 +74,15 @@ class Samples:
         return text + (f", {failed} failed/>{self.limit:.0f} s" if failed else "")
 
 
-def wait_for(check: Callable[[], object], timeout: float, what: str) -> object:
-    poll = Retrying(stop=stop_after_delay(timeout), wait=wait_fixed(0.02), retry=retry_if_result(lambda r: not r))
-    try:
-        return poll(check)
-    except RetryError:
-        raise Timeout(what) from None
-
-
-def read_progress(path: Path) -> list[dict]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
-
-
-def descendants(root: int) -> list[int]:
-    """PIDs of every live descendant of ``root`` (workers, forkservers)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found, frontier = [], [root]
-    while frontier:
-        for child in children.get(frontier.pop(), []):
-            found.append(child)
-            frontier.append(child)
-    return found
-
-
-def signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Agent:
-    """One launcher process, started by PID, its output in a log file, reaped on close()."""
+class Agent(Launcher):
+    """One launcher process with the agents' own log level (``LOGLEVEL``, spotrun's default WARNING), not the
+    tests' INFO, so that logging costs what it costs in production."""
 
     def __init__(self, argv: list[str], log: Path) -> None:
-        self.log_handle = open(log, "wb")  # noqa: SIM115
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("PET_RDZV_BACKEND", None)
-        self.started_at = time.time()
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.log_handle, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.tree: list[int] = []
+        super().__init__(argv, log, env=make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING")))
 
-    def snapshot_tree(self) -> list[int]:
-        self.tree = [self.proc.pid, *descendants(self.proc.pid)]
-        return self.tree
-
-    def close(self) -> None:
-        pids = [self.proc.pid, *descendants(self.proc.pid), *self.tree]
-        signal_all(pids, signal.SIGCONT)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
-        signal_all([p for p in pids if p != self.proc.pid], signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.log_handle.close()
+    def close(self, grace: float = 20.0) -> None:
+        super().close(grace)
 
 
 @dataclass(kw_only=True)
@@ -163,13 +95,13 @@ class LauncherKind:
 
 
 def torchrun_argv(endpoint: str, run_id: str, nnodes: str, nproc: int, workdir: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+    return [*TORCHRUN, "--nnodes", nnodes, "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "100",
             JOB, *JOB_ARGS, "--progress-file", str(workdir / "progress.jsonl")]
 
 
 def spotrun_argv(endpoint: str, run_id: str, nnodes: str, nproc: int, workdir: Path) -> list[str]:
-    return [sys.executable, "-m", "elastic.cli", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+    return [*SPOTRUN, "--nnodes", nnodes, "--nproc-per-node", str(nproc),
             "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "100",
             "--events-file", str(workdir / "events.jsonl"), JOB, *JOB_ARGS,
             "--progress-file", str(workdir / "progress.jsonl")]
@@ -188,7 +120,7 @@ def rendezvous_endpoint(kind: str) -> Iterator[str]:
 
 def first_step(progress: Path, *, after: float, world: int, exclude_pids: set[int] = frozenset(),
                new_pids_only: set[int] | None = None) -> float | None:
-    for rec in read_progress(progress):
+    for rec in read_jsonl(progress):
         if rec["t_wall"] <= after or rec["world_size"] != world or rec["pid"] in exclude_pids:
             continue
         if new_pids_only is not None and rec["pid"] in new_pids_only:
@@ -199,11 +131,9 @@ def first_step(progress: Path, *, after: float, world: int, exclude_pids: set[in
 
 def first_join_time(events: Path, agent_pid: int, after: float) -> float | None:
     """Wall time the new spotrun agent started its first rendezvous (its interpreter start excluded)."""
-    for line in (events.read_text().splitlines() if events.exists() else []):
-        with contextlib.suppress(json.JSONDecodeError):
-            rec = json.loads(line)
-            if rec["event"] == "rendezvous_started" and rec["node"].endswith(f":{agent_pid}") and rec["t_wall"] > after:
-                return rec["t_wall"]
+    for rec in read_jsonl(events):
+        if rec["event"] == "rendezvous_started" and rec["node"].endswith(f":{agent_pid}") and rec["t_wall"] > after:
+            return rec["t_wall"]
     return None
 
 
@@ -219,8 +149,12 @@ def wait_listening(endpoint: str, timeout: float) -> None:
     wait_for(listening, timeout, "the first agent to host the c10d store")
 
 
-def agents_alive(agents: list[Agent]) -> bool:
-    return all(agent.proc.poll() is None for agent in agents)
+def wait_for_step(step_time: Callable[[], float | None], agents: list[Agent], timeout: float, what: str) -> float | None:
+    """Wall time of the awaited training step, or None if one of ``agents`` died first; :class:`Timeout` if
+    neither happened within ``timeout`` s."""
+    at = wait_for(lambda: step_time() or any(agent.proc.poll() is not None for agent in agents), timeout, what,
+                  interval=0.02)
+    return at if isinstance(at, float) else None
 
 
 def start_pair(kind: LauncherKind, endpoint: str, run_id: str, workdir: Path, tag: str) -> list[Agent]:
@@ -230,33 +164,40 @@ def start_pair(kind: LauncherKind, endpoint: str, run_id: str, workdir: Path, ta
     return [first, Agent(kind.argv(endpoint, run_id, "1:2", 1, workdir), workdir / f"{tag}-b.log")]
 
 
+@contextlib.contextmanager
+def repetition(kind: LauncherKind, bar: tqdm, samples: Samples) -> Iterator[tuple[str, list[Agent]]]:
+    """One repetition as a fresh job: a fresh rendezvous endpoint, every agent added to the list closed at the
+    end, and a :class:`Timeout` counted as a failed repetition (``None`` in ``samples``) instead of raised."""
+    with rendezvous_endpoint(kind.name) as endpoint:
+        agents: list[Agent] = []
+        try:
+            yield endpoint, agents
+        except Timeout:
+            samples.values.append(None)
+        finally:
+            for agent in agents:
+                agent.close()
+            bar.update(1)
+
+
 def node_loss(kind: LauncherKind, workdir: Path, mode: str, reps: int, timeout: float, bar: tqdm) -> Samples:
     """Two agents train at world size 2; the second one and its workers are SIGKILLed/SIGSTOPped."""
     samples = Samples(limit=timeout)
     progress = workdir / "progress.jsonl"
     for rep in range(reps):
-        with rendezvous_endpoint(kind.name) as endpoint:
-            agents: list[Agent] = []
+        with repetition(kind, bar, samples) as (endpoint, agents):
+            agents += start_pair(kind, endpoint, f"loss-{mode}-{rep}", workdir, f"{mode}{rep}")
+            began = agents[0].started_at
+            wait_for(lambda: first_step(progress, after=began, world=2), 150, f"{kind.name}: two nodes to train")
+            victims = agents[1].snapshot_tree()
+            lost_at = time.time()
+            signal_all(victims, signal.SIGKILL if mode == "sigkill" else signal.SIGSTOP)
             try:
-                agents = start_pair(kind, endpoint, f"loss-{mode}-{rep}", workdir, f"{mode}{rep}")
-                began = agents[0].started_at
-                wait_for(lambda: first_step(progress, after=began, world=2), 150, f"{kind.name}: two nodes to train")
-                victims = agents[1].snapshot_tree()
-                lost_at = time.time()
-                signal_all(victims, signal.SIGKILL if mode == "sigkill" else signal.SIGSTOP)
-                try:
-                    at = wait_for(lambda: first_step(progress, after=lost_at, world=1, exclude_pids=set(victims))
-                                  or not agents_alive(agents[:1]), timeout, f"{mode} recovery")
-                    samples.values.append(at - lost_at if isinstance(at, float) else None)
-                except Timeout:
-                    samples.values.append(None)
-                signal_all(victims, signal.SIGKILL)
-            except Timeout:
-                samples.values.append(None)
+                at = wait_for_step(lambda: first_step(progress, after=lost_at, world=1, exclude_pids=set(victims)),
+                                   agents[:1], timeout, f"{mode} recovery")
+                samples.values.append(None if at is None else at - lost_at)
             finally:
-                for agent in agents:
-                    agent.close()
-                bar.update(1)
+                signal_all(victims, signal.SIGKILL)
     return samples
 
 
@@ -266,30 +207,22 @@ def scale_up(kind: LauncherKind, workdir: Path, reps: int, timeout: float, bar: 
     total, from_join, deaths = Samples(limit=timeout), Samples(limit=timeout), 0
     progress = workdir / "progress.jsonl"
     for rep in range(reps):
-        with rendezvous_endpoint(kind.name) as endpoint:
-            agents: list[Agent] = []
-            try:
-                agents.append(Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-a.log"))
-                began = agents[0].started_at
-                wait_for(lambda: first_step(progress, after=began, world=1), 150, f"{kind.name}: first agent to train")
-                second = Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-b.log")
-                agents.append(second)
-                at = wait_for(lambda: first_step(progress, after=second.started_at, world=2)
-                              or not agents_alive(agents), timeout, "scale-up")
-                if isinstance(at, float):
-                    total.values.append(at - second.started_at)
-                    joined = first_join_time(workdir / "events.jsonl", second.proc.pid, second.started_at)
-                    if joined is not None:
-                        from_join.values.append(at - joined)
-                else:
-                    total.values.append(None)
-                    deaths += 1
-            except Timeout:
+        with repetition(kind, bar, total) as (endpoint, agents):
+            agents.append(Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-a.log"))
+            began = agents[0].started_at
+            wait_for(lambda: first_step(progress, after=began, world=1), 150, f"{kind.name}: first agent to train")
+            second = Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-b.log")
+            agents.append(second)
+            at = wait_for_step(lambda: first_step(progress, after=second.started_at, world=2), agents, timeout,
+                               "scale-up")
+            if at is None:
                 total.values.append(None)
-            finally:
-                for agent in agents:
-                    agent.close()
-                bar.update(1)
+                deaths += 1
+            else:
+                total.values.append(at - second.started_at)
+                joined = first_join_time(workdir / "events.jsonl", second.pid, second.started_at)
+                if joined is not None:
+                    from_join.values.append(at - joined)
     return total, from_join, deaths
 
 
@@ -302,15 +235,15 @@ def worker_crash(kind: LauncherKind, workdir: Path, reps: int, timeout: float, b
             wait_for(lambda: first_step(progress, after=0, world=2), 120, f"{kind.name}: workers to train")
             for _ in range(reps):
                 time.sleep(0.5)  # let the group settle into steady state; not a synchronisation
-                records = read_progress(progress)
+                records = read_jsonl(progress)
                 old_pids = {r["pid"] for r in records}
                 victim = max((r for r in records if r["rank"] == 1), key=lambda r: r["t_wall"])["pid"]
                 crashed_at = time.time()
                 signal_all([victim], signal.SIGKILL)
                 try:
                     at = wait_for(lambda: first_step(progress, after=crashed_at, world=2, new_pids_only=old_pids),
-                                  timeout, "worker crash recovery")
-                    samples.values.append(at - crashed_at)  # type: ignore[operator]
+                                  timeout, "worker crash recovery", interval=0.02)
+                    samples.values.append(at - crashed_at)
                 except Timeout:
                     samples.values.append(None)
                     break
@@ -323,7 +256,7 @@ def worker_crash(kind: LauncherKind, workdir: Path, reps: int, timeout: float, b
 
 def spotrun_breakdown(events_file: Path) -> list[tuple[str, float]]:
     """Median seconds per recovery stage over every recovery in the events file."""
-    events = [json.loads(line) for line in events_file.read_text().splitlines()] if events_file.exists() else []
+    events = read_jsonl(events_file)
     stages: dict[str, list[float]] = {}
     by_node: dict[str, list[dict]] = {}
     for ev in events:

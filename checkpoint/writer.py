@@ -289,11 +289,11 @@ def _serve() -> None:
     from checkpoint.api import CheckpointStorageError
     from checkpoint.storage import RetryPolicy
 
-    try:  # die with the training process, whatever kills it
-        import ctypes
+    from elastic.procutil import arm_parent_death_signal
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    try:  # die with the training process, whatever kills it (one that died before this sees stdin EOF)
+        arm_parent_death_signal(sig=signal.SIGKILL)
+    except OSError:
         pass
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints must not corrupt the protocol

@@ -583,9 +583,8 @@ def _failure_order(failure: ProcessFailure, died_at: dict[int, float]) -> tuple[
 def _exitcode(pcontext: PContext, local_rank: int) -> int:
     """Exit code of a worker of a MultiprocessContext (1, like an uncaught exception, if unknown)."""
     processes = worker_processes(pcontext)
-    if processes and local_rank < len(processes) and processes[local_rank].exitcode is not None:
-        return int(processes[local_rank].exitcode)
-    return 1
+    exitcode = processes[local_rank].exitcode if processes and local_rank < len(processes) else None
+    return 1 if exitcode is None else exitcode
 
 
 def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[[], None]) -> None:

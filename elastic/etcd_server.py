@@ -12,7 +12,6 @@ cleaned up before the next one, and cleanup is registered as soon as anything ex
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 import shutil
@@ -24,6 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -36,6 +36,8 @@ from tenacity import (
     stop_after_delay,
     wait_fixed,
 )
+
+from elastic.procutil import arm_parent_death_signal
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +87,17 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: ask Linux to SIGTERM etcd when the thread that started it dies (even by SIGKILL)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """preexec_fn: ask Linux to SIGTERM etcd when the thread that started it dies (even by SIGKILL); etcd
+    exits at once if ``parent`` (this process, read before the fork) died before the signal was armed."""
+
+    def arm() -> None:
+        try:
+            arm_parent_death_signal(parent, sig=signal.SIGTERM)
+        except OSError:  # prctl refused: etcd then outlives a SIGKILLed launcher, as without this option
+            pass
+
+    return arm
 
 
 class EmbeddedEtcd:
@@ -276,7 +282,7 @@ class EmbeddedEtcd:
             # Own session: a Ctrl-C on the launcher's terminal must not kill etcd before the launcher
             # has stopped its workers and closed the rendezvous.
             start_new_session=True,
-            preexec_fn=_die_with_parent if self.die_with_parent and sys.platform == "linux" else None,
+            preexec_fn=_die_with_parent(os.getpid()) if self.die_with_parent and sys.platform == "linux" else None,
         )
         self._proc = proc
         try:

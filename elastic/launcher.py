@@ -87,8 +87,8 @@ def _maybe_warm(
 def _preimport_log_formatter_dependencies() -> None:
     """torch's log formatter (``TorchLogsFormatter``) imports ``torch._dynamo`` the first time it formats a
     record with an exception, and torch logs a worker failure with ``logger.exception``: the first worker
-    crash would cost the agent 1.5-4 s of imports before it even starts recovering. Import it in a daemon
-    thread while the first rendezvous and worker start are under way."""
+    crash would cost the agent that import (seconds, see README) before it even starts recovering. Import it
+    in a daemon thread while the first rendezvous and worker start are under way."""
 
     def preimport() -> None:
         try:

@@ -3,7 +3,7 @@
 torch starts workers with ``start_new_session=True`` so that the agent can signal a worker's whole process
 group; the side effect is that a SIGKILLed agent leaves its workers running (orphans holding GPUs, ports and
 half-finished collectives). spotrun therefore starts every worker through a tiny exec shim (this file run as a
-script, stdlib only) that:
+script, stdlib only; the two first steps are ``elastic.procutil.arm_parent_death_signal``) that:
 
 1. sets ``PR_SET_PDEATHSIG = SIGKILL`` (Linux), so the kernel kills the worker when its parent dies;
 2. checks ``getppid()`` against the agent PID *after* setting it (belt and braces: if the agent died between
@@ -19,7 +19,7 @@ Function entrypoints (``--run-path``) are started by multiprocessing; :class:`Pd
 same two steps at the top of the child.
 
 Warm workers (spotrun default for Python scripts, ``--no-warm-workers`` to disable): instead of a fresh
-interpreter per worker (``python -u script.py``, which pays 1.5-3 s to import torch on every restart), the
+interpreter per worker (``python -u script.py``, which imports torch again on every restart: README), the
 script runs as a function entrypoint (:class:`ScriptEntrypoint`, ``runpy`` like torchrun's ``--run-path``) in
 a process forked from a multiprocessing *forkserver* that imported torch (and torch._dynamo) once, at agent
 start, in parallel with the first rendezvous. Each restart then costs a fork. What differs from a cold
@@ -37,40 +37,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-PR_SET_PDEATHSIG = 1
-#: Exit code of a worker whose agent died before the worker could arm its death signal.
-ORPHANED_EXIT_CODE = 70
-
-
-def arm_parent_death_signal(
-    expected_parent: int | None = None, *, agent_pid: int | None = None, sig: int = signal.SIGKILL
-) -> None:
-    """Ask the kernel to send ``sig`` to this process when its parent dies; exit if it is already dead.
-
-    ``expected_parent`` defaults to the current parent (read before arming); ``agent_pid`` is also checked
-    when the parent is an intermediary (the forkserver), which itself exits when the agent dies.
-    """
-    parent = os.getppid() if expected_parent is None else expected_parent
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno)}")
-    if os.getppid() != parent or (agent_pid is not None and not _pid_exists(agent_pid)):
-        # The agent died before the signal was armed (the worker was re-parented to init or a subreaper).
-        os._exit(ORPHANED_EXIT_CODE)
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+if __package__:
+    from elastic.procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal
+else:
+    # Running as the exec shim (``python -S elastic/workers.py``): without site-packages the package may not
+    # be importable, but procutil (standard library only) sits next to this file, which is sys.path[0].
+    from procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal  # type: ignore[import-not-found,no-redef]
 
 
 def shim_command(entrypoint: str, args: tuple[Any, ...], agent_pid: int | None = None) -> tuple[str, tuple[Any, ...]]:

@@ -14,39 +14,9 @@ import time
 
 import pytest
 
+from tests.harness.procs import descendants
+
 _PR_SET_CHILD_SUBREAPER = 36
-
-
-def _proc_table() -> dict[int, tuple[int, str, str]]:
-    """pid -> (ppid, state, cmdline) for every process we can read."""
-    table: dict[int, tuple[int, str, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        rest = stat[stat.rindex(")") + 2 :].split()
-        table[int(entry)] = (int(rest[1]), rest[0], cmd)
-    return table
-
-
-def descendants(root: int) -> dict[int, tuple[str, str]]:
-    """Live (non-zombie) descendants of ``root``: pid -> (state, cmdline)."""
-    table = _proc_table()
-    found: dict[int, tuple[str, str]] = {}
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, state, cmd) in table.items():
-            if ppid == parent and pid not in found:
-                found[pid] = (state, cmd)
-                frontier.append(pid)
-    return {pid: v for pid, v in found.items() if v[0] != "Z"}
 
 
 def _reap_zombies() -> None:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import descendants
+from tests.harness.procs import descendants
 
 
 def test_orphaned_grandchild_is_reparented_to_the_session_and_visible() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from elastic.agent import FailureAction, decide_on_failure, should_refund
 from elastic.events import read_events
-from tests.elastic.agent_harness import (
+from tests.harness.procs import (
     EXAMPLES,
     SPOTRUN,
     TORCHRUN,

@@ -11,8 +11,7 @@ from torch.distributed.run import get_args_parser
 from elastic.api import LaunchConfigError
 from elastic.cli import build_parser, settings_from_args, should_run_standalone, validate_args
 from elastic.config import AgentSettings, parse_nnodes, parse_rdzv_conf
-from tests.conftest import descendants
-from tests.elastic.agent_harness import EXAMPLES, SPOTRUN, run_cli
+from tests.harness.procs import EXAMPLES, SPOTRUN, descendants, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,21 +10,9 @@ import etcd3
 import pytest
 
 from elastic.etcd_server import EmbeddedEtcd, EtcdServerError, find_etcd_binary
+from tests.harness.procs import pid_alive
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); check /proc for the state to be sure it was reaped.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _client(endpoint: str) -> etcd3.Etcd3Client:
@@ -40,7 +28,7 @@ def test_start_put_get_stop_restart_same_data_and_port() -> None:
         startup = time.monotonic() - began
         endpoint, first_pid, data_dir = server.endpoint, server.pid, server.data_dir
         assert endpoint.startswith("127.0.0.1:")
-        assert first_pid is not None and _pid_alive(first_pid)
+        assert first_pid is not None and pid_alive(first_pid)
         # Generous bound (shared 2-core machine); typically ~0.2 s alone.
         assert startup < 5.0, f"etcd took {startup:.2f} s to become healthy"
 
@@ -48,7 +36,7 @@ def test_start_put_get_stop_restart_same_data_and_port() -> None:
         client.put("/k", "v1")
         server.stop()
         assert server.pid is None
-        assert not _pid_alive(first_pid), "stop() must terminate and reap etcd"
+        assert not pid_alive(first_pid), "stop() must terminate and reap etcd"
         assert os.path.isdir(data_dir), "stop() keeps the data dir for a restart"
 
         server.start()
@@ -60,7 +48,7 @@ def test_start_put_get_stop_restart_same_data_and_port() -> None:
     finally:
         last_pid = server.pid
         server.close()
-    assert last_pid is not None and not _pid_alive(last_pid)
+    assert last_pid is not None and not pid_alive(last_pid)
     assert not os.path.exists(data_dir), "close() removes the data dir"
     server.close()  # idempotent
 
@@ -68,8 +56,8 @@ def test_start_put_get_stop_restart_same_data_and_port() -> None:
 def test_context_manager_cleans_up_and_refuses_reuse() -> None:
     with EmbeddedEtcd() as server:
         pid, root = server.pid, os.path.dirname(server.data_dir)
-        assert pid is not None and _pid_alive(pid)
-    assert not _pid_alive(pid)
+        assert pid is not None and pid_alive(pid)
+    assert not pid_alive(pid)
     assert not os.path.exists(root)
     with pytest.raises(EtcdServerError, match="closed"):
         server.start()

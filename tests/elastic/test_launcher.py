@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from elastic.events import read_events
-from tests.conftest import descendants
-from tests.elastic.agent_harness import (
+from tests.harness.procs import (
+    descendants,
     EXAMPLES,
     SPOTRUN,
     TORCHRUN,

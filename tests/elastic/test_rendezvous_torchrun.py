@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd_server import EmbeddedEtcd
+from tests.harness.procs import descendants, reap, signal_all
 
 WORKER = textwrap.dedent(
     """
@@ -35,45 +36,12 @@ WORKER = textwrap.dedent(
 )
 
 
-def _descendants(root: int) -> list[int]:
-    """PIDs of every live process below ``root`` (from /proc)."""
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            parent_of[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    found, frontier = [], [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parent_of.items() if ppid == parent]
-        found += children
-        frontier += children
-    return found
-
-
 def _kill_node(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL an agent and everything under it (torch puts workers in their own sessions), by PID; reap."""
-    victims = _descendants(proc.pid)
-    for pid in [proc.pid, *victims]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    victims = list(descendants(proc.pid))
+    signal_all([proc.pid, *victims], signal.SIGKILL)
     proc.wait(timeout=10)
-    for pid in victims:  # orphans are re-parented to pytest (a child subreaper, see tests/conftest.py)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    break
-            except ChildProcessError:
-                if not os.path.exists(f"/proc/{pid}"):
-                    break
-            time.sleep(0.05)
+    reap(victims, 10)  # orphans are re-parented to pytest (a child subreaper, see tests/conftest.py)
 
 
 def _wait_for(path: Path, text: str, timeout: float) -> str:

@@ -1,4 +1,4 @@
-"""Time to a complete round with many agents: ``python -m elastic.rendezvous.bench --agents 64 256``.
+"""Time to a complete round with many agents: ``python -m bench.rendezvous_bench --agents 64 256`` (repo root).
 
 Runs N handlers (each with its own etcd connection, lease, watch and threads, as N agents would) against
 one embedded etcd. They are spread over ``--procs`` worker processes (default: one per 32 agents) so
