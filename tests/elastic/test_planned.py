@@ -17,8 +17,7 @@ from elastic.events import read_events
 from elastic.notice import Notice
 from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
 from elastic.preemption import WorkerNotice
-from tests.conftest import descendants
-from tests.elastic.agent_harness import EXAMPLES, SPOTRUN, Launcher, pid_alive, read_jsonl, wait_for
+from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, descendants, pid_alive, read_jsonl, wait_for
 
 TRAIN = str(EXAMPLES / "train_ddp.py")
 RDZV_CONF = "lease_ttl=2,last_call_timeout=0.3,join_timeout=60"
