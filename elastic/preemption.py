@@ -111,6 +111,8 @@ class Mailbox:
 
     # --- worker side
     def read_notice(self) -> WorkerNotice | None:
+        if not os.path.exists(self.notice_path):  # the common case, without raising an exception
+            return None
         try:
             with open(self.notice_path) as handle:
                 data = json.load(handle)

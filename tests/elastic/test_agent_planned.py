@@ -109,3 +109,20 @@ def test_preempt_signal_spec_is_validated() -> None:
         AgentSettings(preempt_signal="BOGUS")
     with pytest.raises(LaunchConfigError, match="preempt_grace"):
         AgentSettings(preempt_grace=-1)
+
+
+def test_a_deadline_too_short_to_save_is_recorded_and_the_node_still_leaves(tmp_path: Path) -> None:
+    from elastic.notice import Notice
+
+    handler = NoticeHandler()
+    agent, box, events = _agent(tmp_path, handler, stop_grace=1.0)
+    box.register_helper(0)
+    agent.receive_notice(Notice("aws", time.time() + 0.5, "spot instance-action terminate"))
+    assert agent._planned_tick() is PlannedTick.WAITING  # posted: the workers may still make it
+    assert agent._planned_tick() is PlannedTick.LEFT, "0.5 s left is less than the stop grace"
+    names = [e["event"] for e in events.records]
+    assert names[-3:] == ["planned_stop_abandoned", "workers_stopped", "planned_leave"]
+    leave = events.records[-1]
+    assert leave["saved"] is False and leave["step"] is None and leave["source"] == "aws"
+    assert "deadline" in events.records[-3]["why"]
+    assert handler.left == 1, "the lease is revoked so the peers re-form at once"
