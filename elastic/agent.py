@@ -486,16 +486,16 @@ class SpotrunAgent(LocalElasticAgent):
     def _exit_barrier_unless_peers_left(self) -> bool:
         """torch's exit barrier, except that it returns False at once when a peer of this round is gone:
         a peer that left never arrives (torch waits ``exit_barrier_timeout``, 300 s, then reports success)."""
-        wg = self._worker_group
-        if self._notices is None or wg.group_world_size <= 1:
+        size, store = self._worker_group.group_world_size, self._store
+        if self._notices is None or store is None or size is None or size <= 1:
             self._exit_barrier()
             return True
         key = "spotrun/exit_barrier/arrived"
         began = time.monotonic()
         try:
-            self._store.add(key, 1)
+            store.add(key, 1)
             while time.monotonic() - began < self._exit_barrier_timeout:
-                if int(self._store.add(key, 0)) >= wg.group_world_size:
+                if int(store.add(key, 0)) >= size:
                     return True
                 if self._notices.lost_peers():
                     logger.warning("%s peers %s left while this node finished: the run is not over", self._ctx(),
