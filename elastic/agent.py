@@ -24,6 +24,7 @@ round keeps ``TORCHELASTIC_RESTART_COUNT`` unchanged (covered by tests/elastic/t
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -596,15 +597,42 @@ def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[
 
     def close(death_sig: signal.Signals | None = None, timeout: float | None = None) -> None:
         on_close()
-        # CHANGE: a function worker that already returned waits in torch's ``_wrap`` until the agent polls
-        # (``_worker_finished_event``); an agent shutting down never polls again, so a worker that exited 0
-        # held the agent (and its lease) for the whole 30 s timeout. Release it first.
-        finished = getattr(pcontext, "_worker_finished_event", None)
-        if finished is not None:
-            finished.set()
-        original(death_sig, grace if timeout is None else timeout)  # type: ignore[arg-type]
+        wait = grace if timeout is None else timeout
+        began = time.monotonic()
+        _stop_releasing_returned_workers(pcontext, death_sig or signal.SIGTERM, wait)
+        # torch's close: signals what is still alive (nothing, normally), joins, closes the log tails.
+        original(death_sig, max(0.0, wait - (time.monotonic() - began)))  # type: ignore[arg-type]
 
     pcontext.close = close  # type: ignore[method-assign]
+
+
+def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signals, timeout: float) -> None:
+    """CHANGE: a function worker that already returned waits in torch's ``_wrap`` for the agent's next poll
+    (``_worker_finished_event``); an agent that is closing never polls again, so a worker that exited 0 on
+    SIGTERM (a hand-written save handler) held the agent and its lease for the whole 30 s timeout. Setting
+    the event is unsafe (torch: it deadlocks if a process died inside ``wait()``), so a worker whose return
+    value is already queued, i.e. that has nothing left to do, is SIGKILLed at once instead."""
+    processes = worker_processes(pcontext)
+    ret_vals = getattr(pcontext, "_ret_vals", None)
+    if not processes or not isinstance(ret_vals, dict):
+        return
+    from multiprocessing.connection import wait as wait_for_sentinels
+
+    for proc in processes:
+        if proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, death_sig)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [(rank, proc) for rank, proc in enumerate(processes) if proc.is_alive()]
+        if not alive:
+            return
+        for rank, proc in alive:
+            queue = ret_vals.get(rank)
+            if queue is not None and not queue.empty():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+        wait_for_sentinels([proc.sentinel for _, proc in alive], timeout=min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 def membership_aware(handler: RendezvousHandler) -> MembershipAwareHandler | None:
