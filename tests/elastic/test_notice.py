@@ -204,3 +204,19 @@ def test_poller_reports_each_source_once_and_survives_a_dead_one(metadata: tuple
             "a source that reported is not polled again"
     finally:
         poller.stop()
+
+
+def test_cli_flags_and_env_fallbacks_build_validated_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.cli import build_parser, settings_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["--preempt-notice", "gcp,aws", "--preempt-signal", "USR2@120", "train.py"])
+    monkeypatch.setenv("SPOTRUN_PREEMPT_GRACE", "45")
+    settings = settings_from_args(args)
+    assert settings.preempt_sources == ("gcp", "aws") and settings.preempt_signal == "USR2@120"
+    assert settings.preempt_grace == 45.0 and settings.preempt_poll_interval == 2.0
+    with pytest.raises(LaunchConfigError, match="accepted: aws, aws-rebalance, gcp, azure"):
+        settings_from_args(parser.parse_args(["--preempt-notice", "oracle", "train.py"]))
+    monkeypatch.setenv("SPOTRUN_PREEMPT_GRACE", "soon")
+    with pytest.raises(LaunchConfigError, match="SPOTRUN_PREEMPT_GRACE"):
+        settings_from_args(args)
