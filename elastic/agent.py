@@ -15,7 +15,12 @@ tests/elastic/test_torch_internals.py (when torch changes):
   warm workers forked from a torch-preloaded forkserver; see ``elastic.workers``);
 * the failure summary lists every rank that failed on its own, root cause (first to die) first;
 * transient rendezvous errors while monitoring (etcd restarting) do not kill a healthy job;
-* every recovery stage is written to a structured event log (``elastic.events``).
+* every recovery stage is written to a structured event log (``elastic.events``);
+* planned changes (``elastic.planned``): SIGTERM / ``--preempt-signal`` / metadata notices become a deadline
+  published to the group; workers with a ``Preemption`` helper commit an agreed step, then the preempted
+  agent revokes its lease and exits 0 and the others re-form uncharged (a joining node: the same stop first);
+* shutdown without traps: a worker that already returned is not waited for, and an agent whose workers
+  finished does not sit in the exit barrier for a peer that left (it re-forms instead of reporting success).
 
 Stale state (pytorch#135712): with the etcd-v3 backend ``use_agent_store`` is False and each round has its
 own store scope, so workers of a new round never see the previous round's keys even when a membership-change
