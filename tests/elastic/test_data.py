@@ -26,7 +26,7 @@ from elastic.data import (
     rank_bounds,
     rank_shares,
 )
-from elastic.deterministic import ShardGradReducer
+from elastic.deterministic import ShardGradReducer, dyadic_blocks, tree_sum
 
 
 def _resume(batches: ElasticBatches) -> ElasticBatches:
@@ -171,13 +171,13 @@ def test_sampler_with_worker_processes_follows_the_cursor() -> None:
 
 
 # --------------------------------------------------------------------------- deterministic shards
-def _shard_grads(world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Simulate `world` ranks of the reducer in one process: each computes its shards, rows are summed."""
+def _shard_total(world: int) -> torch.Tensor:
+    """Simulate `world` ranks of the reducer in one process: each sums its shards up to its tree nodes, then
+    the tree is finished from every rank's nodes (what ``finish`` does after its all_gather)."""
     cfg = BatchConfig(global_batch=30, dataset_size=30, num_shards=6)
     torch.manual_seed(0)
     x, y = torch.randn(30, 5), torch.randn(30, 1)
-    rows = None
-    reducers = []
+    known = {}
     for rank in range(world):
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -187,29 +187,49 @@ def _shard_grads(world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         for shard, idx in zip(plan.shard_ids, plan.micro_batches):
             ix = torch.tensor(idx)
             reducer.add_shard(shard, nn.functional.mse_loss(model(x[ix]), y[ix], reduction="sum"))
-        rows = reducer._buffer.clone() if rows is None else rows + reducer._buffer
-        reducers.append((reducer, model))
-    reducer, model = reducers[0]
-    reducer._buffer.copy_(rows)  # what the all-reduce leaves on every rank
-    loss = reducer.finish()
-    return [p.grad.clone() for p in model.parameters()], loss
+        for node in dyadic_blocks(6, *rank_bounds(6, world, rank)):
+            known[node] = tree_sum(6, reducer._leaves, node)
+    return tree_sum(6, known) / 30
 
 
 def test_shard_reducer_is_bit_identical_at_any_world_size() -> None:
-    ref, ref_loss = _shard_grads(1)
-    for world in (2, 3, 4, 6):
-        grads, loss = _shard_grads(world)
-        assert torch.equal(loss, ref_loss)
-        assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+    cfg = BatchConfig(global_batch=30, dataset_size=30, num_shards=6)
+    torch.manual_seed(0)
+    x, y = torch.randn(30, 5), torch.randn(30, 1)
+    reducer = ShardGradReducer(model.parameters(), num_shards=6, global_batch=30)
+    reducer.begin()
+    plan = plan_step(cfg, DataCursor(), 0, 1)
+    for shard, idx in zip(plan.shard_ids, plan.micro_batches):
+        ix = torch.tensor(idx)
+        reducer.add_shard(shard, nn.functional.mse_loss(model(x[ix]), y[ix], reduction="sum"))
+    loss = reducer.finish()  # the real single-process path
+    ref = torch.cat([*(p.grad.reshape(-1) for p in model.parameters()), loss.reshape(1)])
+    torch.testing.assert_close(loss, nn.functional.mse_loss(model(x), y, reduction="sum") / 30)
+    for world in (1, 2, 3, 4, 5, 6, 8):
+        assert torch.equal(_shard_total(world), ref), world
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 5, 6, 8, 13, 16])
+def test_each_rank_sends_few_tree_nodes_that_tile_its_shards(num_shards: int) -> None:
+    for world in range(1, 10):
+        nodes = [dyadic_blocks(num_shards, *rank_bounds(num_shards, world, r)) for r in range(world)]
+        covered = [s for rank_nodes in nodes for first, span in rank_nodes for s in range(first, min(first + span, num_shards))]
+        assert covered == list(range(num_shards))
+        assert max(len(n) for n in nodes) <= 2 * max(1, num_shards.bit_length())
+        if num_shards in (8, 16) and num_shards % world == 0 and world & (world - 1) == 0:
+            assert all(len(n) == 1 for n in nodes)  # power-of-two split: one node per rank, like DDP's one buffer
 
 
 def test_shard_reducer_refuses_a_shard_twice_and_a_missing_shard() -> None:
     model = nn.Linear(2, 1)
     reducer = ShardGradReducer(model.parameters(), num_shards=2, global_batch=4)
     reducer.begin()
-    loss = model(torch.ones(2, 2)).sum()
-    reducer.add_shard(0, loss)
+    reducer.add_shard(0, model(torch.ones(2, 2)).sum())
     with pytest.raises(ElasticDataError, match="shard 0 was already added"):
         reducer.add_shard(0, model(torch.ones(2, 2)).sum())
-    with pytest.raises(ElasticDataError, match=r"shards \[1\] were computed by no rank"):
+    with pytest.raises(ElasticDataError, match=r"must add exactly shards 0..1 this step, got \[0\]"):
         reducer.finish()
+    with pytest.raises(ElasticDataError, match="shard 1 has no gradient"):
+        tree_sum(2, {(0, 1): torch.zeros(1)})
