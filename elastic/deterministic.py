@@ -100,8 +100,9 @@ class ShardGradReducer:
         loss = reducer.finish()                   # p.grad set on every rank; the global-batch mean loss
         optim.step()
 
-    The model is the bare module (not wrapped in DDP: this replaces DDP's reduction). ``process_group``
-    None is the default group when one is initialised, else a single process.
+    The model is the bare module (not wrapped in DDP: this replaces DDP's reduction); like DDP, the
+    constructor broadcasts rank 0's parameters (buffers such as BatchNorm statistics are not synchronised).
+    ``process_group`` None is the default group when one is initialised, else a single process.
     """
 
     def __init__(
@@ -130,6 +131,15 @@ class ShardGradReducer:
         self._dtype, self._device = dtypes.pop(), devices.pop()
         self._leaves: dict[Node, torch.Tensor] = {}
         """This step's shards: ``(shard, 1)`` -> flat gradient followed by the shard's summed loss."""
+        self._broadcast_params()
+
+    @torch.no_grad()
+    def _broadcast_params(self) -> None:
+        """Start every rank from rank 0's weights, as DDP's constructor does (the reducer replaces DDP)."""
+        if self._world()[1] > 1:
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            for p in self.params:
+                dist.broadcast(p.data, src=src, group=self.group)
 
     def begin(self) -> None:
         """Start a step: forget the previous step's shard gradients."""

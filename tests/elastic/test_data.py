@@ -233,3 +233,44 @@ def test_shard_reducer_refuses_a_shard_twice_and_a_missing_shard() -> None:
         reducer.finish()
     with pytest.raises(ElasticDataError, match="shard 1 has no gradient"):
         tree_sum(2, {(0, 1): torch.zeros(1)})
+
+
+def _reducer_worker(rank: int, world: int, store: str, out: str) -> None:
+    """One rank of a real process group: rank-dependent initial weights (the reducer must broadcast rank 0's)."""
+    torch.set_num_threads(1)
+    if world > 1:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(100 + rank)
+        model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 1))
+        if rank == 0:
+            torch.manual_seed(1)
+            model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 1))
+        reducer = ShardGradReducer(model.parameters(), num_shards=8, global_batch=40)
+        gen = torch.Generator().manual_seed(0)
+        x, y = torch.randn(40, 5, generator=gen), torch.randn(40, 1, generator=gen)
+        plan = plan_step(BatchConfig(global_batch=40, dataset_size=40, num_shards=8), DataCursor(), rank, world)
+        reducer.begin()
+        for shard, idx in zip(plan.shard_ids, plan.micro_batches):
+            ix = torch.tensor(idx)
+            reducer.add_shard(shard, nn.functional.mse_loss(model(x[ix]), y[ix], reduction="sum"))
+        loss = reducer.finish()
+        flat = torch.cat([loss.reshape(1), *(p.grad.reshape(-1) for p in model.parameters())])
+        torch.save(flat, f"{out}.{rank}")
+    finally:
+        if world > 1:
+            torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_shard_reducer_in_real_process_groups_matches_one_process_bit_for_bit(tmp_path) -> None:
+    _reducer_worker(0, 1, "", str(tmp_path / "w1"))  # one process, no process group: the reference
+    ref = torch.load(str(tmp_path / "w1.0"))
+    out = str(tmp_path / "w3")
+    # fork: no interpreter start per rank, and no multiprocessing resource tracker left behind
+    torch.multiprocessing.start_processes(
+        _reducer_worker, args=(3, str(tmp_path / "store"), out), nprocs=3, start_method="fork"
+    )
+    for rank in range(3):
+        assert torch.equal(torch.load(f"{out}.{rank}"), ref), f"rank {rank} of 3"
