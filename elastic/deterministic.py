@@ -131,6 +131,8 @@ class ShardGradReducer:
         self._dtype, self._device = dtypes.pop(), devices.pop()
         self._leaves: dict[Node, torch.Tensor] = {}
         """This step's shards: ``(shard, 1)`` -> flat gradient followed by the shard's summed loss."""
+        # One row per shard, allocated once: fresh multi-MB tensors every step cost page faults (2x the copy).
+        self._rows = torch.empty(num_shards, self._numel + 1, dtype=self._dtype, device=self._device)
         self._broadcast_params()
 
     @torch.no_grad()
@@ -152,11 +154,13 @@ class ShardGradReducer:
         if (shard, 1) in self._leaves:
             raise ElasticDataError(f"shard {shard} was already added this step (call begin() per step)")
         grads = torch.autograd.grad(loss_sum, self.params, allow_unused=True)
-        row = torch.zeros(self._numel + 1, dtype=self._dtype, device=self._device)
+        row = self._rows[shard]
         offset = 0
         for p, g in zip(self.params, grads):
             n = p.numel()
-            if g is not None:
+            if g is None:
+                row[offset : offset + n].zero_()
+            else:
                 row[offset : offset + n].copy_(g.reshape(-1))
             offset += n
         row[-1] = loss_sum.detach()
@@ -184,11 +188,11 @@ class ShardGradReducer:
             known = dict(zip(mine, sums))
         else:
             known = self._exchange(sums, world)
-        total = tree_sum(self.num_shards, known) / self.global_batch
+        total = tree_sum(self.num_shards, known) / self.global_batch  # a new tensor: the grads may view it
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = total[offset : offset + n].view_as(p).clone()
+            p.grad = total[offset : offset + n].view_as(p)
             offset += n
         return total[-1]
 
