@@ -17,6 +17,9 @@ Run it (from the repository root):
     python examples/train_ddp.py --steps 50 --ckpt-dir runs/ckpt
     # one node, two workers, embedded etcd (what examples/run.sh does)
     spotrun --standalone --nproc-per-node 2 examples/train_ddp.py --steps 200 --ckpt-dir runs/ckpt
+    # elastic batches: at most 16 samples per forward (accumulation), or bit-exact across world sizes
+    spotrun --standalone --nproc-per-node 3 examples/train_ddp.py --steps 200 --ckpt-dir runs/ckpt --max-micro-batch 16
+    spotrun --standalone --nproc-per-node 3 examples/train_ddp.py --steps 200 --ckpt-dir runs/det --deterministic
     # several nodes (run on each node; 1 to 4 nodes, joins and losses handled at the next round)
     python -m elastic.etcd_server --host 0.0.0.0          # once, somewhere reachable (or a real etcd >= 3.5)
     spotrun --nnodes 1:4 --nproc-per-node 2 --rdzv-endpoint ETCD_HOST:PORT --rdzv-id job1 \\
