@@ -8,7 +8,8 @@ accumulation micro-batches, at most ``--max-micro-batch`` samples each, follow t
 backpropagates its summed loss times ``world_size / global_batch``, so DDP's average is the global-batch mean
 even when the shares are uneven (64 at 3 ranks: 22/21/21): a 2 -> 1 -> 3 worker run stays within 1e-5 of an
 uninterrupted one. ``--deterministic`` makes it bit-identical instead (``elastic.deterministic``: fixed
-``--shards`` virtual micro-batches, gradients summed in shard order; costs one all-reduce of shards x params).
+``--shards`` virtual micro-batches, each computed alone, summed along a fixed tree over the shards; see
+``bench/deterministic_bench.py`` for its cost).
 WORLD_SIZE/RANK/LOCAL_RANK are read at every start (spotrun restarts the script after each membership
 change). gloo on CPU, nccl when CUDA is available.
 
