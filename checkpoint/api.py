@@ -13,8 +13,12 @@ and never pickled.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from checkpoint.shard import ShardLayout
 
 FORMAT_NAME = "spotrun-checkpoint"
 FORMAT_VERSION = 1
@@ -259,6 +263,60 @@ class Manifest:
         return None
 
 
+@dataclass(slots=True)
+class RankRecords:
+    """What one rank wrote for a step (sent to rank 0 as JSON for the manifest)."""
+
+    rank: int
+    tensors: dict[str, TensorRecord] = field(default_factory=dict)
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    error: str | None = None
+    rank_objects: dict[str, RankObjectsRecord] = field(default_factory=dict)
+    """This rank's per-rank objects file (at most one), written before the records are gathered."""
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "rank": self.rank,
+            "error": self.error,
+            "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+            "files": {k: v.to_json() for k, v in self.files.items()},
+            "rank_objects": {k: v.to_json() for k, v in self.rank_objects.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, JSON]) -> RankRecords:
+        return cls(
+            rank=int(d["rank"]),
+            error=d.get("error"),
+            tensors={k: TensorRecord.from_json(v) for k, v in d["tensors"].items()},
+            files={k: FileRecord.from_json(v) for k, v in d["files"].items()},
+            rank_objects={k: RankObjectsRecord.from_json(v) for k, v in d.get("rank_objects", {}).items()},
+        )
+
+
+# --------------------------------------------------------------------------- writer protocol
+@runtime_checkable
+class ShardWriter(Protocol):
+    """Writes one rank's shard files for a step; one implementation per ``CheckpointConfig.writer`` mode
+    (``writer.ThreadWriter``, ``writer.ProcessWriter``), chosen once by ``writer.open_writer``.
+
+    ``stage`` runs on the training thread (the only part of a save that blocks it); ``write`` runs on the
+    Checkpointer's background thread, one step at a time.
+    """
+
+    def stage(self, layouts: Sequence[ShardLayout], items: Sequence[TensorItem]) -> list[memoryview]:
+        """Copy ``items`` into the host buffers this writer reads; returns what ``write`` takes as ``buffers``."""
+        ...
+
+    def write(self, step_rel: str, layouts: Sequence[ShardLayout], buffers: Sequence[memoryview]) -> RankRecords:
+        """Write the staged shard files under ``step_rel``, durable on return; raises on failure."""
+        ...
+
+    def close(self) -> None:
+        """Release buffers, threads and processes (idempotent)."""
+        ...
+
+
 # --------------------------------------------------------------------------- read plan
 @dataclass(frozen=True, slots=True)
 class ReadRequest:
@@ -315,27 +373,6 @@ ON_RESIZE_RULES = ("rank_modulo", "rank0", "skip")
 """What a ``PerRank`` entry loads when the world size changed since the save (see ``per_rank_source``)."""
 
 
-def per_rank_source(rank: int, world_size: int, saved_world_size: int, on_resize: str) -> int | None:
-    """The saved rank whose copy of a per-rank entry ``rank`` loads, or None to leave the live value as is.
-
-    At the saving world size every rank gets its own copy whatever the rule. Otherwise ``rank_modulo``
-    (default) gives rank r the copy of saved rank ``r % saved_world_size`` (its own while r < saved world
-    size; when shrinking, the copies of saved ranks >= world size are dropped), ``rank0`` gives every rank
-    saved rank 0's copy, ``skip`` keeps the live value.
-    """
-    if on_resize not in ON_RESIZE_RULES:
-        raise ValueError(f"on_resize={on_resize!r} is not one of {ON_RESIZE_RULES}")
-    if saved_world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"bad rank/world sizes: rank={rank} world_size={world_size} saved_world_size={saved_world_size}")
-    if world_size == saved_world_size:
-        return rank
-    if on_resize == "skip":
-        return None
-    if on_resize == "rank0":
-        return 0
-    return rank % saved_world_size
-
-
 @dataclass(slots=True)
 class CommitMarker:
     """Content of ``.commit``: written last; ties the step to the exact manifest bytes it commits."""
@@ -361,56 +398,3 @@ class CommitMarker:
             manifest_size=int(d["manifest_size"]),
             created_unix=float(d["created_unix"]),
         )
-
-
-# --------------------------------------------------------------------------- fault injection (tests)
-CRASH_AT_ENV = "SPOTRUN_CKPT_CRASH_AT"
-"""``<point>:<n>``: at the n-th (1-based) time the named point is reached, announce it and block forever
-(the test then kills the process by PID). Points are listed in ``CRASH_POINTS``."""
-CRASH_NOTIFY_FD_ENV = "SPOTRUN_CKPT_CRASH_NOTIFY_FD"
-"""File descriptor that receives ``reached <point> <pid>\\n`` when the crash point triggers (default 2)."""
-
-CRASH_POINTS = (
-    "stage.begin",
-    "stage.end",
-    "shard.open",
-    "shard.header",
-    "shard.block",
-    "shard.before_commit",
-    "shard.after_commit",
-    "rank_objects.after",
-    "records.gathered",
-    "objects.after",
-    "index.after",
-    "manifest.before",
-    "manifest.after",
-    "commit.before",
-    "commit.after",
-    "latest.before",
-    "latest.after",
-    "retention.before",
-    "retention.delete",
-)
-
-_crash_counts: dict[str, int] = {}
-
-
-def crash_point(name: str) -> None:
-    """Fault-injection hook: a no-op unless ``SPOTRUN_CKPT_CRASH_AT`` names this point."""
-    import os
-
-    spec = os.environ.get(CRASH_AT_ENV)
-    if not spec:
-        return
-    point, _, nth = spec.rpartition(":")
-    if point != name:
-        return
-    count = _crash_counts.get(name, 0) + 1
-    _crash_counts[name] = count
-    if count != int(nth):
-        return
-    import threading
-
-    fd = int(os.environ.get(CRASH_NOTIFY_FD_ENV, "2"))
-    os.write(fd, f"reached {name} {os.getpid()}\n".encode())
-    threading.Event().wait()  # block until the test kills us

@@ -183,6 +183,7 @@ def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = Tr
     from tqdm import tqdm
 
     from checkpoint.checksum import crc32, crc32_combine
+    from checkpoint.verify import BlockVerifier, truncated
 
     rel = step_dir(manifest.step)
     by_file: dict[str, list[tuple[str, Any]]] = {name: [] for name in manifest.files}
@@ -212,17 +213,17 @@ def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = Tr
                         gap = take(pos, start)
                         crc = crc32(gap, crc)
                         if len(gap) != start - pos:
-                            raise CorruptCheckpointError(f"{storage.display(path)} is truncated")
-                    for i, b0 in enumerate(range(start, end, block)):
+                            raise truncated(storage.display(path), name, None, pos, start, len(gap))
+                    verifier = BlockVerifier(
+                        c.block_crc32, path=storage.display(path), file=name, fqn=fqn, chunk_start=start,
+                        start=start, end=end, block_bytes=block, on_mismatch=lambda e: problems.append(str(e)),
+                    )
+                    for b0 in range(start, end, block):
                         data = take(b0, min(b0 + block, end))
                         if len(data) != min(b0 + block, end) - b0:
-                            raise CorruptCheckpointError(f"{storage.display(path)} is truncated inside tensor {fqn!r}")
-                        got = crc32(data)
-                        if i >= len(c.block_crc32) or got != c.block_crc32[i]:
-                            problems.append(
-                                f"checksum mismatch in {storage.display(path)}: tensor {fqn!r} block {i} (bytes [{b0}, {b0 + len(data)}))"
-                            )
-                        crc = crc32_combine(crc, got, len(data))
+                            raise truncated(storage.display(path), name, fqn, b0, min(b0 + block, end), len(data))
+                        verifier.feed(data)
+                        crc = crc32_combine(crc, verifier.block_crcs[-1], len(data))
                     pos = max(pos, end)
                 if pos < frec.size:
                     crc = crc32(take(pos, frec.size), crc)

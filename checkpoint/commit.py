@@ -35,13 +35,13 @@ from checkpoint.api import (
     CommitMarker,
     Manifest,
     RankObjectsRecord,
+    RankRecords,
     TensorRecord,
-    crash_point,
     step_dir,
 )
+from checkpoint.faults import crash_point
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
-from checkpoint.writer import RankRecords
 
 logger = logging.getLogger(__name__)
 

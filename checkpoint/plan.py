@@ -28,6 +28,7 @@ from .api import (
     TensorItem,
     TensorRecord,
 )
+from .dtypes import element_size, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ST_ELEMENT_SIZE",
     "assign_writers",
     "c_strides",
     "chunk_view",
@@ -45,36 +45,7 @@ __all__ = [
     "validate_tiling",
 ]
 
-ST_ELEMENT_SIZE: dict[str, int] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-"""Bytes per element of every safetensors dtype name the checkpointer stores."""
-
 Box = tuple[tuple[int, int], ...]  # per dim [start, stop)
-
-
-def element_size(st_dtype: str) -> int:
-    """Bytes per element of a safetensors dtype name; IncompatibleCheckpointError for an unknown name."""
-    try:
-        return ST_ELEMENT_SIZE[st_dtype]
-    except KeyError:
-        raise IncompatibleCheckpointError(
-            f"unknown tensor dtype {st_dtype!r} (known: {', '.join(sorted(ST_ELEMENT_SIZE))})"
-        ) from None
 
 
 def c_strides(lengths: Sequence[int]) -> tuple[int, ...]:
@@ -414,9 +385,8 @@ def chunk_view(
     """
     import torch
 
-    from .state import st_to_dtype
 
-    tdtype = st_to_dtype(dtype) if isinstance(dtype, str) else dtype
+    tdtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
     esz = torch.empty((), dtype=tdtype).element_size()
     start, end = int(read_range[0]), int(read_range[1])
     if buf.dtype != torch.uint8 or buf.dim() != 1:

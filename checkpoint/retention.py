@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from checkpoint.api import COMMIT_FILE, crash_point, step_dir
+from checkpoint.api import COMMIT_FILE, CheckpointError, step_dir
+from checkpoint.faults import crash_point
+from checkpoint.discover import list_steps
 from checkpoint.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -47,3 +49,21 @@ def delete_step(storage: Storage, step: int) -> None:
     crash_point("retention.delete")
     storage.rm(rel, recursive=True)
     logger.info("retention: deleted step %d (%s)", step, storage.display(rel))
+
+
+def apply_retention(storage: Storage, committed_step: int, *, keep_last: int, keep_every: int | None) -> list[int]:
+    """After ``committed_step`` committed (rank 0): delete what ``steps_to_delete`` chooses; returns the deleted
+    steps. A failure is logged, not raised: the new step is committed and failing to prune must not undo that."""
+    deleted: list[int] = []
+    try:
+        crash_point("retention.before")
+        listing = list_steps(storage)
+        doomed = steps_to_delete(
+            listing.committed, listing.uncommitted, keep_last=keep_last, keep_every=keep_every, in_flight=committed_step
+        )
+        for step in doomed:
+            delete_step(storage, step)
+            deleted.append(step)
+    except CheckpointError as exc:
+        logger.warning("[step %d] retention failed (old steps kept): %s", committed_step, exc)
+    return deleted

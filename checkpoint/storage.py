@@ -19,6 +19,7 @@ On every backend a step only counts once its ``.commit`` marker exists, so a hal
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import threading
@@ -26,15 +27,18 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import fsspec
 import tenacity
 from fsspec.implementations.local import LocalFileSystem
 
-from checkpoint.api import CheckpointError, CheckpointStorageError
+from checkpoint.api import CheckpointConfigError, CheckpointError, CheckpointStorageError
+
+if TYPE_CHECKING:
+    from checkpoint.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +107,69 @@ class RetryPolicy:
     """Cap of the random exponential back-off."""
     sleep: Callable[[float], None] = time.sleep
     """Injected so fault tests do not wait for real."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StorageSpec:
+    """Everything needed to open the same Storage again, in this process or in a writer process.
+
+    Plain data that travels as JSON (``to_json``/``from_json``), never pickled; ``from_config`` is the one
+    place that maps a CheckpointConfig to storage settings.
+    """
+
+    uri: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    max_attempts: int = 5
+    retry_timeout_seconds: float = 60.0
+    retry_max_wait_seconds: float = 8.0
+    upload_threads: int = 4
+    multipart_chunk_bytes: int = 64 << 20
+    thread_nice: int = 0
+    writeback_bytes: int = 32 << 20
+
+    @classmethod
+    def from_config(cls, uri: str, config: CheckpointConfig) -> StorageSpec:
+        return cls(
+            uri=uri,
+            storage_options=dict(config.storage_options),
+            max_attempts=config.max_retries,
+            retry_timeout_seconds=config.retry_timeout.total_seconds(),
+            retry_max_wait_seconds=config.retry_max_wait.total_seconds(),
+            upload_threads=config.writer_threads,
+            multipart_chunk_bytes=config.multipart_chunk_bytes,
+            thread_nice=config.writer_nice,
+            writeback_bytes=config.writeback_bytes,
+        )
+
+    def open(self, *, sleep: Callable[[float], None] = time.sleep) -> Storage:
+        """The Storage this spec describes (``sleep`` is the retry back-off's, injectable for tests)."""
+        return Storage(
+            self.uri,
+            storage_options=self.storage_options,
+            retry=RetryPolicy(
+                max_attempts=self.max_attempts,
+                timeout=timedelta(seconds=self.retry_timeout_seconds),
+                max_wait=timedelta(seconds=self.retry_max_wait_seconds),
+                sleep=sleep,
+            ),
+            upload_threads=self.upload_threads,
+            multipart_chunk_bytes=self.multipart_chunk_bytes,
+            thread_nice=self.thread_nice,
+            writeback_bytes=self.writeback_bytes,
+        )
+
+    def to_json(self) -> str:
+        """The spec as one JSON text; CheckpointConfigError when ``storage_options`` is not JSON-serialisable."""
+        try:
+            return json.dumps({name: getattr(self, name) for name in self.__dataclass_fields__})
+        except (TypeError, ValueError) as exc:
+            raise CheckpointConfigError(
+                f'writer="process" needs JSON-serialisable storage_options ({exc}); use writer="thread"'
+            ) from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> StorageSpec:
+        return cls(**json.loads(text))
 
 
 class Sink(Protocol):
@@ -342,14 +409,8 @@ class Storage:
 
         self._call("write", rel, attempt)
 
-    def open_sink(self, rel: str) -> Sink:
-        """A streaming writer for a large file (not retried here: the caller retries the whole file)."""
-        try:
-            return self._open_sink(rel)
-        except _FOREIGN as exc:
-            raise self.error("write", rel, exc) from exc
-
     def _open_sink(self, rel: str) -> Sink:
+        """The backend's Sink for ``rel``; only ``write_bytes`` and ``write_stream`` use it (they retry it)."""
         if self.is_local:
             return _LocalAtomicSink(self.full(rel), self.writeback_bytes)
         if self.is_s3:
@@ -452,9 +513,8 @@ class _RangeWriteback:
 
     Why: with the default dirty-page thresholds (10 % of RAM) a 1 GiB shard sits in the page cache until
     our ``fsync``, which then writes all of it while we wait. Starting writeback of each 32 MiB as soon
-    as it is written overlaps the disk with the rest of the write: measured here on 1 GiB (virtio disk,
-    ext4, interleaved, median of 8) 0.45 s to durable vs 0.76 s without, and less spread. RocksDB's
-    ``bytes_per_sync`` does the same. It only starts I/O, so durability still comes from ``fsync``.
+    as it is written overlaps the disk with the rest of the write (figures in the README's benchmarks).
+    RocksDB's ``bytes_per_sync`` does the same. It only starts I/O, so durability still comes from ``fsync``.
     Linux only; any failure (other OS, a file system without it) switches it off for the process.
     """
 
