@@ -23,12 +23,14 @@ import torch
 from checkpoint.api import (
     ChunkKey,
     ChunkRecord,
+    CorruptCheckpointError,
     FileRecord,
     ReadRequest,
 )
-from checkpoint.faults import crash_point
 from checkpoint.checksum import crc32, crc32_combine
+from checkpoint.confine import parse_json
 from checkpoint.dtypes import torch_dtype
+from checkpoint.faults import crash_point
 from checkpoint.plan import chunk_view
 from checkpoint.storage import Sink, Storage
 from checkpoint.verify import BlockVerifier, truncated
@@ -158,6 +160,23 @@ def write_shard(
 
 
 # --------------------------------------------------------------------------- reading
+def read_header(storage: Storage, rel: str) -> tuple[int, dict[str, Any]]:
+    """(data start offset, parsed JSON header) of a safetensors file."""
+    prefix = storage.read_range(rel, 0, 8)
+    if len(prefix) < 8:
+        raise CorruptCheckpointError(f"{storage.display(rel)} is truncated (no safetensors header)", file=rel)
+    (n,) = struct.unpack("<Q", prefix)
+    if n > 100 << 20:
+        raise CorruptCheckpointError(f"{storage.display(rel)} has an implausible header length {n}", file=rel)
+    raw = storage.read_range(rel, 8, 8 + n)
+    if len(raw) != n:
+        raise CorruptCheckpointError(f"{storage.display(rel)} is truncated inside its safetensors header", file=rel)
+    header = parse_json(raw, f"the safetensors header of {storage.display(rel)}", file=rel)
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{storage.display(rel)} has a safetensors header that is not a JSON object", file=rel)
+    return 8 + n, header
+
+
 def bytes_as_tensor(data: bytes | bytearray | memoryview, dtype: str) -> torch.Tensor:
     """A flat tensor of ``dtype`` over ``data`` without copying (read-only use)."""
     if len(data) == 0:

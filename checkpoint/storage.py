@@ -35,7 +35,13 @@ import fsspec
 import tenacity
 from fsspec.implementations.local import LocalFileSystem
 
-from checkpoint.api import CheckpointConfigError, CheckpointError, CheckpointStorageError
+from checkpoint.api import (
+    CheckpointConfigError,
+    CheckpointError,
+    CheckpointStorageError,
+    CorruptCheckpointError,
+)
+from checkpoint.confine import check_local, check_rel
 
 if TYPE_CHECKING:
     from checkpoint.config import CheckpointConfig
@@ -220,15 +226,22 @@ class Storage:
 
     # ------------------------------------------------------------------ paths and errors
     def full(self, rel: str = "") -> str:
-        """Full path (as the filesystem names it) of ``rel``; used in error messages too."""
+        """Full path (as the filesystem names it) of ``rel``; UnsafePathError when ``rel`` would leave the root
+        (``..``, absolute), on every backend; on local disk also when a symlink resolves outside the root."""
+        path = self._join(check_rel(rel))
+        if self.is_local:
+            check_local(self.root, path, self._join(rel))
+        return path
+
+    def _join(self, rel: str) -> str:
         if not rel:
             return self.root
         return f"{self.root}/{rel}" if self.root not in ("", "/") else f"{self.root}{rel}"
 
     def display(self, rel: str = "") -> str:
-        """The path as a user would type it (keeps the protocol of remote roots)."""
+        """The path as a user would type it (keeps the protocol of remote roots); never raises."""
         if self.is_local:
-            return self.full(rel)
+            return self._join(rel)
         return f"{self.uri}/{rel}" if rel else self.uri
 
     def _call(self, op: str, rel: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -296,13 +309,18 @@ class Storage:
         return out
 
     def _listdir_local(self, rel: str) -> dict[str, tuple[str, int]]:
+        # Symlinks and special files are left out: spotrun never creates them, and following one could lead
+        # outside the root (a step directory or a .commit pointing elsewhere, a FIFO that blocks a read).
         try:
             with os.scandir(self.full(rel)) as it:
-                return {
-                    e.name: ("directory", 0) if e.is_dir() else ("file", e.stat().st_size)
-                    for e in it
-                }
-        except FileNotFoundError:
+                out: dict[str, tuple[str, int]] = {}
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        out[e.name] = ("directory", 0)
+                    elif e.is_file(follow_symlinks=False):
+                        out[e.name] = ("file", e.stat(follow_symlinks=False).st_size)
+                return out
+        except (FileNotFoundError, NotADirectoryError):
             return {}
 
     def _invalidate(self, rel: str) -> None:
@@ -313,7 +331,11 @@ class Storage:
             inv(self.root)
 
     # ------------------------------------------------------------------ reads
-    def read_bytes(self, rel: str) -> bytes:
+    def read_bytes(self, rel: str, *, limit: int | None = None) -> bytes:
+        """The whole file; with ``limit``, at most ``limit + 1`` bytes (so a caller that expects at most
+        ``limit`` sees that there is more without reading, or allocating, the rest)."""
+        if limit is not None:
+            return self.read_range(rel, 0, limit + 1)
         if self.is_local:
             return self._call("read", rel, self._read_local, rel, 0, None)
         return self._call("read", rel, self.fs.cat_file, self.full(rel))
@@ -358,7 +380,7 @@ class Storage:
         on_piece: Callable[[int, int], None] | None = None,
     ) -> int:
         step = piece_bytes if piece_bytes > 0 and on_piece is not None else len(out)
-        with open(self.full(rel), "rb", buffering=0) as f:
+        with self._open_local(rel) as f:
             f.seek(start)
             got = 0
             while got < len(out):
@@ -373,11 +395,24 @@ class Storage:
                     on_piece(piece_start, got - piece_start)
             return got
 
+    def _open_local(self, rel: str) -> Any:
+        """Open a local file of the root for reading; CorruptCheckpointError when it is not a regular file
+        (O_NONBLOCK: opening a FIFO must not hang; no effect on regular files)."""
+        import stat
+
+        fd = os.open(self.full(rel), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptCheckpointError(f"{self.display(rel)} is not a regular file", file=rel)
+        return open(fd, "rb", buffering=0)
+
     def _read_local(self, rel: str, start: int, end: int | None) -> bytes:
-        with open(self.full(rel), "rb", buffering=0) as f:
+        with self._open_local(rel) as f:
             if end is None:
                 return f.read()
             f.seek(start)
+            # Never allocate more than the file holds: sizes come from the manifest, which may lie.
+            end = max(start, min(end, os.fstat(f.fileno()).st_size))
             buf = bytearray(end - start)
             view = memoryview(buf)
             got = 0
@@ -440,7 +475,7 @@ class Storage:
             def rm_local() -> None:
                 path = self.full(rel)
                 try:
-                    if recursive and os.path.isdir(path):
+                    if recursive and os.path.isdir(path) and not os.path.islink(path):
                         shutil.rmtree(path)
                     else:
                         os.unlink(path)

@@ -21,6 +21,7 @@ from checkpoint.api import (
     CheckpointError,
     ChunkRecord,
     CorruptCheckpointError,
+    FileRecord,
     IncompatibleCheckpointError,
     Manifest,
     TensorRecord,
@@ -108,11 +109,12 @@ def test_tiling_check_of_a_1000_tensor_manifest_is_cheap() -> None:
     for i in range(1000):
         chunks = [
             ChunkRecord(offsets=[64 * r, 0], lengths=[64, 256], file="f", key=f"t{i}#{r}",
-                        byte_range=[0, 64 * 256 * 4], block_crc32=[0])
+                        byte_range=[(4 * i + r) * 65536, (4 * i + r + 1) * 65536], block_crc32=[0])
             for r in range(4)
         ]
         tensors[f"t{i}"] = TensorRecord(shape=[256, 256], dtype="F32", chunks=chunks)
-    manifest = Manifest(step=1, world_size=4, created_unix=0.0, library_version="t", tensors=tensors, files={})
+    files = {"f": FileRecord(size=4000 * 65536, crc32=0, rank=0)}  # chunks lie inside their file, sharing no byte
+    manifest = Manifest(step=1, world_size=4, created_unix=0.0, library_version="t", tensors=tensors, files=files)
     started = time.perf_counter()
     validate_tiling(manifest)
     elapsed = time.perf_counter() - started
