@@ -369,10 +369,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from checkpoint.export import export_step
-
     from checkpoint.dtypes import element_size
-    from checkpoint.export import select_tensors
+    from checkpoint.export import export_step, select_tensors
     from checkpoint.hf import CONFIG, read_config, tied_weights
 
     storage = _storage(args)

@@ -22,7 +22,14 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from checkpoint.api import INDEX_FILE, ChunkKey, IncompatibleCheckpointError, Manifest, ReadRequest, step_dir
+from checkpoint.api import (
+    INDEX_FILE,
+    ChunkKey,
+    IncompatibleCheckpointError,
+    Manifest,
+    ReadRequest,
+    step_dir,
+)
 from checkpoint.dtypes import element_size, torch_dtype
 from checkpoint.plan import min_byte_range
 from checkpoint.shard import apply_read, build_layout, write_shard

@@ -28,7 +28,12 @@ import shutil
 import tempfile
 from typing import Any
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from checkpoint.api import CheckpointError
 from checkpoint.checkpointer import Checkpointer

@@ -10,13 +10,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install spotrun[integrations])")
-import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
+import torch
+from safetensors import safe_open
 
-from checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
-from checkpoint.api import IncompatibleCheckpointError  # noqa: E402
-from checkpoint.cli import main  # noqa: E402
-from checkpoint.hf import from_hf, load_hf  # noqa: E402
+from checkpoint import CheckpointConfig, Checkpointer
+from checkpoint.api import IncompatibleCheckpointError
+from checkpoint.cli import main
+from checkpoint.hf import from_hf, load_hf
 
 
 def _gpt2(seed: int = 0):
@@ -80,7 +80,7 @@ def test_export_without_key_notes_the_mixed_content_and_a_wrong_key_names_the_en
 
 
 def test_tie_flag_and_untied_values_are_kept(tmp_path):
-    model, uri, _ = _trained_checkpoint(tmp_path)
+    _, uri, _ = _trained_checkpoint(tmp_path)
     out = tmp_path / "hf"
     # wpe is not tied to wte (different shape): the pair is refused by value, both are written
     assert main(["export", uri, str(out), "--key", "model", "--tie", "lm_head.weight=transformer.wte.weight",

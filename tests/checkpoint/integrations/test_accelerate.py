@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 accelerate = pytest.importorskip("accelerate", reason="needs accelerate (pip install spotrun[integrations])")
-import torch  # noqa: E402
+import torch
 
-from checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
-from checkpoint.integrations.accelerate import load_state, save_state, skip_batches  # noqa: E402
+from checkpoint import CheckpointConfig, Checkpointer
+from checkpoint.integrations.accelerate import load_state, save_state, skip_batches
 
 EPOCHS, SAVE_EVERY = 3, 2
 

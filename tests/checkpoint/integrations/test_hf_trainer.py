@@ -8,10 +8,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install spotrun[integrations])")
-import torch  # noqa: E402
+import torch
 
-from checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
-from checkpoint.integrations.hf import CheckpointerCallback  # noqa: E402
+from checkpoint import CheckpointConfig, Checkpointer
+from checkpoint.integrations.hf import CheckpointerCallback
 
 VOCAB = 64
 
@@ -88,7 +88,7 @@ def test_interrupted_trainer_resumes_bit_identical(tmp_path, crash_at):
         assert torch.equal(ref[k], got[k]), f"{k} differs after the resume"
     assert resumed.state.global_step == full.state.global_step == 7
     assert resumed.state.epoch == full.state.epoch
-    losses = lambda t: [(h["step"], h["loss"]) for h in t.state.log_history if "loss" in h]  # noqa: E731
+    losses = lambda t: [(h["step"], h["loss"]) for h in t.state.log_history if "loss" in h]
     assert losses(resumed) == losses(full)
     assert resumed.lr_scheduler.state_dict() == full.lr_scheduler.state_dict()
     ropt, fopt = full.optimizer.state_dict(), resumed.optimizer.state_dict()

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 L = pytest.importorskip("lightning", reason="needs lightning (pip install spotrun[integrations])")
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
-from checkpoint.integrations.lightning import CheckpointerIO  # noqa: E402
+from checkpoint import CheckpointConfig, Checkpointer
+from checkpoint.integrations.lightning import CheckpointerIO
 
 
 class _Module(L.LightningModule):
