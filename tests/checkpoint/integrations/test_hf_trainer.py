@@ -73,10 +73,16 @@ def _run(tmp_path, uri: str, *, crash_at: int | None = None, resume: bool = Fals
     return trainer
 
 
-@pytest.mark.timeout(60)
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The uninterrupted run, shared by the interrupted cases."""
+    tmp = tmp_path_factory.mktemp("full")
+    return _run(tmp, str(tmp / "ckpt"))
+
+
+@pytest.mark.timeout(90)  # two short Trainer runs; most of it is the Trainer's setup on a loaded 2-core machine
 @pytest.mark.parametrize("crash_at", [3, 6], ids=["mid-epoch", "epoch-boundary"])
-def test_interrupted_trainer_resumes_bit_identical(tmp_path, crash_at):
-    full = _run(tmp_path / "a", str(tmp_path / "a" / "ckpt"))
+def test_interrupted_trainer_resumes_bit_identical(tmp_path, full, crash_at):
     uri = str(tmp_path / "b" / "ckpt")
     _run(tmp_path / "b", uri, crash_at=crash_at)
     assert not list((tmp_path / "b" / "out").glob("checkpoint-*")), "the Trainer wrote its own pickled checkpoints"
