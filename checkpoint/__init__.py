@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from checkpoint.api import (
+from checkpoint.api import (  # noqa: E402
     CheckpointConfigError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -11,7 +11,7 @@ from checkpoint.api import (
     IncompatibleCheckpointError,
     SaveInProgressError,
 )
-from checkpoint.config import CheckpointConfig
+from checkpoint.config import CheckpointConfig  # noqa: E402
 
 
 def __getattr__(name: str):  # lazy: importing the package must not import torch (CLI --help, api users)

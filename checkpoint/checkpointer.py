@@ -45,6 +45,7 @@ from checkpoint.api import (
     rank_objects_file_name,
     step_dir,
 )
+from checkpoint.faults import crash_point
 from checkpoint.collective import open_collectives
 from checkpoint.commit import commit_step, merge_records, rank_objects_payload
 from checkpoint.config import CheckpointConfig
@@ -54,7 +55,6 @@ from checkpoint.discover import (
     validate_step,
 )
 from checkpoint.fallback import LoadOutcome, load_with_fallback
-from checkpoint.faults import crash_point
 from checkpoint.per_rank import load_rank_entries, saved_as_shared
 from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.retention import apply_retention

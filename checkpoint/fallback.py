@@ -15,11 +15,7 @@ import enum
 import logging
 from collections.abc import Callable
 
-from checkpoint.api import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-)
+from checkpoint.api import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 
