@@ -5,7 +5,6 @@ template-free read of a whole step (for callers that have no live state to load 
 from __future__ import annotations
 
 import logging
-import random
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch
 
 from checkpoint.api import JSON, IncompatibleCheckpointError
 from checkpoint.checkpointer import Checkpointer
+from checkpoint.state import RNGState
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +33,14 @@ class GlobalRNG:
 
     def state_dict(self) -> dict[str, Any]:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
-        sd: dict[str, Any] = {
-            "torch": torch.get_rng_state(),
-            "python": random.getstate(),
-            "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)),
-                      "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        sd = RNGState().state_dict()  # torch CPU, CUDA, Python
+        sd["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
         }
-        if torch.cuda.is_available():
-            sd["cuda"] = torch.cuda.get_rng_state_all()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -53,14 +53,10 @@ class GlobalRNG:
         sd, self.pending = self.pending, None
         if sd is None:
             return False
-        torch.set_rng_state(sd["torch"])
-        version, internal, gauss = sd["python"]
-        random.setstate((version, tuple(internal), gauss))
+        RNGState().load_state_dict(sd)
         npst = sd["numpy"]
         keys = np.asarray(npst["keys"].numpy(), dtype=np.uint32)
         np.random.set_state((str(npst["kind"]), keys, int(npst["pos"]), int(npst["has_gauss"]), float(npst["cached_gaussian"])))
-        if "cuda" in sd and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(sd["cuda"]))
         return True
 
 
