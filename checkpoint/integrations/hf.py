@@ -148,8 +148,10 @@ class CheckpointerCallback(TrainerCallback):
         if self._resume_step is None:
             return
         restore = self._state(kwargs["model"], kwargs.get("optimizer"), kwargs.get("lr_scheduler"))
-        del restore["rng"]  # already pending in self._rng
-        self.checkpointer.load(restore, self._resume_step)
+        for loaded_already in ("model", "rng"):  # read by resume_from (the RNG is pending in self._rng)
+            del restore[loaded_already]
+        if restore:
+            self.checkpointer.load(restore, self._resume_step)
         logger.info("[step %d] optimizer and scheduler restored", self._resume_step)
         self._resume_step = None
 
