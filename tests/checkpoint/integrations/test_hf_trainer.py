@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -94,7 +95,9 @@ def test_interrupted_trainer_resumes_bit_identical(tmp_path, full, crash_at):
         assert torch.equal(ref[k], got[k]), f"{k} differs after the resume"
     assert resumed.state.global_step == full.state.global_step == 7
     assert resumed.state.epoch == full.state.epoch
-    losses = lambda t: [(h["step"], h["loss"]) for h in t.state.log_history if "loss" in h]
+    def losses(t: Any) -> list[tuple[Any, Any]]:
+        return [(h["step"], h["loss"]) for h in t.state.log_history if "loss" in h]
+
     assert losses(resumed) == losses(full)
     assert resumed.lr_scheduler.state_dict() == full.lr_scheduler.state_dict()
     ropt, fopt = full.optimizer.state_dict(), resumed.optimizer.state_dict()
