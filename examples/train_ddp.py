@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress-file", default=None,
                    help="append one JSON line per step and rank (rank, world_size, step, pid, t_wall): benchmarks")
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process group (collective) timeout, seconds")
+    p.add_argument("--preempt-sync-every", type=int, default=8,
+                   help="steps between two checks (one tiny all-reduce) for a preemption notice or a joining node")
     args = p.parse_args(argv)
     if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 1 or args.log_every < 1:
         p.error("--steps must be >= 0 and --global-batch, --ckpt-every, --log-every >= 1")
@@ -182,6 +184,13 @@ def main(argv: list[str] | None = None) -> None:
         if restored is not None:
             logger.info("%s resumed from step %s (samples_seen=%s)", ctx, restored, trainer.samples_seen)
     ddp = DistributedDataParallel(model) if dist.is_initialized() else model
+    # On a preemption notice (or a node joining) every rank stops at the same step, which is committed:
+    # spotrun then re-forms the group and the next start resumes there (SIGTERM under plain torchrun).
+    preemption = None
+    if ckpt is not None:
+        from elastic.preemption import Preemption  # spotrun's package, like the Checkpointer
+
+        preemption = Preemption(sync_every=args.preempt_sync_every)
     data = SyntheticRegression(args.dataset_size, args.seed)
     loss_fn = nn.MSELoss()
 
@@ -201,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
                                                      "pid": os.getpid(), "t_wall": time.time()})
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
+            if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
+                break
             if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
                 ckpt.save(trainer.step, state)
         if ckpt is not None:
