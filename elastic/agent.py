@@ -57,7 +57,14 @@ from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_
 from elastic.preemption import Mailbox, WorkerNotice
 from elastic.rendezvous.api import MembershipAwareHandler, NoticeAwareHandler
 from elastic.torch_internals import check_agent_internals, worker_processes
-from elastic.workers import DeathClock, PdeathsigEntrypoint, shim_command, terminate_processes
+from elastic.workers import (
+    DeathClock,
+    PdeathsigEntrypoint,
+    fall_back_to_plain_workers,
+    signal_worker,
+    shim_command,
+    terminate_processes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +238,12 @@ class SpotrunAgent(LocalElasticAgent):
             self._mailbox.clear()  # helpers and acks of the previous group must not count for this one
         self._posted = None
         self._peer_deadlines = {}
+        reason = fall_back_to_plain_workers(worker_group.spec)
+        if reason is not None:
+            # CHANGE: a warm worker that a script could tell apart from torchrun's is not started; from now
+            # on this agent starts plain `python -u` subprocesses (the spec was rewritten, so this logs once).
+            logger.warning("%s warm workers off: %s; starting workers as plain subprocesses like torchrun",
+                           self._ctx(), reason)
         pids = super()._start_workers(worker_group)
         # CHANGE: torch's PContext.start installs handlers that turn SIGTERM into an immediate shutdown;
         # a SIGTERM is a preemption notice here (workers that can save do so first).
@@ -605,7 +618,11 @@ def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[
         wait = grace if timeout is None else timeout
         began = time.monotonic()
         _stop_releasing_returned_workers(pcontext, death_sig or signal.SIGTERM, wait)
-        # torch's close: signals what is still alive (nothing, normally), joins, closes the log tails.
+        # CHANGE (warm workers): torch's MultiprocessContext signals only each worker's PID; warm workers lead
+        # their own process group like torchrun's subprocess workers, so signal the group (DataLoader workers
+        # too), as torch's SubprocessHandler.close does. torch's close then only joins and closes log tails.
+        remaining = max(0.0, wait - (time.monotonic() - began))
+        terminate_processes(worker_processes(pcontext) or [], remaining, death_sig or signal.SIGTERM)
         original(death_sig, max(0.0, wait - (time.monotonic() - began)))  # type: ignore[arg-type]
 
     pcontext.close = close  # type: ignore[method-assign]
@@ -625,8 +642,7 @@ def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signa
 
     for proc in processes:
         if proc.is_alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, death_sig)
+            signal_worker(proc.pid, death_sig)  # its process group when it leads one (warm workers)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         alive = [(rank, proc) for rank, proc in enumerate(processes) if proc.is_alive()]

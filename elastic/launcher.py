@@ -34,11 +34,13 @@ from elastic.events import JsonlEventLog
 from elastic.notice import NoticePoller, make_sources
 from elastic.preemption import ENV_NOTICE_DIR, Mailbox
 from elastic.rendezvous.api import MembershipAwareHandler
+from elastic.warm import note_agent_import_env
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
 logger = logging.getLogger(__name__)
 
 EVENTS_FILE_NAME = "events.jsonl"
+_COMPILER_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TRITON_")
 
 
 def register_backends() -> None:
@@ -87,14 +89,21 @@ def _maybe_warm(
 def _preimport_log_formatter_dependencies() -> None:
     """torch's log formatter (``TorchLogsFormatter``) imports ``torch._dynamo`` the first time it formats a
     record with an exception, and torch logs a worker failure with ``logger.exception``: the first worker
-    crash would cost the agent that import (seconds, see README) before it even starts recovering. Import it
-    in a daemon thread while the first rendezvous and worker start are under way."""
+    crash would cost the agent 1.5-4 s of imports before it even starts recovering. Import it in a daemon
+    thread while the first rendezvous and worker start are under way. What the import writes into the
+    agent's environment (``TORCHINDUCTOR_CACHE_DIR``) is undone: torchrun's workers never see it."""
 
     def preimport() -> None:
+        before = dict(os.environ)
         try:
             importlib.import_module("torch._dynamo")
         except Exception:  # only an optimisation
             logger.debug("pre-importing torch._dynamo failed", exc_info=True)
+        # Only the compiler stack's own variables: the main thread may set others meanwhile.
+        added = {name for name in set(os.environ) - set(before) if name.startswith(_COMPILER_ENV_PREFIXES)}
+        note_agent_import_env(added)
+        for name in added:
+            os.environ.pop(name, None)
 
     threading.Thread(target=preimport, name="spotrun-preimport", daemon=True).start()
 

@@ -260,7 +260,8 @@ def py_spy_dump(pid: int, timeout: float = 10.0) -> str | None:
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout,
+                             check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 and out.stdout else None
