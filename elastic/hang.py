@@ -157,14 +157,18 @@ def judge(tracks: dict[int, WorkerTrack], policy: HangPolicy, now: float) -> Han
     return HangVerdict(hung=hung, need_stack=frozenset(need_stack), waiting=frozenset(waiting))
 
 
-#: Path fragments of frames in which a stalled main thread is waiting for other ranks, not stuck itself.
-PEER_WAIT_FRAMES = ("torch/distributed/", "torch/nn/parallel/distributed.py", "torch/autograd/")
+#: Where a stalled main thread's innermost frame is when it waits for other ranks, not stuck itself: a c10d
+#: collective or barrier, DDP, or autograd's engine (where DDP's gradient all-reduce blocks).
+PEER_WAIT_FRAMES = ("torch/distributed/distributed_c10d.py", "torch/distributed/c10d_logger.py",
+                    "torch/distributed/_functional_collectives", "torch/distributed/device_mesh.py",
+                    "torch/nn/parallel/distributed.py", "torch/autograd/")
 
 
 def waiting_on_peers(stack_dump: str, main_thread_id: int | None = None) -> bool:
-    """True if the main thread in a ``faulthandler`` dump is inside torch.distributed (or DDP/autograd,
-    where DDP's gradient all-reduce blocks). The main thread is the block headed by ``main_thread_id``
-    (as the worker reported it); without it, the last block (faulthandler lists the oldest thread last)."""
+    """True if the innermost frame of the main thread in a ``faulthandler`` dump is in a collective (see
+    :data:`PEER_WAIT_FRAMES`). The main thread is the block headed by ``main_thread_id`` (as the worker
+    reported it); without it, the last block (faulthandler lists the oldest thread last). Only the innermost
+    frame counts: every worker runs under torch.distributed.elastic's entrypoint wrappers."""
     blocks = [block for block in stack_dump.split("\n\n") if "File " in block]
     if not blocks:
         return False
@@ -173,4 +177,4 @@ def waiting_on_peers(stack_dump: str, main_thread_id: int | None = None) -> bool
         header = f"0x{main_thread_id:016x}"
         main = next((block for block in blocks if header in block.split("\n", 1)[0]), main)
     frames = [line for line in main.splitlines() if line.strip().startswith("File ")]
-    return any(fragment in line for line in frames for fragment in PEER_WAIT_FRAMES)
+    return bool(frames) and any(fragment in frames[0] for fragment in PEER_WAIT_FRAMES)

@@ -110,6 +110,9 @@ def test_waiting_on_peers_reads_the_main_threads_frames() -> None:
     assert not waiting_on_peers(DUMP_IN_COLLECTIVE, main_thread_id=0x7F0000000002)
     assert not waiting_on_peers('Current thread 0x1 (most recent call first):\n  File "/job/x.py", line 3 in sleep\n')
     assert not waiting_on_peers("")
+    wrapped = ('Current thread 0x1 (most recent call first):\n  File "/job/x.py", line 3 in inject\n'
+               '  File "/venv/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 9 in wrapper\n')
+    assert not waiting_on_peers(wrapped)  # torch's entrypoint wrappers are outer frames of every worker
 
 
 WORKER = textwrap.dedent("""\
