@@ -127,6 +127,7 @@ class SpotrunAgent(LocalElasticAgent):
             shutdown_timeout=shutdown_timeout,
         )
         check_agent_internals(self)
+        quiet_worker_failure_tracebacks()
         self._settings = settings
         self._events = events
         self._membership = membership_aware(spec.rdzv_handler)
@@ -613,9 +614,10 @@ class SpotrunAgent(LocalElasticAgent):
             cause = FailureCause.HANG
         self._begin_recovery(recovery_cause_of_failure(hung=self._hung_pending, peer_lost=peer_lost))
         self._emit(RecoveryEvent.FAILURE_DETECTED, cause=cause.value, failures=failures, action=action.value)
-        logger.info("%s worker group %s (exit codes by rank %s): %s; %s/%s restarts left", self._ctx(),
-                    run_result.state.name, failures, action.value, self._remaining_restarts,
-                    self._worker_group.spec.max_restarts)
+        # One line per recovery, visible at the CLI's default WARNING level (torch's is an INFO line).
+        logger.warning("%s %s: worker group %s (exit codes by rank %s): %s; %s/%s restarts left", self._ctx(),
+                       self._recovery_cause.value if self._recovery_cause else cause.value, run_result.state.name,
+                       failures, action.value, self._remaining_restarts, self._worker_group.spec.max_restarts)
         if action is FailureAction.GIVE_UP:
             self._stop_workers(self._worker_group)
             self._worker_group.state = WorkerState.FAILED
@@ -625,6 +627,30 @@ class SpotrunAgent(LocalElasticAgent):
             self._charged_restart_pending = True
         self._restart_workers(self._worker_group)
         return None
+
+
+class OneLineWorkerFailure(logging.Filter):
+    """CHANGE: torch's ``MultiprocessContext._poll`` logs every failed worker with ``logger.exception``: the
+    traceback of torch's own ``join()`` (or, for a function that raised, the worker's whole traceback, which
+    the worker already printed and its error file holds). On every peer loss that was 7 to 40 lines of
+    noise on the console; keep the record, as one line with the exception's first line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.msg, str) and record.msg.startswith("failed (exitcode"):
+            exc = record.exc_info[1]
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            record.msg += ": %s (worker output and error file have the details)"
+            record.args = (*(record.args or ()), first)  # type: ignore[misc]
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def quiet_worker_failure_tracebacks() -> None:
+    """Install :class:`OneLineWorkerFailure` on torch's process-context logger (once)."""
+    torch_logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, OneLineWorkerFailure) for f in torch_logger.filters):
+        torch_logger.addFilter(OneLineWorkerFailure())
 
 
 def recovery_cause_of_failure(*, hung: bool, peer_lost: bool) -> RecoveryCause:

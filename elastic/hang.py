@@ -2,7 +2,8 @@
 
 A worker makes *progress* when its beat counter moves (optimizer steps seen by a global
 ``torch.optim`` post-step hook, or explicit :func:`elastic.progress.heartbeat` calls) or when its main
-thread used CPU since the previous sample. A worker whose progress stopped for longer than its budget is
+thread ran at all since the previous sample (a thread blocked for good in a lock, a collective or a
+sleep does not; a frozen process neither). A worker whose progress stopped for longer than its budget is
 *stalled*. A stalled worker is not necessarily the culprit: in a collective with a hung peer every other
 rank stalls too. So the agent looks at a stalled worker's Python stack (:func:`waiting_on_peers`): a worker
 blocked inside ``torch.distributed`` (or DDP's backward) is waiting for someone else and is not blamed; a
@@ -66,8 +67,9 @@ class ProgressSample:
 
     beats: int
     """The worker's beat counter (monotonic within one worker process)."""
-    cpu_ticks: int | None
-    """CPU ticks of the worker's main thread (user + system), None when unreadable."""
+    activity: int | None
+    """Grows whenever the worker's main thread runs at all (its CPU time in ns from ``/proc``, which a wake-up
+    from a sleep or a poll also advances); None when unreadable."""
     stopped: bool = False
     """The process is stopped (``T``: SIGSTOP or a tracer) and cannot make progress."""
 
@@ -79,7 +81,7 @@ class WorkerTrack:
     started_at: float
     last_progress_at: float
     beats: int = 0
-    cpu_ticks: int | None = None
+    activity: int | None = None
     stopped: bool = False
     last_beat_at: float | None = None
     step_intervals: deque[float] = field(default_factory=lambda: deque(maxlen=32))
@@ -92,7 +94,7 @@ def new_track(now: float, window: int = 32) -> WorkerTrack:
 
 
 def observe(track: WorkerTrack, sample: ProgressSample, now: float) -> None:
-    """Fold one sample into ``track``: any beat or main-thread CPU use is progress and ends a stall."""
+    """Fold one sample into ``track``: any beat or main-thread activity is progress and ends a stall."""
     progressed = False
     if sample.beats > track.beats:
         if track.last_beat_at is not None:
@@ -101,10 +103,10 @@ def observe(track: WorkerTrack, sample: ProgressSample, now: float) -> None:
         track.beats = sample.beats
         track.last_beat_at = now
         progressed = True
-    if sample.cpu_ticks is not None and track.cpu_ticks is not None and sample.cpu_ticks > track.cpu_ticks:
+    if sample.activity is not None and track.activity is not None and sample.activity > track.activity:
         progressed = True
-    if sample.cpu_ticks is not None:
-        track.cpu_ticks = sample.cpu_ticks
+    if sample.activity is not None:
+        track.activity = sample.activity
     track.stopped = sample.stopped
     if progressed and not sample.stopped:
         track.last_progress_at = now

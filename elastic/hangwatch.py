@@ -113,7 +113,8 @@ def write_hang_error_file(path: str, report: HangReport, global_rank: int) -> No
     if report.stack:
         message += "\nPython stack at detection (most recent call first):\n" + report.stack.rstrip()
     data = {"message": {"message": message,
-                        "extraInfo": {"py_callstack": report.stack or "", "timestamp": str(int(time.time()))}}}
+                        # torch's summary prints py_callstack as the "traceback" of the rank
+                        "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as handle:

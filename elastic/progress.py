@@ -140,14 +140,21 @@ def install() -> bool:
 
 
 def read_main_thread(pid: int) -> tuple[str, int] | None:
-    """(state, user+system CPU ticks) of ``pid``'s main thread from /proc, None if it is gone."""
+    """(run state, activity) of ``pid``'s main thread from /proc, None if it is gone. Activity is the
+    thread's CPU time in ns (``schedstat``), which every wake-up advances, so a loop that sleeps between
+    cheap steps still shows progress; the coarse ``stat`` ticks (10 ms) are the fallback."""
     try:
         with open(f"/proc/{pid}/task/{pid}/stat") as handle:
             stat = handle.read()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()
-    return fields[0], int(fields[11]) + int(fields[12])
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as handle:
+            activity = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        activity = (int(fields[11]) + int(fields[12])) * 10_000_000
+    return fields[0], activity
 
 
 class ProgressBoard:
@@ -180,14 +187,14 @@ class ProgressBoard:
             self._paths[local_rank] = path
 
     def sample(self, local_rank: int, pid: int) -> ProgressSample | None:
-        """Beats, CPU ticks and stopped state of one worker; None when its process is gone."""
+        """Beats, main-thread activity and stopped state of one worker; None when its process is gone."""
         proc = read_main_thread(pid)
         if proc is None:
             return None
         mm = self._maps.get(local_rank)
         beats = struct.unpack_from("<Q", mm, _BEATS)[0] if mm is not None else 0
-        state, ticks = proc
-        return ProgressSample(beats=beats, cpu_ticks=ticks, stopped=state in ("T", "t"))
+        state, activity = proc
+        return ProgressSample(beats=beats, activity=activity, stopped=state in ("T", "t"))
 
     def main_thread_id(self, local_rank: int) -> int | None:
         mm = self._maps.get(local_rank)

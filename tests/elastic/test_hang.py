@@ -25,7 +25,7 @@ def _run(track, samples, policy=FIXED):
     """Feed (time, beats, cpu, stopped) samples; return the verdict at the last time."""
     now = 0.0
     for now, beats, cpu, stopped in samples:
-        observe(track, ProgressSample(beats=beats, cpu_ticks=cpu, stopped=stopped), now)
+        observe(track, ProgressSample(beats=beats, activity=cpu, stopped=stopped), now)
     return judge({1: track}, policy, now)
 
 
@@ -69,11 +69,11 @@ def test_a_stopped_worker_is_hung_without_a_stack_look() -> None:
 def test_startup_budget_until_warmup_beats_but_not_forever() -> None:
     policy = HangPolicy(timeout=5.0, startup_timeout=30.0, warmup_beats=3)
     track = new_track(0.0)
-    observe(track, ProgressSample(beats=1, cpu_ticks=1), 1.0)
+    observe(track, ProgressSample(beats=1, activity=1), 1.0)
     assert budget(track, policy, 10.0) == 30.0
     assert not judge({0: track}, policy, 25.0).need_stack  # 24 s flat, still starting up
     assert budget(track, policy, 31.0) == 5.0  # start-up window over even without 3 beats
-    observe(track, ProgressSample(beats=3, cpu_ticks=2), 2.0)
+    observe(track, ProgressSample(beats=3, activity=2), 2.0)
     assert budget(track, policy, 3.0) == 5.0
 
 
@@ -81,9 +81,9 @@ def test_adaptive_budget_is_a_multiple_of_the_slowest_recent_step_with_a_floor()
     policy = HangPolicy(multiplier=10.0, floor=4.0, startup_timeout=100.0, warmup_beats=2)
     track = new_track(0.0)
     for i in range(1, 6):
-        observe(track, ProgressSample(beats=i, cpu_ticks=i), i * 0.1)
+        observe(track, ProgressSample(beats=i, activity=i), i * 0.1)
     assert budget(track, policy, 1.0) == 4.0  # 10 x 0.1 s < floor
-    observe(track, ProgressSample(beats=7, cpu_ticks=9), 0.5 + 2.0)  # two steps in 2 s: 1 s per step
+    observe(track, ProgressSample(beats=7, activity=9), 0.5 + 2.0)  # two steps in 2 s: 1 s per step
     assert budget(track, policy, 3.0) == pytest.approx(10.0)
 
 
