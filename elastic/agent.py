@@ -47,14 +47,26 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.metrics import put_metric
-from torch.distributed.elastic.multiprocessing import LogsSpecs, PContext, ProcessFailure, SignalException
+from torch.distributed.elastic.multiprocessing import (
+    LogsSpecs,
+    PContext,
+    ProcessFailure,
+    SignalException,
+)
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
 from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
 from elastic.notice import Notice, earliest, parse_signal_spec
-from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
+from elastic.planned import (
+    GroupView,
+    PlannedStep,
+    all_acknowledged,
+    unplanned_loss,
+    while_posted,
+    worker_notice,
+)
 from elastic.preemption import Mailbox, WorkerNotice
 from elastic.progress import ProgressBoard
 from elastic.rendezvous.api import MembershipAwareHandler, NoticeAwareHandler
@@ -63,8 +75,8 @@ from elastic.workers import (
     DeathClock,
     PdeathsigEntrypoint,
     fall_back_to_plain_workers,
-    signal_worker,
     shim_command,
+    signal_worker,
     terminate_processes,
 )
 

@@ -158,13 +158,13 @@ def _no_abbreviations(parser: argparse.ArgumentParser, group: argparse._Argument
     those after the training script, against option prefixes: with ``--hang-timeout`` and
     ``--hang-detection`` a script's own ``--hang`` became an "ambiguous option" error (and a script's
     ``--preempt`` likewise). torch's flags keep torchrun's abbreviations."""
-    ours = {option for action in group._group_actions for option in action.option_strings}  # noqa: SLF001
-    original = parser._get_option_tuples  # noqa: SLF001
+    ours = {option for action in group._group_actions for option in action.option_strings}
+    original = parser._get_option_tuples
 
     def option_tuples(option_string: str) -> list[tuple[Any, ...]]:
         return [match for match in original(option_string) if match[1] not in ours]
 
-    parser._get_option_tuples = option_tuples  # type: ignore[method-assign]  # noqa: SLF001
+    parser._get_option_tuples = option_tuples  # type: ignore[method-assign]
 
 
 def settings_from_args(args: argparse.Namespace) -> AgentSettings:

@@ -16,7 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elastic.hang import HangPolicy, WorkerTrack, judge, new_track, observe, waiting_on_peers
+from elastic.hang import (
+    HangPolicy,
+    WorkerTrack,
+    judge,
+    new_track,
+    observe,
+    waiting_on_peers,
+)
 from elastic.progress import ProgressBoard
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from elastic.api import LaunchConfigError
-from elastic.hang import HangPolicy, ProgressSample, budget, judge, new_track, observe, waiting_on_peers
+from elastic.hang import (
+    HangPolicy,
+    ProgressSample,
+    budget,
+    judge,
+    new_track,
+    observe,
+    waiting_on_peers,
+)
 from elastic.progress import ProgressBoard
 from tests.harness.procs import REPO, wait_for
 
@@ -31,7 +39,7 @@ def _run(track, samples, policy=FIXED):
 
 def test_a_worker_that_keeps_beating_is_never_hung() -> None:
     track = new_track(0.0)
-    verdict = _run(track, [(t, t, 100, False) for t in range(0, 100)])
+    verdict = _run(track, [(t, t, 100, False) for t in range(100)])
     assert not verdict.hung and not verdict.need_stack
 
 
@@ -155,5 +163,65 @@ def test_heartbeat_is_a_noop_outside_spotrun() -> None:
     code = "from elastic import progress\nprogress.heartbeat()\nprint(progress.install())"
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_RANK")}
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(REPO)), capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=60, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+# --- flags, causes and the one-line failure log -------------------------------------------------------------
+
+
+def test_hang_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.cli import build_parser, settings_from_args
+
+    def settings(*argv: str):
+        return settings_from_args(build_parser().parse_args([*argv, "train.py", "--hang", "--preempt"]))
+
+    for name in ("SPOTRUN_HANG_TIMEOUT", "SPOTRUN_HANG_STARTUP_TIMEOUT", "SPOTRUN_HANG_DETECTION"):
+        monkeypatch.delenv(name, raising=False)
+    assert settings().hang == HangPolicy()  # on by default, adaptive
+    assert settings("--hang-timeout", "7", "--hang-startup-timeout", "90").hang == HangPolicy(timeout=7,
+                                                                                              startup_timeout=90)
+    assert settings("--no-hang-detection").hang is None
+    monkeypatch.setenv("SPOTRUN_HANG_TIMEOUT", "4")
+    monkeypatch.setenv("SPOTRUN_HANG_STARTUP_TIMEOUT", "50")
+    assert settings().hang == HangPolicy(timeout=4, startup_timeout=50)
+    monkeypatch.setenv("SPOTRUN_HANG_DETECTION", "0")
+    assert settings().hang is None
+    monkeypatch.setenv("SPOTRUN_HANG_DETECTION", "maybe")
+    with pytest.raises(LaunchConfigError, match="SPOTRUN_HANG_DETECTION"):
+        settings()
+    monkeypatch.delenv("SPOTRUN_HANG_DETECTION")
+    with pytest.raises(LaunchConfigError, match="timeout"):
+        settings("--hang-timeout", "0")
+    # the script's own --hang/--preempt are passed through, never taken for an abbreviated spotrun flag
+    args = build_parser().parse_args(["train.py", "--hang", "--preempt"])
+    assert args.training_script_args == ["--hang", "--preempt"]
+
+
+def test_recovery_cause_of_a_failed_group() -> None:
+    from elastic.agent import recovery_cause_of_failure
+    from elastic.api import RecoveryCause
+
+    assert recovery_cause_of_failure(hung=True, peer_lost=True) is RecoveryCause.HANG
+    assert recovery_cause_of_failure(hung=False, peer_lost=True) is RecoveryCause.PEER_LOST
+    assert recovery_cause_of_failure(hung=False, peer_lost=False) is RecoveryCause.FAILURE
+
+
+def test_torchs_worker_failure_traceback_becomes_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from elastic.agent import quiet_worker_failure_tracebacks
+
+    quiet_worker_failure_tracebacks()
+    quiet_worker_failure_tracebacks()  # idempotent
+    torch_logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    try:
+        raise RuntimeError("\n\n-- Process 1 terminated with the following error:\nTraceback ...\n  gloo: reset")
+    except RuntimeError:
+        with caplog.at_level(logging.ERROR, logger=torch_logger.name):
+            torch_logger.exception("failed (exitcode: %s) local_rank: %s", 1, 1)
+            torch_logger.exception("something else")
+    first, other = caplog.records
+    assert first.exc_info is None and first.getMessage().startswith("failed (exitcode: 1) local_rank: 1: -- Process 1")
+    assert "\n" not in first.getMessage()
+    assert other.exc_info is not None  # only torch's worker-failure record is shortened
