@@ -331,7 +331,7 @@ class SpotrunAgent(LocalElasticAgent):
             # timestamps have one-second resolution. Report every rank that died on its own (before the
             # agent started closing the group), ordered by death time, so ChildFailedError names the root
             # cause first.
-            died_at = self._death_clock.died_at if self._death_clock is not None else {}
+            died_at = dict(self._death_clock.died_at) if self._death_clock is not None else {}
             result.failures = complete_failures(
                 result.failures, self._pcontext, worker_group, died_at=died_at, close_started_at=self._close_started_at
             )

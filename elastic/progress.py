@@ -165,6 +165,7 @@ class ProgressBoard:
         self._root = root
         self._maps: dict[int, mmap.mmap] = {}
         self._paths: dict[int, str] = {}
+        self._inodes: dict[str, int] = {}
 
     def reset(self, group_rank: int, local_ranks: Iterable[int]) -> None:
         """Fresh zeroed files for workers about to start (a new inode: old workers cannot write into it)."""
@@ -185,6 +186,7 @@ class ProgressBoard:
             struct.pack_into("<Q", mm, _MAGIC, MAGIC)
             self._maps[local_rank] = mm
             self._paths[local_rank] = path
+            self._inodes[path] = os.stat(path).st_ino
 
     def sample(self, local_rank: int, pid: int) -> ProgressSample | None:
         """Beats, main-thread activity and stopped state of one worker; None when its process is gone."""
@@ -231,6 +233,11 @@ class ProgressBoard:
         for mm in self._maps.values():
             mm.close()
         for path in self._paths.values():
+            try:
+                if os.stat(path).st_ino != self._inodes.get(path):
+                    continue  # another agent of this run (on this host) now owns the name: leave it be
+            except FileNotFoundError:
+                continue
             for name in (path, dump_path(path)):
                 try:
                     os.unlink(name)
@@ -238,6 +245,7 @@ class ProgressBoard:
                     pass
         self._maps.clear()
         self._paths.clear()
+        self._inodes.clear()
 
 
 def _collect_dumps(asked: dict[int, str], timeout: float) -> dict[int, str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic.agent_harness import REPO, SPOTRUN, TORCHRUN, make_env, pid_alive
+from tests.harness.procs import REPO, SPOTRUN, TORCHRUN, make_env, pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
