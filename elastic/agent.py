@@ -15,7 +15,11 @@ tests/elastic/test_torch_internals.py (when torch changes):
   warm workers forked from a torch-preloaded forkserver; see ``elastic.workers``);
 * the failure summary lists every rank that failed on its own, root cause (first to die) first;
 * transient rendezvous errors while monitoring (etcd restarting) do not kill a healthy job;
-* every recovery stage is written to a structured event log (``elastic.events``);
+* every recovery stage is written to a structured event log (``elastic.events``), each event of a recovery
+  with its ``recovery_cause`` (failure, hang, peer_lost, planned_leave, scale_up);
+* hung workers are detected (``elastic.hang``: progress files, ``/proc``, stack look at stalled ranks), their
+  stacks logged, the hung rank killed and named in the failure summary, and the group restarted;
+* a failed worker is one log line, not torch's ``logger.exception`` traceback;
 * planned changes (``elastic.planned``): SIGTERM / ``--preempt-signal`` / metadata notices become a deadline
   published to the group; workers with a ``Preemption`` helper commit an agreed step, then the preempted
   agent revokes its lease and exits 0 and the others re-form uncharged (a joining node: the same stop first);
