@@ -63,14 +63,7 @@ from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
 from elastic.notice import Notice, earliest, parse_signal_spec
-from elastic.planned import (
-    GroupView,
-    PlannedStep,
-    all_acknowledged,
-    unplanned_loss,
-    while_posted,
-    worker_notice,
-)
+from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
 from elastic.preemption import Mailbox, WorkerNotice
 from elastic.progress import ProgressBoard
 from elastic.rendezvous.api import MembershipAwareHandler, NoticeAwareHandler
@@ -280,16 +273,16 @@ class SpotrunAgent(LocalElasticAgent):
                    master_port=worker_group.master_port)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        if self._mailbox is not None:
-            self._mailbox.clear()  # helpers and acks of the previous group must not count for this one
-        self._posted = None
-        self._peer_deadlines = {}
         reason = fall_back_to_plain_workers(worker_group.spec)
         if reason is not None:
             # CHANGE: a warm worker that a script could tell apart from torchrun's is not started; from now
             # on this agent starts plain `python -u` subprocesses (the spec was rewritten, so this logs once).
             logger.warning("%s warm workers off: %s; starting workers as plain subprocesses like torchrun",
                            self._ctx(), reason)
+        if self._mailbox is not None:
+            self._mailbox.clear()  # helpers and acks of the previous group must not count for this one
+        self._posted = None
+        self._peer_deadlines = {}
         if self._hang_watch is not None:
             self._hang_watch.prepare(worker_group.group_rank, worker_group.spec.local_world_size)
         self._hung_pending = False

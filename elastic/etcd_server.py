@@ -20,10 +20,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -80,9 +82,38 @@ def find_etcd_binary() -> str:
     )
 
 
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerTLS:
+    """PEM files for etcd's client URL (etcd's ``--cert-file``, ``--key-file``, ``--trusted-ca-file``)."""
+
+    cert_file: str
+    """The server certificate; its SANs must name the host clients connect to."""
+    key_file: str
+    """The server certificate's private key."""
+    trusted_ca_file: str | None = None
+    """When set, etcd demands client certificates signed by this CA (``--client-cert-auth``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("cert_file", "key_file", "trusted_ca_file"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise EtcdServerError(f"TLS {name.replace('_', '-')} {path!r} is not a readable file")
+
+    def args(self) -> list[str]:
+        result = [f"--cert-file={self.cert_file}", f"--key-file={self.key_file}"]
+        if self.trusted_ca_file is not None:
+            result += [f"--trusted-ca-file={self.trusted_ca_file}", "--client-cert-auth"]
+        return result
+
+
 def _free_port(host: str) -> int:
     """A port that was free a moment ago (the caller must tolerate losing the race for it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
@@ -120,16 +151,29 @@ class EmbeddedEtcd:
         startup_timeout: float = 15.0,
         die_with_parent: bool = True,
         unsafe_no_fsync: bool = True,
+        client_port: int | None = None,
+        data_dir: str | None = None,
+        tls: ServerTLS | None = None,
+        extra_args: tuple[str, ...] | list[str] = (),
     ) -> None:
         if startup_timeout <= 0:
             raise ValueError(f"startup_timeout must be > 0 seconds, got {startup_timeout}")
-        self.host = host
+        if client_port is not None and not 0 < client_port < 65536:
+            raise EtcdServerError(f"client port {client_port} out of range 1-65535")
+        self.host = host.strip("[]")
         self.binary = binary or find_etcd_binary()
         self.startup_timeout = startup_timeout
         self.die_with_parent = die_with_parent
         self.unsafe_no_fsync = unsafe_no_fsync
+        self.tls = tls
+        self.extra_args = list(extra_args)
+        self._wanted_client_port = client_port
         self.client_port: int | None = None
         self.peer_port: int | None = None
+        self.metrics_port: int | None = None
+        """Plain-HTTP /health endpoint when the client URL is TLS (the probe may hold no client certificate)."""
+        self._user_data_dir = data_dir
+        """A user-given data directory is kept by close(); ours (a temporary one) is removed."""
         self._root: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: object | None = None
@@ -139,21 +183,23 @@ class EmbeddedEtcd:
     # ------------------------------------------------------------------ properties
     @property
     def endpoint(self) -> str:
-        """``host:port`` of the client URL (what ``--rdzv-endpoint`` takes)."""
+        """``host:port`` of the client URL (what ``--rdzv-endpoint`` takes); ``[v6]:port`` for IPv6."""
         if self.client_port is None:
             raise EtcdServerError("etcd has not been started yet: call start() first")
-        return f"{self.host}:{self.client_port}"
+        return _netloc(self.host, self.client_port)
 
     @property
     def data_dir(self) -> str:
-        """The member data directory (kept across stop()/start(), removed by close())."""
+        """The member data directory (kept across stop()/start(); removed by close() unless user-given)."""
+        if self._user_data_dir is not None:
+            return self._user_data_dir
         if self._root is None:
             raise EtcdServerError("etcd has not been started yet: call start() first")
         return os.path.join(self._root, "data")
 
     @property
     def log_path(self) -> str:
-        """etcd's own stdout/stderr, for debugging failed starts."""
+        """etcd's own stdout/stderr, for debugging failed starts (in a temporary directory, always removed)."""
         if self._root is None:
             raise EtcdServerError("etcd has not been started yet: call start() first")
         return os.path.join(self._root, "etcd.log")
@@ -179,7 +225,12 @@ class EmbeddedEtcd:
         if self._root is None:
             self._root = tempfile.mkdtemp(prefix="spotrun-etcd-")
         began = time.monotonic()
-        if self.client_port is None:
+        if self.client_port is None and self._wanted_client_port is not None:
+            self.peer_port = _free_port(self.host)
+            self.metrics_port = _free_port(self.host) if self.tls is not None else None
+            self.client_port = self._wanted_client_port
+            self._start_once(self.client_port, self.peer_port)
+        elif self.client_port is None:
             self._start_on_fresh_ports()
         else:
             self._start_once(self.client_port, self.peer_port)  # type: ignore[arg-type]
@@ -209,7 +260,7 @@ class EmbeddedEtcd:
             self.stop()
         finally:
             root, self._root = self._root, None
-            if root is not None:
+            if root is not None:  # the user's --data-dir lives elsewhere and is kept
                 shutil.rmtree(root, ignore_errors=True)
             if self._atexit_registered:
                 atexit.unregister(self.close)
@@ -238,16 +289,20 @@ class EmbeddedEtcd:
         for attempt in retrying:
             with attempt:
                 client_port, peer_port = _free_port(self.host), _free_port(self.host)
-                if client_port == peer_port:
+                metrics_port = _free_port(self.host) if self.tls is not None else None
+                if len({client_port, peer_port, metrics_port}) < 3 - (metrics_port is None):
                     raise _PortInUse("probed the same port twice")
-                # A failed attempt may have initialised a member bound to its old peer URL.
-                shutil.rmtree(self.data_dir, ignore_errors=True)
+                if self._user_data_dir is None:
+                    # A failed attempt may have initialised a member bound to its old peer URL.
+                    shutil.rmtree(self.data_dir, ignore_errors=True)
+                self.metrics_port = metrics_port
                 self._start_once(client_port, peer_port)
                 self.client_port, self.peer_port = client_port, peer_port
 
     def _command(self, client_port: int, peer_port: int) -> list[str]:
-        client_url = f"http://{self.host}:{client_port}"
-        peer_url = f"http://{self.host}:{peer_port}"
+        scheme = "https" if self.tls is not None else "http"
+        client_url = f"{scheme}://{_netloc(self.host, client_port)}"
+        peer_url = f"http://{_netloc(self.host, peer_port)}"
         cmd = [
             self.binary,
             "--name=spotrun",
@@ -266,7 +321,10 @@ class EmbeddedEtcd:
         ]
         if self.unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
-        return cmd
+        if self.tls is not None:
+            cmd += self.tls.args()
+            cmd.append(f"--listen-metrics-urls=http://{_netloc(self.host, self.metrics_port)}")  # type: ignore[arg-type]
+        return cmd + self.extra_args
 
     def _start_once(self, client_port: int, peer_port: int) -> None:
         """One start attempt; on any failure the process is reaped before raising."""
@@ -293,7 +351,8 @@ class EmbeddedEtcd:
             raise
 
     def _wait_healthy(self, proc: subprocess.Popen[bytes], client_port: int, log_offset: int) -> None:
-        url = f"http://{self.host}:{client_port}/health"
+        health_port = self.metrics_port if self.tls is not None else client_port
+        url = f"http://{_netloc(self.host, health_port)}/health"  # type: ignore[arg-type]
 
         def probe() -> bool:
             if proc.poll() is not None:
@@ -314,7 +373,7 @@ class EmbeddedEtcd:
             poll(probe)
         except RetryError as exc:
             raise EtcdServerError(
-                f"etcd on {self.host}:{client_port} was not healthy within {self.startup_timeout} s "
+                f"etcd on {_netloc(self.host, client_port)} was not healthy within {self.startup_timeout} s "
                 f"(log: {self.log_path})"
             ) from exc
 
@@ -356,19 +415,52 @@ def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m elastic.etcd_server``: run an embedded etcd until Ctrl-C (handy for manual multi-node tests)."""
+    """``python -m elastic.etcd_server``: run a single-member etcd until Ctrl-C or SIGTERM.
+
+    For manual multi-node tests and small clusters: ``--host 0.0.0.0 --port 2379`` serves other machines;
+    ``--cert-file/--key-file[/--trusted-ca-file]`` turn on TLS (and client certificates). Enable etcd auth
+    with ``etcdctl`` afterwards (see the README). A ``--data-dir`` you give is kept on exit; the temporary
+    one used otherwise is removed.
+    """
     import argparse
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (IPv6 as ::1)")
+    parser.add_argument("--port", type=int, default=None, help="client port (default: a free one)")
+    parser.add_argument("--data-dir", default=None, help="member data directory, kept on exit (default: temporary)")
+    parser.add_argument("--cert-file", default=None, help="PEM server certificate (enables TLS)")
+    parser.add_argument("--key-file", default=None, help="PEM key of --cert-file")
+    parser.add_argument("--trusted-ca-file", default=None, help="CA of client certificates (enables client-cert auth)")
+    parser.add_argument("--fsync", action="store_true",
+                        help="fsync writes (on with --data-dir, whose data outlives the process; off otherwise: faster)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    with EmbeddedEtcd(host=args.host, die_with_parent=True) as server:
-        print(f"etcd endpoint: {server.endpoint}", flush=True)
-        try:
-            signal.pause()
-        except KeyboardInterrupt:
-            pass
+    if (args.cert_file is None) != (args.key_file is None):
+        parser.error("--cert-file and --key-file go together")
+    if args.trusted_ca_file is not None and args.cert_file is None:
+        parser.error("--trusted-ca-file needs --cert-file/--key-file")
+    try:
+        tls = ServerTLS(args.cert_file, args.key_file, args.trusted_ca_file) if args.cert_file else None
+        server = EmbeddedEtcd(
+            host=args.host, client_port=args.port, data_dir=args.data_dir, tls=tls,
+            die_with_parent=True, unsafe_no_fsync=not (args.fsync or args.data_dir),
+        )
+    except EtcdServerError as exc:
+        parser.error(str(exc))
+    stop = threading.Event()
+    # SIGTERM (kill, systemd, Kubernetes) ends the process like Ctrl-C: etcd stopped, our temp dir removed.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        with server:
+            print(f"etcd endpoint: {server.endpoint}", flush=True)
+            while not stop.wait(1.0):
+                if not server.is_running():
+                    log.error("etcd pid=%s exited on its own (log: %s)", server.pid, server.log_path)
+                    return 1
+    except EtcdServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -10,6 +10,7 @@ the same root-cause summary (read from the failed worker's error file) and the p
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -82,16 +83,29 @@ def _maybe_warm(
     warm = warm_entrypoint(entrypoint, [str(a) for a in args])
     if warm is None:
         return entrypoint, args
+    script = warm[0]
+    if not script.module and not os.path.isfile(script.target):
+        # A missing script: start no forkserver (seconds of `import torch`) for a worker that cannot run;
+        # the cold `python -u script` fails at once with torchrun's own "can't open file" message.
+        return entrypoint, args
     config.start_method = "forkserver"
     return warm
+
+
+def _effective_settings(config: LaunchConfig, settings: AgentSettings) -> AgentSettings:
+    """A job of one node has no peer whose loss could explain a worker failure: waiting
+    ``peer_loss_grace`` for one only delays the failure (torchrun reports it at once)."""
+    if config.max_nodes == 1 and settings.peer_loss_grace > 0:
+        return dataclasses.replace(settings, peer_loss_grace=0.0)
+    return settings
 
 
 def _preimport_log_formatter_dependencies() -> None:
     """torch's log formatter (``TorchLogsFormatter``) imports ``torch._dynamo`` the first time it formats a
     record with an exception, and torch logs a worker failure with ``logger.exception``: the first worker
-    crash would cost the agent 1.5-4 s of imports before it even starts recovering. Import it in a daemon
-    thread while the first rendezvous and worker start are under way. What the import writes into the
-    agent's environment (``TORCHINDUCTOR_CACHE_DIR``) is undone: torchrun's workers never see it."""
+    crash would cost the agent that import (seconds, see README) before it even starts recovering. Import it
+    in a daemon thread while the first rendezvous and worker start are under way. What the import writes into
+    the agent's environment (``TORCHINDUCTOR_CACHE_DIR``) is undone: torchrun's workers never see it."""
 
     def preimport() -> None:
         before = dict(os.environ)
@@ -140,6 +154,7 @@ def launch(
         logger.warning("config has no run_id, generated a random run_id: %s", config.run_id)
     entrypoint_name = _get_entrypoint_name(entrypoint, args)
     entrypoint, args = _maybe_warm(config, entrypoint, args, settings)
+    settings = _effective_settings(config, settings)
 
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,

@@ -38,6 +38,7 @@ __all__ = [
     "RendezvousError",
     "RendezvousGracefulExitError",
     "RendezvousStateError",
+    "RendezvousTLSError",
     "RendezvousTimeoutError",
 ]
 
@@ -116,6 +117,10 @@ IGNORED_TORCH_KEYS: Final = frozenset(
 
 # Spellings used by torch's etcd-v2 backend, mapped to ours.
 KEY_ALIASES: Final = {"ca_cert": "cacert", "ssl_cert": "cert", "ssl_cert_key": "key"}
+
+
+class RendezvousTLSError(RendezvousConnectionError):
+    """The TLS handshake with etcd failed (wrong CA, missing or rejected client certificate, TLS vs plain)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -221,7 +226,7 @@ class EtcdRendezvousConfig:
     @property
     def endpoint_str(self) -> str:
         """Endpoints as the user wrote them (for error messages)."""
-        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return ",".join(format_endpoint(h, p) for h, p in self.endpoints)
 
     @property
     def run_prefix(self) -> str:
@@ -312,8 +317,16 @@ _PARSERS = {
 }
 
 
+def format_endpoint(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 address in brackets (``[::1]:2379``) as grpc and URLs want it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def parse_endpoints(endpoint: str) -> tuple[tuple[str, int], ...]:
-    """``"host[:port][,host[:port]...]"`` (an ``http(s)://`` scheme is tolerated) -> ((host, port), ...)."""
+    """``"host[:port][,host[:port]...]"`` (an ``http(s)://`` scheme is tolerated) -> ((host, port), ...).
+
+    IPv6 addresses go in brackets, ``[::1]:2379``; a bare address (``::1``) gets the default port.
+    """
     if not endpoint or not endpoint.strip():
         raise RendezvousConfigError("no etcd endpoint: pass --rdzv-endpoint HOST:PORT")
     result = []
@@ -325,9 +338,9 @@ def parse_endpoints(endpoint: str) -> tuple[tuple[str, int], ...]:
         item = item.rstrip("/")
         if not item:
             raise RendezvousConfigError(f"empty entry in --rdzv-endpoint {endpoint!r}")
-        host, sep, port_s = item.rpartition(":")
-        if not sep:
-            host, port = item, DEFAULT_ETCD_PORT
+        host, port_s = _split_host_port(item, endpoint)
+        if port_s is None:
+            port = DEFAULT_ETCD_PORT
         else:
             try:
                 port = int(port_s)
@@ -335,8 +348,22 @@ def parse_endpoints(endpoint: str) -> tuple[tuple[str, int], ...]:
                 raise RendezvousConfigError(f"bad port {port_s!r} in --rdzv-endpoint {endpoint!r}") from exc
             if not 0 < port < 65536:
                 raise RendezvousConfigError(f"port {port} out of range in --rdzv-endpoint {endpoint!r}")
-        host = host.strip("[]")
         if not host:
             raise RendezvousConfigError(f"missing host in --rdzv-endpoint {endpoint!r}")
         result.append((host, port))
     return tuple(result)
+
+
+def _split_host_port(item: str, endpoint: str) -> tuple[str, str | None]:
+    """``[v6]:port`` / ``[v6]`` / ``v6`` (two or more colons, no port) / ``host:port`` / ``host``."""
+    if item.startswith("["):
+        host, close, rest = item[1:].partition("]")
+        if not close or (rest and not rest.startswith(":")):
+            raise RendezvousConfigError(
+                f"malformed IPv6 endpoint {item!r} in --rdzv-endpoint {endpoint!r}; write it as [ADDRESS]:PORT"
+            )
+        return host, (rest[1:] if rest else None)
+    if item.count(":") > 1:
+        return item, None  # a bare IPv6 address: its last group is not a port
+    host, sep, port_s = item.rpartition(":")
+    return (host, port_s) if sep else (item, None)

@@ -10,6 +10,14 @@ Everything that touches etcd3/grpc goes through ``EtcdConnection``:
 Two python3-etcd3 quirks are handled here: a failed endpoint is blacklisted for 300 s by default (we set
 ``time_retry`` low so a restarted etcd is used again at once), and grpc's reconnect backoff (up to
 120 s) is capped at 1 s so an etcd restart of a few seconds is noticed within a second.
+
+Three more things python3-etcd3 does not do: it authenticates once, in its constructor, so its token dies
+after etcd's ``--auth-token-ttl`` (300 s by default) of disuse and every later call fails with
+``UNAUTHENTICATED: invalid auth token``; ``call`` re-authenticates and retries (``renew_token``, also used by
+the watch and lease threads). A TLS handshake failure looks like any UNAVAILABLE error; ``is_tls_failure``
+tells it apart so a wrong CA or a missing client certificate fails at once as ``RendezvousTLSError``
+instead of being retried for ``etcd_timeout``. Retry warnings are rate-limited to one per
+``WARN_EVERY_S`` per call (the rest go to DEBUG), so an unreachable endpoint does not print dozens.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Any, TypeVar
 import etcd3
 import grpc
 from etcd3 import etcdrpc, utils
+from etcd3.client import EtcdTokenCallCredentials
 from etcd3.exceptions import Etcd3Exception
 from tenacity import (
     RetryError,
@@ -31,7 +40,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from .api import EtcdRendezvousConfig, RendezvousConnectionError
+from .api import EtcdRendezvousConfig, RendezvousConnectionError, RendezvousTLSError
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +69,65 @@ _GRPC_OPTIONS = [
 PER_CALL_TIMEOUT = 5.0
 """Seconds one etcd RPC may take before it counts as a failed attempt (and is retried)."""
 
+WARN_EVERY_S = 5.0
+"""Fewest seconds between two WARNING lines about the retries of one etcd call."""
+
+# grpc reports a failed handshake as UNAVAILABLE with OpenSSL's words in the details.
+_TLS_MARKERS = ("ssl", "handshake", "certificate", "tls", "wrong_version_number")
+
+# etcd's answers to an expired token (simple tokens die after --auth-token-ttl of disuse) or a token minted
+# before an auth change; both are cured by authenticating again.
+_TOKEN_MARKERS = ("invalid auth token", "revision of auth store is old", "auth token is expired")
+
+
+def grpc_error(exc: BaseException | None) -> grpc.RpcError | None:
+    """The grpc error behind ``exc``: python3-etcd3 replaces UNAVAILABLE & co. by its own detail-less
+    exceptions (``ConnectionFailedError``), raised while handling the grpc one."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+def _grpc_code(exc: BaseException) -> grpc.StatusCode | None:
+    return exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
+
+
+def _grpc_details(exc: BaseException) -> str:
+    return (exc.details() or "") if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else ""
+
+
+def is_token_expired(exc: BaseException | None) -> bool:
+    """etcd rejected our auth token (expired or stale): authenticate again and retry."""
+    if exc is None or _grpc_code(exc) not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
+        return False
+    details = _grpc_details(exc).lower()
+    return any(marker in details for marker in _TOKEN_MARKERS)
+
+
+def is_auth_refusal(cancel_reason: str) -> bool:
+    """A watch canceled for its token: etcd says "invalid auth token", or, for a token it no longer knows
+    (a restarted etcd forgets simple tokens), "permission denied"."""
+    reason = cancel_reason.lower()
+    return "permission denied" in reason or any(marker in reason for marker in _TOKEN_MARKERS)
+
+
+def is_tls_failure(exc: BaseException | None) -> bool:
+    """The connection failed in the TLS handshake: retrying cannot help, the certificates must change."""
+    exc = grpc_error(exc)
+    if exc is None or _grpc_code(exc) != grpc.StatusCode.UNAVAILABLE:
+        return False
+    details = _grpc_details(exc).lower()
+    return any(marker in details for marker in _TLS_MARKERS)
+
 
 def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: etcd unreachable, restarting, electing a leader, or overloaded."""
+    if is_tls_failure(exc):
+        return False
     if isinstance(exc, grpc.RpcError):
         code = exc.code() if hasattr(exc, "code") else None
         return code in _TRANSIENT_CODES
@@ -91,6 +156,7 @@ class EtcdConnection:
         self._context = context
         self._sleep = sleep
         self.per_call_timeout = min(PER_CALL_TIMEOUT, config.etcd_timeout)
+        self._auth_lock = threading.Lock()
         self.client = self.call("connect", self._make_client)
 
     def _make_client(self) -> etcd3.MultiEndpointEtcd3Client:
@@ -101,7 +167,7 @@ class EtcdConnection:
         many = len(cfg.endpoints) > 1
         endpoints = [
             etcd3.Endpoint(
-                host,
+                f"[{host}]" if ":" in host else host,  # python3-etcd3 builds "host:port" for grpc
                 port,
                 secure=creds is not None,
                 creds=creds,
@@ -125,9 +191,41 @@ class EtcdConnection:
             client.call_credentials = None
         return client
 
+    # ------------------------------------------------------------------ auth
+    def renew_token(self, stale: BaseException | None = None) -> None:
+        """Authenticate again and give the client the new token (python3-etcd3 only does it once).
+
+        Thread-safe; a no-op without user/password. Raises grpc/etcd3 errors like any call."""
+        cfg = self.config
+        if cfg.user is None or cfg.password is None:
+            return
+        with self._auth_lock:
+            client = self.client
+            request = etcdrpc.AuthenticateRequest(name=cfg.user, password=cfg.password)
+            resp = client.authstub.Authenticate(request, self.per_call_timeout)
+            client.metadata = (("token", resp.token),)
+            if client.call_credentials is not None:  # TLS channels carry the token as call credentials
+                client.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(resp.token))
+        log.info("%sre-authenticated to etcd as %r (%s)", self._context(), cfg.user, describe(stale))
+
+    def _renewing_token(self, fn: Callable[[], T]) -> Callable[[], T]:
+        def attempt() -> T:
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                if not is_token_expired(exc):
+                    raise
+                self.renew_token(exc)
+                raise _TokenRenewed(describe(exc)) from exc
+
+        return attempt
+
     # ------------------------------------------------------------------ calls
     def call(self, what: str, fn: Callable[[], T], *, within: float | None = None) -> T:
-        """Run ``fn`` with retries on transient errors for ``within`` (default etcd_timeout) seconds."""
+        """Run ``fn`` with retries on transient errors for ``within`` (default etcd_timeout) seconds.
+
+        An expired auth token is renewed and the call retried; a TLS handshake failure raises
+        ``RendezvousTLSError`` at once."""
         limit = self.config.etcd_timeout if within is None else within
         kwargs: dict[str, Any] = {}
         if self._sleep is not None:
@@ -135,20 +233,28 @@ class EtcdConnection:
         retrying = Retrying(
             stop=stop_after_delay(limit),
             wait=wait_random_exponential(multiplier=0.05, max=1.0),
-            retry=retry_if_exception(is_transient),
+            retry=retry_if_exception(lambda exc: isinstance(exc, _TokenRenewed) or is_transient(exc)),
             before_sleep=self._log_retry(what),
             **kwargs,
         )
         try:
-            return retrying(fn)
+            return retrying(self._renewing_token(fn))
         except RetryError as exc:
             cause = exc.last_attempt.exception()
+            # A plaintext client talking to a TLS etcd only ever sees the socket closed.
+            tls_hint = (
+                " If etcd serves TLS, pass cacert (and cert/key) in --rdzv-conf."
+                if self.config.cacert is None and "socket closed" in describe(cause).lower()
+                else ""
+            )
             raise RendezvousConnectionError(
                 f"{self._context()}etcd at {self.config.endpoint_str} unreachable for {limit:.0f} s "
                 f"while trying to {what}: {describe(cause)}. Check that etcd is running and "
-                f"reachable, or raise etcd_timeout in --rdzv-conf."
+                f"reachable, or raise etcd_timeout in --rdzv-conf.{tls_hint}"
             ) from cause
         except (grpc.RpcError, Etcd3Exception, ValueError) as exc:
+            if is_tls_failure(exc):
+                raise RendezvousTLSError(tls_advice(self.config, self._context(), grpc_error(exc))) from exc
             if isinstance(exc, ValueError) and not is_transient(exc):
                 raise
             raise RendezvousConnectionError(
@@ -160,9 +266,18 @@ class EtcdConnection:
             ) from exc
 
     def _log_retry(self, what: str) -> Callable[[Any], None]:
+        last_warning: list[float] = []  # seconds_since_start of the last WARNING of this call
+
         def before_sleep(state: Any) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            level = logging.INFO if state.attempt_number < 3 else logging.WARNING
+            level = logging.DEBUG  # a renewed token, or a repeat within WARN_EVERY_S of the last warning
+            if isinstance(exc, _TokenRenewed):
+                pass
+            elif state.attempt_number < 3:
+                level = logging.INFO
+            elif not last_warning or state.seconds_since_start - last_warning[0] >= WARN_EVERY_S:
+                level = logging.WARNING
+                last_warning[:] = [state.seconds_since_start]
             log.log(
                 level,
                 "%setcd %s failed (attempt %d, %.1f s so far): %s; retrying",
@@ -231,9 +346,30 @@ class WatchCanceledError(Etcd3Exception):
     """etcd canceled the watch (compaction or server-side cancel); resync from a fresh read."""
 
 
+class _TokenRenewed(Exception):
+    """The auth token had expired and was renewed: retry the call at once."""
+
+
+def tls_advice(config: EtcdRendezvousConfig, context: str, exc: BaseException | None) -> str:
+    """What a failed TLS handshake means for this configuration, and what to check."""
+    if config.cacert is None:
+        hint = "etcd seems to speak TLS: pass cacert (and cert/key if etcd checks client certificates) in --rdzv-conf"
+    elif config.cert is None:
+        hint = (
+            "check that cacert is the CA that signed etcd's server certificate (and that the certificate names "
+            "the endpoint's host), and pass cert/key if etcd runs with --client-cert-auth"
+        )
+    else:
+        hint = "check that cacert signed etcd's certificate and that etcd trusts the CA of cert"
+    return f"{context}TLS handshake with etcd at {config.endpoint_str} failed: {describe(exc)}. Hint: {hint}"
+
+
 def describe(exc: BaseException | None) -> str:
     if exc is None:
         return "unknown error"
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
+    behind = grpc_error(exc)
+    if behind is not None:
+        return f"{type(exc).__name__} ({describe(behind)})"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -9,6 +9,12 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
     P/ctl/notice/{node}        the node's preemption deadline (JSON), attached to its lease (publish_notice)
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
 
+A run id can be used again after its job ended (a Kubernetes Job's name, torchrun's default id): a new
+agent that finds ``P/ctl/closed`` waits until no node of the ended job is registered any more, then
+deletes everything under ``P`` in one transaction that compares the closed key's revision and that no
+node key exists. A running job always has registered nodes (their leases) and no closed key, so it is
+never touched; two newcomers racing to clear the same ended run are serialised by the compare.
+
 Each handler mirrors ``P/ctl/`` through one watch stream (no polling) and feeds snapshots of the mirror to
 the pure ``state.decide``; it performs the I/O the decision asks for. The round's rank 0 commits it with
 one transaction that compares the round key's mod revision (a stale agent's commit fails) and that
@@ -59,7 +65,15 @@ from .api import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from .etcd_client import EtcdConnection, WatchCanceledError, describe, is_transient, prefix_end
+from .etcd_client import (
+    EtcdConnection,
+    WatchCanceledError,
+    describe,
+    is_auth_refusal,
+    is_token_expired,
+    is_transient,
+    prefix_end,
+)
 from .state import Action, Decision, RoundRecord, Snapshot, decide, membership
 from .store import EtcdV3Store
 
@@ -99,12 +113,18 @@ class _Mirror:
     committed: RoundRecord | None = None
     committed_mod: int = 0
     """mod revision of the round key (0: none yet), compared by the commit transaction."""
+    closed_mod: int = 0
+    """mod revision of the closed key (0: open), compared when an ended run is cleared for reuse."""
     closed: bool = False
     notices: dict[str, dict[str, Any]] = field(default_factory=dict)
     """node id -> its published preemption notice (``publish_notice``)."""
     revision: int = 0
     """Highest etcd revision applied."""
     loaded: bool = False
+
+
+class _WatchTokenRenewed(WatchCanceledError):
+    """etcd refused the watch for its auth token, which has been renewed: watch again at once."""
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
@@ -175,6 +195,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._fatal: RendezvousError | None = None
         self._unreachable_since: float | None = None
         self._released = False
+        self._connect_failed = False
+        self._watch_token_renewed = False
+        """The watch was refused and the token renewed; a second refusal in a row is fatal."""
         self._start_lock = threading.Lock()
         self._lease_lock = threading.Lock()
 
@@ -292,7 +315,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """torch semantics: close the rendezvous (the job is over), then release this node. Idempotent."""
         ok = True
-        if not self._released:
+        if self._connect_failed or isinstance(self._fatal, RendezvousConnectionError):
+            # etcd was already unreachable for etcd_timeout: trying close_timeout more only doubles the wait.
+            log.warning("%snot marking the rendezvous closed: etcd is unreachable", self._ctx())
+            ok = False
+        elif not self._released:
             try:
                 self.set_closed()
             except RendezvousError as exc:
@@ -519,10 +546,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             raise RendezvousClosedError(f"{self._ctx()}this handler was shut down")
         with self._start_lock:
             if self._conn is None:
-                conn = EtcdConnection(self._config, context=self._ctx)
+                try:
+                    conn = EtcdConnection(self._config, context=self._ctx)
+                except RendezvousConnectionError:
+                    self._connect_failed = True
+                    raise
                 try:
                     self._load(conn)
-                except BaseException:
+                except BaseException as exc:
+                    self._connect_failed = isinstance(exc, RendezvousConnectionError)
                     conn.close()
                     raise
                 self._conn = conn
@@ -536,11 +568,66 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._start_lock:
             if self._registered:
                 return
+            self._clear_ended_run(conn)
             self._register(conn)
             self._registered = True
             keeper = threading.Thread(target=self._keepalive_loop, name=f"rdzv-lease-{self._node_id}", daemon=True)
             keeper.start()
             self._threads.append(keeper)
+
+    def _clear_ended_run(self, conn: EtcdConnection) -> None:
+        """If this run id's previous job ended (closed), wait for its agents to leave and clear its keys.
+
+        Gives up waiting at join_timeout; ``next_rendezvous`` then reports the run as closed."""
+        deadline = self._clock() + self._config.join_timeout
+        announced = False
+        while True:
+            with self._cond:
+                self._raise_if_fatal()
+                mirror = self._mirror
+                if not mirror.closed:
+                    return
+                closed_mod, live, seen = mirror.closed_mod, len(mirror.nodes), mirror.revision
+                if live:
+                    remaining = deadline - self._clock()
+                    if remaining <= 0:
+                        return
+                    if not announced:
+                        log.info("%srun id reused: waiting for %d agent(s) of the ended job to leave", self._ctx(), live)
+                        announced = True
+                    self._cond.wait(min(remaining, _SAFETY_RECHECK_S))
+                    continue
+            if self._delete_ended_run(conn, closed_mod):
+                log.info("%srun id reused: cleared the keys of the ended job", self._ctx())
+                self._wait_mirror(lambda m: not m.closed, deadline)  # the deletes arrive in one watch response
+            else:  # another newcomer cleared it, or a node registered: wait for that change, then look again
+                self._wait_revision_after(seen, deadline)
+
+    def _delete_ended_run(self, conn: EtcdConnection, closed_mod: int) -> bool:
+        tx = conn.client.transactions
+        prefix = self._config.run_prefix
+        compare = [
+            tx.mod(self._closed_key) == closed_mod,
+            tx.version(self._nodes_prefix, range_end=prefix_end(self._nodes_prefix)) == 0,
+        ]
+        success = [tx.delete(prefix, range_end=prefix_end(prefix))]
+        ok, _ = conn.call(
+            "clear the ended run's keys", lambda: conn.client.transaction(compare=compare, success=success, failure=[])
+        )
+        return bool(ok)
+
+    def _wait_revision_after(self, revision: int, deadline: float) -> None:
+        self._wait_mirror(lambda m: m.revision > revision, deadline)
+
+    def _wait_mirror(self, ready: Callable[[_Mirror], bool], deadline: float) -> None:
+        """Block until the watch delivered a state with ``ready(mirror)`` (or ``deadline`` passed)."""
+        with self._cond:
+            while not ready(self._mirror):
+                self._raise_if_fatal()
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    return
+                self._cond.wait(min(remaining, _SAFETY_RECHECK_S))
 
     def _register(self, conn: EtcdConnection) -> None:
         """Grant a lease and write our node key under it (again after an expiry; ``seq`` is kept).
@@ -609,6 +696,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 for number in [n for n in mirror.joins if n <= record.number]:
                     del mirror.joins[number]
             elif rel == "closed":
+                mirror.closed_mod = mod_revision
                 mirror.closed = True
             elif rel.startswith("notice/"):
                 mirror.notices[rel[len("notice/") :]] = dict(json.loads(value))
@@ -625,12 +713,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if committed is not None and node in committed.participants:
                 self._lost.setdefault(committed.number, set()).add(node)
                 log.warning("%sparticipant %s of round %d lost its lease", self._ctx(), node, committed.number)
+        elif rel == "round":  # an ended run was cleared for reuse: numbering starts again
+            mirror.committed, mirror.committed_mod = None, 0
         elif rel.startswith("join/"):
             number, _, node = rel[len("join/") :].partition("/")
             joins = mirror.joins.get(int(number))
             if joins is not None:
                 joins.pop(node, None)
         elif rel == "closed":
+            mirror.closed_mod = 0
             mirror.closed = False
         elif rel.startswith("notice/"):
             mirror.notices.pop(rel[len("notice/") :], None)
@@ -670,6 +761,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 stream.cancel()
                 return
             for response in stream:
+                if response.canceled and is_auth_refusal(response.cancel_reason):
+                    self._renew_token_for_watch(conn, response.cancel_reason)
+                    raise _WatchTokenRenewed(response.cancel_reason)
+                self._watch_token_renewed = False  # a fresh token got the watch through
                 self._note_etcd_ok()
                 if response.compact_revision:
                     with self._cond:
@@ -684,10 +779,26 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         except Exception as exc:
             if self._stop.is_set():
                 return
+            if isinstance(exc, _WatchTokenRenewed):
+                raise
+            if is_token_expired(exc):
+                self._renew_token_for_watch(conn, describe(exc))
+                raise _WatchTokenRenewed(describe(exc)) from exc
             self._note_etcd_failure(exc)
             raise
         if not self._stop.is_set():
             raise WatchCanceledError("watch stream ended")
+
+    def _renew_token_for_watch(self, conn: EtcdConnection, reason: str) -> None:
+        """etcd refused the watch for its token (after a restart it says "permission denied"): renew once;
+        refused again with a fresh token, the user really lacks the permission and the job cannot go on."""
+        if self._watch_token_renewed:
+            raise RendezvousConnectionError(
+                f"{self._ctx()}etcd refuses to let user {self._config.user!r} watch {self._ctl!r} ({reason}), "
+                f"even with a fresh token: grant its role readwrite on the prefix {self._config.etcd_prefix!r}/"
+            )
+        conn.call("renew the auth token", conn.renew_token)
+        self._watch_token_renewed = True
 
     def _apply_events(self, events: Any) -> None:
         with self._cond:
@@ -720,9 +831,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             except Exception as exc:  # noqa: BLE001 (keep refreshing; classify below)
                 if self._stop.is_set():
                     return
+                if is_token_expired(exc):
+                    self._renew_token_quietly(conn, exc)
+                    continue
                 if not is_transient(exc):
                     log.exception("%slease refresh failed unexpectedly", self._ctx())
                 self._note_etcd_failure(exc)
+
+    def _renew_token_quietly(self, conn: EtcdConnection, stale: BaseException) -> None:
+        """Renew the auth token from a background thread; a failure counts as etcd being unreachable."""
+        try:
+            conn.renew_token(stale)
+        except Exception as exc:  # noqa: BLE001 (the next refresh tries again)
+            self._note_etcd_failure(exc)
 
     # ================================================================== etcd health
     def _note_etcd_ok(self) -> None:

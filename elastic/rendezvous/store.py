@@ -22,7 +22,7 @@ from etcd3.etcdrpc import kv_pb2
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random
 from torch.distributed import DistStoreError, Store
 
-from .etcd_client import EtcdConnection, is_transient
+from .etcd_client import EtcdConnection, is_auth_refusal, is_token_expired, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -176,12 +176,19 @@ class EtcdV3Store(Store):
         stream = self._conn.watch(self._key(key), range_end=None, start_revision=start_revision, timeout=timeout)
         try:
             for response in stream:
+                if response.canceled and is_auth_refusal(response.cancel_reason):
+                    # Our token expired or etcd restarted; a user really lacking the permission fails the re-read.
+                    self._conn.call("renew the auth token", self._conn.renew_token)
                 if response.canceled or response.compact_revision:
                     return False  # re-read decides
                 if any(ev.type == kv_pb2.Event.PUT for ev in response.events):
                     return True
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return False
+            if is_token_expired(exc):
+                stale = exc
+                self._conn.call("renew the auth token", lambda: self._conn.renew_token(stale))
                 return False
             if not is_transient(exc):
                 raise
