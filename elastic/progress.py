@@ -27,7 +27,6 @@ import shutil
 import signal
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -126,13 +125,11 @@ def install() -> bool:
     """Instrument this worker (called by spotrun's warm-worker entrypoint before the script runs)."""
     if _attach() is None:
         return False
-    optim = sys.modules.get("torch.optim.optimizer")
-    if optim is None:
-        try:
-            import torch.optim.optimizer as optim
-        except ImportError:
-            return True
-    optim.register_optimizer_step_post_hook(_on_optimizer_step)
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+    except ImportError:  # no torch: heartbeat() still works
+        return True
+    register_optimizer_step_post_hook(_on_optimizer_step)
     return True
 
 
