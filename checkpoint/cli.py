@@ -202,7 +202,7 @@ def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = Tr
             path = f"{rel}/{name}"
             crc, pos = 0, 0
 
-            def take(start: int, end: int, path: str = path) -> bytes:
+            def take(start: int, end: int, path: str = path) -> bytes | bytearray:
                 data = storage.read_range(path, start, end)
                 bar.update(len(data))
                 return data

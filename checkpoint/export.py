@@ -98,8 +98,8 @@ def export_step(
         for e in layout.entries:
             if e.nbytes:
                 buf[e.offset : e.offset + e.nbytes].view(flat[e.item_index].dtype).view(e.key.lengths).copy_(flat[e.item_index])
-        data = memoryview(buf.numpy()).cast("B")
-        out.write_stream(file, lambda sink: write_shard(sink, layout, data, 1 << 22, rank=0))
+        data = buf.numpy().data.cast("B")
+        out.write_stream(file, lambda sink: write_shard(sink, layout, data, 1 << 22, rank=0))  # noqa: B023 - called before the loop moves on
         weight_map.update({fqn: file for fqn in names})
         total += layout.data_bytes
         logger.info("export: wrote %s (%d tensors)", out.display(file), len(names))

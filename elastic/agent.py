@@ -258,6 +258,7 @@ class SpotrunAgent(LocalElasticAgent):
         self._emit(RecoveryEvent.RENDEZVOUS_STARTED)
         super()._rendezvous(worker_group)
         self._round += 1
+        assert worker_group.group_world_size is not None, "torch's _rendezvous sets the group world size"
         if should_refund(
             charged=self._charged_restart_pending,
             previous_group_world_size=self._previous_group_world_size,
@@ -284,7 +285,8 @@ class SpotrunAgent(LocalElasticAgent):
         self._posted = None
         self._peer_deadlines = {}
         if self._hang_watch is not None:
-            self._hang_watch.prepare(worker_group.group_rank, worker_group.spec.local_world_size)
+            # group_rank is set by the rendezvous that always precedes a start
+            self._hang_watch.prepare(worker_group.group_rank or 0, worker_group.spec.local_world_size)
         self._hung_pending = False
         pids = super()._start_workers(worker_group)
         if self._hang_watch is not None:
@@ -365,7 +367,7 @@ class SpotrunAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # CHANGE: torch calls self._shutdown() with its 30 s default between SIGTERM and SIGKILL; workers
         # blocked in a collective with a dead peer ignore SIGTERM, so use a short grace.
-        self._shutdown(timeout=self._settings.stop_grace)  # type: ignore[arg-type]
+        self._shutdown(timeout=self._settings.stop_grace)  # type: ignore[arg-type]  # torch says int; any seconds work
         self._emit(RecoveryEvent.WORKERS_STOPPED)
 
     # --- monitor loop ------------------------------------------------------------------------------------
@@ -649,7 +651,7 @@ class OneLineWorkerFailure(logging.Filter):
             exc = record.exc_info[1]
             first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
             record.msg += ": %s (worker output and error file have the details)"
-            record.args = (*(record.args or ()), first)  # type: ignore[misc]
+            record.args = (*(record.args or ()), first)
             record.exc_info = None
             record.exc_text = None
         return True
@@ -737,9 +739,9 @@ def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[
         # too), as torch's SubprocessHandler.close does. torch's close then only joins and closes log tails.
         remaining = max(0.0, wait - (time.monotonic() - began))
         terminate_processes(worker_processes(pcontext) or [], remaining, death_sig or signal.SIGTERM)
-        original(death_sig, max(0.0, wait - (time.monotonic() - began)))  # type: ignore[arg-type]
+        original(death_sig, max(0.0, wait - (time.monotonic() - began)))  # type: ignore[arg-type]  # torch says int; any seconds work
 
-    pcontext.close = close  # type: ignore[method-assign]
+    pcontext.close = close  # type: ignore[method-assign]  # this instance only (CHANGE above)
 
 
 def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signals, timeout: float) -> None:
@@ -755,7 +757,7 @@ def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signa
     from multiprocessing.connection import wait as wait_for_sentinels
 
     for proc in processes:
-        if proc.is_alive():
+        if proc.is_alive() and proc.pid is not None:  # alive implies started, so a pid
             signal_worker(proc.pid, death_sig)  # its process group when it leads one (warm workers)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -764,7 +766,7 @@ def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signa
             return
         for rank, proc in alive:
             queue = ret_vals.get(rank)
-            if queue is not None and not queue.empty():
+            if queue is not None and not queue.empty() and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
         wait_for_sentinels([proc.sentinel for _, proc in alive], timeout=min(0.1, max(0.0, deadline - time.monotonic())))

@@ -195,14 +195,16 @@ def launch(
     # The workers' mailbox (elastic.preemption): set before the forkserver starts, warm workers inherit it.
     mailbox = Mailbox.create()
     os.environ[ENV_NOTICE_DIR] = mailbox.path
+    # LaunchConfig.__post_init__ fills both in (DefaultLogsSpecs; $TORCHELASTIC_SHUTDOWN_TIMEOUT or 30 s).
+    assert config.logs_specs is not None and config.shutdown_timeout is not None
     agent = SpotrunAgent(
         spec,
-        config.logs_specs,  # type: ignore[arg-type]
+        config.logs_specs,
         settings=settings,
         events=event_log,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
+        shutdown_timeout=config.shutdown_timeout,
         mailbox=mailbox,
     )
     poller = NoticePoller(make_sources(settings.preempt_sources, settings.preempt_grace), agent.receive_notice,
@@ -216,7 +218,7 @@ def launch(
 
     shutdown_rdzv = True
     try:
-        agent._install_notice_handlers()  # noqa: SLF001 (a --preempt-signal must not kill the agent before workers start)
+        agent._install_notice_handlers()
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)

@@ -208,17 +208,17 @@ def _reset_multiprocessing() -> None:
     its own resource tracker when it needs one (the inherited one is the agent's)."""
     from multiprocessing import context, process, resource_tracker
 
-    context._default_context._actual_context = None  # type: ignore[attr-defined]
-    process._current_process = _main_process()  # type: ignore[attr-defined]
-    process._parent_process = None  # type: ignore[attr-defined]
-    process._children = set()  # type: ignore[attr-defined]
-    tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    context._default_context._actual_context = None  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
+    process._current_process = _main_process()  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
+    process._parent_process = None  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
+    process._children = set()  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
+    tracker = resource_tracker._resource_tracker
     if getattr(tracker, "_pid", None) is None and getattr(tracker, "_fd", None) is not None:  # inherited fd
         try:
-            os.close(tracker._fd)  # type: ignore[attr-defined]
+            os.close(tracker._fd)  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
         except OSError:
             pass
-        tracker._fd = None  # type: ignore[attr-defined]
+        tracker._fd = None  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
 
 
 def _reseed_inherited_random_state() -> None:
@@ -247,7 +247,7 @@ def _main_process() -> Any:
             self._parent_pid = None
             self._popen = None
             self._closed = False
-            authkey = process.AuthenticationString(os.urandom(32))  # type: ignore[attr-defined]
+            authkey = process.AuthenticationString(os.urandom(32))  # type: ignore[attr-defined]  # private CPython class, not in typeshed
             self._config = {"authkey": authkey, "semprefix": "/mp"}
 
         def close(self) -> None:
@@ -265,7 +265,7 @@ def _restore_stdio(stdin_handle: Any) -> None:
     if stdin_handle is not None:
         try:
             stdin_fd = stdin_handle.detach()
-        except Exception:  # the handle could not be passed: keep /dev/null
+        except Exception:  # noqa: BLE001 - the handle could not be passed: keep /dev/null
             stdin_fd = None
     if stdin_fd is not None and stdin_fd != 0:
         os.dup2(stdin_fd, 0)
@@ -273,7 +273,7 @@ def _restore_stdio(stdin_handle: Any) -> None:
     old_in = sys.stdin
     encoding = getattr(sys.__stdout__, "encoding", None) or "utf-8"
     errors = getattr(sys.__stdout__, "errors", None) or "strict"
-    buffered = io.open(0, "rb", closefd=False)
+    buffered = open(0, "rb", closefd=False)  # noqa: SIM115 - the script's stdin, open for its lifetime
     _named(buffered.raw, "<stdin>")
     # `python -u` leaves stdin buffered and never line-buffered; newlines split at "\n" (POSIX).
     new_in = io.TextIOWrapper(buffered, encoding=encoding, errors=errors, newline="\n", line_buffering=False)
@@ -330,7 +330,7 @@ def run_as_fresh_interpreter(target: str, args: tuple[str, ...], *, module: bool
         else:
             sys.argv = [target, *args]
             _run_script(main, target)
-    except BaseException as caught:  # the interpreter's top level sees everything
+    except BaseException as caught:  # noqa: BLE001 - the interpreter's top level sees everything
         exc = caught
     if exc is not None and not isinstance(exc, SystemExit):
         tb = _script_traceback(exc.__traceback__)
@@ -385,7 +385,7 @@ def finalize(code: int) -> int:
     import atexit
     import threading
 
-    threading._shutdown()  # type: ignore[attr-defined]
+    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter calls at exit
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

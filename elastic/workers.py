@@ -42,7 +42,7 @@ if __package__:
 else:
     # Running as the exec shim (``python -S elastic/workers.py``): without site-packages the package may not
     # be importable, but procutil (standard library only) sits next to this file, which is sys.path[0].
-    from procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal  # type: ignore[import-not-found,no-redef]
+    from procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal  # type: ignore[import-not-found,no-redef]  # shim path only
 
 
 def shim_command(entrypoint: str, args: tuple[Any, ...], agent_pid: int | None = None) -> tuple[str, tuple[Any, ...]]:
@@ -218,7 +218,7 @@ class DeathClock:
                 return
             now = self._clock()
             for fd in ready:
-                self.died_at.setdefault(by_fd.pop(fd), now)  # type: ignore[arg-type]
+                self.died_at.setdefault(by_fd.pop(fd), now)  # type: ignore[arg-type]  # wait() returns the ints it got
 
     def stop(self) -> None:
         self._stop.set()

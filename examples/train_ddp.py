@@ -164,7 +164,7 @@ def open_checkpointer(uri: str | None, storage_options: dict[str, Any] | None = 
     try:
         from checkpoint import CheckpointConfig, Checkpointer
     except ImportError as exc:
-        raise SystemExit(f"--ckpt-dir needs the spotrun `checkpoint` package (Checkpointer), which failed to import: {exc}")
+        raise SystemExit(f"--ckpt-dir needs the spotrun `checkpoint` package (Checkpointer), which failed to import: {exc}") from exc
     return Checkpointer(uri, CheckpointConfig(storage_options=storage_options or {}))
 
 
@@ -185,7 +185,7 @@ def train_step(model: nn.Module, ddp: nn.Module, plan: StepPlan, micro: Any, dev
     for i in range(plan.accumulation_steps):
         x, y = next(micro)
         last = i == plan.accumulation_steps - 1
-        with nullcontext() if last or ddp is model else ddp.no_sync():  # type: ignore[operator]
+        with nullcontext() if last or ddp is model else ddp.no_sync():  # type: ignore[operator]  # ddp is DDP whenever no_sync() is reached
             loss = loss_fn(ddp(x.to(device)), y.to(device))
             (loss * plan.loss_scale).backward()
         loss_sum += loss.detach()

@@ -58,8 +58,8 @@ def _start(launcher: str, mode: str, root: Path) -> tuple[subprocess.Popen, Path
     env = make_env(FIDELITY_MARK="from-launcher-env")
     env.pop("OMP_NUM_THREADS", None)
     stdin = open(root / "stdin.txt")  # noqa: SIM115 (closed with the run)
-    stdout = open(out / "launcher.stdout", "wb")  # noqa: SIM115
-    stderr = open(out / "launcher.stderr", "wb")  # noqa: SIM115
+    stdout = open(out / "launcher.stdout", "wb")  # noqa: SIM115 (closed with the run)
+    stderr = open(out / "launcher.stderr", "wb")  # noqa: SIM115 (closed with the run)
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
                             start_new_session=True)
     return proc, out, (stdin, stdout, stderr)
@@ -73,7 +73,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, s
                for launcher in ("torchrun", "spotrun") for mode in ("observe", "fail")}
     results: dict[tuple[str, str], Run] = {}
     try:
-        for (launcher, mode), (proc, out, handles) in started.items():
+        for (launcher, mode), (proc, out, _handles) in started.items():
             try:
                 returncode = proc.wait(240)
             except subprocess.TimeoutExpired:

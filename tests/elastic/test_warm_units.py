@@ -66,7 +66,7 @@ def test_exit_status_is_cpythons(exc: BaseException | None, expected: tuple[int,
 
 def test_fall_back_rewrites_the_spec_to_torchruns_command_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    entry, args = warm_entrypoint(sys.executable, ["-u", "train.py", "--lr", "1"])  # type: ignore[misc]
+    entry, args = warm_entrypoint(sys.executable, ["-u", "train.py", "--lr", "1"])  # type: ignore[misc]  # python -u script: never None
     spec = SimpleNamespace(entrypoint=PdeathsigEntrypoint(entry, agent_pid=4242), args=tuple(args))
     monkeypatch.setattr(warm, "_forkserver_environ", None)
     warm.note_forkserver_environ(dict(os.environ), dict(os.environ))
