@@ -15,7 +15,11 @@ tests/elastic/test_torch_internals.py (when torch changes):
   warm workers forked from a torch-preloaded forkserver; see ``elastic.workers``);
 * the failure summary lists every rank that failed on its own, root cause (first to die) first;
 * transient rendezvous errors while monitoring (etcd restarting) do not kill a healthy job;
-* every recovery stage is written to a structured event log (``elastic.events``);
+* every recovery stage is written to a structured event log (``elastic.events``), each event of a recovery
+  with its ``recovery_cause`` (failure, hang, peer_lost, planned_leave, scale_up);
+* hung workers are detected (``elastic.hang``: progress files, ``/proc``, stack look at stalled ranks), their
+  stacks logged, the hung rank killed and named in the failure summary, and the group restarted;
+* a failed worker is one log line, not torch's ``logger.exception`` traceback;
 * planned changes (``elastic.planned``): SIGTERM / ``--preempt-signal`` / metadata notices become a deadline
   published to the group; workers with a ``Preemption`` helper commit an agreed step, then the preempted
   agent revokes its lease and exits 0 and the others re-form uncharged (a joining node: the same stop first);
@@ -47,14 +51,21 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.metrics import put_metric
-from torch.distributed.elastic.multiprocessing import LogsSpecs, PContext, ProcessFailure, SignalException
+from torch.distributed.elastic.multiprocessing import (
+    LogsSpecs,
+    PContext,
+    ProcessFailure,
+    SignalException,
+)
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
-from elastic.api import EventSink, FailureCause, RecoveryEvent
+from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
+from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
 from elastic.notice import Notice, earliest, parse_signal_spec
 from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
 from elastic.preemption import Mailbox, WorkerNotice
+from elastic.progress import ProgressBoard
 from elastic.rendezvous.api import MembershipAwareHandler, NoticeAwareHandler
 from elastic.torch_internals import check_agent_internals, worker_processes
 from elastic.workers import (
@@ -62,6 +73,7 @@ from elastic.workers import (
     PdeathsigEntrypoint,
     fall_back_to_plain_workers,
     shim_command,
+    signal_worker,
     terminate_processes,
 )
 
@@ -124,6 +136,7 @@ class SpotrunAgent(LocalElasticAgent):
             shutdown_timeout=shutdown_timeout,
         )
         check_agent_internals(self)
+        quiet_worker_failure_tracebacks()
         self._settings = settings
         self._events = events
         self._membership = membership_aware(spec.rdzv_handler)
@@ -141,6 +154,12 @@ class SpotrunAgent(LocalElasticAgent):
         self._peer_deadlines: dict[str, float] = {}
         """Peer notices seen in this round: kept after the peer left (its key goes with its lease)."""
         self._notice_signals = self._notice_signal_graces()
+        # Hang detection (elastic.hang): progress files of the local workers, judged every monitor tick.
+        self._hang_watch = (HangWatch(settings.hang, ProgressBoard(spec.rdzv_handler.get_run_id()), ctx=self._ctx)
+                            if settings.hang is not None else None)
+        self._hung_pending = False
+        self._recovery_cause: RecoveryCause | None = None
+        """Why the current recovery happens: on every event until its workers_started (None at first start)."""
 
     # --- context for logs and events ------------------------------------------------------------------------
 
@@ -158,8 +177,29 @@ class SpotrunAgent(LocalElasticAgent):
             world_size=wg.workers[0].world_size if wg.workers else None,
             restarts_left=self._remaining_restarts,
             rdzv_round=self._rdzv_round(),
+            recovery_cause=self._recovery_cause.value if self._recovery_cause is not None else None,
             **fields,
         )
+
+    def _begin_recovery(self, cause: RecoveryCause) -> None:
+        """Label the recovery starting now (the first cause wins until the workers are started again)."""
+        if self._recovery_cause is None:
+            self._recovery_cause = cause
+
+    def _membership_cause(self) -> RecoveryCause:
+        """A membership change in a healthy group: a peer went away, else a node is joining."""
+        lost = False
+        if self._notices is not None:
+            try:
+                lost = bool(self._notices.lost_peers())
+            except RendezvousError:
+                lost = False
+        return RecoveryCause.PEER_LOST if lost else RecoveryCause.SCALE_UP
+
+    def release(self) -> None:
+        """Remove what the agent keeps outside its process (progress files); called once at exit."""
+        if self._hang_watch is not None:
+            self._hang_watch.close()
 
     def _rdzv_round(self) -> int | None:
         """The backend's round number when it has one (etcd-v3's ``round``), for cross-node correlation."""
@@ -244,7 +284,13 @@ class SpotrunAgent(LocalElasticAgent):
             self._mailbox.clear()  # helpers and acks of the previous group must not count for this one
         self._posted = None
         self._peer_deadlines = {}
+        if self._hang_watch is not None:
+            # group_rank is set by the rendezvous that always precedes a start
+            self._hang_watch.prepare(worker_group.group_rank or 0, worker_group.spec.local_world_size)
+        self._hung_pending = False
         pids = super()._start_workers(worker_group)
+        if self._hang_watch is not None:
+            self._hang_watch.started(dict(pids))
         # CHANGE: torch's PContext.start installs handlers that turn SIGTERM into an immediate shutdown;
         # a SIGTERM is a preemption notice here (workers that can save do so first).
         self._install_notice_handlers()
@@ -253,6 +299,7 @@ class SpotrunAgent(LocalElasticAgent):
             _default_close_timeout(self._pcontext, self._settings.stop_grace, self._note_close_started)
             self._start_death_clock(self._pcontext)
         self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()))
+        self._recovery_cause = None
         return pids
 
     def _note_close_started(self) -> None:
@@ -283,11 +330,39 @@ class SpotrunAgent(LocalElasticAgent):
             # timestamps have one-second resolution. Report every rank that died on its own (before the
             # agent started closing the group), ordered by death time, so ChildFailedError names the root
             # cause first.
-            died_at = self._death_clock.died_at if self._death_clock is not None else {}
+            died_at = dict(self._death_clock.died_at) if self._death_clock is not None else {}
             result.failures = complete_failures(
                 result.failures, self._pcontext, worker_group, died_at=died_at, close_started_at=self._close_started_at
             )
+        if result.state == WorkerState.HEALTHY and self._hang_watch is not None and self._pcontext is not None:
+            # CHANGE: torch notices only workers that exit; a hung worker holds the whole job until the
+            # process group's own timeout (30 min for gloo by default) and the summary then blames a rank
+            # that timed out waiting for it. Judge progress every tick (elastic.hang).
+            reports = self._hang_watch.check(self._pcontext.pids())
+            if reports:
+                return self._fail_hung(worker_group, reports)
         return result
+
+    def _fail_hung(self, worker_group: WorkerGroup, reports: list[HangReport]) -> RunResult:
+        """Log every worker's stack, kill the hung ones and report them (alone) as the failed ranks."""
+        assert self._pcontext is not None
+        self._begin_recovery(RecoveryCause.HANG)
+        hung = {worker_group.workers[r.local_rank].global_rank: r for r in reports}
+        for global_rank, report in hung.items():
+            logger.error("%s rank %d (local rank %d, pid %d) is hung: %s", self._ctx(), global_rank,
+                         report.local_rank, report.pid, report.reason)
+        self._emit(RecoveryEvent.HANG_DETECTED, hung={str(g): r.reason for g, r in hung.items()},
+                   pids={str(g): r.pid for g, r in hung.items()})
+        self._hang_watch.dump_all(self._pcontext.pids())  # type: ignore[union-attr]
+        kill_hung(reports)
+        failures = {}
+        for global_rank, report in hung.items():
+            error_file = self._pcontext.error_files[report.local_rank]
+            write_hang_error_file(error_file, report, global_rank)
+            failures[global_rank] = ProcessFailure(local_rank=report.local_rank, pid=report.pid,
+                                                   exitcode=-int(signal.SIGKILL), error_file=error_file)
+        self._hung_pending = True
+        return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # CHANGE: torch calls self._shutdown() with its 30 s default between SIGTERM and SIGKILL; workers
@@ -328,6 +403,7 @@ class SpotrunAgent(LocalElasticAgent):
                 logger.info("%s worker group finished; waiting for other agents", self._ctx())
                 if not self._exit_barrier_unless_peers_left():
                     # CHANGE: torch waits up to 300 s for peers that left, then reports success.
+                    self._begin_recovery(RecoveryCause.PEER_LOST)
                     self._emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.PEERS_LEFT_AT_EXIT.value)
                     self._restart_workers(self._worker_group)
                     continue
@@ -353,7 +429,9 @@ class SpotrunAgent(LocalElasticAgent):
                     return self._left_result()
                 # CHANGE: also reacts to a lost peer (membership_changed), not only to waiting nodes.
                 if self._membership_changed():
-                    logger.info("%s membership changed; restarting worker group (not counted)", self._ctx())
+                    self._begin_recovery(self._membership_cause())
+                    logger.info("%s membership changed (%s); restarting worker group (not counted)", self._ctx(),
+                                self._recovery_cause.value if self._recovery_cause else "?")
                     self._emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.MEMBERSHIP_CHANGE.value)
                     self._restart_workers(self._worker_group)
             else:
@@ -478,6 +556,7 @@ class SpotrunAgent(LocalElasticAgent):
         late = notice is not None and time.time() > notice.deadline
         logger.warning("%s left the group for the preemption notice (step %s committed%s)", self._ctx(), step,
                        ", after the deadline" if late else "")
+        self._begin_recovery(RecoveryCause.PLANNED_LEAVE)
         self._emit(RecoveryEvent.PLANNED_LEAVE, step=step, saved=step is not None, why=why, late=late,
                    source=notice.source if notice else None, deadline=notice.deadline if notice else None)
 
@@ -499,6 +578,7 @@ class SpotrunAgent(LocalElasticAgent):
         reason = self._posted.reason if self._posted is not None else "unknown"
         logger.info("%s workers committed step %d for a planned change (%s); re-forming the group", self._ctx(),
                     step, reason)
+        self._begin_recovery(RecoveryCause.SCALE_UP if reason == "resize" else RecoveryCause.PLANNED_LEAVE)
         self._emit(RecoveryEvent.PLANNED_RESTART, step=step, reason=reason)
         self._restart_workers(self._worker_group)
 
@@ -541,10 +621,14 @@ class SpotrunAgent(LocalElasticAgent):
             peer_lost = self._wait_for_membership_change(self._settings.peer_loss_grace) or self._membership_changed()
         action = decide_on_failure(remaining_restarts=self._remaining_restarts, peer_lost=peer_lost)
         cause = FailureCause.WORKER_FAILURE_WITH_PEER_LOSS if peer_lost else FailureCause.WORKER_FAILURE
+        if self._hung_pending:
+            cause = FailureCause.HANG
+        self._begin_recovery(recovery_cause_of_failure(hung=self._hung_pending, peer_lost=peer_lost))
         self._emit(RecoveryEvent.FAILURE_DETECTED, cause=cause.value, failures=failures, action=action.value)
-        logger.info("%s worker group %s (exit codes by rank %s): %s; %s/%s restarts left", self._ctx(),
-                    run_result.state.name, failures, action.value, self._remaining_restarts,
-                    self._worker_group.spec.max_restarts)
+        # One line per recovery, visible at the CLI's default WARNING level (torch's is an INFO line).
+        logger.warning("%s %s: worker group %s (exit codes by rank %s): %s; %s/%s restarts left", self._ctx(),
+                       self._recovery_cause.value if self._recovery_cause else cause.value, run_result.state.name,
+                       failures, action.value, self._remaining_restarts, self._worker_group.spec.max_restarts)
         if action is FailureAction.GIVE_UP:
             self._stop_workers(self._worker_group)
             self._worker_group.state = WorkerState.FAILED
@@ -554,6 +638,38 @@ class SpotrunAgent(LocalElasticAgent):
             self._charged_restart_pending = True
         self._restart_workers(self._worker_group)
         return None
+
+
+class OneLineWorkerFailure(logging.Filter):
+    """CHANGE: torch's ``MultiprocessContext._poll`` logs every failed worker with ``logger.exception``: the
+    traceback of torch's own ``join()`` (or, for a function that raised, the worker's whole traceback, which
+    the worker already printed and its error file holds). On every peer loss that was 7 to 40 lines of
+    noise on the console; keep the record, as one line with the exception's first line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.msg, str) and record.msg.startswith("failed (exitcode"):
+            exc = record.exc_info[1]
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            record.msg += ": %s (worker output and error file have the details)"
+            record.args = (*(record.args or ()), first)
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def quiet_worker_failure_tracebacks() -> None:
+    """Install :class:`OneLineWorkerFailure` on torch's process-context logger (once)."""
+    torch_logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, OneLineWorkerFailure) for f in torch_logger.filters):
+        torch_logger.addFilter(OneLineWorkerFailure())
+
+
+def recovery_cause_of_failure(*, hung: bool, peer_lost: bool) -> RecoveryCause:
+    """The ``recovery_cause`` of a failed local group: a hang we detected, a peer that went away with it
+    (the local crash is then a consequence), or a failure of its own."""
+    if hung:
+        return RecoveryCause.HANG
+    return RecoveryCause.PEER_LOST if peer_lost else RecoveryCause.FAILURE
 
 
 class PlannedTick(enum.Enum):
@@ -642,8 +758,7 @@ def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signa
 
     for proc in processes:
         if proc.is_alive() and proc.pid is not None:  # alive implies started, so a pid
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, death_sig)
+            signal_worker(proc.pid, death_sig)  # its process group when it leads one (warm workers)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         alive = [(rank, proc) for rank, proc in enumerate(processes) if proc.is_alive()]

@@ -24,6 +24,13 @@ ENV_PEER_LOSS_GRACE = "SPOTRUN_PEER_LOSS_GRACE"
 #: 1 (default) runs Python script workers forked from a torch-preloaded forkserver; 0 starts fresh interpreters.
 ENV_WARM_WORKERS = "SPOTRUN_WARM_WORKERS"
 
+#: Seconds without progress after start-up before a worker counts as hung (default: adaptive to the step time).
+ENV_HANG_TIMEOUT = "SPOTRUN_HANG_TIMEOUT"
+#: Seconds without progress allowed during start-up, first steps and checkpoint load (default 600).
+ENV_HANG_STARTUP_TIMEOUT = "SPOTRUN_HANG_STARTUP_TIMEOUT"
+#: 1 (default) watches every worker's progress and restarts the group when one hangs; 0 turns it off.
+ENV_HANG_DETECTION = "SPOTRUN_HANG_DETECTION"
+
 #: Rendezvous backend spotrun uses when ``--rdzv-backend`` is not given (torchrun's is ``static``).
 DEFAULT_RDZV_BACKEND = "etcd-v3"
 
@@ -47,6 +54,8 @@ class RecoveryEvent(str, enum.Enum):
     """This node left the group for its notice (``step`` committed, or null when nothing could be saved)."""
     PLANNED_RESTART = "planned_restart"
     """The group re-forms at a new size after a planned stop (``step`` committed), not counted as a restart."""
+    HANG_DETECTED = "hang_detected"
+    """Local workers made no progress past their budget (``hung``: global rank -> reason); they are killed."""
 
 
 class FailureCause(str, enum.Enum):
@@ -60,6 +69,25 @@ class FailureCause(str, enum.Enum):
     """A local worker failed while the membership changed (e.g. a collective broke because a peer died)."""
     PEERS_LEFT_AT_EXIT = "peers_left_at_exit"
     """The local workers exited 0 but peers left instead of finishing too: not a success, re-form."""
+    HANG = "hang"
+    """A local worker made no progress past its hang budget and was killed (counts like a worker failure)."""
+
+
+class RecoveryCause(str, enum.Enum):
+    """Why a recovery happens: the ``recovery_cause`` field of every event from the one that starts a
+    recovery up to its ``workers_started`` (null on the first start). Coarser than ``cause``, one word per
+    kind of fault, for reports (MTTR per fault type)."""
+
+    FAILURE = "failure"
+    """A local worker exited non-zero on its own."""
+    HANG = "hang"
+    """A local worker stopped making progress."""
+    PEER_LOST = "peer_lost"
+    """A peer node went away unannounced (lease expired), whether or not a local worker crashed with it."""
+    PLANNED_LEAVE = "planned_leave"
+    """A node leaves after a notice (preemption), this one or a peer."""
+    SCALE_UP = "scale_up"
+    """A node joins the running job."""
 
 
 class EventSink(Protocol):

@@ -27,6 +27,13 @@ Differences from torchrun:
                                  ``SPOTRUN_PREEMPT_NOTICE``), every ``--preempt-poll-interval`` s (default 2).
   ``--resize-timeout SECONDS``   a joining node first lets the workers commit an agreed step (env
                                  ``SPOTRUN_RESIZE_TIMEOUT``, default 60).
+  ``--hang-timeout SECONDS``     a worker without progress (optimizer steps, ``elastic.progress.heartbeat()``
+                                 or main-thread CPU) this long after start-up counts as hung: its stack is
+                                 logged, it is killed and the group restarts (env ``SPOTRUN_HANG_TIMEOUT``;
+                                 default adaptive: 10x the slowest recent step, at least 60 s).
+  ``--hang-startup-timeout S``   the budget for start-up, first steps and checkpoint load (env
+                                 ``SPOTRUN_HANG_STARTUP_TIMEOUT``, default 600).
+  ``--[no-]hang-detection``      (env ``SPOTRUN_HANG_DETECTION``, default on).
   ``--events-file PATH``         structured recovery events (env ``SPOTRUN_EVENTS_FILE``; default
                                  ``<log-dir>/events.jsonl``, or in torch's temporary log directory
                                  ``/tmp/torchelastic_*/events.jsonl`` when no ``--log-dir`` is given).
@@ -45,7 +52,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.run import config_from_args, get_args_parser
@@ -53,6 +60,9 @@ from torch.distributed.run import config_from_args, get_args_parser
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
     ENV_EVENTS_FILE,
+    ENV_HANG_DETECTION,
+    ENV_HANG_STARTUP_TIMEOUT,
+    ENV_HANG_TIMEOUT,
     ENV_PEER_LOSS_GRACE,
     ENV_STOP_GRACE,
     ENV_WARM_WORKERS,
@@ -67,6 +77,7 @@ from elastic.config import (
     default_stop_grace,
     default_warm_workers,
     env_float,
+    hang_policy,
     parse_nnodes,
     parse_rdzv_conf,
 )
@@ -126,9 +137,34 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--resize-timeout", "--resize_timeout", type=float, default=None,
                        help=f"When a node joins, seconds the workers get to commit an agreed step before the "
                             f"group restarts anyway (env {ENV_RESIZE_TIMEOUT}, default 60).")
+    group.add_argument("--hang-timeout", "--hang_timeout", type=float, default=None,
+                       help=f"Seconds without progress after start-up before a worker counts as hung and the group "
+                            f"restarts (env {ENV_HANG_TIMEOUT}; default adaptive: 10x the slowest recent step, "
+                            f"at least 60 s).")
+    group.add_argument("--hang-startup-timeout", "--hang_startup_timeout", type=float, default=None,
+                       help=f"Seconds without progress allowed during start-up, first steps and checkpoint load "
+                            f"(env {ENV_HANG_STARTUP_TIMEOUT}, default 600).")
+    group.add_argument("--hang-detection", "--hang_detection", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"Watch every worker's progress and restart the group when one hangs (env "
+                            f"{ENV_HANG_DETECTION}, default on).")
     group.add_argument("--events-file", "--events_file", type=str, default=None,
                        help=f"JSON-lines recovery event log (env {ENV_EVENTS_FILE}; default <log root>/events.jsonl).")
+    _no_abbreviations(parser, group)
     return parser
+
+
+def _no_abbreviations(parser: argparse.ArgumentParser, group: argparse._ArgumentGroup) -> None:
+    """spotrun-only flags are matched by their full names only. argparse classifies every argument, also
+    those after the training script, against option prefixes: with ``--hang-timeout`` and
+    ``--hang-detection`` a script's own ``--hang`` became an "ambiguous option" error (and a script's
+    ``--preempt`` likewise). torch's flags keep torchrun's abbreviations."""
+    ours = {option for action in group._group_actions for option in action.option_strings}
+    original = parser._get_option_tuples
+
+    def option_tuples(option_string: str) -> list[tuple[Any, ...]]:
+        return [match for match in original(option_string) if match[1] not in ours]
+
+    parser._get_option_tuples = option_tuples  # type: ignore[method-assign]
 
 
 def settings_from_args(args: argparse.Namespace) -> AgentSettings:
@@ -142,6 +178,8 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         preempt_sources=parse_sources(args.preempt_notice or os.environ.get(ENV_PREEMPT_NOTICE)),
         preempt_poll_interval=_or_env(args.preempt_poll_interval, ENV_PREEMPT_POLL_INTERVAL, 2.0),
         resize_timeout=_or_env(args.resize_timeout, ENV_RESIZE_TIMEOUT, 60.0),
+        hang=hang_policy(enabled=args.hang_detection, timeout=args.hang_timeout,
+                         startup_timeout=args.hang_startup_timeout),
     )
 
 

@@ -6,7 +6,17 @@ import math
 import os
 from dataclasses import dataclass
 
-from elastic.api import ENV_EVENTS_FILE, ENV_PEER_LOSS_GRACE, ENV_STOP_GRACE, ENV_WARM_WORKERS, LaunchConfigError
+from elastic.api import (
+    ENV_EVENTS_FILE,
+    ENV_HANG_DETECTION,
+    ENV_HANG_STARTUP_TIMEOUT,
+    ENV_HANG_TIMEOUT,
+    ENV_PEER_LOSS_GRACE,
+    ENV_STOP_GRACE,
+    ENV_WARM_WORKERS,
+    LaunchConfigError,
+)
+from elastic.hang import HangPolicy
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,7 +56,13 @@ class AgentSettings:
     """When a node waits to join, seconds the running workers get to reach an agreed step and commit it
     before the group is restarted anyway (losing the steps since the last checkpoint, as before)."""
 
+    hang: HangPolicy | None = None
+    """Hang detection budgets (``--hang-timeout``, ``--hang-startup-timeout``); None turns it off
+    (``--no-hang-detection``). The CLI turns it on by default (see ``elastic.hang``)."""
+
     def __post_init__(self) -> None:
+        if self.hang is not None and not isinstance(self.hang, HangPolicy):
+            raise LaunchConfigError(f"hang must be a HangPolicy or None, got {type(self.hang).__name__}")
         for name in ("preempt_grace", "resize_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -89,13 +105,29 @@ def default_peer_loss_grace() -> float:
     return env_float(ENV_PEER_LOSS_GRACE, 5.0)
 
 
-def default_warm_workers() -> bool:
-    raw = os.environ.get(ENV_WARM_WORKERS, "1").strip().lower()
+def env_flag(name: str, default: bool) -> bool:
+    """Read a boolean (1/0, true/false, yes/no, on/off) from the environment, naming the variable when bad."""
+    raw = os.environ.get(name, "1" if default else "0").strip().lower()
     if raw in {"1", "true", "yes", "on"}:
         return True
     if raw in {"0", "false", "no", "off"}:
         return False
-    raise LaunchConfigError(f"environment variable {ENV_WARM_WORKERS}={raw!r} must be 1 or 0")
+    raise LaunchConfigError(f"environment variable {name}={raw!r} must be 1 or 0")
+
+
+def default_warm_workers() -> bool:
+    return env_flag(ENV_WARM_WORKERS, True)
+
+
+def hang_policy(*, enabled: bool | None, timeout: float | None, startup_timeout: float | None) -> HangPolicy | None:
+    """The hang policy from flags, falling back to ``SPOTRUN_HANG_*``; None when detection is off."""
+    if not (env_flag(ENV_HANG_DETECTION, True) if enabled is None else enabled):
+        return None
+    if timeout is None and os.environ.get(ENV_HANG_TIMEOUT):
+        timeout = env_float(ENV_HANG_TIMEOUT, 0.0)
+    startup = env_float(ENV_HANG_STARTUP_TIMEOUT, HangPolicy().startup_timeout) if startup_timeout is None \
+        else startup_timeout
+    return HangPolicy(timeout=timeout, startup_timeout=startup)
 
 
 def default_events_file() -> str | None:

@@ -244,6 +244,7 @@ def launch(
     finally:
         poller.stop()
         mailbox.remove()
+        agent.release()
         if shutdown_rdzv:
             try:
                 spec.rdzv_handler.shutdown()

@@ -147,6 +147,9 @@ class ScriptEntrypoint:
 
         launch = self.__dict__.get("launch") or WarmLaunch()
         become_fresh_interpreter(launch, self.target, module=self.module)
+        from elastic.progress import install as observe_progress
+
+        observe_progress()  # hang detection: optimizer-step beats and stack dumps, no thread (elastic.progress)
         run_as_fresh_interpreter(self.target, tuple(args), module=self.module)
 
 
@@ -230,16 +233,17 @@ def terminate_processes(processes: list[Any], grace: float, sig: int = signal.SI
 
     alive = [proc for proc in processes if proc.is_alive()]
     for proc in alive:
-        _signal_quietly(proc.pid, sig)
+        signal_worker(proc.pid, sig)
     deadline = time.monotonic() + grace
     while alive and time.monotonic() < deadline:
         wait([proc.sentinel for proc in alive], timeout=max(0.0, deadline - time.monotonic()))
         alive = [proc for proc in alive if proc.is_alive()]
     for proc in alive:
-        _signal_quietly(proc.pid, signal.SIGKILL)
+        signal_worker(proc.pid, signal.SIGKILL)
 
 
-def _signal_quietly(pid: int, sig: int) -> None:
+def signal_worker(pid: int, sig: int) -> None:
+    """Signal a worker, as a process group when it leads one; quietly if it is gone."""
     try:
         if os.getpgid(pid) == pid:
             os.killpg(pid, sig)

@@ -1,0 +1,130 @@
+"""The agent's hang watch: samples its workers' progress each monitor tick and acts on the pure verdict.
+
+I/O edge of :mod:`elastic.hang`: reads :class:`~elastic.progress.ProgressBoard` and ``/proc``, asks stalled
+workers for their stacks, and on a hang logs every worker's stack, SIGKILLs the hung ranks and writes a
+torch-format error file for each, so the failure summary names the rank that hung (with its stack), not a
+rank that later timed out waiting for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from elastic.hang import (
+    HangPolicy,
+    WorkerTrack,
+    judge,
+    new_track,
+    observe,
+    waiting_on_peers,
+)
+from elastic.progress import ProgressBoard
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HangReport:
+    """One hung worker: why, and its Python stack when it could be taken."""
+
+    local_rank: int
+    pid: int
+    reason: str
+    stack: str | None
+
+
+class HangWatch:
+    """Tracks the progress of one worker group (reset on every worker start)."""
+
+    def __init__(self, policy: HangPolicy, board: ProgressBoard, *, ctx: Callable[[], str],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self._board = board
+        self._ctx = ctx
+        self._clock = clock
+        self._tracks: dict[int, WorkerTrack] = {}
+        self._stacks: dict[int, str] = {}
+        self._waiting_logged: set[int] = set()
+
+    def prepare(self, group_rank: int, local_world_size: int) -> None:
+        """Before the workers start: fresh progress files for them."""
+        self._board.reset(group_rank, range(local_world_size))
+        self._tracks.clear()
+        self._stacks.clear()
+        self._waiting_logged.clear()
+
+    def started(self, pids: dict[int, int]) -> None:
+        now = self._clock()
+        self._tracks = {local_rank: new_track(now, self.policy.window) for local_rank in pids}
+
+    def check(self, pids: dict[int, int]) -> list[HangReport]:
+        """Sample every worker; the hung ones (empty list: none), after looking at stalled workers' stacks."""
+        now = self._clock()
+        for local_rank, pid in pids.items():
+            track = self._tracks.get(local_rank)
+            sample = self._board.sample(local_rank, pid) if track is not None else None
+            if sample is not None and track is not None:
+                observe(track, sample, now)
+                if track.waiting_on_peers is None:
+                    self._stacks.pop(local_rank, None)
+                    self._waiting_logged.discard(local_rank)
+        verdict = judge(self._tracks, self.policy, now)
+        if verdict.need_stack:
+            stacks = self._board.stacks({r: pids[r] for r in verdict.need_stack if r in pids})
+            for local_rank in verdict.need_stack:
+                stack = stacks.get(local_rank)
+                if stack is not None:
+                    self._stacks[local_rank] = stack
+                self._tracks[local_rank].waiting_on_peers = stack is not None and waiting_on_peers(
+                    stack, self._board.main_thread_id(local_rank))
+            verdict = judge(self._tracks, self.policy, now)
+        for local_rank in verdict.waiting - self._waiting_logged:
+            logger.warning("%s local rank %d made no progress for %.1f s but is waiting in a collective: a peer "
+                           "is stalled (its agent decides)", self._ctx(), local_rank,
+                           now - self._tracks[local_rank].last_progress_at)
+            self._waiting_logged.add(local_rank)
+        return [HangReport(local_rank, pids[local_rank], reason, self._stacks.get(local_rank))
+                for local_rank, reason in sorted(verdict.hung.items()) if local_rank in pids]
+
+    def dump_all(self, pids: dict[int, int]) -> dict[int, str]:
+        """Every worker's stack into the agent log (taken now for those not already looked at)."""
+        fresh = self._board.stacks({r: p for r, p in pids.items() if r not in self._stacks})
+        self._stacks.update(fresh)
+        for local_rank in sorted(pids):
+            stack = self._stacks.get(local_rank)
+            logger.warning("%s stack of local rank %d (pid %d):\n%s", self._ctx(), local_rank, pids[local_rank],
+                           stack.rstrip() if stack else "(unavailable: stopped, uninstrumented, or py-spy missing)")
+        return dict(self._stacks)
+
+    def close(self) -> None:
+        self._board.close()
+
+
+def kill_hung(reports: list[HangReport]) -> None:
+    """SIGKILL the hung workers (their process group when they lead one); SIGTERM may never be handled."""
+    from elastic.workers import signal_worker
+
+    for report in reports:
+        signal_worker(report.pid, signal.SIGKILL)
+
+
+def write_hang_error_file(path: str, report: HangReport, global_rank: int) -> None:
+    """A torch-format error file so ``ChildFailedError``'s summary says this rank hung, with its stack."""
+    message = f"HangDetected: rank {global_rank} (local rank {report.local_rank}, pid {report.pid}) {report.reason}"
+    if report.stack:
+        message += "\nPython stack at detection (most recent call first):\n" + report.stack.rstrip()
+    data = {"message": {"message": message,
+                        # torch's summary prints py_callstack as the "traceback" of the rank
+                        "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as handle:
+            json.dump(data, handle)
+    except OSError:
+        logger.warning("could not write the hang error file %s", path, exc_info=True)

@@ -1,0 +1,279 @@
+"""Worker progress for hang detection: a 64-byte shared counter per worker, and on-demand stack dumps.
+
+Worker side (no code in the script needed for warm workers, spotrun's default): before the script runs,
+:func:`install` maps this worker's progress file, registers a global ``torch.optim`` post-step hook that
+bumps the beat counter (one ``struct.pack_into`` per optimizer step, about a microsecond) and registers a
+``faulthandler`` dump of every thread's Python stack on :data:`DUMP_SIGNAL`, written to a file the agent
+reads. Loops without an optimizer (or cold workers, which run the script in a fresh interpreter spotrun
+cannot reach into) call :func:`heartbeat`; under stock torchrun, or when the file is absent, it is a no-op.
+
+Drop-in trade-off (documented in README): the worker has one extra handler for a real-time signal
+(``SIGRTMIN+6``; ``signal.getsignal`` still reports the default, as faulthandler installs it below Python's
+signal table), one global optimizer hook (``torch.optim.optimizer._global_optimizer_post_hooks``) and one
+open file descriptor. No thread is started and no environment variable is added: the file is found from
+``TORCHELASTIC_RUN_ID``, ``GROUP_RANK`` and ``LOCAL_RANK``, which torch sets for every worker.
+
+Agent side: :class:`ProgressBoard` creates the files before the workers start, samples them together with
+the main thread's CPU ticks and run state from ``/proc``, asks for stack dumps and removes the files.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any, Final
+
+from elastic.hang import ProgressSample
+
+logger = logging.getLogger(__name__)
+
+SIZE: Final = 64
+"""Bytes per progress file: little-endian u64 words (magic, beats, worker pid, main thread id)."""
+MAGIC: Final = 0x3147525054505053  # b"SPPTPRG1"
+_MAGIC, _BEATS, _PID, _MAIN_THREAD = 0, 8, 16, 24
+
+DUMP_SIGNAL: Final = signal.SIGRTMIN + 6
+"""Signal on which an instrumented worker writes all its threads' Python stacks to its dump file."""
+
+
+def _root() -> str:
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def progress_path(run_id: str, group_rank: int | str, local_rank: int | str, root: str | None = None) -> str:
+    """Where the worker ``local_rank`` of node ``group_rank`` of run ``run_id`` keeps its beat counter."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:80]
+    return os.path.join(root or _root(), f"spotrun-progress-{os.getuid()}-{safe}-{group_rank}-{local_rank}")
+
+
+def dump_path(progress_file: str) -> str:
+    return progress_file + ".stack"
+
+
+# --- worker side ------------------------------------------------------------------------------------------
+
+
+class _Worker:
+    mm: mmap.mmap | None = None
+    attached: bool = False
+    dump_file: Any = None
+
+
+def _attach() -> mmap.mmap | None:
+    """Map this worker's progress file once (None, and never again, when spotrun did not create one)."""
+    if _Worker.attached:
+        return _Worker.mm
+    _Worker.attached = True
+    run_id, group, local = (os.environ.get(k) for k in ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_RANK"))
+    if run_id is None or group is None or local is None:
+        return None
+    path = progress_path(run_id, group, local)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None  # not under a spotrun agent (stock torchrun), or hang detection is off
+    try:
+        mm = mmap.mmap(fd, SIZE)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if struct.unpack_from("<Q", mm, _MAGIC)[0] != MAGIC:
+        mm.close()
+        return None
+    _register_stack_dump(dump_path(path))
+    import threading
+
+    struct.pack_into("<Q", mm, _MAIN_THREAD, threading.main_thread().ident or 0)
+    struct.pack_into("<Q", mm, _PID, os.getpid())  # last: the agent signals only a pid that registered
+    _Worker.mm = mm
+    return mm
+
+
+def _register_stack_dump(path: str) -> None:
+    import faulthandler
+
+    try:
+        _Worker.dump_file = open(path, "w")  # noqa: SIM115 (kept open: faulthandler writes to its fd)
+        faulthandler.register(DUMP_SIGNAL, file=_Worker.dump_file, all_threads=True, chain=False)
+    except (OSError, RuntimeError, ValueError):
+        logger.debug("stack dumps unavailable", exc_info=True)
+
+
+def heartbeat() -> None:
+    """Report progress (for loops without a ``torch.optim`` optimizer step). Cheap; a no-op outside spotrun."""
+    mm = _Worker.mm if _Worker.attached else _attach()
+    if mm is not None:
+        struct.pack_into("<Q", mm, _BEATS, struct.unpack_from("<Q", mm, _BEATS)[0] + 1)
+
+
+def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    heartbeat()
+
+
+def install() -> bool:
+    """Instrument this worker (called by spotrun's warm-worker entrypoint before the script runs)."""
+    if _attach() is None:
+        return False
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+    except ImportError:  # no torch: heartbeat() still works
+        return True
+    register_optimizer_step_post_hook(_on_optimizer_step)
+    return True
+
+
+# --- agent side -------------------------------------------------------------------------------------------
+
+
+def read_main_thread(pid: int) -> tuple[str, int] | None:
+    """(run state, activity) of ``pid``'s main thread from /proc, None if it is gone. Activity is the
+    thread's CPU time in ns (``schedstat``), which every wake-up advances, so a loop that sleeps between
+    cheap steps still shows progress; the coarse ``stat`` ticks (10 ms) are the fallback."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as handle:
+            activity = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        activity = (int(fields[11]) + int(fields[12])) * 10_000_000
+    return fields[0], activity
+
+
+class ProgressBoard:
+    """The agent's view of its workers' progress files (one per local rank, recreated per worker start)."""
+
+    def __init__(self, run_id: str, root: str | None = None) -> None:
+        self._run_id = run_id
+        self._root = root
+        self._maps: dict[int, mmap.mmap] = {}
+        self._paths: dict[int, str] = {}
+        self._inodes: dict[str, int] = {}
+
+    def reset(self, group_rank: int, local_ranks: Iterable[int]) -> None:
+        """Fresh zeroed files for workers about to start (a new inode: old workers cannot write into it)."""
+        self.close()
+        for local_rank in local_ranks:
+            path = progress_path(self._run_id, group_rank, local_rank, self._root)
+            for stale in (path, dump_path(path)):
+                try:
+                    os.unlink(stale)
+                except FileNotFoundError:
+                    pass
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, SIZE)
+                mm = mmap.mmap(fd, SIZE)
+            finally:
+                os.close(fd)
+            struct.pack_into("<Q", mm, _MAGIC, MAGIC)
+            self._maps[local_rank] = mm
+            self._paths[local_rank] = path
+            self._inodes[path] = os.stat(path).st_ino
+
+    def sample(self, local_rank: int, pid: int) -> ProgressSample | None:
+        """Beats, main-thread activity and stopped state of one worker; None when its process is gone."""
+        proc = read_main_thread(pid)
+        if proc is None:
+            return None
+        mm = self._maps.get(local_rank)
+        beats = struct.unpack_from("<Q", mm, _BEATS)[0] if mm is not None else 0
+        state, activity = proc
+        return ProgressSample(beats=beats, activity=activity, stopped=state in ("T", "t"))
+
+    def main_thread_id(self, local_rank: int) -> int | None:
+        mm = self._maps.get(local_rank)
+        value = struct.unpack_from("<Q", mm, _MAIN_THREAD)[0] if mm is not None else 0
+        return value or None
+
+    def _instrumented(self, local_rank: int, pid: int) -> bool:
+        mm = self._maps.get(local_rank)
+        return mm is not None and struct.unpack_from("<Q", mm, _PID)[0] == pid
+
+    def stacks(self, pids: dict[int, int], timeout: float = 1.0) -> dict[int, str]:
+        """Python stacks of the given workers (local rank -> pid): faulthandler dumps from instrumented
+        workers, else ``py-spy dump`` when py-spy is installed; workers that cannot answer are left out."""
+        asked: dict[int, str] = {}
+        for local_rank, pid in pids.items():
+            path = self._paths.get(local_rank)
+            if path is None or not self._instrumented(local_rank, pid):
+                continue
+            try:
+                os.truncate(dump_path(path), 0)
+                os.kill(pid, DUMP_SIGNAL)
+            except OSError:
+                continue
+            asked[local_rank] = dump_path(path)
+        dumps = _collect_dumps(asked, timeout)
+        for local_rank, pid in pids.items():
+            if local_rank not in dumps and local_rank not in asked:
+                text = py_spy_dump(pid)
+                if text:
+                    dumps[local_rank] = text
+        return dumps
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            mm.close()
+        for path in self._paths.values():
+            try:
+                if os.stat(path).st_ino != self._inodes.get(path):
+                    continue  # another agent of this run (on this host) now owns the name: leave it be
+            except FileNotFoundError:
+                continue
+            for name in (path, dump_path(path)):
+                try:
+                    os.unlink(name)
+                except FileNotFoundError:
+                    pass
+        self._maps.clear()
+        self._paths.clear()
+        self._inodes.clear()
+
+
+def _collect_dumps(asked: dict[int, str], timeout: float) -> dict[int, str]:
+    """Wait (bounded) until each asked worker's dump file stops growing; a stopped worker never writes."""
+    deadline = time.monotonic() + timeout
+    sizes: dict[int, int] = {}
+    done: dict[int, str] = {}
+    while len(done) < len(asked) and time.monotonic() < deadline:
+        time.sleep(0.05)  # faulthandler writes from a signal handler: nothing to wait on but the file
+        for local_rank, path in asked.items():
+            if local_rank in done:
+                continue
+            try:
+                size = os.path.getsize(path)
+            except OSError:
+                continue
+            if size and sizes.get(local_rank) == size:
+                with open(path, errors="replace") as handle:
+                    done[local_rank] = handle.read()
+            sizes[local_rank] = size
+    return done
+
+
+def py_spy_dump(pid: int, timeout: float = 10.0) -> str | None:
+    """``py-spy dump --pid`` output when py-spy is installed (works on uninstrumented workers)."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout,
+                             check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 and out.stdout else None
