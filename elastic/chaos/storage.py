@@ -55,7 +55,8 @@ class _Control:
                     with open(self.path, encoding="utf-8") as handle:
                         data = json.load(handle)
                     self._faults = list(data.get("faults", []))
-                    self._rng.seed(data.get("seed", 0) ^ os.getpid())
+                    # Seeded per rank: repeatable, yet ranks do not all fail the same operation.
+                    self._rng.seed(f"{data.get('seed', 0)}/{os.environ.get('RANK', '0')}")
                     self._mtime = mtime
                 except (OSError, json.JSONDecodeError):
                     pass  # being replaced: keep the previous faults until the new file is whole
