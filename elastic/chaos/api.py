@@ -81,7 +81,7 @@ class Fault:
     kind: FaultKind
     """What to inject (see :class:`FaultKind`)."""
     target: str = ""
-    """``worker:N`` (N-th worker of the agents, in PID order; ``worker:any`` seeded pick), ``agent:N`` /
+    """``worker:N`` (the worker of global rank N; ``worker:any`` seeded pick), ``agent:N`` /
     ``agent:any``, ``etcd:N`` / ``etcd:any`` / ``etcd:leader``, ``netns:NAME``, ``storage``. Empty: the
     kind's default (``any`` of its prefix; ``storage``)."""
     at_s: float | None = None

@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress-file", default=None, help="the job's --progress-file, for at_step triggers")
     p.add_argument("--agent-pid", type=int, action="append", default=[], help="target this running agent (repeat)")
     p.add_argument("--etcd-endpoints", default="", help="comma-separated etcd members (HOST:PORT) to target")
+    p.add_argument("--events-file", default=None,
+                   help="the job's spotrun --events-file: finds workers forked by the warm-worker forkserver")
     p.add_argument("--storage-control", default=None,
                    help="control file of the chaos:// filesystem (default: a temporary file given to the command)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the job to start (e.g. spotrun ... train.py)")
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         agents = [proc.pid]
     else:
         agents = args.agent_pid
-    injector = Injector(schedule, journal, agent_pids=agents, etcd_endpoints=endpoints, storage_control=control)
+    injector = Injector(schedule, journal, agent_pids=agents, etcd_endpoints=endpoints, storage_control=control,
+                        events_file=args.events_file)
     journal.write("started", seed=schedule.seed, faults=len(schedule.faults), agents=agents, etcd=endpoints)
     forward = _forward_signals(proc)
     try:

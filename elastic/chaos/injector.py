@@ -51,6 +51,7 @@ class Injector:
         agent_pids: Callable[[], Sequence[int]] | Sequence[int] = (),
         etcd_endpoints: Sequence[str] = (),
         storage_control: str | None = None,
+        events_file: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -59,6 +60,7 @@ class Injector:
         self._agents = agent_pids if callable(agent_pids) else (lambda: list(agent_pids))  # type: ignore[misc]
         self.etcd_endpoints = list(etcd_endpoints)
         self.storage_control = storage_control
+        self.events_file = events_file
         self._clock = clock
         self._sleep = sleep
         self._rng = random.Random(schedule.seed)
@@ -159,7 +161,7 @@ class Injector:
             raise ChaosTargetError(f"{target!r}: no such {what} (have {len(choices)})") from None
 
     def _pick_worker(self, target: str) -> tuple[int, int]:
-        by_rank = targets.workers(list(self._agents()))
+        by_rank = targets.workers(list(self._agents()), self.events_file)
         if not by_rank:
             raise ChaosTargetError(f"{target!r}: the agents have no workers right now")
         which = target.split(":", 1)[1]

@@ -54,9 +54,39 @@ def _environ(pid: int) -> dict[str, str]:
     return out
 
 
-def workers(agent_pids: list[int]) -> dict[int, int]:
-    """Global rank -> PID of the workers under ``agent_pids``: descendants whose environment carries the
-    torchelastic worker variables (an embedded etcd or a worker's own helper processes do not)."""
+def workers(agent_pids: list[int], events_file: str | None = None) -> dict[int, int]:
+    """Global rank -> PID of the workers under ``agent_pids``.
+
+    Workers exec'd by the agent carry the torchelastic variables in their initial environment (an embedded
+    etcd or a worker's helper processes do not). Workers forked from spotrun's warm-worker forkserver show
+    the forkserver's environment instead; for them the agent's last ``workers_started`` event in
+    ``events_file`` lists the PIDs (ascending, which is local-rank order: the forkserver forks them in
+    turn), and the rank is ``group_rank * nproc + position``."""
+    out = _workers_by_environ(agent_pids)
+    if out or not events_file:
+        return out
+    return _workers_by_events(agent_pids, events_file)
+
+
+def _workers_by_events(agent_pids: list[int], events_file: str) -> dict[int, int]:
+    from elastic.events import read_events
+
+    out: dict[int, int] = {}
+    events = read_events(events_file)
+    for agent in agent_pids:
+        started = [e for e in events if e.get("event") == "workers_started"
+                   and str(e.get("node", "")).endswith(f":{agent}")]
+        if not started:
+            continue
+        last = started[-1]
+        pids = list(last.get("pids", []))
+        alive = set(descendants(agent))
+        base = int(last.get("group_rank", 0)) * len(pids)
+        out.update({base + i: pid for i, pid in enumerate(pids) if pid in alive})
+    return out
+
+
+def _workers_by_environ(agent_pids: list[int]) -> dict[int, int]:
     out: dict[int, int] = {}
     for agent in agent_pids:
         for pid in descendants(agent):

@@ -1,0 +1,139 @@
+"""One spotrun job under the fault injector, and the checks every chaos case makes on its outcome."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint.checkpointer import Checkpointer
+from checkpoint.config import CheckpointConfig
+from checkpoint.discover import list_steps
+from elastic.chaos.api import STORAGE_CONTROL_ENV, Schedule
+from elastic.chaos.injector import Injector
+from elastic.chaos.journal import Journal
+from elastic.chaos.storage import register
+from elastic.chaos.targets import descendants, last_step
+from elastic.events import read_events
+from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, make_env, pid_alive
+
+TRAIN = str(Path(__file__).with_name("chaos_train.py"))
+RDZV_CONF = "lease_ttl=2,last_call_timeout=0.5,join_timeout=60"
+STEPS = 30
+CKPT_EVERY = 10
+
+
+def _train_module() -> Any:
+    spec = importlib.util.spec_from_file_location("train_ddp_ref", EXAMPLES / "train_ddp.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def final_state(ckpt_uri: str) -> tuple[int, dict[str, torch.Tensor]]:
+    """(step, tensors) of the newest committed checkpoint, loaded into train_ddp's model and optimizer."""
+    register()
+    train = _train_module()
+    model = train.make_model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    trainer = train.TrainerState()
+    with Checkpointer(ckpt_uri, CheckpointConfig()) as ckpt:
+        step = ckpt.load({"model": model, "optim": optim, "trainer": trainer})
+    tensors = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, st in optim.state_dict()["state"].items():
+        tensors[f"optim.{i}.momentum"] = st["momentum_buffer"].clone()
+    assert step == trainer.step
+    return step, tensors
+
+
+def committed_steps(ckpt_uri: str) -> list[int]:
+    register()
+    with Checkpointer(ckpt_uri, CheckpointConfig()) as ckpt:
+        return list_steps(ckpt.storage).committed
+
+
+@dataclass
+class Job:
+    """One agent (``--nproc-per-node 2``) on an external etcd, checkpointing behind ``chaos::``."""
+
+    root: Path
+    endpoint: str
+    run_id: str
+    max_restarts: int = 3
+    rdzv_conf: str = RDZV_CONF
+    extra: tuple[str, ...] = ()
+    launcher: Launcher | None = None
+    seen_pids: set[int] = field(default_factory=set)
+    committed_at_fault: list[int] = field(default_factory=list)
+
+    @property
+    def ckpt(self) -> str:
+        return f"chaos::file://{self.root}/ckpt"
+
+    @property
+    def control(self) -> str:
+        return str(self.root / "storage-control.json")
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return read_events(str(self.root / "events.jsonl"))
+
+    def start(self) -> Launcher:
+        self.root.mkdir(parents=True, exist_ok=True)
+        argv = [*SPOTRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", self.endpoint,
+                "--rdzv-id", self.run_id, "--rdzv-conf", self.rdzv_conf, "--max-restarts", str(self.max_restarts),
+                "--stop-grace", "2", "--events-file", str(self.root / "events.jsonl"),
+                TRAIN, "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--step-time", "0.05",
+                "--log-every", "10", "--progress-file", str(self.root / "progress.jsonl"), "--ckpt-dir", self.ckpt,
+                "--pg-timeout", "20", *self.extra]
+        env = make_env(**{STORAGE_CONTROL_ENV: self.control})
+        self.launcher = Launcher(argv, self.root / "agent.log", env)
+        return self.launcher
+
+    def run(self, schedule: Schedule, timeout: float, endpoints: tuple[str, ...] = ()) -> tuple[int, Injector]:
+        """Start, inject ``schedule`` by step/time while it runs, wait for the exit; returns (code, injector)."""
+        launcher = self.start()
+        injector = Injector(schedule, Journal(str(self.root / "journal.jsonl")), agent_pids=[launcher.pid],
+                            etcd_endpoints=endpoints, storage_control=self.control,
+                            events_file=str(self.root / "events.jsonl"))
+        deadline = time.monotonic() + timeout
+        try:
+            while launcher.proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"job {self.run_id} still running after {timeout} s:\n{self.output()[-3000:]}")
+                self.seen_pids.update(descendants(launcher.pid))
+                before = len(injector.fired)
+                if injector.pending():
+                    steps = committed_steps(self.ckpt) if Path(self.root / "ckpt").exists() else []
+                    injector.tick(last_step(str(self.root / "progress.jsonl")))
+                    if len(injector.fired) > before:
+                        self.committed_at_fault.append(max(steps, default=0))
+                else:
+                    injector.tick(None)
+                time.sleep(0.05)
+        finally:
+            injector.close()
+            launcher.close()
+        return launcher.proc.returncode, injector
+
+    def output(self) -> str:
+        return self.launcher.output() if self.launcher else ""
+
+    def resumed_steps(self) -> list[int]:
+        return [int(s) for s in re.findall(r"rank 0/\d+ restart \d+\] resumed from step (\d+)", self.output())]
+
+    def assert_no_process_left(self) -> None:
+        assert self.launcher is not None
+        alive = [pid for pid in self.seen_pids if pid_alive(pid)]
+        assert not alive, f"processes of the job left running: {alive}"
+
+    def restarts(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == "failure_detected"]

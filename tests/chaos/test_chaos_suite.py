@@ -1,0 +1,120 @@
+"""The chaos suite (``pytest -m chaos``): seeded faults injected into a real spotrun job, then assertions on
+the final state: final step and exit code, final weights bit-identical to an uninterrupted run, only
+committed checkpoints loaded (and the newest one), no process left, no etcd key left, restarts == faults.
+Plus the faults a job cannot survive: each must end with a clear error, a non-zero exit and the last
+committed checkpoint intact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import etcd3
+import pytest
+import torch
+
+from elastic.chaos.api import Fault, FaultKind, Schedule
+from elastic.chaos.storage import write_control
+from tests.chaos.jobs import CKPT_EVERY, STEPS, Job, committed_steps, final_state
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Final weights and optimizer state of the same job with no fault (one run per module)."""
+    from elastic.etcd_server import EmbeddedEtcd
+
+    root = tmp_path_factory.mktemp("reference")
+    with EmbeddedEtcd() as etcd:
+        job = Job(root, etcd.endpoint, "reference")
+        code, _ = job.run(Schedule(), timeout=90)
+    assert code == 0, job.output()[-3000:]
+    step, tensors = final_state(job.ckpt)
+    assert step == STEPS
+    return tensors
+
+
+def _etcd_keys(endpoint: str, run_id: str) -> list[str]:
+    host, port = endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port))
+    try:
+        return [meta.key.decode() for _, meta in client.get_prefix(f"/spotrun/rdzv/{run_id}/")]
+    finally:
+        client.close()
+
+
+def _assert_same(final: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert final.keys() == reference.keys()
+    differ = [k for k in final if not torch.equal(final[k], reference[k])]
+    assert not differ, f"final tensors differ from the uninterrupted run: {differ}"
+
+
+@pytest.mark.parametrize("fault", [
+    Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=15),
+    Fault(kind=FaultKind.KILL_WORKER, target="worker:any", at_step=22),
+])
+def test_survivable_fault_ends_with_the_reference_weights(tmp_path: Path, etcd_server, reference, fault: Fault) -> None:
+    job = Job(tmp_path, etcd_server.endpoint, "survive")
+    code, injector = job.run(Schedule(seed=11, faults=(fault,)), timeout=100)
+    assert code == 0, job.output()[-3000:]
+    assert len(injector.injected) == 1, injector.injected
+    assert len(job.restarts()) == len(injector.injected), job.restarts()  # restarts == faults injected
+    step, tensors = final_state(job.ckpt)
+    assert step == STEPS
+    _assert_same(tensors, reference)
+    committed = committed_steps(job.ckpt)
+    resumed = job.resumed_steps()
+    assert resumed, "the restarted workers did not resume from a checkpoint"
+    assert all(s in committed for s in resumed), (resumed, committed)
+    # The newest checkpoint committed before the fault is the one that was loaded (none newer was skipped).
+    assert resumed[-1] >= job.committed_at_fault[0], (resumed, job.committed_at_fault)
+    job.assert_no_process_left()
+    assert _etcd_keys(etcd_server.endpoint, "survive") == []
+
+
+def test_restarts_exhausted_end_cleanly(tmp_path: Path, etcd_server) -> None:
+    job = Job(tmp_path, etcd_server.endpoint, "exhausted", max_restarts=0)
+    code, injector = job.run(Schedule(faults=(Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=15),)),
+                             timeout=90)
+    assert len(injector.injected) == 1
+    assert code != 0
+    assert "Signal 9 (SIGKILL)" in job.output() or "SIGKILL" in job.output(), job.output()[-3000:]
+    _assert_last_committed_loads(job, expect_at_least=CKPT_EVERY)
+    job.assert_no_process_left()
+
+
+def test_permanent_storage_failure_ends_cleanly(tmp_path: Path, etcd_server) -> None:
+    job = Job(tmp_path, etcd_server.endpoint, "storage", max_restarts=1)
+    permanent = Fault(kind=FaultKind.STORAGE_ERROR, at_step=12, params={"rate": 1.0, "ops": "all"})
+    code, injector = job.run(Schedule(faults=(permanent,)), timeout=100)
+    assert len(injector.injected) == 1
+    assert code != 0
+    assert "Input/output error (injected by chaos://" in job.output(), job.output()[-3000:]
+    assert "CheckpointStorageError" in job.output()
+    write_control(job.control, 0, [])  # the storage heals: what was committed before is intact
+    _assert_last_committed_loads(job, expect_at_least=CKPT_EVERY)
+    job.assert_no_process_left()
+
+
+def test_etcd_lost_past_its_bound_ends_cleanly(tmp_path: Path, etcd_server) -> None:
+    job = Job(tmp_path, etcd_server.endpoint, "quorum", max_restarts=3,
+              rdzv_conf="lease_ttl=2,last_call_timeout=0.5,join_timeout=60,etcd_timeout=3")
+    down = Fault(kind=FaultKind.RESTART_ETCD, target="etcd:0", at_step=12, duration_s=600)
+    code, injector = job.run(Schedule(faults=(down,)), timeout=90, endpoints=(etcd_server.endpoint,))
+    try:
+        assert len(injector.injected) == 1, injector.injected
+        assert code != 0
+        assert etcd_server.endpoint in job.output() and "etcd" in job.output(), job.output()[-3000:]
+        _assert_last_committed_loads(job, expect_at_least=CKPT_EVERY)
+        job.assert_no_process_left()
+    finally:
+        for proc in injector.started:  # close() started the member again: ours to stop
+            proc.kill()
+            proc.wait(10)
+
+
+def _assert_last_committed_loads(job: Job, expect_at_least: int) -> None:
+    committed = committed_steps(job.ckpt)
+    assert committed and committed[-1] >= expect_at_least, committed
+    step, _ = final_state(job.ckpt)
+    assert step == committed[-1]
