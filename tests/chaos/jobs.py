@@ -70,9 +70,12 @@ class Job:
     max_restarts: int = 3
     rdzv_conf: str = RDZV_CONF
     extra: tuple[str, ...] = ()
+    steps: int = STEPS
+    step_time: float = 0.05
     launcher: Launcher | None = None
     seen_pids: set[int] = field(default_factory=set)
     committed_at_fault: list[int] = field(default_factory=list)
+    step_at_fault: list[int] = field(default_factory=list)
 
     @property
     def ckpt(self) -> str:
@@ -91,7 +94,7 @@ class Job:
         argv = [*SPOTRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", self.endpoint,
                 "--rdzv-id", self.run_id, "--rdzv-conf", self.rdzv_conf, "--max-restarts", str(self.max_restarts),
                 "--stop-grace", "2", "--events-file", str(self.root / "events.jsonl"),
-                TRAIN, "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--step-time", "0.05",
+                TRAIN, "--steps", str(self.steps), "--ckpt-every", str(CKPT_EVERY), "--step-time", str(self.step_time),
                 "--log-every", "10", "--progress-file", str(self.root / "progress.jsonl"), "--ckpt-dir", self.ckpt,
                 "--pg-timeout", "20", *self.extra]
         env = make_env(**{STORAGE_CONTROL_ENV: self.control})
@@ -113,9 +116,11 @@ class Job:
                 before = len(injector.fired)
                 if injector.pending():
                     steps = committed_steps(self.ckpt) if Path(self.root / "ckpt").exists() else []
-                    injector.tick(last_step(str(self.root / "progress.jsonl")))
+                    step = last_step(str(self.root / "progress.jsonl"))
+                    injector.tick(step)
                     if len(injector.fired) > before:
                         self.committed_at_fault.append(max(steps, default=0))
+                        self.step_at_fault.append(step or 0)
                 else:
                     injector.tick(None)
                 time.sleep(0.05)
