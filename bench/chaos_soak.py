@@ -25,15 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from bench.mttr_report import Fault as ReportFault  # noqa: E402
-from bench.mttr_report import breakdown, render, resume_times, summarize  # noqa: E402
-from elastic.chaos.api import Fault, FaultKind, Schedule  # noqa: E402
-from elastic.chaos.schedule import random_schedule  # noqa: E402
-from elastic.etcd_server import EmbeddedEtcd  # noqa: E402
-from elastic.events import read_events  # noqa: E402
-from tests.chaos.jobs import Job, committed_steps, final_state  # noqa: E402
+from bench.mttr_report import Fault as ReportFault
+from bench.mttr_report import breakdown, render, resume_times, summarize
+from elastic.chaos.api import Fault, FaultKind, Schedule
+from elastic.chaos.schedule import random_schedule
+from elastic.etcd_server import EmbeddedEtcd
+from elastic.events import read_events
+from tests.chaos.jobs import Job, committed_steps, final_state
 
 KINDS = (FaultKind.KILL_WORKER, FaultKind.RESTART_ETCD, FaultKind.STORAGE_LATENCY, FaultKind.STORAGE_ERROR)
 PARAMS = {FaultKind.STORAGE_LATENCY: {"seconds": 0.5}, FaultKind.STORAGE_ERROR: {"rate": 0.2, "ops": "all"}}

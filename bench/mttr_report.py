@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.events import read_events  # noqa: E402
+from elastic.events import read_events
 
 STAGES = ("detection", "stop", "rendezvous", "process_start", "checkpoint_load", "first_step")
 _EVENT_OF_STAGE = {"detection": "failure_detected", "stop": "workers_stopped",
@@ -105,8 +105,8 @@ def summarize(recoveries: Sequence[Recovery]) -> dict[str, dict[str, tuple[float
     for kind, recs in kinds.items():
         row: dict[str, tuple[float, float, int] | None] = {}
         for stage in STAGES:
-            seen = [r.stages[stage] for r in recs if r.stages.get(stage) is not None]
-            row[stage] = (statistics.median(seen), max(seen), len(seen)) if seen else None  # type: ignore[type-var,arg-type]
+            seen = [v for r in recs if (v := r.stages.get(stage)) is not None]
+            row[stage] = (statistics.median(seen), max(seen), len(seen)) if seen else None
         table[kind] = row
     return table
 

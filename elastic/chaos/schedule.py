@@ -91,9 +91,7 @@ def due(schedule: Schedule, fired: Iterable[int], elapsed_s: float, step: int | 
     for i, fault in enumerate(schedule.faults):
         if i in done:
             continue
-        if fault.at_s is not None and elapsed_s >= fault.at_s:
-            ready.append(i)
-        elif fault.at_step is not None and step is not None and step >= fault.at_step:
+        if fault.at_s is not None and elapsed_s >= fault.at_s or fault.at_step is not None and step is not None and step >= fault.at_step:
             ready.append(i)
     return ready
 

@@ -20,8 +20,8 @@ import threading
 import time
 from typing import Any
 
-import fsspec
-from fsspec.implementations.chained import ChainedFileSystem
+import fsspec  # type: ignore[import-untyped]
+from fsspec.implementations.chained import ChainedFileSystem  # type: ignore[import-untyped]
 
 from elastic.chaos.api import STORAGE_CONTROL_ENV, FaultKind
 
@@ -84,7 +84,7 @@ class ChaosFileSystem(ChainedFileSystem):
     @classmethod
     def _strip_protocol(cls, path: str) -> str:  # type: ignore[override]
         # Empty for a bare ``chaos::`` layer: fsspec then hands this layer the inner URL's path.
-        path = path[len("chaos://"):] if path.startswith("chaos://") else path
+        path = path.removeprefix("chaos://")
         return path.rstrip("/")
 
     # ------------------------------------------------------------------ faults
@@ -96,9 +96,9 @@ class ChaosFileSystem(ChainedFileSystem):
                 time.sleep(float(params.get("seconds", 0.0)))
             elif kind == FaultKind.DISK_FULL.value and op == "write":
                 raise OSError(errno.ENOSPC, "No space left on device (injected by chaos://)", path)
-            elif kind == FaultKind.STORAGE_ERROR.value and self._applies(params.get("ops", "all"), op):
-                if self._control.draw() < float(params.get("rate", 1.0)):
-                    raise OSError(errno.EIO, f"Input/output error (injected by chaos://, {op})", path)
+            elif (kind == FaultKind.STORAGE_ERROR.value and self._applies(params.get("ops", "all"), op)
+                  and self._control.draw() < float(params.get("rate", 1.0))):
+                raise OSError(errno.EIO, f"Input/output error (injected by chaos://, {op})", path)
 
     @staticmethod
     def _applies(ops: str, op: str) -> bool:

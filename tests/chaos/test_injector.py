@@ -21,7 +21,14 @@ from elastic.chaos.injector import Injector
 from elastic.chaos.journal import Journal
 from elastic.etcd_server import find_etcd_binary
 from elastic.events import read_events
-from tests.harness.procs import free_port, make_env, pid_alive, reap, signal_all, wait_for
+from tests.harness.procs import (
+    free_port,
+    make_env,
+    pid_alive,
+    reap,
+    signal_all,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,13 +112,14 @@ def etcd_cluster(tmp_path: Path) -> Iterator[list[str]]:
     ports = [(free_port(), free_port()) for _ in range(3)]
     initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
     procs = []
+    logs = [open(tmp_path / f"m{i}.log", "wb") for i in range(3)]  # noqa: SIM115 (closed below)
     for i, (client, peer) in enumerate(ports):
         argv = [binary, "--name", f"m{i}", "--data-dir", str(tmp_path / f"m{i}"),
                 "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
                 "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                 "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", tmp_path.name,
                 "--heartbeat-interval", "50", "--election-timeout", "500"]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"m{i}.log", "wb"),
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=logs[i],
                                       start_new_session=True))
     endpoints = [f"127.0.0.1:{client}" for client, _ in ports]
     try:
@@ -122,6 +130,8 @@ def etcd_cluster(tmp_path: Path) -> Iterator[list[str]]:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+        for log in logs:
+            log.close()
 
 
 def _leader_or_none(endpoints: list[str]) -> str | None:
@@ -167,7 +177,7 @@ def _member_ok(endpoint: str) -> bool:
 
 def _cli(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "elastic.chaos.cli", *args], capture_output=True, text=True,
-                          timeout=60, env=make_env())
+                          timeout=60, env=make_env(), check=False)
 
 
 def test_cli_rejects_a_bad_schedule(tmp_path: Path) -> None:

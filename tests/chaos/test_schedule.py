@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 
 from elastic.chaos.api import ChaosScheduleError, Fault, FaultKind, Schedule
-from elastic.chaos.schedule import due, load_schedule, next_wake, random_schedule, schedule_from_json
+from elastic.chaos.schedule import (
+    due,
+    load_schedule,
+    next_wake,
+    random_schedule,
+    schedule_from_json,
+)
 
 
 def test_json_round_trip_and_default_targets(tmp_path: Path) -> None:
@@ -55,7 +62,7 @@ def test_random_schedule_is_seeded_and_spaced() -> None:
     assert a == random_schedule(3, duration_s=60, count=5, min_gap_s=8)
     assert a != random_schedule(4, duration_s=60, count=5, min_gap_s=8)
     times = [f.at_s for f in a.faults]
-    assert times == sorted(times) and all(b - a_ >= 8 - 1e-3 for a_, b in zip(times, times[1:]))
+    assert times == sorted(times) and all(b - a_ >= 8 - 1e-3 for a_, b in itertools.pairwise(times))
     assert all(0 <= t < 60 for t in times)
     with pytest.raises(ChaosScheduleError, match="do not fit"):
         random_schedule(1, duration_s=10, count=5, min_gap_s=8)
