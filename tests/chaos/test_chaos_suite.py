@@ -118,3 +118,24 @@ def _assert_last_committed_loads(job: Job, expect_at_least: int) -> None:
     assert committed and committed[-1] >= expect_at_least, committed
     step, _ = final_state(job.ckpt)
     assert step == committed[-1]
+
+
+def test_etcd_leader_killed_costs_no_restart(tmp_path: Path, etcd_cluster, reference) -> None:
+    endpoints = ",".join(etcd_cluster)
+    job = Job(tmp_path, endpoints, "leader")
+    kill = Fault(kind=FaultKind.KILL_ETCD_LEADER, at_step=12, duration_s=1.0)
+    code, injector = job.run(Schedule(faults=(kill,)), timeout=100, endpoints=tuple(etcd_cluster))
+    try:
+        assert code == 0, job.output()[-3000:]
+        assert len(injector.injected) == 1, injector.injected
+        assert job.restarts() == []  # the other two members keep the quorum: nothing to recover from
+        step, tensors = final_state(job.ckpt)
+        assert step == STEPS
+        _assert_same(tensors, reference)
+        job.assert_no_process_left()
+        assert _etcd_keys(etcd_cluster[0] if etcd_cluster[0] != injector.injected[0]["endpoint"] else etcd_cluster[1],
+                          "leader") == []
+    finally:
+        for proc in injector.started:
+            proc.kill()
+            proc.wait(10)

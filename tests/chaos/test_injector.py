@@ -19,16 +19,9 @@ from elastic.chaos import targets
 from elastic.chaos.api import Fault, FaultKind, Schedule
 from elastic.chaos.injector import Injector
 from elastic.chaos.journal import Journal
-from elastic.etcd_server import find_etcd_binary
 from elastic.events import read_events
-from tests.harness.procs import (
-    free_port,
-    make_env,
-    pid_alive,
-    reap,
-    signal_all,
-    wait_for,
-)
+from tests.chaos.conftest import leader_or_none
+from tests.harness.procs import make_env, pid_alive, reap, signal_all, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,41 +99,6 @@ def test_missing_targets_and_partitions_are_journaled_not_raised(tmp_path: Path,
 # --- a real 3-member etcd cluster -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def etcd_cluster(tmp_path: Path) -> Iterator[list[str]]:
-    binary = find_etcd_binary()
-    ports = [(free_port(), free_port()) for _ in range(3)]
-    initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
-    procs = []
-    logs = [open(tmp_path / f"m{i}.log", "wb") for i in range(3)]  # noqa: SIM115 (closed below)
-    for i, (client, peer) in enumerate(ports):
-        argv = [binary, "--name", f"m{i}", "--data-dir", str(tmp_path / f"m{i}"),
-                "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", tmp_path.name,
-                "--heartbeat-interval", "50", "--election-timeout", "500"]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=logs[i],
-                                      start_new_session=True))
-    endpoints = [f"127.0.0.1:{client}" for client, _ in ports]
-    try:
-        wait_for(lambda: _leader_or_none(endpoints), 30, "the etcd cluster to elect a leader")
-        yield endpoints
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-        for log in logs:
-            log.close()
-
-
-def _leader_or_none(endpoints: list[str]) -> str | None:
-    try:
-        return targets.etcd_leader(endpoints)
-    except Exception:  # noqa: BLE001 (not elected yet)
-        return None
-
-
 @pytest.mark.slow
 def test_kill_etcd_leader_restarts_it_and_a_new_leader_is_elected(tmp_path: Path, etcd_cluster) -> None:
     leader = targets.etcd_leader(etcd_cluster)
@@ -153,7 +111,7 @@ def test_kill_etcd_leader_restarts_it_and_a_new_leader_is_elected(tmp_path: Path
         assert record["record"] == "injected" and record["endpoint"] == leader
         wait_for(lambda: not pid_alive(record["pid"]), 5, "the old leader to die")
         others = [e for e in etcd_cluster if e != leader]
-        new_leader = wait_for(lambda: _leader_or_none(others), 15, "a new leader among the two others")
+        new_leader = wait_for(lambda: leader_or_none(others), 15, "a new leader among the two others")
         assert new_leader in others
         clock[0] = 1.0
         (restarted,) = injector.tick()
