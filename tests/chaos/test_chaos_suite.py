@@ -107,6 +107,9 @@ def test_permanent_storage_failure_ends_cleanly(tmp_path: Path, etcd_server) -> 
     job.assert_no_process_left()
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "elastic/agent.py: after etcd_timeout the agent logs 'wait_membership_change failed; sleeping instead' every "
+    "0.1 s and lets the workers train on; the job ends with exit 0 instead of a RendezvousConnectionError"))
 def test_etcd_lost_past_its_bound_ends_cleanly(tmp_path: Path, etcd_server) -> None:
     # Steps slow enough that training outlasts the 3 s bound (training itself needs no etcd: a job that
     # ends within the bound succeeds, rightly).
