@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 
+from elastic.api import ENV_EVENTS_FILE
 from elastic.chaos.api import STORAGE_CONTROL_ENV, ChaosError
 from elastic.chaos.injector import Injector
 from elastic.chaos.journal import Journal
@@ -37,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--agent-pid", type=int, action="append", default=[], help="target this running agent (repeat)")
     p.add_argument("--etcd-endpoints", default="", help="comma-separated etcd members (HOST:PORT) to target")
     p.add_argument("--events-file", default=None,
-                   help="the job's spotrun --events-file: finds workers forked by the warm-worker forkserver")
+                   help="the job's spotrun --events-file: finds workers forked by the warm-worker forkserver "
+                        "(default: the --events-file of the command, if any)")
     p.add_argument("--storage-control", default=None,
                    help="control file of the chaos:// filesystem (default: a temporary file given to the command)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the job to start (e.g. spotrun ... train.py)")
@@ -74,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         agents = [proc.pid]
     else:
         agents = args.agent_pid
+    events_file = args.events_file or events_file_of(args.command)
     injector = Injector(schedule, journal, agent_pids=agents, etcd_endpoints=endpoints, storage_control=control,
-                        events_file=args.events_file)
+                        events_file=events_file)
     journal.write("started", seed=schedule.seed, faults=len(schedule.faults), agents=agents, etcd=endpoints)
     forward = _forward_signals(proc)
     try:
@@ -90,6 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     if injector.pending():
         logger.warning("spotrun-chaos: the job ended with %d faults not fired", injector.pending())
     return code
+
+
+def events_file_of(command: list[str]) -> str | None:
+    """The ``--events-file`` a spotrun command line (or its environment) names, so workers forked by the
+    warm-worker forkserver can be found without repeating it."""
+    for i, arg in enumerate(command):
+        if arg in ("--events-file", "--events_file") and i + 1 < len(command):
+            return command[i + 1]
+        if arg.startswith(("--events-file=", "--events_file=")):
+            return arg.split("=", 1)[1]
+    return os.environ.get(ENV_EVENTS_FILE) or None
 
 
 def _forward_signals(proc: subprocess.Popen[bytes] | None):  # type: ignore[no-untyped-def]

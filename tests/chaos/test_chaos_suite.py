@@ -6,6 +6,8 @@ committed checkpoint intact."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import etcd3
@@ -14,7 +16,9 @@ import torch
 
 from elastic.chaos.api import Fault, FaultKind, Schedule
 from elastic.chaos.storage import write_control
-from tests.chaos.jobs import CKPT_EVERY, STEPS, Job, committed_steps, final_state
+from elastic.events import read_events
+from tests.chaos.jobs import CKPT_EVERY, STEPS, TRAIN, Job, committed_steps, final_state
+from tests.harness.procs import SPOTRUN, Launcher
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -154,3 +158,30 @@ def test_etcd_leader_killed_costs_no_restart(tmp_path: Path, etcd_cluster, refer
         for proc in injector.started:
             proc.kill()
             proc.wait(10)
+
+
+def test_spotrun_chaos_cli_wraps_a_standalone_job(tmp_path: Path, reference) -> None:
+    """What a user types: spotrun-chaos around `spotrun --standalone ... train_ddp.py`; the worker is found
+    through the command's --events-file, the job survives, the journal and events agree."""
+    schedule = tmp_path / "s.json"
+    schedule.write_text(json.dumps({"seed": 5, "faults": [{"kind": "kill_worker", "target": "worker:0", "at_step": 15}]}))
+    events, progress, journal = tmp_path / "events.jsonl", tmp_path / "progress.jsonl", tmp_path / "journal.jsonl"
+    argv = [sys.executable, "-m", "elastic.chaos.cli", "--schedule", str(schedule), "--journal", str(journal),
+            "--progress-file", str(progress), "--",
+            *SPOTRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--events-file", str(events),
+            TRAIN, "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--step-time", "0.05",
+            "--progress-file", str(progress), "--ckpt-dir", f"chaos::file://{tmp_path}/ckpt", "--pg-timeout", "20"]
+    launcher = Launcher(argv, tmp_path / "chaos.log")
+    try:
+        code = launcher.wait(100)
+    finally:
+        launcher.close()
+    assert code == 0, launcher.output()[-3000:]
+    records = read_events(str(journal))
+    injected = [r for r in records if r["record"] == "injected"]
+    assert len(injected) == 1 and injected[0]["rank"] == 0, records
+    assert records[-1]["record"] == "finished" and records[-1]["exit_code"] == 0
+    assert len([e for e in read_events(str(events)) if e["event"] == "failure_detected"]) == 1
+    step, tensors = final_state(f"chaos::file://{tmp_path}/ckpt")
+    assert step == STEPS
+    _assert_same(tensors, reference)

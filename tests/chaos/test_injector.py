@@ -163,3 +163,14 @@ def test_cli_runs_the_command_passes_storage_control_and_returns_its_exit_code(t
     assert [r["record"] for r in records] == ["started", "injected", "finished"]
     assert records[-1]["exit_code"] == 3
     assert not os.path.exists(records[1]["control"])  # its temporary control file is removed
+
+
+def test_cli_finds_the_events_file_in_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.chaos.cli import events_file_of
+
+    monkeypatch.delenv("SPOTRUN_EVENTS_FILE", raising=False)
+    assert events_file_of(["spotrun", "--events-file", "/x/ev.jsonl", "t.py"]) == "/x/ev.jsonl"
+    assert events_file_of(["spotrun", "--events_file=/y.jsonl", "t.py"]) == "/y.jsonl"
+    assert events_file_of(["spotrun", "t.py"]) is None
+    monkeypatch.setenv("SPOTRUN_EVENTS_FILE", "/z.jsonl")
+    assert events_file_of(["spotrun", "t.py"]) == "/z.jsonl"
