@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"reference run failed with exit code {code}:\n{ref.output()[-3000:]}")
             return 1
         job = Job(root / "chaos", etcd.endpoint, "soak", steps=steps, step_time=STEP_TIME, max_restarts=1000)
-        code, injector = job.run(schedule, timeout=args.duration * 4 + 600, endpoints=(etcd.endpoint,))
+        code, injector = job.run(schedule, timeout=args.duration * 4 + 600, endpoints=(etcd.endpoint,),
+                                 clock_from_first_step=True)
         for proc in injector.started:  # etcd members the injector restarted: stop them before the fixture's
             proc.terminate()
             proc.wait(30)

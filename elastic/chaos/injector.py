@@ -77,6 +77,10 @@ class Injector:
     def elapsed(self) -> float:
         return self._clock() - self._t0
 
+    def reset_clock(self) -> None:
+        """Count ``at_s`` from now (e.g. from the job's first step, not from its start-up)."""
+        self._t0 = self._clock()
+
     # ------------------------------------------------------------------ loop
     def tick(self, step: int | None = None) -> list[dict[str, Any]]:
         """Fire what is due now and end what has run its course; returns the journal records written."""

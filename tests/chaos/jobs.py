@@ -101,20 +101,27 @@ class Job:
         self.launcher = Launcher(argv, self.root / "agent.log", env)
         return self.launcher
 
-    def run(self, schedule: Schedule, timeout: float, endpoints: tuple[str, ...] = ()) -> tuple[int, Injector]:
-        """Start, inject ``schedule`` by step/time while it runs, wait for the exit; returns (code, injector)."""
+    def run(self, schedule: Schedule, timeout: float, endpoints: tuple[str, ...] = (),
+            clock_from_first_step: bool = False) -> tuple[int, Injector]:
+        """Start, inject ``schedule`` by step/time while it runs, wait for the exit; returns (code, injector).
+        With ``clock_from_first_step``, ``at_s`` counts from the first training step, not from the launch."""
         launcher = self.start()
         injector = Injector(schedule, Journal(str(self.root / "journal.jsonl")), agent_pids=[launcher.pid],
                             etcd_endpoints=endpoints, storage_control=self.control,
                             events_file=str(self.root / "events.jsonl"))
         deadline = time.monotonic() + timeout
+        waiting_for_first_step = clock_from_first_step
         try:
             while launcher.proc.poll() is None:
                 if time.monotonic() > deadline:
                     raise AssertionError(f"job {self.run_id} still running after {timeout} s:\n{self.output()[-3000:]}")
                 self.seen_pids.update(descendants(launcher.pid))
                 before = len(injector.fired)
-                if injector.pending():
+                if waiting_for_first_step:
+                    if last_step(str(self.root / "progress.jsonl")) is not None:
+                        injector.reset_clock()
+                        waiting_for_first_step = False
+                elif injector.pending():
                     steps = committed_steps(self.ckpt) if Path(self.root / "ckpt").exists() else []
                     step = last_step(str(self.root / "progress.jsonl"))
                     injector.tick(step)
