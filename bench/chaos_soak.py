@@ -70,6 +70,14 @@ def corrupt_steps(ckpt_uri: str) -> list[int]:
     return bad
 
 
+def _fired_records(injector: object) -> list[str]:
+    """The journal record (injected/skipped/failed) of each fired fault, in firing order."""
+    from elastic.events import read_events as read
+
+    journal = getattr(injector, "journal").path  # noqa: B009
+    return [r["record"] for r in read(journal) if r.get("record") in ("injected", "skipped", "failed")]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, required=True, help="seconds over which faults are injected")
@@ -105,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     _, reference = final_state(ref.ckpt)
     identical = tensors.keys() == reference.keys() and all(torch.equal(tensors[k], reference[k]) for k in tensors)
     resumed = job.resumed_steps()
-    lost = [max(0, at - r) for at, r in zip(job.step_at_fault, resumed)] if resumed else []
+    # Each injected kill costs one restart, which resumes once (the "resumed from step" line of rank 0).
+    killed_at = [step for (kind, step), rec in zip(job.step_at_fault, _fired_records(injector))
+                 if kind == FaultKind.KILL_WORKER.value and rec == "injected"]
+    lost = [max(0, at - r) for at, r in zip(killed_at, resumed)]
     alive = [pid for pid in job.seen_pids if os.path.exists(f"/proc/{pid}")]
     print(f"exit code {code}; final step {step} of {steps}; final weights identical to the reference: {identical}")
     print(f"faults injected by type: {by_kind} (not fired: {injector.pending()})")

@@ -78,9 +78,13 @@ def breakdown(faults: Sequence[Fault], events: Sequence[dict[str, Any]], progres
         since = fault.t_wall
         for stage in ("detection", "stop", "rendezvous", "process_start"):
             t = _last_first(events, _EVENT_OF_STAGE[stage], since, end)
+            if t is None and stage == "detection":
+                break  # never detected: no recovery (a later start-up rendezvous is not its recovery)
             rec.stages[stage] = None if t is None else t - fault.t_wall
             since = t if t is not None else since
-        started = rec.stages["process_start"]
+        for stage in STAGES:
+            rec.stages.setdefault(stage, None)
+        started = rec.stages["process_start"] if rec.stages["detection"] is not None else None
         origin = fault.t_wall + started if started is not None else None
         rec.stages["checkpoint_load"] = _first_after(resumes, origin, end, fault.t_wall)
         steps = None if progress is None else [float(p["t_wall"]) for p in progress if "t_wall" in p]

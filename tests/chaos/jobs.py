@@ -75,7 +75,8 @@ class Job:
     launcher: Launcher | None = None
     seen_pids: set[int] = field(default_factory=set)
     committed_at_fault: list[int] = field(default_factory=list)
-    step_at_fault: list[int] = field(default_factory=list)
+    step_at_fault: list[tuple[str, int]] = field(default_factory=list)
+    """(kind, last step reported) of each fault when it fired."""
 
     @property
     def ckpt(self) -> str:
@@ -127,7 +128,8 @@ class Job:
                     injector.tick(step)
                     if len(injector.fired) > before:
                         self.committed_at_fault.append(max(steps, default=0))
-                        self.step_at_fault.append(step or 0)
+                        fired = schedule.faults[injector.fired[-1]]
+                        self.step_at_fault.append((fired.kind.value, step or 0))
                 else:
                     injector.tick(None)
                 time.sleep(0.05)

@@ -48,3 +48,10 @@ def test_resume_lines_of_train_ddp_are_parsed() -> None:
            "2026-11-23 00:04:50,251 train_ddp [rank 1/2 restart 1] something else\n")
     (t,) = resume_times(log)
     assert t % 1 == pytest.approx(0.25)
+
+
+def test_a_fault_never_detected_has_no_recovery_stages() -> None:
+    # Injected before the workers started: the start-up rendezvous must not be counted as its recovery.
+    events = [_ev("rendezvous_completed", 5.0), _ev("workers_started", 5.5)]
+    (rec,) = breakdown([Fault("storage_latency", 1.0)], events, [{"t_wall": 6.0}], resumes=[])
+    assert all(v is None for v in rec.stages.values()), rec.stages
