@@ -174,3 +174,23 @@ def test_cli_finds_the_events_file_in_the_command(monkeypatch: pytest.MonkeyPatc
     assert events_file_of(["spotrun", "t.py"]) is None
     monkeypatch.setenv("SPOTRUN_EVENTS_FILE", "/z.jsonl")
     assert events_file_of(["spotrun", "t.py"]) == "/z.jsonl"
+
+
+def test_kill_agent_takes_its_workers_and_term_agent_sends_sigterm(tmp_path: Path, agent) -> None:
+    agent_pid, kids = agent
+    journal = Journal(str(tmp_path / "j.jsonl"))
+    term = Injector(Schedule(faults=(Fault(kind=FaultKind.TERM_AGENT, target="agent:0", at_s=0),)), journal,
+                    agent_pids=[agent_pid])
+    (record,) = term.tick()
+    assert record["record"] == "injected" and record["pid"] == agent_pid
+    wait_for(lambda: not pid_alive(agent_pid), 5, "the stand-in agent to exit on SIGTERM")
+    assert all(pid_alive(k) for k in kids)  # SIGTERM is the agent's to handle: its workers are not signalled
+
+
+def test_kill_agent_kills_the_whole_tree(tmp_path: Path, agent) -> None:
+    agent_pid, kids = agent
+    kill = Injector(Schedule(faults=(Fault(kind=FaultKind.KILL_AGENT, at_s=0),)), Journal(str(tmp_path / "j.jsonl")),
+                    agent_pids=[agent_pid])
+    (record,) = kill.tick()
+    assert record["pid"] == agent_pid and sorted(record["pids"]) == sorted([agent_pid, *kids])
+    wait_for(lambda: not any(pid_alive(p) for p in [agent_pid, *kids]), 5, "the agent and its workers to die")
