@@ -194,3 +194,42 @@ def test_kill_agent_kills_the_whole_tree(tmp_path: Path, agent) -> None:
     (record,) = kill.tick()
     assert record["pid"] == agent_pid and sorted(record["pids"]) == sorted([agent_pid, *kids])
     wait_for(lambda: not any(pid_alive(p) for p in [agent_pid, *kids]), 5, "the agent and its workers to die")
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A network namespace of our own with a veth pair inside (nothing of the host's network is touched)."""
+    from tests.deploy.netlab import loopback_reason
+
+    reason = loopback_reason()
+    if reason is not None:
+        pytest.skip(f"no network namespaces here: {reason}")
+    name = f"spotrun-chaos-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "add", "v0", "type", "veth", "peer", "name", "v1"], check=True,
+                       timeout=10)
+        for link in ("v0", "v1"):
+            subprocess.run(["ip", "-n", name, "link", "set", link, "up"], check=True, timeout=10)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False, timeout=10)
+
+
+def _link_up(netns: str, link: str) -> bool:
+    out = subprocess.run(["ip", "-n", netns, "-o", "link", "show", link], capture_output=True, text=True,
+                         timeout=10, check=True).stdout
+    return ",UP" in out or "<UP" in out
+
+
+def test_partition_takes_the_namespace_links_down_then_up(tmp_path: Path, netns: str) -> None:
+    clock = [0.0]
+    schedule = Schedule(faults=(Fault(kind=FaultKind.PARTITION, target=f"netns:{netns}", at_s=0, duration_s=1),))
+    injector = Injector(schedule, Journal(str(tmp_path / "j.jsonl")), clock=lambda: clock[0])
+    (cut,) = injector.tick()
+    assert cut["record"] == "injected" and sorted(cut["links"]) == ["v0", "v1"]
+    assert not _link_up(netns, "v0") and not _link_up(netns, "v1")
+    clock[0] = 1.0
+    (healed,) = injector.tick()
+    assert healed["record"] == "undone"
+    assert _link_up(netns, "v0") and _link_up(netns, "v1")
