@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,14 +12,16 @@ import torch
 
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.config import CheckpointConfig
-from checkpoint.discover import list_steps
+from checkpoint.discover import list_steps, read_manifest
+from checkpoint.export import assemble
+from checkpoint.storage import Storage
 from elastic.chaos.api import STORAGE_CONTROL_ENV, Schedule
 from elastic.chaos.injector import Injector
 from elastic.chaos.journal import Journal
 from elastic.chaos.storage import register
 from elastic.chaos.targets import descendants, last_step
 from elastic.events import read_events
-from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, make_env, reap
+from tests.harness.procs import SPOTRUN, Launcher, make_env, reap
 
 TRAIN = str(Path(__file__).with_name("chaos_train.py"))
 RDZV_CONF = "lease_ttl=2,last_call_timeout=0.5,join_timeout=60"
@@ -29,29 +29,14 @@ STEPS = 30
 CKPT_EVERY = 10
 
 
-def _train_module() -> Any:
-    spec = importlib.util.spec_from_file_location("train_ddp_ref", EXAMPLES / "train_ddp.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def final_state(ckpt_uri: str) -> tuple[int, dict[str, torch.Tensor]]:
-    """(step, tensors) of the newest committed checkpoint, loaded into train_ddp's model and optimizer."""
+    """(step, every tensor) of the newest committed checkpoint, read from the files (checksums verified), so
+    the comparison covers whatever the script saves (model, optimizer, data position) without knowing it."""
     register()
-    train = _train_module()
-    model = train.make_model()
-    optim = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    trainer = train.TrainerState()
-    with Checkpointer(ckpt_uri, CheckpointConfig()) as ckpt:
-        step = ckpt.load({"model": model, "optim": optim, "trainer": trainer})
-    tensors = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for i, st in optim.state_dict()["state"].items():
-        tensors[f"optim.{i}.momentum"] = st["momentum_buffer"].clone()
-    assert step == trainer.step
-    return step, tensors
+    storage = Storage(ckpt_uri)
+    step = max(list_steps(storage).committed)
+    manifest = read_manifest(storage, step)
+    return manifest.step, {fqn: assemble(storage, manifest, fqn) for fqn in manifest.tensors}
 
 
 def committed_steps(ckpt_uri: str) -> list[int]:
