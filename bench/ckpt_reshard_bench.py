@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import argparse
 import io
-import multiprocessing as mp
 import os
-import queue
 import shutil
 import statistics
 import tempfile
 import threading
 import time
-import traceback
+import sys
 from collections.abc import Callable
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.harness
+from tests.harness.dist import run_workers  # noqa: E402 - needs the repo root on sys.path first
 
 _COLS = 1024
 _N_TENSORS = 16
@@ -150,56 +151,9 @@ def counting_dcp_reader(path: str) -> Any:
 
 
 # --------------------------------------------------------------------------- launcher
-def _entry(fn: Callable[..., Any], rank: int, world: int, store: str, results: Any, args: tuple) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # one rank per core, as on the training machine
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        try:
-            out = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the run
-        results.put((rank, "error", traceback.format_exc()))
-
-
 def run_ranks(fn: Callable[..., Any], world: int, args: tuple, scratch: str, timeout: float) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; results by rank. Reaps by PID."""
-    ctx = mp.get_context("spawn")
-    store = os.path.join(scratch, f"store-{world}-{time.monotonic_ns()}")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, store, results, args)) for r in range(world)]
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.start()
-        while len(out) < world:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{world - len(out)} of {world} ranks did not finish in {timeout:.0f}s")
-            try:
-                rank, status, value = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank process {dead[0].pid} exited with code {dead[0].exitcode}") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
-            out[rank] = value
-        return [out[r] for r in range(world)]
-    finally:
-        for p in procs:
-            p.join(timeout=max(1.0, min(10.0, deadline - time.monotonic())))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-        results.close()
-        results.join_thread()
+    """Run ``fn(rank, world, *args)`` in ``world`` freshly spawned gloo processes (the shared harness)."""
+    return run_workers(fn, world, args, tmpdir=scratch, timeout=timeout, start_method="spawn")
 
 
 # --------------------------------------------------------------------------- reshard: sharded state

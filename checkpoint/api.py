@@ -13,8 +13,13 @@ and never pickled.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from checkpoint.shard import ShardLayout
 
 FORMAT_NAME = "spotrun-checkpoint"
 FORMAT_VERSION = 1
@@ -55,6 +60,10 @@ class CorruptCheckpointError(CheckpointError):
         super().__init__(message)
         self.file = file
         self.tensor = tensor
+
+
+class UnsafePathError(CorruptCheckpointError):
+    """A name read from the checkpoint root (manifest, marker, listing) would reach outside its step directory."""
 
 
 class IncompatibleCheckpointError(CheckpointError):
@@ -108,6 +117,59 @@ class TensorItem:
         return int(self.tensor.numel() * self.tensor.element_size())
 
 
+# --------------------------------------------------------------------------- strict JSON fields
+# Records are read from files anyone with write access to the root can change: every field is checked for
+# its JSON type and range here (TypeError/ValueError, which the readers turn into CorruptCheckpointError),
+# so no later step sees a float shape, a bool size, a list where a mapping belongs or a 2**70 offset.
+_MAX_INT = (1 << 63) - 1
+
+
+def _obj(v: JSON, what: str) -> dict[str, JSON]:
+    if not isinstance(v, dict):
+        raise TypeError(f"{what} must be a JSON object, not {type(v).__name__}")
+    return v
+
+
+def _int(v: JSON, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
+    if type(v) is not int:  # bool is an int subclass: excluded, as are floats and strings
+        raise TypeError(f"{what}={v!r} must be an integer")
+    if not lo <= v <= hi:
+        raise ValueError(f"{what}={v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _list(v: JSON, what: str) -> list[JSON]:
+    if not isinstance(v, list):
+        raise TypeError(f"{what} must be a list, not {type(v).__name__}")
+    return v
+
+
+def _ints(v: JSON, what: str, lo: int = 0) -> list[int]:
+    return [_int(x, what, lo) for x in _list(v, what)]
+
+
+def _str(v: JSON, what: str) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{what}={v!r} must be a string")
+    return v
+
+
+def _num(v: JSON, what: str) -> float:
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise TypeError(f"{what}={v!r} must be a finite number")
+    return float(v)
+
+
+def _crc(v: JSON, what: str) -> int:
+    return _int(v, what, 0, 0xFFFFFFFF)
+
+
+def _file_name(v: JSON, what: str) -> str:
+    from checkpoint.confine import check_name  # confine imports this module's errors
+
+    return check_name(v, what=what)
+
+
 # --------------------------------------------------------------------------- on-disk records
 @dataclass(slots=True)
 class ChunkRecord:
@@ -134,14 +196,18 @@ class ChunkRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, JSON]) -> ChunkRecord:
-        return cls(
-            offsets=list(d["offsets"]),
-            lengths=list(d["lengths"]),
-            file=str(d["file"]),
-            key=str(d["key"]),
-            byte_range=list(d["byte_range"]),
-            block_crc32=[int(x) for x in d["block_crc32"]],
+        d = _obj(d, "chunk")
+        rec = cls(
+            offsets=_ints(d["offsets"], "chunk offsets"),
+            lengths=_ints(d["lengths"], "chunk lengths"),
+            file=_file_name(d["file"], "chunk file"),
+            key=_str(d["key"], "chunk key"),
+            byte_range=_ints(d["byte_range"], "chunk byte_range"),
+            block_crc32=[_crc(x, "chunk block_crc32") for x in _ints(d["block_crc32"], "chunk block_crc32")],
         )
+        if len(rec.offsets) != len(rec.lengths) or len(rec.byte_range) != 2 or rec.byte_range[0] > rec.byte_range[1]:
+            raise ValueError(f"chunk of {rec.file}: offsets/lengths of different rank or bad byte_range {rec.byte_range}")
+        return rec
 
 
 @dataclass(slots=True)
@@ -157,10 +223,11 @@ class TensorRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, JSON]) -> TensorRecord:
+        d = _obj(d, "tensor")
         return cls(
-            shape=list(d["shape"]),
-            dtype=str(d["dtype"]),
-            chunks=[ChunkRecord.from_json(c) for c in d["chunks"]],
+            shape=_ints(d["shape"], "tensor shape"),
+            dtype=_str(d["dtype"], "tensor dtype"),
+            chunks=[ChunkRecord.from_json(c) for c in _list(d["chunks"], "tensor chunks")],
         )
 
 
@@ -177,7 +244,24 @@ class FileRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, JSON]) -> FileRecord:
-        return cls(size=int(d["size"]), crc32=int(d["crc32"]), rank=int(d["rank"]))
+        d = _obj(d, "file record")
+        return cls(size=_int(d["size"], "file size"), crc32=_crc(d["crc32"], "file crc32"), rank=_int(d["rank"], "file rank"))
+
+
+@dataclass(slots=True)
+class ChecksumRecord:
+    """Size and whole-file crc32 of one JSON file of a step (``objects.json``, the index): in ``Manifest.checksums``."""
+
+    size: int
+    crc32: int
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"size": self.size, "crc32": self.crc32}
+
+    @classmethod
+    def from_json(cls, d: dict[str, JSON]) -> ChecksumRecord:
+        d = _obj(d, "checksum record")
+        return cls(size=_int(d["size"], "checksum size"), crc32=_crc(d["crc32"], "checksum crc32"))
 
 
 @dataclass(slots=True)
@@ -194,7 +278,13 @@ class RankObjectsRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, JSON]) -> RankObjectsRecord:
-        return cls(size=int(d["size"]), crc32=int(d["crc32"]), rank=int(d["rank"]), keys=[str(k) for k in d["keys"]])
+        d = _obj(d, "per-rank objects record")
+        return cls(
+            size=_int(d["size"], "per-rank size"),
+            crc32=_crc(d["crc32"], "per-rank crc32"),
+            rank=_int(d["rank"], "per-rank rank"),
+            keys=[_str(k, "per-rank key") for k in _list(d["keys"], "per-rank keys")],
+        )
 
 
 @dataclass(slots=True)
@@ -212,6 +302,9 @@ class Manifest:
     rank_objects: dict[str, RankObjectsRecord] = field(default_factory=dict)
     """Per-rank objects files by name (one per saving rank, or none); absent in manifests written before
     per-rank state existed, which still load (the field defaults to empty)."""
+    checksums: dict[str, ChecksumRecord] = field(default_factory=dict)
+    """Size and crc32 of the step's other JSON files (``objects.json``, ``model.safetensors.index.json``), so
+    every file of a step is covered by a checksum; absent in older manifests, which still load unchecked."""
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -227,29 +320,46 @@ class Manifest:
             "checksum_block_bytes": self.checksum_block_bytes,
             "files": {k: v.to_json() for k, v in sorted(self.files.items())},
             "rank_objects": {k: v.to_json() for k, v in sorted(self.rank_objects.items())},
+            **({"checksums": {k: v.to_json() for k, v in sorted(self.checksums.items())}} if self.checksums else {}),
             "tensors": {k: v.to_json() for k, v in sorted(self.tensors.items())},
         }
 
     @classmethod
     def from_json(cls, d: dict[str, JSON]) -> Manifest:
+        d = _obj(d, "manifest")
         if d.get("format") != FORMAT_NAME:
-            raise IncompatibleCheckpointError(f"not a spotrun checkpoint manifest (format={d.get('format')!r})")
+            # Committed by a marker yet not ours: damage (the step is skipped), unlike a newer version below.
+            raise ValueError(f"not a spotrun checkpoint manifest (format={d.get('format')!r})")
         if d.get("version") != FORMAT_VERSION:
             raise IncompatibleCheckpointError(
                 f"checkpoint format version {d.get('version')!r} is not supported by this spotrun "
                 f"(supports {FORMAT_VERSION}); upgrade spotrun to read it"
             )
-        return cls(
-            step=int(d["step"]),
-            world_size=int(d["world_size"]),
-            created_unix=float(d["created_unix"]),
-            library_version=str(d["library_version"]),
-            has_objects=bool(d.get("has_objects", False)),
-            checksum_block_bytes=int(d["checksum_block_bytes"]),
-            files={k: FileRecord.from_json(v) for k, v in d["files"].items()},
-            tensors={k: TensorRecord.from_json(v) for k, v in d["tensors"].items()},
-            rank_objects={k: RankObjectsRecord.from_json(v) for k, v in d.get("rank_objects", {}).items()},
+        has_objects = d.get("has_objects", False)
+        if not isinstance(has_objects, bool):
+            raise TypeError(f"has_objects={has_objects!r} must be true or false")
+        manifest = cls(
+            step=_int(d["step"], "step"),
+            world_size=_int(d["world_size"], "world_size", 1),
+            created_unix=_num(d["created_unix"], "created_unix"),
+            library_version=_str(d["library_version"], "library_version"),
+            has_objects=has_objects,
+            checksum_block_bytes=_int(d["checksum_block_bytes"], "checksum_block_bytes", 1),
+            files={_file_name(k, "shard file"): FileRecord.from_json(v) for k, v in _obj(d["files"], "files").items()},
+            tensors={k: TensorRecord.from_json(v) for k, v in _obj(d["tensors"], "tensors").items()},
+            rank_objects={
+                _file_name(k, "per-rank objects file"): RankObjectsRecord.from_json(v)
+                for k, v in _obj(d.get("rank_objects", {}), "rank_objects").items()
+            },
+            checksums={
+                _file_name(k, "checksummed file"): ChecksumRecord.from_json(v)
+                for k, v in _obj(d.get("checksums", {}), "checksums").items()
+            },
         )
+        ranks = [r.rank for r in manifest.files.values()] + [r.rank for r in manifest.rank_objects.values()]
+        if any(rank >= manifest.world_size for rank in ranks):
+            raise ValueError(f"a file of rank {max(ranks)} in a step saved by {manifest.world_size} ranks")
+        return manifest
 
     def rank_objects_of(self, rank: int) -> tuple[str, RankObjectsRecord] | None:
         """The per-rank objects file saved by ``rank`` (name, record), or None."""
@@ -257,6 +367,60 @@ class Manifest:
             if rec.rank == rank:
                 return name, rec
         return None
+
+
+@dataclass(slots=True)
+class RankRecords:
+    """What one rank wrote for a step (sent to rank 0 as JSON for the manifest)."""
+
+    rank: int
+    tensors: dict[str, TensorRecord] = field(default_factory=dict)
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    error: str | None = None
+    rank_objects: dict[str, RankObjectsRecord] = field(default_factory=dict)
+    """This rank's per-rank objects file (at most one), written before the records are gathered."""
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "rank": self.rank,
+            "error": self.error,
+            "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+            "files": {k: v.to_json() for k, v in self.files.items()},
+            "rank_objects": {k: v.to_json() for k, v in self.rank_objects.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, JSON]) -> RankRecords:
+        return cls(
+            rank=int(d["rank"]),
+            error=d.get("error"),
+            tensors={k: TensorRecord.from_json(v) for k, v in d["tensors"].items()},
+            files={k: FileRecord.from_json(v) for k, v in d["files"].items()},
+            rank_objects={k: RankObjectsRecord.from_json(v) for k, v in d.get("rank_objects", {}).items()},
+        )
+
+
+# --------------------------------------------------------------------------- writer protocol
+@runtime_checkable
+class ShardWriter(Protocol):
+    """Writes one rank's shard files for a step; one implementation per ``CheckpointConfig.writer`` mode
+    (``writer.ThreadWriter``, ``writer.ProcessWriter``), chosen once by ``writer.open_writer``.
+
+    ``stage`` runs on the training thread (the only part of a save that blocks it); ``write`` runs on the
+    Checkpointer's background thread, one step at a time.
+    """
+
+    def stage(self, layouts: Sequence[ShardLayout], items: Sequence[TensorItem]) -> list[memoryview]:
+        """Copy ``items`` into the host buffers this writer reads; returns what ``write`` takes as ``buffers``."""
+        ...
+
+    def write(self, step_rel: str, layouts: Sequence[ShardLayout], buffers: Sequence[memoryview]) -> RankRecords:
+        """Write the staged shard files under ``step_rel``, durable on return; raises on failure."""
+        ...
+
+    def close(self) -> None:
+        """Release buffers, threads and processes (idempotent)."""
+        ...
 
 
 # --------------------------------------------------------------------------- read plan
@@ -297,7 +461,10 @@ def parse_step_dir(name: str) -> int | None:
     if not name.startswith(STEP_DIR_PREFIX):
         return None
     digits = name[len(STEP_DIR_PREFIX) :]
-    return int(digits) if digits.isdigit() else None
+    if not (digits.isascii() and digits.isdigit()):  # str.isdigit alone accepts "²" and other non-ASCII digits
+        return None
+    step = int(digits)
+    return step if name == step_dir(step) else None  # only the canonical spelling names a step
 
 
 def shard_file_name(rank: int, world_size: int, part: int = 0) -> str:
@@ -313,27 +480,6 @@ def rank_objects_file_name(rank: int, world_size: int) -> str:
 
 ON_RESIZE_RULES = ("rank_modulo", "rank0", "skip")
 """What a ``PerRank`` entry loads when the world size changed since the save (see ``per_rank_source``)."""
-
-
-def per_rank_source(rank: int, world_size: int, saved_world_size: int, on_resize: str) -> int | None:
-    """The saved rank whose copy of a per-rank entry ``rank`` loads, or None to leave the live value as is.
-
-    At the saving world size every rank gets its own copy whatever the rule. Otherwise ``rank_modulo``
-    (default) gives rank r the copy of saved rank ``r % saved_world_size`` (its own while r < saved world
-    size; when shrinking, the copies of saved ranks >= world size are dropped), ``rank0`` gives every rank
-    saved rank 0's copy, ``skip`` keeps the live value.
-    """
-    if on_resize not in ON_RESIZE_RULES:
-        raise ValueError(f"on_resize={on_resize!r} is not one of {ON_RESIZE_RULES}")
-    if saved_world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"bad rank/world sizes: rank={rank} world_size={world_size} saved_world_size={saved_world_size}")
-    if world_size == saved_world_size:
-        return rank
-    if on_resize == "skip":
-        return None
-    if on_resize == "rank0":
-        return 0
-    return rank % saved_world_size
 
 
 @dataclass(slots=True)
@@ -355,62 +501,10 @@ class CommitMarker:
 
     @classmethod
     def from_json(cls, d: dict[str, JSON]) -> CommitMarker:
+        d = _obj(d, "commit marker")
         return cls(
-            step=int(d["step"]),
-            manifest_crc32=int(d["manifest_crc32"]),
-            manifest_size=int(d["manifest_size"]),
-            created_unix=float(d["created_unix"]),
+            step=_int(d["step"], "step"),
+            manifest_crc32=_crc(d["manifest_crc32"], "manifest_crc32"),
+            manifest_size=_int(d["manifest_size"], "manifest_size"),
+            created_unix=_num(d["created_unix"], "created_unix"),
         )
-
-
-# --------------------------------------------------------------------------- fault injection (tests)
-CRASH_AT_ENV = "SPOTRUN_CKPT_CRASH_AT"
-"""``<point>:<n>``: at the n-th (1-based) time the named point is reached, announce it and block forever
-(the test then kills the process by PID). Points are listed in ``CRASH_POINTS``."""
-CRASH_NOTIFY_FD_ENV = "SPOTRUN_CKPT_CRASH_NOTIFY_FD"
-"""File descriptor that receives ``reached <point> <pid>\\n`` when the crash point triggers (default 2)."""
-
-CRASH_POINTS = (
-    "stage.begin",
-    "stage.end",
-    "shard.open",
-    "shard.header",
-    "shard.block",
-    "shard.before_commit",
-    "shard.after_commit",
-    "rank_objects.after",
-    "records.gathered",
-    "objects.after",
-    "index.after",
-    "manifest.before",
-    "manifest.after",
-    "commit.before",
-    "commit.after",
-    "latest.before",
-    "latest.after",
-    "retention.before",
-    "retention.delete",
-)
-
-_crash_counts: dict[str, int] = {}
-
-
-def crash_point(name: str) -> None:
-    """Fault-injection hook: a no-op unless ``SPOTRUN_CKPT_CRASH_AT`` names this point."""
-    import os
-
-    spec = os.environ.get(CRASH_AT_ENV)
-    if not spec:
-        return
-    point, _, nth = spec.rpartition(":")
-    if point != name:
-        return
-    count = _crash_counts.get(name, 0) + 1
-    _crash_counts[name] = count
-    if count != int(nth):
-        return
-    import threading
-
-    fd = int(os.environ.get(CRASH_NOTIFY_FD_ENV, "2"))
-    os.write(fd, f"reached {name} {os.getpid()}\n".encode())
-    threading.Event().wait()  # block until the test kills us

@@ -32,6 +32,7 @@ from checkpoint.api import (
     step_dir,
 )
 from checkpoint.discover import (
+    check_files,
     latest_good_step,
     list_steps,
     require_checkpoint,
@@ -183,6 +184,7 @@ def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = Tr
     from tqdm import tqdm
 
     from checkpoint.checksum import crc32, crc32_combine
+    from checkpoint.verify import BlockVerifier, truncated
 
     rel = step_dir(manifest.step)
     by_file: dict[str, list[tuple[str, Any]]] = {name: [] for name in manifest.files}
@@ -212,17 +214,17 @@ def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = Tr
                         gap = take(pos, start)
                         crc = crc32(gap, crc)
                         if len(gap) != start - pos:
-                            raise CorruptCheckpointError(f"{storage.display(path)} is truncated")
-                    for i, b0 in enumerate(range(start, end, block)):
+                            raise truncated(storage.display(path), name, None, pos, start, len(gap))
+                    verifier = BlockVerifier(
+                        c.block_crc32, path=storage.display(path), file=name, fqn=fqn, chunk_start=start,
+                        start=start, end=end, block_bytes=block, on_mismatch=lambda e: problems.append(str(e)),
+                    )
+                    for b0 in range(start, end, block):
                         data = take(b0, min(b0 + block, end))
                         if len(data) != min(b0 + block, end) - b0:
-                            raise CorruptCheckpointError(f"{storage.display(path)} is truncated inside tensor {fqn!r}")
-                        got = crc32(data)
-                        if i >= len(c.block_crc32) or got != c.block_crc32[i]:
-                            problems.append(
-                                f"checksum mismatch in {storage.display(path)}: tensor {fqn!r} block {i} (bytes [{b0}, {b0 + len(data)}))"
-                            )
-                        crc = crc32_combine(crc, got, len(data))
+                            raise truncated(storage.display(path), name, fqn, b0, min(b0 + block, end), len(data))
+                        verifier.feed(data)
+                        crc = crc32_combine(crc, verifier.block_crcs[-1], len(data))
                     pos = max(pos, end)
                 if pos < frec.size:
                     crc = crc32(take(pos, frec.size), crc)
@@ -250,6 +252,68 @@ def verify_rank_objects(storage: Storage, manifest: Manifest) -> list[str]:
     return problems
 
 
+def structure_problems(storage: Storage, manifest: Manifest) -> list[str]:
+    """The checks ``load`` applies before reading a byte (``validate_step``), as problems: chunks tile every
+    tensor, byte ranges lie inside files whose recorded sizes are their real sizes, names stay in the step."""
+    from checkpoint.plan import validate_tiling
+
+    problems = []
+    for check in (validate_tiling, lambda m: check_files(storage, m)):
+        try:
+            check(manifest)
+        except CorruptCheckpointError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def header_problems(storage: Storage, manifest: Manifest) -> list[str]:
+    """Each shard's safetensors header against the manifest: every chunk is there with its dtype, shape and
+    byte range (what ``safetensors.load_file`` would read must be what spotrun reads)."""
+    from checkpoint.shard import read_header
+
+    rel = step_dir(manifest.step)
+    problems: list[str] = []
+    by_file: dict[str, list[tuple[str, str, Any]]] = {name: [] for name in manifest.files}
+    for fqn, rec in manifest.tensors.items():
+        for c in rec.chunks:
+            by_file.setdefault(c.file, []).append((fqn, rec.dtype, c))
+    for name, chunks in sorted(by_file.items()):
+        path = f"{rel}/{name}"
+        try:
+            start, header = read_header(storage, path)
+        except (CorruptCheckpointError, CheckpointStorageError) as exc:
+            problems.append(str(exc))
+            continue
+        for fqn, dtype, c in chunks:
+            entry = header.get(c.key)
+            want = {"dtype": dtype, "shape": c.lengths, "data_offsets": [c.byte_range[0] - start, c.byte_range[1] - start]}
+            if not isinstance(entry, dict) or {k: entry.get(k) for k in want} != want:
+                problems.append(
+                    f"safetensors header of {storage.display(path)} disagrees with the manifest for tensor {fqn!r}: "
+                    f"{c.key!r} is {entry!r} in the file, the manifest says {want}"
+                )
+    return problems
+
+
+def json_file_problems(storage: Storage, manifest: Manifest) -> list[str]:
+    """``objects.json`` and the index against their checksums in the manifest (what ``load`` reads of them)."""
+    from checkpoint.discover import read_checksummed, read_objects
+
+    problems: list[str] = []
+    for name in sorted(manifest.checksums):
+        try:
+            read_checksummed(storage, manifest, name)
+        except (CorruptCheckpointError, CheckpointStorageError) as exc:
+            problems.append(str(exc))
+    if manifest.has_objects:
+        try:
+            read_objects(storage, manifest)
+        except (CorruptCheckpointError, CheckpointStorageError) as exc:
+            if str(exc) not in problems:
+                problems.append(str(exc))
+    return problems
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     storage = _storage(args)
     if args.step is not None:
@@ -258,7 +322,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         manifest = read_manifest(storage, args.step)  # check files ourselves: report every problem
     else:
         manifest = resolve_step(storage, None)
-    problems = verify_manifest(storage, manifest, progress=not args.no_progress)
+    problems = structure_problems(storage, manifest)
+    if not problems:  # bytes are read only once the manifest's sizes are known to be the files' real ones
+        problems += verify_manifest(storage, manifest, progress=not args.no_progress)
+        problems += header_problems(storage, manifest)
+    problems += json_file_problems(storage, manifest)
     problems += verify_rank_objects(storage, manifest)
     if problems:
         for p in problems:
@@ -303,6 +371,14 @@ def cmd_rm(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    newest = max(listing.committed, default=-1)
+    if args.step in listing.uncommitted and args.step > newest and not args.force:
+        print(
+            f"spotrun-ckpt: error: step {args.step} at {storage.display()} is not committed and newer than every "
+            f"committed step: a job may be writing it right now. Pass --force to delete it anyway.",
+            file=sys.stderr,
+        )
+        return 1
     delete_step(storage, args.step)
     print(f"deleted step {args.step}")
     return 0
@@ -316,6 +392,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command](args)
+    except BrokenPipeError:  # ``spotrun-ckpt inspect | head``: the reader left; exit quietly like cat does
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by the broken pipe
     except CheckpointError as exc:
         print(f"spotrun-ckpt: error: {exc}", file=sys.stderr)
         for kind, code in EXIT_CODES:

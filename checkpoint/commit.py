@@ -5,7 +5,9 @@
 2. Ranks send their records (chunks, byte ranges, block crc32s, file sizes and crc32s, the per-rank
    objects file's size, crc32 and keys) to rank 0.
 3. Rank 0 merges them into the manifest and checks that the chunks tile every tensor exactly.
-4. Rank 0 writes ``objects.json``, ``model.safetensors.index.json``, then ``manifest.json``.
+4. Rank 0 writes ``objects.json`` and ``model.safetensors.index.json`` (their sizes and crc32s go into the
+   manifest's ``checksums``), checks that every file the manifest names is still there with its size (a step
+   deleted by ``spotrun-ckpt rm`` during the save fails here instead of committing), then writes ``manifest.json``.
 5. Rank 0 writes ``.commit`` (step, crc32 and size of the manifest bytes). From this moment the step exists.
 6. Rank 0 rewrites ``latest`` (a hint only: readers trust commit markers, not ``latest``).
 7. Retention runs (deleting a step removes its ``.commit`` first, so a half-deleted step is merely uncommitted).
@@ -32,16 +34,18 @@ from checkpoint.api import (
     RANK_OBJECTS_FORMAT,
     RANK_OBJECTS_MAX_BYTES,
     CheckpointError,
+    ChecksumRecord,
     CommitMarker,
+    CorruptCheckpointError,
     Manifest,
     RankObjectsRecord,
+    RankRecords,
     TensorRecord,
-    crash_point,
     step_dir,
 )
+from checkpoint.faults import crash_point
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
-from checkpoint.writer import RankRecords
 
 logger = logging.getLogger(__name__)
 
@@ -168,11 +172,12 @@ def commit_step(
     if storage.exists(f"{rel}/{COMMIT_FILE}"):
         raise CheckpointError(f"step {manifest.step} is already committed at {storage.display(rel)}; refusing to overwrite it")
     if objects is not None:
-        storage.write_bytes(f"{rel}/{OBJECTS_FILE}", _dumps(objects))
+        _write_checksummed(storage, manifest, OBJECTS_FILE, _dumps(objects))
     crash_point("objects.after")
-    storage.write_bytes(f"{rel}/{INDEX_FILE}", _dumps(build_index(manifest)))
+    _write_checksummed(storage, manifest, INDEX_FILE, _dumps(build_index(manifest)))
     crash_point("index.after")
     crash_point("manifest.before")
+    _check_still_there(storage, manifest)
     manifest_bytes = _dumps(manifest.to_json())
     storage.write_bytes(f"{rel}/{MANIFEST_FILE}", manifest_bytes)
     crash_point("manifest.after")
@@ -187,6 +192,22 @@ def commit_step(
     crash_point("commit.after")
     logger.info("committed step %d at %s (%d files)", manifest.step, storage.display(rel), len(manifest.files))
     write_latest(storage, manifest.step)
+
+
+def _write_checksummed(storage: Storage, manifest: Manifest, name: str, data: bytes) -> None:
+    storage.write_bytes(f"{step_dir(manifest.step)}/{name}", data)
+    manifest.checksums[name] = ChecksumRecord(size=len(data), crc32=zlib.crc32(data))
+
+
+def _check_still_there(storage: Storage, manifest: Manifest) -> None:
+    """Every file the manifest names exists with its size right before the commit (one listing): the step
+    directory may have been deleted (``spotrun-ckpt rm``) or damaged while the shards were written."""
+    from checkpoint.discover import check_files
+
+    try:
+        check_files(storage, manifest)
+    except CorruptCheckpointError as exc:
+        raise CheckpointError(f"step {manifest.step} not committed: its files changed during the save: {exc}") from exc
 
 
 def write_latest(storage: Storage, step: int) -> None:

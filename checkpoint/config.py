@@ -31,12 +31,13 @@ class CheckpointConfig:
     ``"refuse"`` by raising :class:`~checkpoint.api.SaveInProgressError` (the caller skips this save)."""
 
     verify_on_load: bool = True
-    """Check the crc32 of every checksum block a load reads (one crc32 pass over the bytes read: ISA-L ~29 GB/s per core, zlib ~5 GB/s without the isal wheel)."""
+    """Check the crc32 of every checksum block a load reads (one crc32 pass over the bytes read; fast with the
+    ``isal`` wheel, see the README's benchmarks)."""
 
     checksum_block_bytes: int = 1 * _MIB
     """Granularity of the per-chunk crc32 blocks: a ranged read verifies only the blocks it touches, so a
     resharded load reads up to one block too many at each end of every piece it takes from a saved chunk
-    (1 MiB keeps a 4 -> 3 reshard of 64 MiB tensors under 1.1x the owned bytes; 4 MiB reached ~1.4x)."""
+    (smaller blocks read fewer extra bytes; the README's benchmarks give the figures)."""
 
     max_retries: int = 5
     """Attempts per storage operation for transient errors (connection reset, throttling); >= 1."""
@@ -60,8 +61,8 @@ class CheckpointConfig:
 
     read_threads: int | None = None
     """Parallel ranged reads per rank on load. None: for local/POSIX storage one per CPU core (reads from
-    the page cache are CPU-bound: on 2 cores, 2 threads loaded a verified 1 GiB at 12.4 GB/s and 4 threads
-    at 12.0), for remote storage ``writer_threads`` (reads wait on the network)."""
+    the page cache are CPU-bound, so more threads than cores do not help), for remote storage
+    ``writer_threads`` (reads wait on the network)."""
 
     writer: Literal["thread", "process"] = "thread"
     """Who writes the shards: a background ``"thread"`` of the training process, or a long-lived

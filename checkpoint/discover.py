@@ -6,18 +6,19 @@ behind a commit (crash between the two) and is ignored when it disagrees with th
 
 from __future__ import annotations
 
-import json
 import logging
 import zlib
 from dataclasses import dataclass
 
 from checkpoint.api import (
     COMMIT_FILE,
+    INDEX_FILE,
+    JSON,
     MANIFEST_FILE,
     OBJECTS_FILE,
     RANK_OBJECTS_FORMAT,
-    JSON,
     CheckpointNotFoundError,
+    CheckpointStorageError,
     CommitMarker,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
@@ -25,10 +26,16 @@ from checkpoint.api import (
     parse_step_dir,
     step_dir,
 )
+from checkpoint.confine import parse_json
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
 
 logger = logging.getLogger(__name__)
+
+MARKER_MAX_BYTES = 64 << 10
+"""Largest ``.commit`` marker read (ours are about 120 bytes): a marker is never read unbounded."""
+CHECKSUMMED_JSON_FILES = (OBJECTS_FILE, INDEX_FILE)
+"""The step's JSON files that the manifest's ``checksums`` cover (the per-rank files have their own records)."""
 
 
 @dataclass(slots=True)
@@ -49,8 +56,23 @@ def list_steps(storage: Storage) -> StepListing:
             continue
         entries = storage.listdir(name)
         sizes[step] = sum(size for kind2, size in entries.values() if kind2 == "file")
-        (committed if COMMIT_FILE in entries else uncommitted).append(step)
+        marker = entries.get(COMMIT_FILE)
+        (committed if marker is not None and marker[0] == "file" else uncommitted).append(step)
     return StepListing(sorted(committed), sorted(uncommitted), sizes)
+
+
+def read_step_file(storage: Storage, rel: str, *, limit: int, what: str) -> bytes:
+    """Bytes of one small file of a step, at most ``limit`` of them; CorruptCheckpointError when it is missing,
+    not a file or larger than ``limit`` (what names it in the message)."""
+    try:
+        raw = storage.read_bytes(rel, limit=limit)
+    except CheckpointStorageError as exc:
+        if isinstance(exc.__cause__, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+            raise CorruptCheckpointError(f"{what} {storage.display(rel)} is missing or not a file", file=rel) from exc
+        raise
+    if len(raw) > limit:
+        raise CorruptCheckpointError(f"{what} {storage.display(rel)} is larger than the {limit} bytes expected", file=rel)
+    return raw
 
 
 def read_commit_marker(storage: Storage, step: int) -> CommitMarker:
@@ -59,11 +81,15 @@ def read_commit_marker(storage: Storage, step: int) -> CommitMarker:
         raise CheckpointNotFoundError(
             f"step {step} is not committed at {storage.display(step_dir(step))} (no {COMMIT_FILE} marker)"
         )
-    raw = storage.read_bytes(rel)
+    raw = read_step_file(storage, rel, limit=MARKER_MAX_BYTES, what="commit marker")
+    data = parse_json(raw, f"commit marker {storage.display(rel)}", file=rel)
     try:
-        return CommitMarker.from_json(json.loads(raw))
+        marker = CommitMarker.from_json(data)
     except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(f"commit marker {storage.display(rel)} is unreadable: {exc}", file=rel) from exc
+        raise CorruptCheckpointError(f"commit marker {storage.display(rel)} is unreadable: {exc!r}", file=rel) from exc
+    if marker.step != step:
+        raise CorruptCheckpointError(f"commit marker {storage.display(rel)} says step {marker.step}, expected {step}", file=rel)
+    return marker
 
 
 def read_manifest(storage: Storage, step: int, *, marker: CommitMarker | None = None) -> Manifest:
@@ -76,20 +102,17 @@ def read_manifest(storage: Storage, step: int, *, marker: CommitMarker | None = 
     rel = f"{step_dir(step)}/{MANIFEST_FILE}"
     if not storage.exists(rel):
         raise CorruptCheckpointError(f"step {step} is committed but {storage.display(rel)} is missing", file=rel)
-    raw = storage.read_bytes(rel)
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"manifest {storage.display(rel)} is not valid JSON: {exc}", file=rel) from exc
+    raw = read_step_file(storage, rel, limit=marker.manifest_size, what="manifest")  # the marker bounds the read
+    data = parse_json(raw, f"manifest {storage.display(rel)}", file=rel)
     if not isinstance(data, dict):
         raise CorruptCheckpointError(f"manifest {storage.display(rel)} is not a JSON object", file=rel)
-    manifest = _parse_manifest(storage, rel, data)  # version errors first: they tell the user what to do
     if zlib.crc32(raw) != marker.manifest_crc32 or len(raw) != marker.manifest_size:
         raise CorruptCheckpointError(
             f"manifest {storage.display(rel)} does not match its commit marker (crc32/size differ): "
             f"it was modified or damaged after the commit",
             file=rel,
         )
+    manifest = _parse_manifest(storage, rel, data)  # a version error (committed by a newer spotrun) says what to do
     if manifest.step != step:
         raise CorruptCheckpointError(f"manifest {storage.display(rel)} says step {manifest.step}, expected {step}", file=rel)
     return manifest
@@ -99,13 +122,24 @@ def _parse_manifest(storage: Storage, rel: str, data: dict[str, JSON]) -> Manife
     try:
         return Manifest.from_json(data)
     except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptCheckpointError(f"manifest {storage.display(rel)} is malformed: missing or bad field {exc}", file=rel) from exc
+        raise CorruptCheckpointError(f"manifest {storage.display(rel)} is malformed: missing or bad field {exc!r}", file=rel) from exc
 
 
 def check_files(storage: Storage, manifest: Manifest) -> None:
     """Every shard file and per-rank objects file of the manifest exists with the recorded size (cheap: one listing)."""
     rel = step_dir(manifest.step)
     present = storage.listdir(rel)
+    expected = dict(manifest.checksums)
+    for name, crec in sorted(expected.items()):
+        entry = present.get(name)
+        if entry is None or entry[0] != "file" or entry[1] != crec.size:
+            problem = "is missing" if entry is None else f"has {entry[1]} bytes, the manifest says {crec.size}"
+            raise CorruptCheckpointError(f"{storage.display(f'{rel}/{name}')} {problem} (step {manifest.step})", file=name)
+    if manifest.has_objects and OBJECTS_FILE not in present:
+        raise CorruptCheckpointError(
+            f"{storage.display(f'{rel}/{OBJECTS_FILE}')} is missing (step {manifest.step} was saved with objects)",
+            file=OBJECTS_FILE,
+        )
     for name, rrec in sorted(manifest.rank_objects.items()):
         entry = present.get(name)
         if entry is None or entry[1] != rrec.size:
@@ -117,7 +151,7 @@ def check_files(storage: Storage, manifest: Manifest) -> None:
             )
     for name, frec in sorted(manifest.files.items()):
         entry = present.get(name)
-        if entry is None:
+        if entry is None or entry[0] != "file":
             raise CorruptCheckpointError(
                 f"shard {storage.display(f'{rel}/{name}')} is missing (step {manifest.step}, written by rank {frec.rank})",
                 file=name,
@@ -134,13 +168,33 @@ def read_objects(storage: Storage, manifest: Manifest) -> dict[str, JSON]:
     if not manifest.has_objects:
         return {}
     rel = f"{step_dir(manifest.step)}/{OBJECTS_FILE}"
-    try:
-        data = json.loads(storage.read_bytes(rel))
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{storage.display(rel)} is not valid JSON: {exc}", file=rel) from exc
+    raw = read_checksummed(storage, manifest, OBJECTS_FILE)
+    data = parse_json(raw, storage.display(rel), file=rel)
     if not isinstance(data, dict):
         raise CorruptCheckpointError(f"{storage.display(rel)} is not a JSON object", file=rel)
     return data
+
+
+def read_checksummed(storage: Storage, manifest: Manifest, name: str) -> bytes:
+    """A JSON file of the step, checked against its size and crc32 in ``manifest.checksums`` (read whole and
+    unchecked for manifests older than that field). CorruptCheckpointError when missing or different."""
+    rel = f"{step_dir(manifest.step)}/{name}"
+    rec = manifest.checksums.get(name)
+    if rec is None:
+        return read_step_file(storage, rel, limit=storage.size(rel) if storage.exists(rel) else 0, what="file")
+    return read_checked(storage, rel, size=rec.size, crc32=rec.crc32, what="file", file=name)
+
+
+def read_checked(storage: Storage, rel: str, *, size: int, crc32: int, what: str, file: str) -> bytes:
+    """Bytes of ``rel`` (at most ``size`` read); CorruptCheckpointError unless they have that size and crc32."""
+    raw = read_step_file(storage, rel, limit=size, what=what)
+    if len(raw) != size or zlib.crc32(raw) != crc32:
+        raise CorruptCheckpointError(
+            f"{what} {storage.display(rel)} fails its check: {len(raw)} bytes / crc32 {zlib.crc32(raw):08x}, the "
+            f"manifest says {size} bytes / crc32 {crc32:08x} (changed after the commit)",
+            file=file,
+        )
+    return raw
 
 
 def read_rank_objects(storage: Storage, manifest: Manifest, saved_rank: int) -> dict[str, JSON]:
@@ -159,19 +213,19 @@ def read_rank_objects(storage: Storage, manifest: Manifest, saved_rank: int) -> 
         )
     name, rec = found
     rel = f"{step_dir(manifest.step)}/{name}"
-    if not storage.exists(rel):
-        raise CorruptCheckpointError(f"per-rank objects file {storage.display(rel)} is missing", file=name)
-    raw = storage.read_bytes(rel)
-    if len(raw) != rec.size or zlib.crc32(raw) != rec.crc32:
-        raise CorruptCheckpointError(
-            f"per-rank objects file {storage.display(rel)} fails its check: {len(raw)} bytes / crc32 "
-            f"{zlib.crc32(raw):08x}, the manifest says {rec.size} bytes / crc32 {rec.crc32:08x}",
-            file=name,
-        )
+    raw = read_checked(storage, rel, size=rec.size, crc32=rec.crc32, what="per-rank objects file", file=name)
+    doc = parse_json(raw, f"per-rank objects file {storage.display(rel)}", file=name)
     try:
-        doc = json.loads(raw)
-        if doc["format"] != RANK_OBJECTS_FORMAT or int(doc["rank"]) != saved_rank or not isinstance(doc["objects"], dict):
-            raise ValueError(f"format {doc['format']!r}, rank {doc['rank']!r} (expected rank {saved_rank})")
+        if not isinstance(doc, dict):
+            raise TypeError("not a JSON object")
+        got = (doc["format"], doc["rank"], doc["world_size"], doc["step"])
+        want = (RANK_OBJECTS_FORMAT, saved_rank, manifest.world_size, manifest.step)
+        if got != want or type(doc["rank"]) is not int or not isinstance(doc["objects"], dict):
+            raise ValueError(
+                f"(format, rank, world size, step) are {got}, expected {want}"
+                if got != want
+                else "bad rank or objects"
+            )
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"per-rank objects file {storage.display(rel)} is malformed: {exc}", file=name) from exc
     return doc["objects"]

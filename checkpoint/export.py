@@ -16,8 +16,9 @@ from collections.abc import Callable
 import torch
 
 from checkpoint.api import INDEX_FILE, ChunkKey, Manifest, ReadRequest, step_dir
-from checkpoint.plan import element_size, min_byte_range
-from checkpoint.shard import apply_read, build_layout, torch_dtype, write_shard
+from checkpoint.dtypes import element_size, torch_dtype
+from checkpoint.plan import min_byte_range
+from checkpoint.shard import apply_read, build_layout, write_shard
 from checkpoint.storage import Storage
 
 logger = logging.getLogger(__name__)

@@ -11,6 +11,7 @@ chunk. :func:`chunk_view` turns the bytes of such a range into a tensor view of 
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -28,6 +29,7 @@ from .api import (
     TensorItem,
     TensorRecord,
 )
+from .dtypes import element_size, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ST_ELEMENT_SIZE",
     "assign_writers",
     "c_strides",
     "chunk_view",
@@ -45,36 +46,7 @@ __all__ = [
     "validate_tiling",
 ]
 
-ST_ELEMENT_SIZE: dict[str, int] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-"""Bytes per element of every safetensors dtype name the checkpointer stores."""
-
 Box = tuple[tuple[int, int], ...]  # per dim [start, stop)
-
-
-def element_size(st_dtype: str) -> int:
-    """Bytes per element of a safetensors dtype name; IncompatibleCheckpointError for an unknown name."""
-    try:
-        return ST_ELEMENT_SIZE[st_dtype]
-    except KeyError:
-        raise IncompatibleCheckpointError(
-            f"unknown tensor dtype {st_dtype!r} (known: {', '.join(sorted(ST_ELEMENT_SIZE))})"
-        ) from None
 
 
 def c_strides(lengths: Sequence[int]) -> tuple[int, ...]:
@@ -194,6 +166,18 @@ def _tiles_exactly(bounds: Box, boxes: Sequence[Box]) -> str | None:
         return None if n == 1 else f"{n} chunks cover a 0-dim tensor (expected 1)"
     if _row_slabs_tile(bounds, nonempty):
         return None  # the common case (whole tensors, dim-0 shards), without the grid
+    return _grid_tiles(bounds, nonempty)
+
+
+_MAX_GRID_CELLS = 1 << 22
+"""Largest coverage grid the tiling check builds (16 MiB of int32); the chunk boundaries of a manifest decide
+its size, so a crafted manifest could otherwise ask numpy for hundreds of GiB."""
+_MAX_PAIRWISE_CHUNKS = 1024
+"""Above the grid limit, chunks are compared pairwise (O(n^2)): at most this many."""
+
+
+def _grid_tiles(bounds: Box, nonempty: Sequence[Box]) -> str | None:
+    ndim = len(bounds)
     cuts: list[list[int]] = []
     for d in range(ndim):
         pts = {bounds[d][0], bounds[d][1]}
@@ -201,6 +185,8 @@ def _tiles_exactly(bounds: Box, boxes: Sequence[Box]) -> str | None:
             pts.add(b[d][0])
             pts.add(b[d][1])
         cuts.append(sorted(pts))
+    if ndim > 32 or math.prod(len(c) - 1 for c in cuts) > _MAX_GRID_CELLS:
+        return _pairwise_tiles(bounds, nonempty)
     where = [{p: i for i, p in enumerate(c)} for c in cuts]
     grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
     for b in nonempty:
@@ -212,6 +198,20 @@ def _tiles_exactly(bounds: Box, boxes: Sequence[Box]) -> str | None:
         cell = tuple(int(i) for i in np.argwhere(grid == 0)[0])
         return "no chunk covers element " + str(tuple(cuts[d][cell[d]] for d in range(ndim)))
     return None
+
+
+def _pairwise_tiles(bounds: Box, boxes: Sequence[Box]) -> str | None:
+    """Exact tiling without a grid: boxes inside ``bounds`` (checked by the caller) tile it when no two overlap
+    and their volumes add up to its volume."""
+    if len(boxes) > _MAX_PAIRWISE_CHUNKS:
+        return f"{len(boxes)} chunks with irregular boundaries: too many to check (at most {_MAX_PAIRWISE_CHUNKS})"
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            if all(max(alo, blo) < min(ahi, bhi) for (alo, ahi), (blo, bhi) in zip(a, b)):
+                return "chunks overlap at element " + str(tuple(max(alo, blo) for (alo, _), (blo, _) in zip(a, b)))
+    covered = sum(math.prod(hi - lo for lo, hi in b) for b in boxes)
+    total = math.prod(hi - lo for lo, hi in bounds)
+    return None if covered == total else f"chunks cover {covered} of {total} elements"
 
 
 def _row_slabs_tile(bounds: Box, boxes: Sequence[Box]) -> bool:
@@ -249,11 +249,42 @@ def _validate_tensor(fqn: str, rec: TensorRecord, block_bytes: int) -> None:
 
 def validate_tiling(manifest: Manifest) -> None:
     """Check that every tensor's chunks tile it exactly: inside bounds, no overlap, full cover, byte
-    ranges and block-checksum counts consistent with the chunk sizes. Raises CorruptCheckpointError."""
+    ranges and block-checksum counts consistent with the chunk sizes, every byte range inside its file's
+    recorded size and no two sharing bytes (so the tensors need no more memory than the files hold, once
+    ``check_files`` has compared those sizes with the real ones). Raises CorruptCheckpointError."""
     if manifest.checksum_block_bytes <= 0:
         raise CorruptCheckpointError(f"manifest checksum_block_bytes={manifest.checksum_block_bytes} must be positive")
+    _check_byte_ranges(manifest)
     for fqn, rec in manifest.tensors.items():
         _validate_tensor(fqn, rec, manifest.checksum_block_bytes)
+
+
+def _check_byte_ranges(manifest: Manifest) -> None:
+    """Every chunk lies inside a file the manifest lists, within its recorded size, sharing no byte with another."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for fqn, rec in manifest.tensors.items():
+        for c in rec.chunks:
+            frec = manifest.files.get(c.file)
+            if frec is None:
+                raise CorruptCheckpointError(
+                    f"tensor {fqn!r} points to {c.file}, which the manifest does not list", tensor=fqn, file=c.file
+                )
+            start, end = c.byte_range
+            if not 0 <= start <= end <= frec.size:
+                raise CorruptCheckpointError(
+                    f"tensor {fqn!r}: byte range {c.byte_range} lies outside {c.file} ({frec.size} bytes)",
+                    tensor=fqn,
+                    file=c.file,
+                )
+            if end > start:
+                by_file.setdefault(c.file, []).append((start, end, fqn))
+    for name, ranges in by_file.items():
+        ranges.sort()
+        for (_, end_a, fqn_a), (start_b, _, fqn_b) in itertools.pairwise(ranges):
+            if start_b < end_a:
+                raise CorruptCheckpointError(
+                    f"tensors {fqn_a!r} and {fqn_b!r} share bytes of {name} (from byte {start_b})", tensor=fqn_b, file=name
+                )
 
 
 # --------------------------------------------------------------------------- load: read plan
@@ -414,9 +445,8 @@ def chunk_view(
     """
     import torch
 
-    from .state import st_to_dtype
 
-    tdtype = st_to_dtype(dtype) if isinstance(dtype, str) else dtype
+    tdtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
     esz = torch.empty((), dtype=tdtype).element_size()
     start, end = int(read_range[0]), int(read_range[1])
     if buf.dtype != torch.uint8 or buf.dim() != 1:

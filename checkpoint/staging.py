@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
-from checkpoint.api import TensorItem, crash_point
-from checkpoint.shard import ShardLayout, torch_dtype
+from checkpoint.api import TensorItem
+from checkpoint.faults import crash_point
+from checkpoint.dtypes import torch_dtype
+from checkpoint.shard import ShardLayout
 
 logger = logging.getLogger(__name__)
 

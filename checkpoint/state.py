@@ -52,6 +52,7 @@ from .api import (
     IncompatibleCheckpointError,
     TensorItem,
 )
+from .dtypes import safetensors_name, torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -82,46 +83,10 @@ INLINE_TENSOR_MARKER = "__tensor_data__"
 ``{"__tensor_data__": {"dtype": "U8", "shape": [5056], "data": <base64 of the C-contiguous bytes>}}``."""
 _MARKERS = ({TENSOR_MARKER}, {BYTES_MARKER}, {INLINE_TENSOR_MARKER})
 
-_DTYPE_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-for _name, _st in (
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-):
-    if hasattr(torch, _name):
-        _DTYPE_TO_ST[getattr(torch, _name)] = _st
-_ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_TO_ST.items()}
-
-
-def dtype_to_st(dtype: torch.dtype) -> str:
-    """The safetensors dtype name of a torch dtype ("F32", "BF16", "I64", ...); TypeError if it has none."""
-    try:
-        return _DTYPE_TO_ST[dtype]
-    except KeyError:
-        raise TypeError(f"torch dtype {dtype} cannot be stored in safetensors (supported: {sorted(_ST_TO_DTYPE)})") from None
-
-
-def st_to_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name; IncompatibleCheckpointError for an unknown name."""
-    try:
-        return _ST_TO_DTYPE[name]
-    except KeyError:
-        raise IncompatibleCheckpointError(
-            f"checkpoint dtype {name!r} is not supported by this torch (supported: {sorted(_ST_TO_DTYPE)})"
-        ) from None
+dtype_to_st = safetensors_name
+"""The safetensors dtype name of a torch dtype (``checkpoint.dtypes.safetensors_name``)."""
+st_to_dtype = torch_dtype
+"""The torch dtype of a safetensors dtype name (``checkpoint.dtypes.torch_dtype``)."""
 
 
 @dataclass(slots=True)

@@ -1,57 +1,42 @@
-"""Background writer: a rank's staged buffers -> its safetensors shard files, durable, with their records."""
+"""Background writer: a rank's staged buffers -> its safetensors shard files, durable, with their records.
+
+The two implementations of ``api.ShardWriter``, chosen once per Checkpointer by ``open_writer``:
+
+* ``ThreadWriter`` (``writer="thread"``): stages into private host buffers; the Checkpointer's background
+  thread calls ``write_rank_files`` in this process.
+* ``ProcessWriter`` (``writer="process"``): stages into file-backed shared memory and asks a long-lived
+  child process (``python -m checkpoint.writer``, ``_serve`` below) to write them, so the writes never
+  compete with training for the GIL. Client and child talk JSON lines over pipes; the child opens its
+  storage from the same ``StorageSpec`` the Checkpointer opened its own from.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from checkpoint.api import (
     JSON,
+    CheckpointConfigError,
+    CheckpointError,
     ChunkRecord,
     FileRecord,
-    RankObjectsRecord,
+    RankRecords,
+    ShardWriter,
     TensorItem,
     TensorRecord,
-    crash_point,
     shard_file_name,
 )
+from checkpoint.faults import crash_point
+from checkpoint.config import CheckpointConfig
 from checkpoint.shard import ShardLayout, build_layout, write_shard
-from checkpoint.storage import Sink, Storage, lower_thread_priority
+from checkpoint.staging import Stager
+from checkpoint.storage import Sink, Storage, StorageSpec, lower_thread_priority
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RankRecords:
-    """What one rank wrote for a step (sent to rank 0 as JSON for the manifest)."""
-
-    rank: int
-    tensors: dict[str, TensorRecord] = field(default_factory=dict)
-    files: dict[str, FileRecord] = field(default_factory=dict)
-    error: str | None = None
-    rank_objects: dict[str, RankObjectsRecord] = field(default_factory=dict)
-    """This rank's per-rank objects file (at most one), written before the records are gathered."""
-
-    def to_json(self) -> dict[str, JSON]:
-        return {
-            "rank": self.rank,
-            "error": self.error,
-            "tensors": {k: v.to_json() for k, v in self.tensors.items()},
-            "files": {k: v.to_json() for k, v in self.files.items()},
-            "rank_objects": {k: v.to_json() for k, v in self.rank_objects.items()},
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, JSON]) -> RankRecords:
-        return cls(
-            rank=int(d["rank"]),
-            error=d.get("error"),
-            tensors={k: TensorRecord.from_json(v) for k, v in d["tensors"].items()},
-            files={k: FileRecord.from_json(v) for k, v in d["files"].items()},
-            rank_objects={k: RankObjectsRecord.from_json(v) for k, v in d.get("rank_objects", {}).items()},
-        )
 
 
 def plan_files(
@@ -172,31 +157,12 @@ def _layout_from_json(d: dict[str, JSON]) -> ShardLayout:
 class WriterProcess:
     """Client of the per-rank writer process (``python -m checkpoint.writer``)."""
 
-    def __init__(self, *, uri: str, storage_options: dict[str, JSON], retry: dict[str, float], upload_threads: int,
-                 multipart_chunk_bytes: int, nice: int, writeback_bytes: int = 0) -> None:
-        import json
+    def __init__(self, spec: StorageSpec) -> None:
         import subprocess
         import sys
         import threading
 
-        from checkpoint.api import CheckpointConfigError
-
-        try:
-            init = json.dumps(
-                {
-                    "uri": uri,
-                    "storage_options": storage_options,
-                    "retry": retry,
-                    "upload_threads": upload_threads,
-                    "multipart_chunk_bytes": multipart_chunk_bytes,
-                    "nice": nice,
-                    "writeback_bytes": writeback_bytes,
-                }
-            )
-        except TypeError as exc:
-            raise CheckpointConfigError(
-                f'writer="process" needs JSON-serialisable storage_options ({exc}); use writer="thread"'
-            ) from exc
+        init = spec.to_json()  # before the child starts: a bad option fails here, naming itself
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "checkpoint.writer"],
@@ -278,6 +244,80 @@ class WriterProcess:
         return self.proc.poll() is None
 
 
+class ThreadWriter:
+    """``writer="thread"``: private host staging buffers, shards written by the calling (background) thread."""
+
+    def __init__(self, storage: Storage, config: CheckpointConfig, rank: int) -> None:
+        self.storage, self.config, self.rank = storage, config, rank
+        self.stager = Stager()
+
+    def stage(self, layouts: Sequence[ShardLayout], items: Sequence[TensorItem]) -> list[memoryview]:
+        return self.stager.stage(layouts, items)
+
+    def write(self, step_rel: str, layouts: Sequence[ShardLayout], buffers: Sequence[memoryview]) -> RankRecords:
+        return write_rank_files(
+            self.storage,
+            step_rel,
+            layouts,
+            buffers,
+            block_bytes=self.config.checksum_block_bytes,
+            rank=self.rank,
+            threads=self.config.writer_threads,
+            nice=self.config.writer_nice,
+        )
+
+    def close(self) -> None:
+        self.stager.release()
+
+
+class ProcessWriter:
+    """``writer="process"``: shared-memory staging buffers, shards written by a per-rank child process
+    (restarted on the next save if it died)."""
+
+    def __init__(self, spec: StorageSpec, config: CheckpointConfig, rank: int) -> None:
+        if spec.uri.startswith("memory://"):
+            raise CheckpointConfigError(
+                'writer="process" cannot write to memory:// (that filesystem lives inside this process); '
+                'use writer="thread"'
+            )
+        self.spec, self.config, self.rank = spec, config, rank
+        # page-cache-free shared memory where there is some
+        self.stager = Stager(shared_dir="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        self.client = WriterProcess(spec)
+
+    def stage(self, layouts: Sequence[ShardLayout], items: Sequence[TensorItem]) -> list[memoryview]:
+        if not self.client.alive:
+            logger.warning("[rank %d] checkpoint writer process %d died; starting a new one", self.rank, self.client.proc.pid)
+            self.client.close()
+            self.client = WriterProcess(self.spec)
+            self.stager.release()  # the new process must map fresh buffers
+        self.stager.stage(layouts, items)
+        if self.stager.shared_paths:
+            self.client.attach(self.stager.shared_paths)  # new buffers: let the writer map them,
+            self.stager.unlink_shared()  # then drop their names so a crash leaves nothing in /dev/shm
+        return []  # the writer process reads its own mapping; keep no views of ours alive
+
+    def write(self, step_rel: str, layouts: Sequence[ShardLayout], buffers: Sequence[memoryview]) -> RankRecords:
+        records = self.client.write(
+            step_rel, layouts, block_bytes=self.config.checksum_block_bytes, rank=self.rank,
+            threads=self.config.writer_threads,
+        )
+        if records.error:
+            raise CheckpointError(records.error)
+        return records
+
+    def close(self) -> None:
+        self.client.close()
+        self.stager.release()
+
+
+def open_writer(config: CheckpointConfig, storage: Storage, spec: StorageSpec, rank: int) -> ShardWriter:
+    """The ShardWriter for ``config.writer`` (decided once, here)."""
+    if config.writer == "process":
+        return ProcessWriter(spec, config, rank)
+    return ThreadWriter(storage, config, rank)
+
+
 def _serve() -> None:
     """Child side: map staging buffers, write shard files on request, answer with records or the error."""
     import json
@@ -287,7 +327,6 @@ def _serve() -> None:
     import sys
 
     from checkpoint.api import CheckpointStorageError
-    from checkpoint.storage import RetryPolicy
 
     from elastic.procutil import arm_parent_death_signal
 
@@ -298,23 +337,9 @@ def _serve() -> None:
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints must not corrupt the protocol
     init = json.loads(sys.stdin.readline())
-    from datetime import timedelta
-
-    r = init["retry"]
-    storage = Storage(
-        init["uri"],
-        storage_options=init["storage_options"],
-        retry=RetryPolicy(
-            max_attempts=int(r["max_attempts"]),
-            timeout=timedelta(seconds=r["timeout"]),
-            max_wait=timedelta(seconds=r["max_wait"]),
-        ),
-        upload_threads=init["upload_threads"],
-        multipart_chunk_bytes=init["multipart_chunk_bytes"],
-        thread_nice=init["nice"],
-        writeback_bytes=int(init.get("writeback_bytes", 0)),
-    )
-    lower_thread_priority(init["nice"])
+    spec = StorageSpec(**init)
+    storage = spec.open()
+    lower_thread_priority(spec.thread_nice)
     maps: list[mmap.mmap] = []
     views: list[memoryview] = []
     for line in sys.stdin:
@@ -347,7 +372,7 @@ def _serve() -> None:
                     block_bytes=req["block_bytes"],
                     rank=req["rank"],
                     threads=req["threads"],
-                    nice=init["nice"],
+                    nice=spec.thread_nice,
                 )
                 del buffers  # views into the maps must not outlive a later re-attach
                 reply = {"ok": True, "records": records.to_json()}

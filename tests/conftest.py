@@ -18,6 +18,15 @@ from tests.harness.procs import descendants
 
 _PR_SET_CHILD_SUBREAPER = 36
 
+try:  # property-based suites (tests/checkpoint/test_fuzz.py): small by default, --hypothesis-profile=thorough
+    from hypothesis import settings
+
+    settings.register_profile("ci", max_examples=12, deadline=None, print_blob=True)
+    settings.register_profile("thorough", max_examples=1000, deadline=None, print_blob=True)
+    settings.load_profile("ci")
+except ImportError:  # pragma: no cover - the test extra installs hypothesis
+    pass
+
 
 def _reap_zombies() -> None:
     while True:

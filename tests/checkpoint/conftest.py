@@ -135,6 +135,6 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
 
 @pytest.fixture(autouse=True)
 def _no_crash_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from checkpoint.api import CRASH_AT_ENV
+    from checkpoint.faults import CRASH_AT_ENV
 
     monkeypatch.delenv(CRASH_AT_ENV, raising=False)

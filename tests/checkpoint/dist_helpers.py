@@ -1,25 +1,17 @@
-"""Helpers for the state/plan tests: an in-memory "storage" that runs the real planner end to end, and a
-bounded multi-process gloo launcher.
+"""Helpers for the state/plan tests: an in-memory "storage" that runs the real planner end to end (the
+multi-process launcher is ``tests.harness.dist``).
 
 The in-memory store writes each rank's assigned pieces into one byte blob per rank exactly as a shard
 file would hold them (C-contiguous, back to back), builds a real Manifest with per-block crc32, and
 loads through ``plan_reads`` + ``chunk_view``: the whole flatten -> plan -> bytes -> apply chain without
 the Checkpointer.
-
-The launcher forks workers from a forkserver that imported torch once (fast, and safe: the server never
-ran an OpenMP region), rendezvouses them through a FileStore (no TCP port to pick), collects one result
-per rank, and kills and reaps every worker by PID on timeout or failure.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
 import time
-import traceback
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,87 +104,3 @@ def load_flat(ckpt: MemoryCheckpoint, flat: FlatState, rank: int = 0) -> tuple[F
     return FlatState(
         items=flat.items, objects=ckpt.objects, rank_objects=saved[rank % len(saved)], per_rank=flat.per_rank
     ), nread
-
-
-# --------------------------------------------------------------------------- multi-process launcher
-_CTX: Any = None
-
-
-def _context() -> Any:
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "checkpoint.state", "checkpoint.plan"])
-    return _CTX
-
-
-def shutdown_launcher() -> None:
-    """Stop the forkserver and the resource tracker this module started (the suite fails on leftovers).
-
-    Python has no public API for this; the private ``_stop`` methods close the pipe the helper process
-    waits on and ``waitpid`` it, which is exactly the reaping we need.
-    """
-    global _CTX
-    if _CTX is None:
-        return
-    from multiprocessing import forkserver, resource_tracker
-
-    forkserver._forkserver._stop()
-    resource_tracker._resource_tracker._stop()
-    _CTX = None
-
-
-def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, results: Any, args: tuple) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
-        try:
-            out = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, "ok", out))
-    except BaseException:  # report everything to the parent, which fails the test
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def run_workers(
-    fn: Callable[..., Any], world: int, args: tuple = (), *, tmpdir: str, timeout: float = 60.0
-) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; return the results by rank.
-
-    ``fn`` must be importable (module level). Raises RuntimeError with the worker's traceback if any worker
-    fails, TimeoutError if they do not all finish within ``timeout`` seconds; every worker is reaped.
-    """
-    ctx = _context()
-    store_path = os.path.join(tmpdir, f"store-{world}-{time.monotonic_ns()}")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, store_path, results, args), daemon=True) for r in range(world)]
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.start()
-        while len(out) < world:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{world - len(out)} of {world} workers did not finish in {timeout:.0f}s")
-            try:
-                rank, status, value = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"worker pid {dead[0].pid} exited with code {dead[0].exitcode}") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"worker rank {rank} of {world} failed:\n{value}")
-            out[rank] = value
-        return [out[r] for r in range(world)]
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        results.close()

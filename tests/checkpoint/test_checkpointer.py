@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-import checkpoint.checkpointer as checkpointer_mod
+import checkpoint.writer as writer_mod
 from checkpoint.api import (
     COMMIT_FILE,
     INDEX_FILE,
@@ -106,13 +106,13 @@ def test_step_layout_and_safetensors_compatibility(backend) -> None:
 def gate_shard_writes(monkeypatch) -> threading.Event:
     """Hold every background shard write until the returned event is set."""
     release = threading.Event()
-    real = checkpointer_mod.write_rank_files
+    real = writer_mod.write_rank_files
 
     def gated(*args: Any, **kwargs: Any):
         assert release.wait(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointer_mod, "write_rank_files", gated)
+    monkeypatch.setattr(writer_mod, "write_rank_files", gated)
     return release
 
 
@@ -140,7 +140,7 @@ def test_staging_buffers_are_reused(backend) -> None:
             state["extra"]["scalar"].fill_(step)
             ckpt.save(step, state)
         ckpt.wait()
-        assert ckpt._stager.allocations == 1
+        assert ckpt._writer.stager.allocations == 1
         assert list_steps(ckpt.storage).committed == [4]
 
 
@@ -205,7 +205,7 @@ def test_background_error_surfaces_and_previous_checkpoint_survives(backend, mon
         def broken(*args: Any, **kwargs: Any):
             raise CheckpointStorageError("cannot write x/shard-00000-of-00001.safetensors: boom", path="x")
 
-        monkeypatch.setattr(checkpointer_mod, "write_rank_files", broken)
+        monkeypatch.setattr(writer_mod, "write_rank_files", broken)
         ckpt.save(2, state)
         with pytest.raises(CheckpointStorageError, match="shard-00000-of-00001"):
             ckpt.save(3, state)  # the failure of step 2 surfaces on the next save

@@ -12,7 +12,8 @@ import torch
 from checkpoint.api import step_dir
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.storage import Storage
-from tests.checkpoint.dist_helpers import run_workers, shutdown_launcher
+from tests.harness.dist import run_workers
+from tests.harness.dist import shutdown as shutdown_launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -38,7 +39,7 @@ def _worker(rank: int, world: int, uri: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    import checkpoint.checkpointer as mod
+    import checkpoint.writer as mod
     from checkpoint.api import CheckpointError
     from checkpoint.config import CheckpointConfig
 
@@ -143,7 +144,8 @@ def _hung_peer_worker(rank: int, world: int, uri: str) -> dict[str, Any]:
     import time
     from datetime import timedelta
 
-    from checkpoint.api import CRASH_AT_ENV, CheckpointError
+    from checkpoint.api import CheckpointError
+    from checkpoint.faults import CRASH_AT_ENV
     from checkpoint.config import CheckpointConfig
 
     from torch.distributed.device_mesh import init_device_mesh

@@ -33,11 +33,11 @@ def test_process_writer_round_trip_and_reaping(backend) -> None:
             Checkpointer(backend.uri, cfg)
         return
     with Checkpointer(backend.uri, cfg) as ckpt:
-        child = ckpt._writer_proc.proc
+        child = ckpt._writer.client.proc
         for step in (1, 2, 3):
             ckpt.save(step, state(step))
         ckpt.wait()
-        assert ckpt._stager.allocations == 1
+        assert ckpt._writer.stager.allocations == 1
         assert list_steps(ckpt.storage).committed == [2, 3]
         dst = zeros()
         assert ckpt.load(dst) == 3
@@ -60,7 +60,7 @@ def test_process_writer_storage_error_names_the_file(tmp_path: Path) -> None:
 
 
 def test_dead_writer_process_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
-    from checkpoint.api import CRASH_AT_ENV
+    from checkpoint.faults import CRASH_AT_ENV
 
     root = str(tmp_path / "run")
     # The writer process inherits this: it blocks on its 3rd block (the first of step 2: 2 blocks per save).
@@ -70,7 +70,7 @@ def test_dead_writer_process_is_a_clear_error(tmp_path: Path, monkeypatch) -> No
     try:
         ckpt.save(1, state(1))
         ckpt.wait()
-        proc = ckpt._writer_proc.proc
+        proc = ckpt._writer.client.proc
         ckpt.save(2, state(2))
         os.kill(proc.pid, signal.SIGKILL)  # mid-write (or before it started): either way step 2 fails
         with pytest.raises(CheckpointError, match=r"writer process \(pid \d+\) (died with exit code -9|is gone)"):
@@ -78,6 +78,6 @@ def test_dead_writer_process_is_a_clear_error(tmp_path: Path, monkeypatch) -> No
         assert ckpt.latest() == 1
         ckpt.save(3, state(3))  # a new writer process takes over
         ckpt.wait()
-        assert ckpt._writer_proc.proc.pid != proc.pid and ckpt.latest() == 3
+        assert ckpt._writer.client.proc.pid != proc.pid and ckpt.latest() == 3
     finally:
         ckpt.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint.api import CRASH_POINTS
+from checkpoint.faults import CRASH_POINTS
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.config import CheckpointConfig
 from checkpoint.discover import list_steps
@@ -31,7 +31,7 @@ WORKER = r"""
 import os, sys
 import torch
 torch.set_num_threads(1)
-import checkpoint.api as api
+import checkpoint.faults as faults
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.config import CheckpointConfig
 from checkpoint.state import RNGState
@@ -40,9 +40,9 @@ def say(text):
     os.write(1, (text + "\n").encode())
 
 def child(point, n, step, uri):
-    os.environ[api.CRASH_AT_ENV] = f"{point}:{n}"
-    os.environ[api.CRASH_NOTIFY_FD_ENV] = "1"
-    api._crash_counts.clear()
+    os.environ[faults.CRASH_AT_ENV] = f"{point}:{n}"
+    os.environ[faults.CRASH_NOTIFY_FD_ENV] = "1"
+    faults.reset()
     state = {"a": torch.full((ROWS, 1024), float(step)), "b": torch.full((ROWS, 1024), -float(step)),
              "step": step, "rng": RNGState()}
     cfg = CheckpointConfig(keep_last=2, async_mode=True, checksum_block_bytes=1 << 16,

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dist_helpers import run_workers, shutdown_launcher
+from tests.harness.dist import run_workers
+from tests.harness.dist import shutdown as shutdown_launcher
 
 pytestmark = [pytest.mark.slow]
 
@@ -157,7 +158,6 @@ def _full(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def full_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    from checkpoint.state import ModelOptimizer
 
     out: dict[str, torch.Tensor] = dict(_full(state["dt"].state_dict(), "dt"))
     for key in MODEL_KEYS:

@@ -21,19 +21,21 @@ from checkpoint.api import (
     CheckpointError,
     ChunkRecord,
     CorruptCheckpointError,
+    FileRecord,
     IncompatibleCheckpointError,
     Manifest,
     TensorRecord,
-    per_rank_source,
     rank_objects_file_name,
     step_dir,
 )
+from checkpoint.per_rank import per_rank_source
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.cli import main
 from checkpoint.discover import validate_step
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
-from tests.checkpoint.dist_helpers import run_workers, shutdown_launcher
+from tests.harness.dist import run_workers
+from tests.harness.dist import shutdown as shutdown_launcher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,11 +109,12 @@ def test_tiling_check_of_a_1000_tensor_manifest_is_cheap() -> None:
     for i in range(1000):
         chunks = [
             ChunkRecord(offsets=[64 * r, 0], lengths=[64, 256], file="f", key=f"t{i}#{r}",
-                        byte_range=[0, 64 * 256 * 4], block_crc32=[0])
+                        byte_range=[(4 * i + r) * 65536, (4 * i + r + 1) * 65536], block_crc32=[0])
             for r in range(4)
         ]
         tensors[f"t{i}"] = TensorRecord(shape=[256, 256], dtype="F32", chunks=chunks)
-    manifest = Manifest(step=1, world_size=4, created_unix=0.0, library_version="t", tensors=tensors, files={})
+    files = {"f": FileRecord(size=4000 * 65536, crc32=0, rank=0)}  # chunks lie inside their file, sharing no byte
+    manifest = Manifest(step=1, world_size=4, created_unix=0.0, library_version="t", tensors=tensors, files=files)
     started = time.perf_counter()
     validate_tiling(manifest)
     elapsed = time.perf_counter() - started
@@ -239,7 +242,7 @@ def test_rng_saved_as_shared_state_still_loads(tmp_path: Path, caplog) -> None:
         ckpt.save(1, {"w": torch.ones(2), "rng": _SharedRNG()})
     expected = torch.rand(3)
     torch.manual_seed(6)
-    with caplog.at_level(logging.WARNING, logger="checkpoint.checkpointer"), Checkpointer(uri) as ckpt:
+    with caplog.at_level(logging.WARNING, logger="checkpoint"), Checkpointer(uri) as ckpt:
         assert ckpt.load({"w": torch.zeros(2), "rng": RNGState()}) == 1
     assert torch.equal(torch.rand(3), expected)
     assert "['rng'] saved as shared state (before per-rank entries)" in caplog.text
@@ -305,7 +308,7 @@ class _Messages(logging.Handler):
 
 def _load_only(rank: int, world: int, uri: str) -> dict[str, Any]:
     handler = _Messages()
-    log = logging.getLogger("checkpoint.checkpointer")
+    log = logging.getLogger("checkpoint")
     log.addHandler(handler)
     try:
         live = _scrambled()
@@ -336,7 +339,7 @@ def test_two_ranks_each_get_their_own_state_then_resize_to_three_and_one(tmp_pat
     assert "cache=skip" in warning and "seen=rank0" in warning
 
     live = _scrambled()  # world size 1, this process
-    with caplog.at_level(logging.WARNING, logger="checkpoint.checkpointer"), Checkpointer(uri) as ckpt:
+    with caplog.at_level(logging.WARNING, logger="checkpoint"), Checkpointer(uri) as ckpt:
         assert ckpt.load(live) == 1
     assert _loaded(live)["draws"] == saved[0]["after_save"]
     assert live["counter"].value == {"n": 100} and live["seen"].value == 10 and live["cache"].value == [-1]

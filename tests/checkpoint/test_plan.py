@@ -217,9 +217,11 @@ def test_validate_tiling_accepts_good_and_rejects_overlap_hole_bounds_bytes():
 def test_validate_tiling_2d_grid():
     t = torch.arange(48, dtype=torch.float32).reshape(6, 8)
     rec = TensorRecord(shape=[6, 8], dtype="F32")
+    pos = 0
     for (r0, rn), (c0, cn) in itertools.product([(0, 4), (4, 2)], [(0, 3), (3, 5)]):
-        rec.chunks.append(ChunkRecord(offsets=[r0, c0], lengths=[rn, cn], file="f", key="t", byte_range=[0, rn * cn * 4], block_crc32=[0] * (-(-rn * cn * 4 // 16))))
-    m = Manifest(step=1, world_size=4, created_unix=0, library_version="t", tensors={"t": rec}, files={}, checksum_block_bytes=16)
+        rec.chunks.append(ChunkRecord(offsets=[r0, c0], lengths=[rn, cn], file="f", key="t", byte_range=[pos, pos + rn * cn * 4], block_crc32=[0] * (-(-rn * cn * 4 // 16))))
+        pos += rn * cn * 4
+    m = Manifest(step=1, world_size=4, created_unix=0, library_version="t", tensors={"t": rec}, files={"f": FileRecord(size=pos, crc32=0, rank=0)}, checksum_block_bytes=16)
     validate_tiling(m)
     assert t.numel() == 48
 
@@ -348,7 +350,7 @@ def grid_manifest(t: torch.Tensor, row_parts: int, col_parts: int) -> tuple[Mani
         data = t[r0 : r0 + rn, c0 : c0 + cn].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         rec.chunks.append(ChunkRecord(offsets=[r0, c0], lengths=[rn, cn], file="g", key="t", byte_range=[len(blob), len(blob) + len(data)], block_crc32=[0] * (-(-len(data) // 16))))
         blob += data
-    m = Manifest(step=1, world_size=row_parts * col_parts, created_unix=0, library_version="t", tensors={"t": rec}, files={}, checksum_block_bytes=16)
+    m = Manifest(step=1, world_size=row_parts * col_parts, created_unix=0, library_version="t", tensors={"t": rec}, files={"g": FileRecord(size=len(blob), crc32=0, rank=0)}, checksum_block_bytes=16)
     return m, {"g": bytes(blob)}
 
 
@@ -380,9 +382,10 @@ def test_planner_scales_to_many_ranks_and_tensors():
     for i in range(60):
         rec = TensorRecord(shape=[rows, 8], dtype="BF16")
         for r, (off, n) in enumerate(split(rows, saved)):
-            rec.chunks.append(ChunkRecord(offsets=[off, 0], lengths=[n, 8], file=f"f{r}", key=f"t{i}", byte_range=[0, n * 16], block_crc32=[0]))
+            rec.chunks.append(ChunkRecord(offsets=[off, 0], lengths=[n, 8], file=f"f{r}", key=f"t{i}", byte_range=[i * n * 16, (i + 1) * n * 16], block_crc32=[0]))
         tensors[f"t{i}"] = rec
-    m = Manifest(step=1, world_size=saved, created_unix=0, library_version="t", tensors=tensors, files={}, checksum_block_bytes=1 << 20)
+    files = {f"f{r}": FileRecord(size=60 * n * 16, crc32=0, rank=r) for r, (_, n) in enumerate(split(rows, saved))}
+    m = Manifest(step=1, world_size=saved, created_unix=0, library_version="t", tensors=tensors, files=files, checksum_block_bytes=1 << 20)
     validate_tiling(m)
     off, n = split(rows, loaded)[100]
     wanted = [TensorItem(key=key(f"t{i}", (off, 0), (n, 8)), global_shape=(rows, 8), dtype="BF16", tensor=torch.zeros(n, 8, dtype=torch.bfloat16), replicated=False) for i in range(60)]

@@ -52,3 +52,17 @@ def test_invariants_random() -> None:
             assert all(s > newest for s in set(uncommitted) - doomed - {in_flight})
         if keep_every:
             assert not any(s % keep_every == 0 for s in doomed & set(committed))
+
+
+def test_apply_retention_deletes_what_steps_to_delete_chooses(tmp_path) -> None:
+    from checkpoint.api import COMMIT_FILE, step_dir
+    from checkpoint.discover import list_steps
+    from checkpoint.retention import apply_retention
+    from checkpoint.storage import Storage
+
+    storage = Storage(str(tmp_path))
+    for step in (1, 2, 3, 4):
+        storage.write_bytes(f"{step_dir(step)}/{COMMIT_FILE}", b"{}")
+    storage.write_bytes(f"{step_dir(2)}/x", b"half-written debris")
+    assert apply_retention(storage, 4, keep_last=2, keep_every=None) == [1, 2]
+    assert list_steps(storage).committed == [3, 4] and not storage.exists(step_dir(2))

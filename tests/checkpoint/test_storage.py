@@ -40,14 +40,14 @@ def test_write_read_list_delete(backend) -> None:
 def test_streamed_write_is_invisible_until_commit(backend) -> None:
     s = open_storage(backend)
     payload = bytes(range(256)) * (48 * 1024)  # 12 MiB: multipart (3 parts) on S3
-    sink = s.open_sink("big.bin")
+    sink = s._open_sink("big.bin")
     for i in range(0, len(payload), 1 << 20):
         sink.write(memoryview(payload)[i : i + (1 << 20)])
     assert not s.exists("big.bin")
     sink.commit()
     assert s.size("big.bin") == len(payload)
     assert s.read_range("big.bin", 5 << 20, (5 << 20) + 7) == payload[5 << 20 : (5 << 20) + 7]
-    aborted = s.open_sink("gone.bin")
+    aborted = s._open_sink("gone.bin")
     aborted.write(payload)
     aborted.abort()
     assert not s.exists("gone.bin")

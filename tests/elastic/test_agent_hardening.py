@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd_server import EmbeddedEtcd, ServerTLS
-from tests.elastic.agent_harness import REPO, SPOTRUN, TORCHRUN, make_env, pid_alive, read_jsonl, run_cli, wait_for
+from tests.harness.procs import REPO, SPOTRUN, TORCHRUN, make_env, pid_alive, read_jsonl, run_cli, wait_for
 from tests.elastic.etcd_security import PASSWORD, USER, Certs, enable_auth, etcdctl_path, make_certs
 from tests.elastic.test_agent import _agent, _running, _steps_at_world, _worker_pids
 

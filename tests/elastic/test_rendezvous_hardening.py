@@ -19,7 +19,7 @@ from elastic.rendezvous.api import (
     parse_endpoints,
 )
 from elastic.rendezvous.etcd_client import WARN_EVERY_S
-from tests.elastic.agent_harness import wait_for
+from tests.harness.procs import wait_for
 from tests.elastic.etcd_security import PASSWORD, USER, Certs, enable_auth, etcdctl_path, make_certs
 from tests.elastic.test_rendezvous_etcd import LOSS_BOUND_S, handlers, make_config, pool, rendezvous_all  # noqa: F401
 

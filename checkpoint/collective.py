@@ -1,0 +1,104 @@
+"""Collectives of the checkpointer: one object that runs over a gloo group, or locally without one.
+
+Modelled on DCP's ``_DistWrapper`` (``torch/distributed/checkpoint/utils.py``): every collective the
+Checkpointer needs is a method here that is an identity when there is no process group (one process, or a
+world of one), so the Checkpointer has no ``if group is None`` branches. We do not reuse ``_DistWrapper``
+itself because it is private torch API, its object collectives unpickle whatever a peer sends (we send JSON
+text only), it has no cheap tensor vote (one ``all_reduce`` of a few int64 flags), and its error-robust
+variants raise DCP's ``CheckpointException`` instead of our error tree.
+
+Each group is the checkpointer's own (``dist.new_group(backend="gloo", timeout=collective_timeout)``),
+never the training's default group, so a collective run by the background writer thread cannot interleave
+with the training's own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from checkpoint.api import JSON
+
+T = TypeVar("T")
+
+
+class Collective:
+    """Collectives over ``group`` (rank 0 of the group coordinates); local identities when ``group`` is None."""
+
+    def __init__(self, group: Any = None, *, rank: int = 0, world_size: int = 1) -> None:
+        if group is None and world_size != 1:
+            raise ValueError(f"a Collective without a process group has world size 1, got {world_size}")
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+
+    def __repr__(self) -> str:
+        return f"Collective(rank={self.rank}/{self.world_size}, {'gloo' if self.group is not None else 'local'})"
+
+    def any(self, *flags: bool) -> tuple[bool, ...]:
+        """Per position: True when the flag is set on any rank (one small all_reduce)."""
+        if self.group is None:
+            return tuple(bool(f) for f in flags)
+        box = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
+        return tuple(bool(v) for v in box.tolist())
+
+    def max(self, value: int) -> int:
+        """The largest ``value`` over ranks."""
+        if self.group is None:
+            return value
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
+        return int(box.item())
+
+    def all_gather(self, value: JSON) -> list[JSON]:
+        """Every rank's ``value`` (JSON-serialisable), in rank order, on every rank."""
+        if self.group is None:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, json.dumps(value), group=self.group)
+        return [json.loads(g) for g in gathered]
+
+    def gather(self, value: JSON) -> list[JSON] | None:
+        """Every rank's ``value`` in rank order on rank 0; None on the other ranks."""
+        if self.group is None:
+            return [value]
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(json.dumps(value), gathered, group=self.group, group_dst=0)
+        return None if gathered is None else [json.loads(g) for g in gathered]
+
+    def broadcast(self, value: JSON) -> JSON:
+        """Rank 0's ``value`` on every rank (the other ranks' argument is ignored)."""
+        if self.group is None:
+            return value
+        box: list[Any] = [json.dumps(value) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return json.loads(box[0])
+
+    def rank0_decides(self, pick: Callable[[], T]) -> T:
+        """``pick()`` run on rank 0 only; its (JSON-serialisable) result on every rank."""
+        return self.broadcast(pick() if self.rank == 0 else None)  # type: ignore[no-any-return]
+
+
+def open_collectives(process_group: Any, timeout: timedelta, count: int) -> list[Collective]:
+    """``count`` Collectives over new gloo groups with the members of ``process_group`` (default: the world).
+
+    Collective itself (same order on every rank) when torch.distributed is initialised and the group has
+    more than one rank; local Collectives otherwise.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return [Collective() for _ in range(count)]
+    rank = dist.get_rank(process_group)
+    world_size = dist.get_world_size(process_group)
+    if world_size == 1:
+        return [Collective(rank=rank) for _ in range(count)]
+    ranks: Sequence[int] | None = dist.get_process_group_ranks(process_group) if process_group is not None else None
+    return [
+        Collective(dist.new_group(ranks=ranks, backend="gloo", timeout=timeout), rank=rank, world_size=world_size)
+        for _ in range(count)
+    ]

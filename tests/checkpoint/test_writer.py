@@ -1,0 +1,51 @@
+"""The writer seam: one StorageSpec (JSON) for both writers, one ShardWriter per mode chosen at construction."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from checkpoint.api import CheckpointConfigError, ShardWriter
+from checkpoint.config import CheckpointConfig
+from checkpoint.storage import StorageSpec
+from checkpoint.writer import ProcessWriter, ThreadWriter, open_writer
+
+
+def test_storage_spec_maps_the_config_and_round_trips_as_json(tmp_path: Path) -> None:
+    cfg = CheckpointConfig(
+        max_retries=2, retry_timeout=timedelta(seconds=7), writer_threads=3, writer_nice=5,
+        writeback_bytes=0, storage_options={"auto_mkdir": True},
+    )
+    spec = StorageSpec.from_config(str(tmp_path), cfg)
+    again = StorageSpec.from_json(spec.to_json())
+    assert again == spec
+    storage = again.open()
+    try:
+        assert storage.retry.max_attempts == 2 and storage.retry.timeout == timedelta(seconds=7)
+        assert (storage.upload_threads, storage.thread_nice, storage.writeback_bytes) == (3, 5, 0)
+    finally:
+        storage.close()
+
+
+def test_storage_spec_with_unserialisable_options_names_the_fix(tmp_path: Path) -> None:
+    spec = StorageSpec(uri=str(tmp_path), storage_options={"client": object()})
+    with pytest.raises(CheckpointConfigError, match='JSON-serialisable storage_options.*writer="thread"'):
+        spec.to_json()
+
+
+def test_open_writer_chooses_the_mode_once(tmp_path: Path) -> None:
+    cfg = CheckpointConfig()
+    spec = StorageSpec.from_config(str(tmp_path), cfg)
+    storage = spec.open()
+    writer = open_writer(cfg, storage, spec, rank=0)
+    try:
+        assert isinstance(writer, ThreadWriter) and isinstance(writer, ShardWriter)
+        assert writer.write("step-000000001", [], []).files == {}  # nothing staged: nothing written
+    finally:
+        writer.close()
+        storage.close()
+    memory = StorageSpec.from_config("memory://spec-test", cfg)
+    with pytest.raises(CheckpointConfigError, match="cannot write to memory://"):
+        ProcessWriter(memory, CheckpointConfig(writer="process"), rank=0)
