@@ -70,6 +70,16 @@ def corrupt_steps(ckpt_uri: str) -> list[int]:
     return bad
 
 
+def leftover(pids: set[int], timeout: float = 15.0) -> list[int]:
+    """The job's processes still alive (not zombies) ``timeout`` s after it ended (the forkserver and its
+    helpers exit a moment after the agent)."""
+    try:
+        wait_for(lambda: not any(pid_alive(p) for p in pids), timeout, "the job's processes to exit")
+    except Timeout:
+        pass
+    return sorted(p for p in pids if pid_alive(p))
+
+
 def _fired_records(injector: object) -> list[str]:
     """The journal record (injected/skipped/failed) of each fired fault, in firing order."""
     from elastic.events import read_events as read
@@ -117,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     killed_at = [step for (kind, step), rec in zip(job.step_at_fault, _fired_records(injector))
                  if kind == FaultKind.KILL_WORKER.value and rec == "injected"]
     lost = [max(0, at - r) for at, r in zip(killed_at, resumed)]
-    alive = [pid for pid in job.seen_pids if os.path.exists(f"/proc/{pid}")]
+    alive = leftover(job.seen_pids)
     print(f"exit code {code}; final step {step} of {steps}; final weights identical to the reference: {identical}")
     print(f"faults injected by type: {by_kind} (not fired: {injector.pending()})")
     print(f"restarts {restarts}, worker kills {kills} (expected equal; etcd and storage faults cost none)")
