@@ -34,6 +34,7 @@ from elastic.chaos.schedule import random_schedule
 from elastic.etcd_server import EmbeddedEtcd
 from elastic.events import read_events
 from tests.chaos.jobs import Job, committed_steps, final_state
+from tests.harness.procs import Timeout, pid_alive, wait_for
 
 KINDS = (FaultKind.KILL_WORKER, FaultKind.RESTART_ETCD, FaultKind.STORAGE_LATENCY, FaultKind.STORAGE_ERROR)
 PARAMS = {FaultKind.STORAGE_LATENCY: {"seconds": 0.5}, FaultKind.STORAGE_ERROR: {"rate": 0.2, "ops": "all"}}
