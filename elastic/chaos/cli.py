@@ -1,0 +1,125 @@
+"""``spotrun-chaos``: inject a seeded fault schedule into a job and journal what was injected.
+
+    spotrun-chaos --schedule s.json --journal j.jsonl [--progress-file p.jsonl] -- spotrun ... train.py ...
+    spotrun-chaos --schedule s.json --journal j.jsonl --agent-pid 1234 --agent-pid 5678 --etcd-endpoints h:2379
+
+With a command, it is started (its own session) and is the agent whose workers are targeted; the exit code is
+the command's. With ``--agent-pid``, running agents are targeted and it returns once every fault has fired
+and ended. Storage faults need the job's checkpoint location behind ``chaos::`` (e.g.
+``--ckpt-dir chaos::file:///data/ckpt``); the control file is passed to the command as SPOTRUN_CHAOS_STORAGE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+from elastic.api import ENV_EVENTS_FILE
+from elastic.chaos.api import STORAGE_CONTROL_ENV, ChaosError
+from elastic.chaos.injector import Injector
+from elastic.chaos.journal import Journal
+from elastic.chaos.schedule import load_schedule
+from elastic.chaos.targets import last_step
+
+logger = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="spotrun-chaos", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--schedule", required=True, help="JSON schedule: {\"seed\": N, \"faults\": [...]}")
+    p.add_argument("--journal", required=True, help="JSON-lines file of injected faults (appended)")
+    p.add_argument("--progress-file", default=None, help="the job's --progress-file, for at_step triggers")
+    p.add_argument("--agent-pid", type=int, action="append", default=[], help="target this running agent (repeat)")
+    p.add_argument("--etcd-endpoints", default="", help="comma-separated etcd members (HOST:PORT) to target")
+    p.add_argument("--events-file", default=None,
+                   help="the job's spotrun --events-file: finds workers forked by the warm-worker forkserver "
+                        "(default: the --events-file of the command, if any)")
+    p.add_argument("--storage-control", default=None,
+                   help="control file of the chaos:// filesystem (default: a temporary file given to the command)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the job to start (e.g. spotrun ... train.py)")
+    args = p.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if bool(args.command) == bool(args.agent_pid):
+        p.error("give either a command after -- or --agent-pid, not both and not neither")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
+    try:
+        schedule = load_schedule(args.schedule)
+    except ChaosError as exc:
+        print(f"spotrun-chaos: {exc}", file=sys.stderr)
+        return 2
+    control = args.storage_control
+    owned_control = None
+    if control is None and args.command:
+        fd, owned_control = tempfile.mkstemp(prefix="spotrun-chaos-", suffix=".json")
+        os.close(fd)
+        os.unlink(owned_control)  # absent until a storage fault fires: pass-through
+        control = owned_control
+    endpoints = [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]
+    journal = Journal(args.journal)
+    step = (lambda: last_step(args.progress_file)) if args.progress_file else (lambda: None)
+    proc = None
+    if args.command:
+        env = {**os.environ, STORAGE_CONTROL_ENV: control or ""}
+        proc = subprocess.Popen(args.command, env=env)
+        agents = [proc.pid]
+    else:
+        agents = args.agent_pid
+    events_file = args.events_file or events_file_of(args.command)
+    injector = Injector(schedule, journal, agent_pids=agents, etcd_endpoints=endpoints, storage_control=control,
+                        events_file=events_file)
+    journal.write("started", seed=schedule.seed, faults=len(schedule.faults), agents=agents, etcd=endpoints)
+    forward = _forward_signals(proc)
+    try:
+        injector.run(done=(lambda: proc.poll() is not None) if proc else (lambda: False), step=step)
+        code = proc.wait() if proc else 0
+    finally:
+        injector.close()
+        forward()
+        if owned_control and os.path.exists(owned_control):
+            os.unlink(owned_control)
+    journal.write("finished", exit_code=code, injected=len(injector.injected), pending=injector.pending())
+    if injector.pending():
+        logger.warning("spotrun-chaos: the job ended with %d faults not fired", injector.pending())
+    return code
+
+
+def events_file_of(command: list[str]) -> str | None:
+    """The ``--events-file`` a spotrun command line (or its environment) names, so workers forked by the
+    warm-worker forkserver can be found without repeating it."""
+    for i, arg in enumerate(command):
+        if arg in ("--events-file", "--events_file") and i + 1 < len(command):
+            return command[i + 1]
+        if arg.startswith(("--events-file=", "--events_file=")):
+            return arg.split("=", 1)[1]
+    return os.environ.get(ENV_EVENTS_FILE) or None
+
+
+def _forward_signals(proc: subprocess.Popen[bytes] | None):  # type: ignore[no-untyped-def]
+    """SIGTERM/SIGINT to spotrun-chaos go to the job (like a launcher); returns the restore function."""
+    if proc is None:
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, lambda s, _f: proc.send_signal(s))
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The injector against real processes: workers found under a stand-in agent and signalled, a SIGSTOP undone,
+a partition skipped with its reason where it cannot run, the leader of a real 3-member etcd cluster killed
+and restarted, and the spotrun-chaos CLI's exit codes and journal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic.chaos import targets
+from elastic.chaos.api import Fault, FaultKind, Schedule
+from elastic.chaos.injector import Injector
+from elastic.chaos.journal import Journal
+from elastic.events import read_events
+from tests.chaos.conftest import leader_or_none
+from tests.harness.procs import make_env, pid_alive, reap, signal_all, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+# A stand-in agent: two children with the torchelastic worker environment, then waits.
+AGENT = textwrap.dedent("""
+    import os, subprocess, sys, time
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             env={**os.environ, "TORCHELASTIC_RUN_ID": "r", "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in range(2)]
+    print(" ".join(str(k.pid) for k in kids), flush=True)
+    for k in kids:
+        k.wait()
+""")
+
+
+@pytest.fixture
+def agent() -> Iterator[tuple[int, list[int]]]:
+    proc = subprocess.Popen([sys.executable, "-c", AGENT], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    kids = [int(p) for p in proc.stdout.readline().split()]
+    try:
+        yield proc.pid, kids
+    finally:
+        signal_all([*kids, proc.pid], signal.SIGCONT)
+        signal_all([*kids, proc.pid], signal.SIGKILL)
+        proc.wait(10)
+        reap(kids, 10)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as handle:
+        stat = handle.read()
+    return stat[stat.rindex(")") + 2]
+
+
+def test_workers_are_found_by_rank_and_signalled(tmp_path: Path, agent) -> None:
+    agent_pid, kids = agent
+    assert targets.workers([agent_pid]) == {0: kids[0], 1: kids[1]}
+    clock = [0.0]
+    schedule = Schedule(seed=1, faults=(Fault(kind=FaultKind.STOP_WORKER, target="worker:0", at_s=1, duration_s=2),
+                                        Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=5)))
+    journal = Journal(str(tmp_path / "j.jsonl"))
+    injector = Injector(schedule, journal, agent_pids=[agent_pid], clock=lambda: clock[0])
+    assert injector.tick(step=4) == []
+    clock[0] = 1.0
+    (stopped,) = injector.tick(step=4)
+    assert stopped["record"] == "injected" and stopped["pid"] == kids[0] and stopped["rank"] == 0
+    wait_for(lambda: _state(kids[0]) == "T", 5, "worker 0 to stop")
+    (killed,) = injector.tick(step=5)
+    assert killed["pid"] == kids[1]
+    wait_for(lambda: not pid_alive(kids[1]), 5, "worker 1 to die")
+    clock[0] = 3.0
+    (undone,) = injector.tick(step=5)
+    assert undone["record"] == "undone" and undone["pid"] == kids[0]
+    wait_for(lambda: _state(kids[0]) != "T", 5, "worker 0 to continue")
+    records = [r["record"] for r in read_events(journal.path)]
+    assert records == ["injected", "injected", "undone"]
+    assert all("t_mono" in r and "t_wall" in r for r in read_events(journal.path))
+
+
+def test_missing_targets_and_partitions_are_journaled_not_raised(tmp_path: Path, agent) -> None:
+    agent_pid, _ = agent
+    schedule = Schedule(faults=(Fault(kind=FaultKind.KILL_WORKER, target="worker:7", at_s=0),
+                                Fault(kind=FaultKind.PARTITION, target="netns:spotrun-no-such-ns", at_s=0),
+                                Fault(kind=FaultKind.RESTART_ETCD, at_s=0)))
+    injector = Injector(schedule, Journal(str(tmp_path / "j.jsonl")), agent_pids=[agent_pid])
+    records = injector.tick()
+    assert [r["record"] for r in records] == ["failed", "skipped", "failed"]
+    assert "no worker with rank 7" in records[0]["reason"]
+    assert "spotrun-no-such-ns" in records[1]["reason"] or "root" in records[1]["reason"]
+    assert "no etcd endpoints" in records[2]["reason"]
+    assert injector.injected == []
+
+
+# --- a real 3-member etcd cluster -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_kill_etcd_leader_restarts_it_and_a_new_leader_is_elected(tmp_path: Path, etcd_cluster) -> None:
+    leader = targets.etcd_leader(etcd_cluster)
+    schedule = Schedule(faults=(Fault(kind=FaultKind.KILL_ETCD_LEADER, at_s=0, duration_s=0.5),))
+    clock = [0.0]
+    injector = Injector(schedule, Journal(str(tmp_path / "j.jsonl")), etcd_endpoints=etcd_cluster,
+                        clock=lambda: clock[0])
+    try:
+        (record,) = injector.tick()
+        assert record["record"] == "injected" and record["endpoint"] == leader
+        wait_for(lambda: not pid_alive(record["pid"]), 5, "the old leader to die")
+        others = [e for e in etcd_cluster if e != leader]
+        new_leader = wait_for(lambda: leader_or_none(others), 15, "a new leader among the two others")
+        assert new_leader in others
+        clock[0] = 1.0
+        (restarted,) = injector.tick()
+        assert restarted["record"] == "undone" and restarted["endpoint"] == leader
+        wait_for(lambda: _member_ok(leader), 15, "the killed member to serve again")
+    finally:
+        for proc in injector.started:
+            proc.kill()
+            proc.wait(10)
+
+
+def _member_ok(endpoint: str) -> bool:
+    try:
+        return bool(targets.member_status(endpoint).leader_id)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# --- CLI --------------------------------------------------------------------------------------------------------
+
+
+def _cli(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "elastic.chaos.cli", *args], capture_output=True, text=True,
+                          timeout=60, env=make_env(), check=False)
+
+
+def test_cli_rejects_a_bad_schedule(tmp_path: Path) -> None:
+    bad = tmp_path / "s.json"
+    bad.write_text(json.dumps({"faults": [{"kind": "kill_worker"}]}))
+    done = _cli(["--schedule", str(bad), "--journal", str(tmp_path / "j.jsonl"), "--", "true"])
+    assert done.returncode == 2
+    assert "faults[0]" in done.stderr and "exactly one trigger" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_cli_runs_the_command_passes_storage_control_and_returns_its_exit_code(tmp_path: Path) -> None:
+    schedule = tmp_path / "s.json"
+    schedule.write_text(json.dumps({"seed": 3, "faults": [{"kind": "disk_full", "at_s": 0}]}))
+    script = ("import json, os, sys, time\n"
+              "p = os.environ['SPOTRUN_CHAOS_STORAGE']\n"
+              "deadline = time.time() + 20\n"
+              "while not os.path.exists(p) and time.time() < deadline: time.sleep(0.02)\n"
+              "print(json.load(open(p))['faults'][0]['kind']); sys.exit(3)\n")
+    done = _cli(["--schedule", str(schedule), "--journal", str(tmp_path / "j.jsonl"), "--",
+                 sys.executable, "-c", script])
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.strip() == "disk_full"
+    records = read_events(str(tmp_path / "j.jsonl"))
+    assert [r["record"] for r in records] == ["started", "injected", "finished"]
+    assert records[-1]["exit_code"] == 3
+    assert not os.path.exists(records[1]["control"])  # its temporary control file is removed
+
+
+def test_cli_finds_the_events_file_in_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.chaos.cli import events_file_of
+
+    monkeypatch.delenv("SPOTRUN_EVENTS_FILE", raising=False)
+    assert events_file_of(["spotrun", "--events-file", "/x/ev.jsonl", "t.py"]) == "/x/ev.jsonl"
+    assert events_file_of(["spotrun", "--events_file=/y.jsonl", "t.py"]) == "/y.jsonl"
+    assert events_file_of(["spotrun", "t.py"]) is None
+    monkeypatch.setenv("SPOTRUN_EVENTS_FILE", "/z.jsonl")
+    assert events_file_of(["spotrun", "t.py"]) == "/z.jsonl"
+
+
+def test_kill_agent_takes_its_workers_and_term_agent_sends_sigterm(tmp_path: Path, agent) -> None:
+    agent_pid, kids = agent
+    journal = Journal(str(tmp_path / "j.jsonl"))
+    term = Injector(Schedule(faults=(Fault(kind=FaultKind.TERM_AGENT, target="agent:0", at_s=0),)), journal,
+                    agent_pids=[agent_pid])
+    (record,) = term.tick()
+    assert record["record"] == "injected" and record["pid"] == agent_pid
+    wait_for(lambda: not pid_alive(agent_pid), 5, "the stand-in agent to exit on SIGTERM")
+    assert all(pid_alive(k) for k in kids)  # SIGTERM is the agent's to handle: its workers are not signalled
+
+
+def test_kill_agent_kills_the_whole_tree(tmp_path: Path, agent) -> None:
+    agent_pid, kids = agent
+    kill = Injector(Schedule(faults=(Fault(kind=FaultKind.KILL_AGENT, at_s=0),)), Journal(str(tmp_path / "j.jsonl")),
+                    agent_pids=[agent_pid])
+    (record,) = kill.tick()
+    assert record["pid"] == agent_pid and sorted(record["pids"]) == sorted([agent_pid, *kids])
+    wait_for(lambda: not any(pid_alive(p) for p in [agent_pid, *kids]), 5, "the agent and its workers to die")
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A network namespace of our own with a veth pair inside (nothing of the host's network is touched)."""
+    from tests.deploy.netlab import loopback_reason
+
+    reason = loopback_reason()
+    if reason is not None:
+        pytest.skip(f"no network namespaces here: {reason}")
+    name = f"spotrun-chaos-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "add", "v0", "type", "veth", "peer", "name", "v1"], check=True,
+                       timeout=10)
+        for link in ("v0", "v1"):
+            subprocess.run(["ip", "-n", name, "link", "set", link, "up"], check=True, timeout=10)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False, timeout=10)
+
+
+def _link_up(netns: str, link: str) -> bool:
+    out = subprocess.run(["ip", "-n", netns, "-o", "link", "show", link], capture_output=True, text=True,
+                         timeout=10, check=True).stdout
+    return ",UP" in out or "<UP" in out
+
+
+def test_partition_takes_the_namespace_links_down_then_up(tmp_path: Path, netns: str) -> None:
+    clock = [0.0]
+    schedule = Schedule(faults=(Fault(kind=FaultKind.PARTITION, target=f"netns:{netns}", at_s=0, duration_s=1),))
+    injector = Injector(schedule, Journal(str(tmp_path / "j.jsonl")), clock=lambda: clock[0])
+    (cut,) = injector.tick()
+    assert cut["record"] == "injected" and sorted(cut["links"]) == ["v0", "v1"]
+    assert not _link_up(netns, "v0") and not _link_up(netns, "v1")
+    clock[0] = 1.0
+    (healed,) = injector.tick()
+    assert healed["record"] == "undone"
+    assert _link_up(netns, "v0") and _link_up(netns, "v1")

@@ -1,0 +1,79 @@
+"""The schedule: validation messages, JSON round trip, seeded generation, and the pure `due` decision."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from elastic.chaos.api import ChaosScheduleError, Fault, FaultKind, Schedule
+from elastic.chaos.schedule import (
+    due,
+    load_schedule,
+    next_wake,
+    random_schedule,
+    schedule_from_json,
+)
+
+
+def test_json_round_trip_and_default_targets(tmp_path: Path) -> None:
+    data = {"seed": 7, "faults": [
+        {"kind": "kill_worker", "at_step": 10},
+        {"kind": "storage_error", "at_s": 2.5, "duration_s": 1, "params": {"rate": 0.5, "ops": "write"}},
+        {"kind": "kill_etcd_leader", "at_s": 1},
+    ]}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(data))
+    schedule = load_schedule(str(path))
+    assert [f.target for f in schedule.faults] == ["worker:any", "storage", "etcd:any"]
+    assert schedule_from_json(schedule.to_json()) == schedule
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ({"kind": "explode", "at_s": 1}, "unknown fault kind 'explode'; use one of kill_worker"),
+    ({"kind": "kill_worker"}, "exactly one trigger"),
+    ({"kind": "kill_worker", "at_s": 1, "at_step": 2}, "exactly one trigger"),
+    ({"kind": "kill_worker", "at_s": -1}, "at_s must be >= 0"),
+    ({"kind": "kill_worker", "at_s": 1, "target": "agent:0"}, "use worker:"),
+    ({"kind": "partition", "at_s": 1}, "name the network namespace"),
+    ({"kind": "storage_error", "at_s": 1, "params": {"rate": 2}}, "rate must be in (0, 1]"),
+    ({"kind": "storage_latency", "at_s": 1, "params": {"rate": 1}}, "accepted: ['seconds']"),
+    ({"kind": "kill_worker", "at_s": 1, "when": 3}, "unknown keys ['when']"),
+])
+def test_bad_faults_say_what_is_wrong(fault: dict, message: str) -> None:
+    with pytest.raises(ChaosScheduleError, match="faults\\[0\\]") as info:
+        schedule_from_json({"faults": [fault]})
+    assert message in str(info.value)
+
+
+def test_unreadable_schedule_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ChaosScheduleError, match="bad.json is not valid JSON"):
+        load_schedule(str(bad))
+    with pytest.raises(ChaosScheduleError, match="cannot read schedule"):
+        load_schedule(str(tmp_path / "missing.json"))
+
+
+def test_random_schedule_is_seeded_and_spaced() -> None:
+    a = random_schedule(3, duration_s=60, count=5, min_gap_s=8)
+    assert a == random_schedule(3, duration_s=60, count=5, min_gap_s=8)
+    assert a != random_schedule(4, duration_s=60, count=5, min_gap_s=8)
+    times = [f.at_s for f in a.faults]
+    assert times == sorted(times) and all(b - a_ >= 8 - 1e-3 for a_, b in itertools.pairwise(times))
+    assert all(0 <= t < 60 for t in times)
+    with pytest.raises(ChaosScheduleError, match="do not fit"):
+        random_schedule(1, duration_s=10, count=5, min_gap_s=8)
+
+
+def test_due_fires_by_time_and_by_step_once() -> None:
+    schedule = Schedule(seed=0, faults=(Fault(kind=FaultKind.KILL_WORKER, at_s=2.0),
+                                        Fault(kind=FaultKind.TERM_AGENT, at_step=5)))
+    assert due(schedule, [], 1.0, None) == []
+    assert due(schedule, [], 2.0, None) == [0]
+    assert due(schedule, [0], 3.0, 4) == []
+    assert due(schedule, [0], 3.0, 5) == [1]
+    assert next_wake(schedule, [], 0.5) == 1.5
+    assert next_wake(schedule, [0], 0.5) is None
