@@ -57,7 +57,7 @@ class Injector:
     ) -> None:
         self.schedule = schedule
         self.journal = journal
-        self._agents = agent_pids if callable(agent_pids) else (lambda: list(agent_pids))  # type: ignore[misc]
+        self._agents = agent_pids if callable(agent_pids) else (lambda: list(agent_pids))
         self.etcd_endpoints = list(etcd_endpoints)
         self.storage_control = storage_control
         self.events_file = events_file

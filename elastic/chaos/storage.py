@@ -20,8 +20,8 @@ import threading
 import time
 from typing import Any
 
-import fsspec  # type: ignore[import-untyped]
-from fsspec.implementations.chained import ChainedFileSystem  # type: ignore[import-untyped]
+import fsspec
+from fsspec.implementations.chained import ChainedFileSystem
 
 from elastic.chaos.api import STORAGE_CONTROL_ENV, FaultKind
 
@@ -82,7 +82,7 @@ class ChaosFileSystem(ChainedFileSystem):
         self._control = _Control(control or os.environ.get(STORAGE_CONTROL_ENV), seed)
 
     @classmethod
-    def _strip_protocol(cls, path: str) -> str:  # type: ignore[override]
+    def _strip_protocol(cls, path: str) -> str:
         # Empty for a bare ``chaos::`` layer: fsspec then hands this layer the inner URL's path.
         path = path.removeprefix("chaos://")
         return path.rstrip("/")
