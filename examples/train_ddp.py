@@ -1,9 +1,16 @@
 """Elastic DDP training with async checkpoints: the job spotrun is built to keep alive.
 
-A small MLP learns a fixed linear map on a deterministic synthetic dataset. The data position is global
-(samples consumed so far, like a DistributedSampler's epoch/offset), so a restart at a different world size
-resumes exactly where the last committed checkpoint left off: each rank takes its slice of the next global
-batch. WORLD_SIZE/RANK/LOCAL_RANK are read at every start (spotrun restarts the script after each membership
+A small MLP learns a fixed linear map on a deterministic synthetic dataset. The data position is one global
+cursor (``elastic.data``: epoch, samples consumed, seed) committed with each checkpoint, so a restart at a
+different world size resumes exactly where the last committed checkpoint left off: each rank takes its
+contiguous share of the next global batch (``--global-batch`` is fixed, the per-rank share and the number of
+accumulation micro-batches, at most ``--max-micro-batch`` samples each, follow the world size). Each rank
+backpropagates its summed loss times ``world_size / global_batch``, so DDP's average is the global-batch mean
+even when the shares are uneven (64 at 3 ranks: 22/21/21): a 2 -> 1 -> 3 worker run stays within 1e-5 of an
+uninterrupted one. ``--deterministic`` makes it bit-identical instead (``elastic.deterministic``: fixed
+``--shards`` virtual micro-batches, each computed alone, summed along a fixed tree over the shards; see
+``bench/deterministic_bench.py`` for its cost).
+WORLD_SIZE/RANK/LOCAL_RANK are read at every start (spotrun restarts the script after each membership
 change). gloo on CPU, nccl when CUDA is available.
 
 Run it (from the repository root):
@@ -11,6 +18,9 @@ Run it (from the repository root):
     python examples/train_ddp.py --steps 50 --ckpt-dir runs/ckpt
     # one node, two workers, embedded etcd (what examples/run.sh does)
     spotrun --standalone --nproc-per-node 2 examples/train_ddp.py --steps 200 --ckpt-dir runs/ckpt
+    # elastic batches: at most 16 samples per forward (accumulation), or bit-exact across world sizes
+    spotrun --standalone --nproc-per-node 3 examples/train_ddp.py --steps 200 --ckpt-dir runs/ckpt --max-micro-batch 16
+    spotrun --standalone --nproc-per-node 3 examples/train_ddp.py --steps 200 --ckpt-dir runs/det --deterministic
     # several nodes (run on each node; 1 to 4 nodes, joins and losses handled at the next round)
     python -m elastic.etcd_server --host 0.0.0.0          # once, somewhere reachable (or a real etcd >= 3.5)
     spotrun --nnodes 1:4 --nproc-per-node 2 --rdzv-endpoint ETCD_HOST:PORT --rdzv-id job1 \\
@@ -18,7 +28,7 @@ Run it (from the repository root):
     # S3 outside AWS (MinIO, Ceph, ...): needs `pip install spotrun[s3]`; AWS_ENDPOINT_URL works as well
     spotrun --standalone --nproc-per-node 2 examples/train_ddp.py --ckpt-dir s3://bucket/job1 \\
         --storage-option endpoint_url=http://127.0.0.1:9000
-Every ``--log-every`` steps rank 0 prints ``step=N loss=X world_size=W``.
+Every ``--log-every`` steps rank 0 prints ``step=N loss=X world_size=W`` (X: the global-batch mean loss).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import json
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -37,6 +48,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from elastic.data import BatchConfig, ElasticBatches, ElasticDataError, StepPlan
+from elastic.deterministic import ShardGradReducer
 
 logger = logging.getLogger("train_ddp")
 
@@ -60,33 +75,12 @@ class TrainerState:
         self.samples_seen = int(state["samples_seen"])
 
 
-class SyntheticRegression:
+def synthetic_regression(size: int, seed: int) -> TensorDataset:
     """``y = x @ w_true + noise`` with a fixed seed: every rank builds the same dataset without I/O."""
-
-    def __init__(self, size: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(size, FEATURES, generator=gen)
-        w_true = torch.randn(FEATURES, 1, generator=gen)
-        self.y = self.x @ w_true + 0.01 * torch.randn(size, 1, generator=gen)
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return self.x.shape[0]
-
-    def global_batch_indices(self, start: int, global_batch: int) -> torch.Tensor:
-        """Indices of samples ``[start, start + global_batch)`` of the shuffled stream (one permutation per epoch)."""
-        positions = torch.arange(start, start + global_batch)
-        epochs, offsets = positions // len(self), positions % len(self)
-        out = torch.empty_like(positions)
-        for epoch in epochs.unique().tolist():
-            perm = torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + 1 + epoch))
-            mask = epochs == epoch
-            out[mask] = perm[offsets[mask]]
-        return out
-
-    def local_batch(self, start: int, global_batch: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.global_batch_indices(start, global_batch).tensor_split(world)[rank]
-        return self.x[idx], self.y[idx]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, FEATURES, generator=gen)
+    w_true = torch.randn(FEATURES, 1, generator=gen)
+    return TensorDataset(x, x @ w_true + 0.01 * torch.randn(size, 1, generator=gen))
 
 
 def make_model() -> nn.Module:
@@ -117,13 +111,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=20, help="rank 0 prints one line every N steps")
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch recoveries)")
     p.add_argument("--progress-file", default=None,
-                   help="append one JSON line per step and rank (rank, world_size, step, pid, t_wall): benchmarks")
+                   help="append one JSON line per step and rank (rank, world_size, step, pid, t_wall, loss): benchmarks")
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process group (collective) timeout, seconds")
+    p.add_argument("--max-micro-batch", type=int, default=None,
+                   help="most samples a rank feeds forward at once (gradient accumulation); default: its whole share")
+    p.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes per rank")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bit-identical at any world size: --shards fixed micro-batches reduced in shard order")
+    p.add_argument("--shards", type=int, default=8, help="virtual micro-batches per global batch (--deterministic)")
     args = p.parse_args(argv)
     if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 1 or args.log_every < 1:
         p.error("--steps must be >= 0 and --global-batch, --ckpt-every, --log-every >= 1")
     if args.storage_option and args.ckpt_dir is None:
         p.error("--storage-option configures the --ckpt-dir location; pass --ckpt-dir too")
+    if args.loader_workers < 0:
+        p.error("--loader-workers must be >= 0")
+    try:
+        args.batch_config = BatchConfig(
+            global_batch=args.global_batch,
+            dataset_size=args.dataset_size,
+            max_micro_batch=None if args.deterministic else args.max_micro_batch,
+            seed=args.seed,
+            num_shards=args.shards if args.deterministic else None,
+        )
+    except ElasticDataError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -163,42 +175,88 @@ def append_progress(path: str, record_: dict[str, Any]) -> None:
         os.close(fd)
 
 
+def train_step(model: nn.Module, ddp: nn.Module, plan: StepPlan, micro: Any, device: torch.device) -> torch.Tensor:
+    """One step's gradients (normal mode): each micro-batch's summed loss times ``plan.loss_scale``, DDP
+    syncing on the last one only. Returns this rank's summed loss."""
+    loss_fn = nn.MSELoss(reduction="sum")
+    loss_sum = torch.zeros((), device=device)
+    for i in range(plan.accumulation_steps):
+        x, y = next(micro)
+        last = i == plan.accumulation_steps - 1
+        with nullcontext() if last or ddp is model else ddp.no_sync():  # type: ignore[operator]
+            loss = loss_fn(ddp(x.to(device)), y.to(device))
+            (loss * plan.loss_scale).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def global_mean_loss(loss_sum: torch.Tensor, global_batch: int) -> torch.Tensor:
+    """The global-batch mean loss from each rank's summed loss (what rank 0 prints)."""
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+    return loss_sum / global_batch
+
+
+def deterministic_step(model: nn.Module, reducer: ShardGradReducer, plan: StepPlan, micro: Any,
+                       device: torch.device) -> torch.Tensor:
+    """One step's gradients in deterministic mode; returns the global-batch mean loss (bit-exact)."""
+    loss_fn = nn.MSELoss(reduction="sum")
+    reducer.begin()
+    for shard in plan.shard_ids:
+        x, y = next(micro)
+        reducer.add_shard(shard, loss_fn(model(x.to(device)), y.to(device)))
+    return reducer.finish()
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logger.setLevel(logging.INFO)
+    if args.deterministic:
+        torch.set_num_threads(1)  # a GEMM may split its reduction by thread: fix the count, like the shards
     rank, world, device = init_distributed(args.pg_timeout)
     ctx = f"[rank {rank}/{world} restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}]"
 
     model = make_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     trainer = TrainerState()
+    batches = ElasticBatches(args.batch_config)
     # Checkpoint the bare module: its keys do not depend on DDP or on the world size.
-    state = {"model": model, "optim": optimizer, "trainer": trainer}
+    state = {"model": model, "optim": optimizer, "trainer": trainer, "data": batches}
     ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option))
     if ckpt is not None:
         restored = ckpt.load(state)
         if restored is not None:
             logger.info("%s resumed from step %s (samples_seen=%s)", ctx, restored, trainer.samples_seen)
-    ddp = DistributedDataParallel(model) if dist.is_initialized() else model
-    data = SyntheticRegression(args.dataset_size, args.seed)
-    loss_fn = nn.MSELoss()
+    # Deterministic mode replaces DDP's gradient reduction with the fixed-order shard sum.
+    reducer = None
+    if args.deterministic:
+        reducer = ShardGradReducer(model.parameters(), num_shards=args.shards, global_batch=args.global_batch)
+    ddp = DistributedDataParallel(model) if dist.is_initialized() and reducer is None else model
+    dataset = synthetic_regression(args.dataset_size, args.seed)
+    # The sampler starts at the restored cursor and yields this rank's micro-batches step after step.
+    sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))
+    micro = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=args.loader_workers))
 
     try:
         while trainer.step < args.steps:
-            x, y = data.local_batch(trainer.samples_seen, args.global_batch, rank, world)
+            plan = batches.plan(rank, world)
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(ddp(x.to(device)), y.to(device))
-            loss.backward()
+            if reducer is None:
+                loss = global_mean_loss(train_step(model, ddp, plan, micro, device), args.global_batch)
+            else:
+                loss = deterministic_step(model, reducer, plan, micro, device)
             optimizer.step()
+            batches.advance()
             trainer.step += 1
             trainer.samples_seen += args.global_batch
             if args.step_time:
                 time.sleep(args.step_time)
             if args.progress_file:
                 append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
-                                                     "pid": os.getpid(), "t_wall": time.time()})
+                                                     "pid": os.getpid(), "t_wall": time.time(),
+                                                     "loss": loss.item()})
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
             if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
