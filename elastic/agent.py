@@ -15,7 +15,12 @@ tests/elastic/test_torch_internals.py (when torch changes):
   warm workers forked from a torch-preloaded forkserver; see ``elastic.workers``);
 * the failure summary lists every rank that failed on its own, root cause (first to die) first;
 * transient rendezvous errors while monitoring (etcd restarting) do not kill a healthy job;
-* every recovery stage is written to a structured event log (``elastic.events``).
+* every recovery stage is written to a structured event log (``elastic.events``);
+* planned changes (``elastic.planned``): SIGTERM / ``--preempt-signal`` / metadata notices become a deadline
+  published to the group; workers with a ``Preemption`` helper commit an agreed step, then the preempted
+  agent revokes its lease and exits 0 and the others re-form uncharged (a joining node: the same stop first);
+* shutdown without traps: a worker that already returned is not waited for, and an agent whose workers
+  finished does not sit in the exit barrier for a peer that left (it re-forms instead of reporting success).
 
 Stale state (pytorch#135712): with the etcd-v3 backend ``use_agent_store`` is False and each round has its
 own store scope, so workers of a new round never see the previous round's keys even when a membership-change
@@ -24,6 +29,7 @@ round keeps ``TORCHELASTIC_RESTART_COUNT`` unchanged (covered by tests/elastic/t
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -46,7 +52,10 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 
 from elastic.api import EventSink, FailureCause, RecoveryEvent
 from elastic.config import AgentSettings
-from elastic.rendezvous.api import MembershipAwareHandler
+from elastic.notice import Notice, earliest, parse_signal_spec
+from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
+from elastic.preemption import Mailbox, WorkerNotice
+from elastic.rendezvous.api import MembershipAwareHandler, NoticeAwareHandler
 from elastic.torch_internals import check_agent_internals, worker_processes
 from elastic.workers import DeathClock, PdeathsigEntrypoint, shim_command, terminate_processes
 
@@ -95,6 +104,7 @@ class SpotrunAgent(LocalElasticAgent):
         log_line_prefix_template: str | None = None,
         shutdown_timeout: int = 30,
         tie_workers_to_agent: bool = True,
+        mailbox: Mailbox | None = None,
     ) -> None:
         if tie_workers_to_agent:
             # CHANGE: workers die with the agent (torch's start_new_session leaves orphans on agent SIGKILL).
@@ -116,6 +126,15 @@ class SpotrunAgent(LocalElasticAgent):
         self._previous_group_world_size: int | None = None
         self._death_clock: DeathClock | None = None
         self._close_started_at: float | None = None
+        # Planned changes (elastic.planned): the workers' mailbox, this node's notice, what was posted.
+        self._mailbox = mailbox
+        self._notices = spec.rdzv_handler if isinstance(spec.rdzv_handler, NoticeAwareHandler) else None
+        self._own_notice: Notice | None = None
+        self._notice_published = False
+        self._posted: WorkerNotice | None = None
+        self._peer_deadlines: dict[str, float] = {}
+        """Peer notices seen in this round: kept after the peer left (its key goes with its lease)."""
+        self._notice_signals = self._notice_signal_graces()
 
     # --- context for logs and events ------------------------------------------------------------------------
 
@@ -208,7 +227,14 @@ class SpotrunAgent(LocalElasticAgent):
                    master_port=worker_group.master_port)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._mailbox is not None:
+            self._mailbox.clear()  # helpers and acks of the previous group must not count for this one
+        self._posted = None
+        self._peer_deadlines = {}
         pids = super()._start_workers(worker_group)
+        # CHANGE: torch's PContext.start installs handlers that turn SIGTERM into an immediate shutdown;
+        # a SIGTERM is a preemption notice here (workers that can save do so first).
+        self._install_notice_handlers()
         if self._pcontext is not None:
             self._close_started_at = None
             _default_close_timeout(self._pcontext, self._settings.stop_grace, self._note_close_started)
@@ -276,17 +302,42 @@ class SpotrunAgent(LocalElasticAgent):
             put_metric(f"workers.{role}.remaining_restarts", self._remaining_restarts)
             put_metric(f"workers.{role}.{state.name.lower()}", 1)
 
+            self._publish_own_notice()
+
             if state == WorkerState.SUCCEEDED:
+                # CHANGE: workers that acknowledged a step stopped for a planned change: the job is not over.
+                step = self._acknowledged_step()
+                if self._own_notice is not None and (step is not None or self._posted is not None):
+                    return self._leave_for_notice(step)
+                if step is not None:
+                    self._restart_for_planned_change(step)
+                    continue
                 logger.info("%s worker group finished; waiting for other agents", self._ctx())
-                self._exit_barrier()
+                if not self._exit_barrier_unless_peers_left():
+                    # CHANGE: torch waits up to 300 s for peers that left, then reports success.
+                    self._emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.PEERS_LEFT_AT_EXIT.value)
+                    self._restart_workers(self._worker_group)
+                    continue
                 self._emit(RecoveryEvent.RUN_FINISHED, state=state.name)
                 return run_result
             if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
+                if self._own_notice is not None and self._posted is not None:
+                    # The workers failed while saving for this node's notice: the node still goes away.
+                    self._stop_workers(self._worker_group)
+                    self._leave(step=None, why="the workers failed during the planned stop")
+                    self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
+                    return run_result
                 result = self._handle_failure(run_result)
                 if result is not None:
                     self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
                     return result
             elif state == WorkerState.HEALTHY:
+                planned = self._planned_tick()
+                if planned is PlannedTick.WAITING:
+                    continue
+                if planned is PlannedTick.LEFT:
+                    self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.SUCCEEDED.name)
+                    return self._left_result()
                 # CHANGE: also reacts to a lost peer (membership_changed), not only to waiting nodes.
                 if self._membership_changed():
                     logger.info("%s membership changed; restarting worker group (not counted)", self._ctx())
@@ -294,6 +345,179 @@ class SpotrunAgent(LocalElasticAgent):
                     self._restart_workers(self._worker_group)
             else:
                 raise RuntimeError(f"[{role}] Worker group in {state.name} state")
+
+    # --- planned changes: notices, the workers' mailbox, leaving and re-forming (elastic.planned) ----------
+
+    def receive_notice(self, notice: Notice) -> None:
+        """This node will be taken away at ``notice.deadline`` (called from the poller thread or a signal
+        handler: only an assignment; the monitor loop acts on it)."""
+        self._own_notice = earliest(self._own_notice, notice)
+
+    def _notice_signal_graces(self) -> dict[int, tuple[str, float]]:
+        graces = {int(signal.SIGTERM): ("sigterm", self._settings.preempt_grace)}
+        if self._settings.preempt_signal:
+            sig, grace = parse_signal_spec(self._settings.preempt_signal, self._settings.preempt_grace)
+            graces[int(sig)] = (f"signal:{sig.name}", grace)
+        return graces
+
+    def _install_notice_handlers(self) -> None:
+        for signum in self._notice_signals:
+            signal.signal(signum, self._on_notice_signal)
+
+    def _on_notice_signal(self, signum: int, frame: object) -> None:
+        source, grace = self._notice_signals[signum]
+        if signum == signal.SIGTERM and (self._own_notice is not None or not self._helpers_ready()):
+            # A second SIGTERM, or workers that cannot save at an agreed step: torch's immediate shutdown.
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        self.receive_notice(Notice(source, time.time() + grace, f"signal {signal.Signals(signum).name}"))
+
+    def _helpers_ready(self) -> bool:
+        """Every local worker constructed a ``Preemption`` helper (it will stop by itself at an agreed step)."""
+        if self._mailbox is None:
+            return False
+        try:
+            return len(self._mailbox.helpers()) >= self._worker_group.spec.local_world_size
+        except OSError:
+            return False
+
+    def _acknowledged_step(self) -> int | None:
+        if self._mailbox is None:
+            return None
+        return all_acknowledged(self._mailbox.acks(), self._worker_group.spec.local_world_size)
+
+    def _publish_own_notice(self) -> None:
+        notice = self._own_notice
+        if notice is None or self._notice_published:
+            return
+        self._notice_published = True
+        published = False
+        if self._notices is not None:
+            try:
+                self._notices.publish_notice(notice.to_json())
+                published = True
+            except RendezvousError:
+                logger.warning("%s could not publish the preemption notice; peers learn of it when this node "
+                               "leaves", self._ctx(), exc_info=logger.isEnabledFor(logging.DEBUG))
+        logger.warning("%s preemption notice (%s): deadline in %.1f s", self._ctx(), notice.source,
+                       notice.deadline - time.time())
+        self._emit(RecoveryEvent.NOTICE_RECEIVED, source=notice.source, deadline=notice.deadline,
+                   detail=notice.detail, published=published)
+
+    def _group_view(self) -> GroupView:
+        peers: dict[str, float] = {}
+        lost: frozenset[str] = frozenset()
+        now = time.time()
+        if self._notices is not None:
+            try:
+                for node, notice in self._notices.peer_notices().items():
+                    self._peer_deadlines.setdefault(node, float(notice.get("deadline") or now))
+                lost = frozenset(self._notices.lost_peers())
+            except RendezvousError:
+                pass
+            peers = dict(self._peer_deadlines)
+        return GroupView(now=now, own=self._own_notice, peer_deadlines=peers, lost=lost,
+                         membership_changed=self._membership_changed())
+
+    def _planned_tick(self) -> PlannedTick:
+        """While healthy: post a planned stop to the workers, wait for it, or give up on it."""
+        if self._mailbox is None:
+            return PlannedTick.NONE
+        view = self._group_view()
+        if self._posted is not None:
+            if while_posted(view, self._posted, stop_grace=self._settings.stop_grace) is PlannedStep.WAIT:
+                return PlannedTick.WAITING
+            lost = unplanned_loss(view)
+            why = f"peer(s) {sorted(lost)} vanished without notice" if lost else "the deadline left no time to save"
+            logger.warning("%s planned stop (%s) abandoned: %s", self._ctx(), self._posted.reason, why)
+            self._emit(RecoveryEvent.PLANNED_STOP_ABANDONED, reason=self._posted.reason, why=why)
+            self._posted = None
+            if self._own_notice is not None:
+                self._stop_workers(self._worker_group)
+                self._leave(step=None, why=why)
+                return PlannedTick.LEFT
+            self._restart_workers(self._worker_group)  # not charged: a membership change
+            return PlannedTick.WAITING
+        notice = worker_notice(view, self._settings.resize_timeout)
+        if notice is None or unplanned_loss(view):
+            return PlannedTick.NONE  # nothing planned, or a crash: the restart path below handles it
+        if not self._helpers_ready():
+            if self._own_notice is not None:
+                # The workers cannot stop at an agreed step: leave now so the peers re-form at once.
+                self._stop_workers(self._worker_group)
+                self._leave(step=None, why="the workers do not use elastic.preemption.Preemption")
+                return PlannedTick.LEFT
+            return PlannedTick.NONE
+        self._mailbox.post(notice)
+        self._posted = notice
+        logger.warning("%s planned stop posted to the workers: %s (deadline in %s s)", self._ctx(), notice.reason,
+                       "-" if notice.deadline is None else f"{notice.deadline - time.time():.1f}")
+        self._emit(RecoveryEvent.PLANNED_STOP_POSTED, reason=notice.reason, deadline=notice.deadline,
+                   source=notice.source)
+        return PlannedTick.WAITING
+
+    def _leave(self, *, step: int | None, why: str | None) -> None:
+        notice = self._own_notice
+        if self._membership is not None:
+            try:
+                self._membership.leave()
+            except RendezvousError:
+                logger.warning("%s leaving the rendezvous failed; peers notice when the lease expires", self._ctx())
+        late = notice is not None and time.time() > notice.deadline
+        logger.warning("%s left the group for the preemption notice (step %s committed%s)", self._ctx(), step,
+                       ", after the deadline" if late else "")
+        self._emit(RecoveryEvent.PLANNED_LEAVE, step=step, saved=step is not None, why=why, late=late,
+                   source=notice.source if notice else None, deadline=notice.deadline if notice else None)
+
+    def _leave_for_notice(self, step: int | None) -> RunResult:
+        """The workers committed ``step`` and exited 0: revoke the lease (peers re-form now) and exit 0."""
+        self._stop_workers(self._worker_group)
+        self._leave(step=step, why=None if step is not None else "the workers exited without acknowledging a step")
+        self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.SUCCEEDED.name)
+        return self._left_result()
+
+    def _left_result(self) -> RunResult:
+        """Success for every local worker (torch records one event per worker from the return values)."""
+        return RunResult(state=WorkerState.SUCCEEDED,
+                         return_values={w.global_rank: None for w in self._worker_group.workers})
+
+    def _restart_for_planned_change(self, step: int) -> None:
+        """Our workers committed ``step`` for a peer's notice or a joining node: re-form now (the rendezvous
+        waits for the leaver's lease to go and for the joiner) and resume from ``step``; not counted."""
+        reason = self._posted.reason if self._posted is not None else "unknown"
+        logger.info("%s workers committed step %d for a planned change (%s); re-forming the group", self._ctx(),
+                    step, reason)
+        self._emit(RecoveryEvent.PLANNED_RESTART, step=step, reason=reason)
+        self._restart_workers(self._worker_group)
+
+    def _exit_barrier_unless_peers_left(self) -> bool:
+        """torch's exit barrier, except that it returns False at once when a peer of this round is gone:
+        a peer that left never arrives (torch waits ``exit_barrier_timeout``, 300 s, then reports success)."""
+        size, store = self._worker_group.group_world_size, self._store
+        if self._notices is None or store is None or size is None or size <= 1:
+            self._exit_barrier()
+            return True
+        key = "spotrun/exit_barrier/arrived"
+        began = time.monotonic()
+        try:
+            store.add(key, 1)
+            while time.monotonic() - began < self._exit_barrier_timeout:
+                if int(store.add(key, 0)) >= size:
+                    return True
+                if self._notices.lost_peers():
+                    logger.warning("%s peers %s left while this node finished: the run is not over", self._ctx(),
+                                   sorted(self._notices.lost_peers()))
+                    return False
+                self._stop_waiting_for(0.1)
+        except RendezvousError:
+            logger.warning("%s exit barrier failed", self._ctx(), exc_info=True)
+            return True
+        logger.error("%s peers did not finish within %.0f s", self._ctx(), self._exit_barrier_timeout)
+        return True
+
+    def _stop_waiting_for(self, seconds: float) -> None:
+        if not self._wait_for_membership_change(seconds):
+            return
+        time.sleep(seconds)  # a waiting node also counts as a change: do not spin while it waits
 
     def _handle_failure(self, run_result: RunResult) -> RunResult | None:
         """Restart the group (returns None) or give up (returns the failed result)."""
@@ -317,6 +541,16 @@ class SpotrunAgent(LocalElasticAgent):
             self._charged_restart_pending = True
         self._restart_workers(self._worker_group)
         return None
+
+
+class PlannedTick(enum.Enum):
+    """Outcome of one monitor tick of a healthy group, as far as planned changes go."""
+
+    NONE = "none"
+    WAITING = "waiting"
+    """A planned stop is posted; the workers are on their way to the agreed step."""
+    LEFT = "left"
+    """This node left the group (its notice could not wait for the workers)."""
 
 
 def complete_failures(
@@ -368,9 +602,42 @@ def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[
 
     def close(death_sig: signal.Signals | None = None, timeout: float | None = None) -> None:
         on_close()
-        original(death_sig, grace if timeout is None else timeout)  # type: ignore[arg-type]
+        wait = grace if timeout is None else timeout
+        began = time.monotonic()
+        _stop_releasing_returned_workers(pcontext, death_sig or signal.SIGTERM, wait)
+        # torch's close: signals what is still alive (nothing, normally), joins, closes the log tails.
+        original(death_sig, max(0.0, wait - (time.monotonic() - began)))  # type: ignore[arg-type]
 
     pcontext.close = close  # type: ignore[method-assign]
+
+
+def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signals, timeout: float) -> None:
+    """CHANGE: a function worker that already returned waits in torch's ``_wrap`` for the agent's next poll
+    (``_worker_finished_event``); an agent that is closing never polls again, so a worker that exited 0 on
+    SIGTERM (a hand-written save handler) held the agent and its lease for the whole 30 s timeout. Setting
+    the event is unsafe (torch: it deadlocks if a process died inside ``wait()``), so a worker whose return
+    value is already queued, i.e. that has nothing left to do, is SIGKILLed at once instead."""
+    processes = worker_processes(pcontext)
+    ret_vals = getattr(pcontext, "_ret_vals", None)
+    if not processes or not isinstance(ret_vals, dict):
+        return
+    from multiprocessing.connection import wait as wait_for_sentinels
+
+    for proc in processes:
+        if proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, death_sig)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [(rank, proc) for rank, proc in enumerate(processes) if proc.is_alive()]
+        if not alive:
+            return
+        for rank, proc in alive:
+            queue = ret_vals.get(rank)
+            if queue is not None and not queue.empty():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+        wait_for_sentinels([proc.sentinel for _, proc in alive], timeout=min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 def membership_aware(handler: RendezvousHandler) -> MembershipAwareHandler | None:

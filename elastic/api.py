@@ -37,6 +37,16 @@ class RecoveryEvent(str, enum.Enum):
     RENDEZVOUS_COMPLETED = "rendezvous_completed"
     WORKERS_STARTED = "workers_started"
     RUN_FINISHED = "run_finished"
+    NOTICE_RECEIVED = "notice_received"
+    """This node got a preemption notice (``source``, ``deadline`` wall-clock s, ``published`` to the group)."""
+    PLANNED_STOP_POSTED = "planned_stop_posted"
+    """Workers were asked to stop at an agreed step (``reason``: preempt/peer_preempt/resize, ``deadline``)."""
+    PLANNED_STOP_ABANDONED = "planned_stop_abandoned"
+    """No time left (or a peer crashed) before the workers committed: stopped without the save (``why``)."""
+    PLANNED_LEAVE = "planned_leave"
+    """This node left the group for its notice (``step`` committed, or null when nothing could be saved)."""
+    PLANNED_RESTART = "planned_restart"
+    """The group re-forms at a new size after a planned stop (``step`` committed), not counted as a restart."""
 
 
 class FailureCause(str, enum.Enum):
@@ -48,6 +58,8 @@ class FailureCause(str, enum.Enum):
     """A peer lost its lease or a new node is waiting; never counts against ``--max-restarts``."""
     WORKER_FAILURE_WITH_PEER_LOSS = "worker_failure_with_peer_loss"
     """A local worker failed while the membership changed (e.g. a collective broke because a peer died)."""
+    PEERS_LEFT_AT_EXIT = "peers_left_at_exit"
+    """The local workers exited 0 but peers left instead of finishing too: not a success, re-form."""
 
 
 class EventSink(Protocol):

@@ -20,6 +20,13 @@ Differences from torchrun:
                                  ``SPOTRUN_WARM_WORKERS``, default on): a restart skips ``import torch``.
                                  (torchrun's ``--start-method`` only ever applied to ``--run-path``
                                  functions, and still does; ``--no-python`` binaries are never warm.)
+  ``--preempt-grace SECONDS``    a SIGTERM to the agent is a preemption notice with this deadline (env
+                                 ``SPOTRUN_PREEMPT_GRACE``, default 30); see ``elastic.planned``.
+  ``--preempt-signal SIG[@S]``   an extra notice signal, Slurm style (env ``SPOTRUN_PREEMPT_SIGNAL``).
+  ``--preempt-notice LIST``      poll cloud metadata for notices: aws, aws-rebalance, gcp, azure (env
+                                 ``SPOTRUN_PREEMPT_NOTICE``), every ``--preempt-poll-interval`` s (default 2).
+  ``--resize-timeout SECONDS``   a joining node first lets the workers commit an agreed step (env
+                                 ``SPOTRUN_RESIZE_TIMEOUT``, default 60).
   ``--events-file PATH``         structured recovery events (env ``SPOTRUN_EVENTS_FILE``; default
                                  ``<log-dir>/events.jsonl``, or in torch's temporary log directory
                                  ``/tmp/torchelastic_*/events.jsonl`` when no ``--log-dir`` is given).
@@ -60,8 +67,17 @@ from elastic.config import (
     default_stop_grace,
     default_warm_workers,
     parse_nnodes,
+    env_float,
     parse_rdzv_conf,
 )
+from elastic.notice import (
+    ENV_PREEMPT_GRACE,
+    ENV_PREEMPT_NOTICE,
+    ENV_PREEMPT_POLL_INTERVAL,
+    ENV_PREEMPT_SIGNAL,
+    parse_sources,
+)
+from elastic.planned import ENV_RESIZE_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"Fork Python script workers from a forkserver that pre-imported torch, so restarts skip "
                             f"the interpreter start (env {ENV_WARM_WORKERS}, default on; --no-warm-workers: plain "
                             f"`python -u script` subprocesses like torchrun).")
+    group.add_argument("--preempt-grace", "--preempt_grace", type=float, default=None,
+                       help=f"Seconds a SIGTERM to the agent leaves before the node is gone: workers using "
+                            f"elastic.preemption.Preemption commit an agreed step within it and the agent exits 0 "
+                            f"(env {ENV_PREEMPT_GRACE}, default 30).")
+    group.add_argument("--preempt-signal", "--preempt_signal", type=str, default=None,
+                       help=f"An extra notice signal NAME[@SECONDS], like Slurm's --signal=USR2@120 "
+                            f"(env {ENV_PREEMPT_SIGNAL}).")
+    group.add_argument("--preempt-notice", "--preempt_notice", type=str, default=None,
+                       help=f"Poll these metadata services for preemption notices, comma-separated: aws, "
+                            f"aws-rebalance, gcp, azure (env {ENV_PREEMPT_NOTICE}).")
+    group.add_argument("--preempt-poll-interval", "--preempt_poll_interval", type=float, default=None,
+                       help=f"Seconds between metadata polls (env {ENV_PREEMPT_POLL_INTERVAL}, default 2).")
+    group.add_argument("--resize-timeout", "--resize_timeout", type=float, default=None,
+                       help=f"When a node joins, seconds the workers get to commit an agreed step before the "
+                            f"group restarts anyway (env {ENV_RESIZE_TIMEOUT}, default 60).")
     group.add_argument("--events-file", "--events_file", type=str, default=None,
                        help=f"JSON-lines recovery event log (env {ENV_EVENTS_FILE}; default <log root>/events.jsonl).")
     return parser
@@ -106,7 +137,16 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         peer_loss_grace=default_peer_loss_grace() if args.peer_loss_grace is None else args.peer_loss_grace,
         events_file=args.events_file if args.events_file is not None else default_events_file(),
         warm_workers=default_warm_workers() if args.warm_workers is None else args.warm_workers,
+        preempt_grace=_or_env(args.preempt_grace, ENV_PREEMPT_GRACE, 30.0),
+        preempt_signal=args.preempt_signal or os.environ.get(ENV_PREEMPT_SIGNAL) or None,
+        preempt_sources=parse_sources(args.preempt_notice or os.environ.get(ENV_PREEMPT_NOTICE)),
+        preempt_poll_interval=_or_env(args.preempt_poll_interval, ENV_PREEMPT_POLL_INTERVAL, 2.0),
+        resize_timeout=_or_env(args.resize_timeout, ENV_RESIZE_TIMEOUT, 60.0),
     )
+
+
+def _or_env(value: float | None, env: str, default: float) -> float:
+    return env_float(env, default) if value is None else value
 
 
 def validate_args(args: argparse.Namespace) -> None:

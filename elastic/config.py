@@ -29,7 +29,36 @@ class AgentSettings:
     """Run Python script workers in processes forked from a forkserver that pre-imported torch, so a
     restart costs a fork instead of an interpreter start plus ``import torch`` (see ``elastic.workers``)."""
 
+    preempt_grace: float = 30.0
+    """Seconds between a SIGTERM to the agent (or a notice without its own deadline) and the node going
+    away: Kubernetes' default terminationGracePeriodSeconds is 30."""
+
+    preempt_signal: str | None = None
+    """An extra notice signal, ``NAME[@SECONDS]`` (Slurm ``--signal=USR2@120``); None: SIGTERM only."""
+
+    preempt_sources: tuple[str, ...] = ()
+    """Metadata services polled for notices: ``aws``, ``aws-rebalance``, ``gcp``, ``azure``."""
+
+    preempt_poll_interval: float = 2.0
+    """Seconds between two polls of the metadata services."""
+
+    resize_timeout: float = 60.0
+    """When a node waits to join, seconds the running workers get to reach an agreed step and commit it
+    before the group is restarted anyway (losing the steps since the last checkpoint, as before)."""
+
     def __post_init__(self) -> None:
+        for name in ("preempt_grace", "resize_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise LaunchConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}; "
+                                        f"pass e.g. --{name.replace('_', '-')} 30")
+        if not (math.isfinite(self.preempt_poll_interval) and self.preempt_poll_interval > 0):
+            raise LaunchConfigError(f"--preempt-poll-interval must be > 0 seconds, got {self.preempt_poll_interval!r}")
+        from elastic.notice import parse_signal_spec, parse_sources
+
+        if self.preempt_signal is not None:
+            parse_signal_spec(self.preempt_signal, self.preempt_grace)
+        parse_sources(",".join(self.preempt_sources))
         for name in ("stop_grace", "peer_loss_grace"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):

@@ -32,6 +32,8 @@ from elastic.agent import SpotrunAgent
 from elastic.api import DEFAULT_RDZV_BACKEND, LaunchConfigError, RendezvousUnavailableError
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
+from elastic.notice import NoticePoller, make_sources
+from elastic.preemption import ENV_NOTICE_DIR, Mailbox
 from elastic.rendezvous.api import MembershipAwareHandler
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
@@ -181,6 +183,9 @@ def launch(
         config.run_id, config.rdzv_backend, config.rdzv_endpoint, config.min_nodes, config.max_nodes,
         config.nproc_per_node, event_log.path,
     )
+    # The workers' mailbox (elastic.preemption): set before the forkserver starts, warm workers inherit it.
+    mailbox = Mailbox.create()
+    os.environ[ENV_NOTICE_DIR] = mailbox.path
     agent = SpotrunAgent(
         spec,
         config.logs_specs,  # type: ignore[arg-type]
@@ -189,7 +194,10 @@ def launch(
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
+        mailbox=mailbox,
     )
+    poller = NoticePoller(make_sources(settings.preempt_sources, settings.preempt_grace), agent.receive_notice,
+                          interval=settings.preempt_poll_interval).start()
 
     _preimport_log_formatter_dependencies()
     if config.start_method == "forkserver":
@@ -199,6 +207,7 @@ def launch(
 
     shutdown_rdzv = True
     try:
+        agent._install_notice_handlers()  # noqa: SLF001 (a --preempt-signal must not kill the agent before workers start)
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
@@ -222,6 +231,8 @@ def launch(
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
         raise
     finally:
+        poller.stop()
+        mailbox.remove()
         if shutdown_rdzv:
             try:
                 spec.rdzv_handler.shutdown()

@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segfault", action="store_true", help="dereference a NULL pointer")
     p.add_argument("--hang", action="store_true", help="stop making progress forever")
     p.add_argument("--ignore-sigterm", action="store_true", help="every rank ignores SIGTERM from the start (stuck workers)")
+    p.add_argument("--exit-0-on-sigterm", action="store_true",
+                   help="a hand-written SIGTERM handler: finish the current step and exit 0")
     p.add_argument("--sigkill-self", action="store_true", help="SIGKILL this worker")
     p.add_argument("--no-collective", action="store_true", help="do not init a process group")
     return p.parse_args(argv)
@@ -82,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    stop = []
+    if args.exit_0_on_sigterm:
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     if collective:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     step = 0
-    while args.steps == 0 or step < args.steps:
+    while (args.steps == 0 or step < args.steps) and not stop:
         if args.fail_at_step == step and _selected(args.fail_ranks, rank) and _selected(args.fail_restarts, restart):
             inject(args)
         if collective:

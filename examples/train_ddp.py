@@ -52,6 +52,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from elastic.data import BatchConfig, ElasticBatches, ElasticDataError, StepPlan
 from elastic.deterministic import ShardGradReducer
+from elastic.preemption import Preemption
 
 logger = logging.getLogger("train_ddp")
 
@@ -119,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true",
                    help="bit-identical at any world size: --shards fixed micro-batches reduced in shard order")
     p.add_argument("--shards", type=int, default=8, help="virtual micro-batches per global batch (--deterministic)")
+    p.add_argument("--preempt-sync-every", type=int, default=8,
+                   help="steps between two checks (one tiny all-reduce) for a preemption notice or a joining node")
     args = p.parse_args(argv)
     if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 1 or args.log_every < 1:
         p.error("--steps must be >= 0 and --global-batch, --ckpt-every, --log-every >= 1")
@@ -234,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.deterministic:
         reducer = ShardGradReducer(model.parameters(), num_shards=args.shards, global_batch=args.global_batch)
     ddp = DistributedDataParallel(model) if dist.is_initialized() and reducer is None else model
+    # On a preemption notice (or a node joining) every rank stops at the same step, which is committed:
+    # spotrun then re-forms the group and the next start resumes there (SIGTERM under plain torchrun).
+    preemption = Preemption(sync_every=args.preempt_sync_every) if ckpt is not None else None
     dataset = synthetic_regression(args.dataset_size, args.seed)
     # The sampler starts at the restored cursor and yields this rank's micro-batches step after step.
     sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))
@@ -259,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
                                                      "loss": loss.item()})
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
+            if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
+                break
             if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
                 ckpt.save(trainer.step, state)
         if ckpt is not None:

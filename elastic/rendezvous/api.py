@@ -80,6 +80,22 @@ class MembershipAwareHandler(Protocol):
         """Give up this node's membership at once (peers re-form now) without closing the job; idempotent."""
 
 
+@runtime_checkable
+class NoticeAwareHandler(Protocol):
+    """A handler that carries preemption notices between nodes (etcd-v3 does), so that every node of the
+    round stops at the same step when one of them is about to be taken away."""
+
+    def publish_notice(self, notice: dict[str, Any]) -> None:
+        """Publish this node's notice (``source``, ``deadline`` wall-clock s) to the group; it vanishes with
+        the node (raises from the ``RendezvousError`` tree)."""
+
+    def peer_notices(self) -> dict[str, dict[str, Any]]:
+        """Notices published by the other participants of this node's round, by node id; no I/O."""
+
+    def lost_peers(self) -> set[str]:
+        """Participants of this node's round that are gone (lease expired or revoked); no I/O."""
+
+
 # Keys torch's launcher or other torch backends put into --rdzv-conf. We accept them so an existing
 # torchrun command line keeps working when only --rdzv-backend changes, but they have no effect here:
 # ``timeout`` is injected by torch's LaunchConfig (900) and, as in torch's dynamic rendezvous, is not

@@ -6,6 +6,7 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
     P/ctl/join/{round}/{node}  "I want to be in round N", attached to the node's lease
     P/ctl/round                the committed round record (JSON: number, participants, master addr/port)
     P/ctl/closed               present once the job ended (set_closed/shutdown)
+    P/ctl/notice/{node}        the node's preemption deadline (JSON), attached to its lease (publish_notice)
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
 
 A run id can be used again after its job ended (a Kubernetes Job's name, torchrun's default id): a new
@@ -115,6 +116,8 @@ class _Mirror:
     closed_mod: int = 0
     """mod revision of the closed key (0: open), compared when an ended run is cleared for reuse."""
     closed: bool = False
+    notices: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """node id -> its published preemption notice (``publish_notice``)."""
     revision: int = 0
     """Highest etcd revision applied."""
     loaded: bool = False
@@ -140,6 +143,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     ``leave() -> None``
         Revoke this node's lease and release resources WITHOUT closing the job: peers see the loss at
         once instead of after ``lease_ttl`` (for preemption notices). Idempotent.
+    ``publish_notice(notice: dict) -> None`` / ``peer_notices() -> dict[str, dict]``
+        Publish this node's preemption deadline to the group (a key under the node's lease, so it vanishes
+        with the node) / the notices the other participants of this node's round published (no I/O).
+    ``lost_peers() -> set[str]``
+        Participants of this node's round whose registration vanished (crashed or left), no I/O.
     ``node_id`` / ``round`` properties
         This agent's id (stable across rounds) / the number of the last round it completed (None before).
 
@@ -337,6 +345,26 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 if remaining <= 0 or self._stop.is_set():
                     return False
                 self._cond.wait(min(remaining, _SAFETY_RECHECK_S))
+
+    def publish_notice(self, notice: dict[str, Any]) -> None:
+        conn = self._ensure_connected()
+        key = f"{self._ctl}notice/{self._node_id}"
+        value = json.dumps({**notice, "node": self._node_id})
+        self._with_live_lease(lambda: conn.call("publish a preemption notice", lambda: conn.client.put(key, value, lease=self._lease_id)))
+        log.info("%spublished preemption notice %s", self._ctx(), value)
+
+    def peer_notices(self) -> dict[str, dict[str, Any]]:
+        with self._cond:
+            mine = self._my_round
+            peers = set(mine.participants) - {self._node_id} if mine is not None else set()
+            return {node: dict(n) for node, n in self._mirror.notices.items() if node in peers}
+
+    def lost_peers(self) -> set[str]:
+        with self._cond:
+            mine = self._my_round
+            if mine is None:
+                return set()
+            return set(mine.participants) - set(self._mirror.nodes) | set(self._lost.get(mine.number, ()))
 
     def leave(self) -> None:
         """Revoke the lease (peers notice at once) and release threads and the connection; job stays open."""
@@ -670,6 +698,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             elif rel == "closed":
                 mirror.closed_mod = mod_revision
                 mirror.closed = True
+            elif rel.startswith("notice/"):
+                mirror.notices[rel[len("notice/") :]] = dict(json.loads(value))
         except (ValueError, KeyError, TypeError) as exc:
             # Someone wrote garbage under our prefix: refuse to guess.
             self._fatal = RendezvousStateError(f"{self._ctx()}corrupt rendezvous key {key!r} in etcd: {exc}")
@@ -693,6 +723,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         elif rel == "closed":
             mirror.closed_mod = 0
             mirror.closed = False
+        elif rel.startswith("notice/"):
+            mirror.notices.pop(rel[len("notice/") :], None)
 
     def _watch_loop(self) -> None:
         retrying = Retrying(

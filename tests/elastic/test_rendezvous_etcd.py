@@ -365,3 +365,23 @@ def test_stale_commit_is_rejected_and_old_stores_are_dropped(etcd_server: Embedd
     assert h._mirror.committed is not None and h._mirror.committed.participants == ("solo",)
     h.next_rendezvous()  # round 3 drops round 1's store
     assert not info1.store.check(["k"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_published_notice_reaches_peers_and_vanishes_with_the_node(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    config = make_config(etcd_server.endpoint, run_id="notice", min_nodes=2, max_nodes=2)
+    a, b = handlers(config, "a"), handlers(config, "b")
+    rendezvous_all(pool, [a, b])
+    a.publish_notice({"source": "sigterm", "deadline": 123.5})
+    deadline = time.monotonic() + 10
+    while "a" not in b.peer_notices() and time.monotonic() < deadline:
+        b.wait_membership_change(0.05)
+    assert b.peer_notices() == {"a": {"source": "sigterm", "deadline": 123.5, "node": "a"}}
+    assert not b.membership_changed(), "a notice alone is not a membership change"
+    a.leave()
+    assert b.wait_membership_change(LOSS_BOUND_S), "a revoked lease is seen at once"
+    assert b.lost_peers() == {"a"}
+    while b.peer_notices() and time.monotonic() < deadline:
+        b.wait_membership_change(0.05)
+    assert b.peer_notices() == {}, "the notice is attached to the leaver's lease"

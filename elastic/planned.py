@@ -1,0 +1,81 @@
+"""Planned membership changes: pure decisions of what the agent tells its workers and when it acts.
+
+A *planned* change is one the group hears about before it happens: this node got a preemption notice, a
+peer published one (through the rendezvous), or a node waits to join. Instead of killing the workers and
+rolling back to the last periodic checkpoint, the agent posts a :class:`~elastic.preemption.WorkerNotice`
+to its workers' mailbox; workers that use :class:`~elastic.preemption.Preemption` agree on a step, commit
+it, acknowledge and exit 0. Then the leaving agent revokes its lease and exits 0, and the others re-form at
+once at the new size and resume from that step: zero steps lost. These restarts are not charged against
+``--max-restarts``.
+
+What is decided here is a function of plain data (:class:`GroupView`); the agent does the I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from elastic.notice import Notice
+
+#: Seconds the workers get to commit an agreed step when a node joins (``--resize-timeout``).
+ENV_RESIZE_TIMEOUT = "SPOTRUN_RESIZE_TIMEOUT"
+from elastic.preemption import WorkerNotice
+
+
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """What the agent knows about its group at one monitor tick."""
+
+    now: float
+    """Wall-clock seconds (deadlines are wall-clock: they cross machines)."""
+    own: Notice | None = None
+    peer_deadlines: dict[str, float] = field(default_factory=dict)
+    """Other participants of this round that published a notice -> their deadline."""
+    lost: frozenset[str] = frozenset()
+    """Participants of this round that are gone."""
+    membership_changed: bool = False
+
+
+def worker_notice(view: GroupView, resize_timeout: float) -> WorkerNotice | None:
+    """The notice to post to the workers now, or None. The earliest deadline binds."""
+    if view.own is not None:
+        return WorkerNotice("preempt", view.own.deadline, view.own.source)
+    if view.peer_deadlines:
+        node, deadline = min(view.peer_deadlines.items(), key=lambda item: item[1])
+        return WorkerNotice("peer_preempt", deadline, f"node {node}")
+    if view.membership_changed and not view.lost:
+        return WorkerNotice("resize", view.now + resize_timeout, "a node is waiting to join")
+    return None
+
+
+def unplanned_loss(view: GroupView) -> frozenset[str]:
+    """Peers gone without a notice (crashed): their workers are not saving anything, so waiting is pointless."""
+    return view.lost - frozenset(view.peer_deadlines)
+
+
+class PlannedStep(enum.Enum):
+    """What the agent does while a planned stop is posted and its workers are still running."""
+
+    WAIT = "wait"
+    """Let the workers reach the agreed step and commit it."""
+    ABANDON = "abandon"
+    """Stop waiting: the deadline (minus the stop grace) has passed, or a peer crashed meanwhile."""
+
+
+def while_posted(view: GroupView, posted: WorkerNotice, *, stop_grace: float) -> PlannedStep:
+    """Wait for the agreed step unless there is no time left or a peer vanished without notice."""
+    if unplanned_loss(view):
+        return PlannedStep.ABANDON
+    if posted.deadline is not None and view.now >= posted.deadline - stop_grace:
+        return PlannedStep.ABANDON
+    return PlannedStep.WAIT
+
+
+def all_acknowledged(acks: dict[int, int], local_world_size: int) -> int | None:
+    """The step every local worker committed and stopped at, or None if one has not acknowledged (or they
+    disagree, which the agreement protocol rules out)."""
+    steps = set(acks.values())
+    if len(acks) < local_world_size or len(steps) != 1:
+        return None
+    return steps.pop()

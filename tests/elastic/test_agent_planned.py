@@ -1,0 +1,128 @@
+"""The agent's planned-change logic without processes: exit barrier, notice signals, mailbox posting."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed import HashStore
+from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+
+from elastic.agent import PlannedTick, SpotrunAgent
+from elastic.config import AgentSettings
+from elastic.preemption import Mailbox
+from elastic.rendezvous.api import NoticeAwareHandler
+from tests.elastic.doubles import MemoryEventLog
+from tests.elastic.test_agent_membership import AwareHandler
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class NoticeHandler(AwareHandler):
+    """A membership-aware handler that also carries notices (like etcd-v3), driven by the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.published: list[dict[str, Any]] = []
+        self.peers: dict[str, dict[str, Any]] = {}
+        self.lost: set[str] = set()
+
+    def publish_notice(self, notice: dict[str, Any]) -> None:
+        self.published.append(notice)
+
+    def peer_notices(self) -> dict[str, dict[str, Any]]:
+        return dict(self.peers)
+
+    def lost_peers(self) -> set[str]:
+        return set(self.lost)
+
+
+def _agent(tmp_path: Path, handler: NoticeHandler, **settings: Any) -> tuple[SpotrunAgent, Mailbox, MemoryEventLog]:
+    assert isinstance(handler, NoticeAwareHandler)
+    spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint="/bin/true", args=(), rdzv_handler=handler,
+                      max_restarts=0, monitor_interval=0.01)
+    box = Mailbox(str(tmp_path / "mailbox"))
+    (tmp_path / "mailbox").mkdir()
+    events = MemoryEventLog()
+    agent = SpotrunAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), settings=AgentSettings(**settings),
+                         events=events, tie_workers_to_agent=False, mailbox=box)
+    agent._worker_group.group_world_size = 2
+    agent._store = HashStore()
+    return agent, box, events
+
+
+def test_exit_barrier_returns_at_once_when_a_peer_left(tmp_path: Path) -> None:
+    handler = NoticeHandler()
+    agent, _, _ = _agent(tmp_path, handler)
+    handler.lost = {"b"}
+    began = time.monotonic()
+    assert agent._exit_barrier_unless_peers_left() is False, "a peer that left never arrives: not a success"
+    assert time.monotonic() - began < 2
+
+
+def test_exit_barrier_passes_when_every_peer_arrives(tmp_path: Path) -> None:
+    agent, _, _ = _agent(tmp_path, NoticeHandler())
+    agent._store.add("spotrun/exit_barrier/arrived", 1)  # the other agent got there first
+    assert agent._exit_barrier_unless_peers_left() is True
+
+
+def test_sigterm_is_a_notice_only_when_the_workers_can_save(tmp_path: Path) -> None:
+    handler = NoticeHandler()
+    agent, box, events = _agent(tmp_path, handler, preempt_grace=42.0)
+    with pytest.raises(SignalException):  # no Preemption helper registered: torch's immediate stop
+        agent._on_notice_signal(signal.SIGTERM, None)
+    box.register_helper(0)
+    agent._on_notice_signal(signal.SIGTERM, None)
+    assert agent._own_notice is not None and agent._own_notice.source == "sigterm"
+    assert agent._own_notice.deadline == pytest.approx(time.time() + 42.0, abs=5)
+    agent._publish_own_notice()
+    agent._publish_own_notice()
+    assert [n["source"] for n in handler.published] == ["sigterm"], "published once"
+    assert agent._planned_tick() is PlannedTick.WAITING
+    notice = box.read_notice()
+    assert notice is not None and notice.reason == "preempt"
+    assert [e["event"] for e in events.records] == ["notice_received", "planned_stop_posted"]
+    with pytest.raises(SignalException):  # a second SIGTERM insists
+        agent._on_notice_signal(signal.SIGTERM, None)
+
+
+def test_a_peer_notice_is_posted_and_its_departure_is_not_a_crash(tmp_path: Path) -> None:
+    handler = NoticeHandler()
+    agent, box, _ = _agent(tmp_path, handler)
+    box.register_helper(0)
+    handler.peers = {"b": {"deadline": time.time() + 60, "source": "aws"}}
+    assert agent._planned_tick() is PlannedTick.WAITING
+    assert box.read_notice().reason == "peer_preempt"
+    handler.peers, handler.lost = {}, {"b"}  # b revoked its lease: its notice key went with it
+    assert agent._planned_tick() is PlannedTick.WAITING, "keep waiting for the agreed step"
+    assert agent._worker_group.state != WorkerState.FAILED
+
+
+def test_preempt_signal_spec_is_validated() -> None:
+    from elastic.api import LaunchConfigError
+
+    with pytest.raises(LaunchConfigError, match="unknown signal"):
+        AgentSettings(preempt_signal="BOGUS")
+    with pytest.raises(LaunchConfigError, match="preempt_grace"):
+        AgentSettings(preempt_grace=-1)
+
+
+def test_a_deadline_too_short_to_save_is_recorded_and_the_node_still_leaves(tmp_path: Path) -> None:
+    from elastic.notice import Notice
+
+    handler = NoticeHandler()
+    agent, box, events = _agent(tmp_path, handler, stop_grace=1.0)
+    box.register_helper(0)
+    agent.receive_notice(Notice("aws", time.time() + 0.5, "spot instance-action terminate"))
+    assert agent._planned_tick() is PlannedTick.WAITING  # posted: the workers may still make it
+    assert agent._planned_tick() is PlannedTick.LEFT, "0.5 s left is less than the stop grace"
+    names = [e["event"] for e in events.records]
+    assert names[-3:] == ["planned_stop_abandoned", "workers_stopped", "planned_leave"]
+    leave = events.records[-1]
+    assert leave["saved"] is False and leave["step"] is None and leave["source"] == "aws"
+    assert "deadline" in events.records[-3]["why"]
+    assert handler.left == 1, "the lease is revoked so the peers re-form at once"

@@ -1,0 +1,88 @@
+"""The worker-side helper: every rank stops at the same step, commits it, and acknowledges to its agent."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic.preemption import Mailbox, Preemption, WorkerNotice
+from tests.checkpoint.dist_helpers import run_workers, shutdown_launcher
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launcher() -> Iterator[None]:
+    yield
+    shutdown_launcher()
+
+
+def test_single_process_stops_at_the_next_sync_step_and_acknowledges(tmp_path: Path) -> None:
+    box = Mailbox(str(tmp_path))
+    helper = Preemption(sync_every=4, mailbox_dir=str(tmp_path))
+    assert box.helpers() == {0}, "the agent must see that its worker stops by itself"
+    stops = []
+    for step in range(1, 20):
+        if step == 5:
+            box.post(WorkerNotice("preempt", 123.0, "sigterm"))
+        if helper.save_and_stop(None, step, {}):
+            stops.append(step)
+            break
+    assert stops == [8] and helper.notice == WorkerNotice("preempt", 123.0, "sigterm")
+    assert box.acks() == {0: 8}
+    box.clear()
+    assert box.helpers() == set() and box.acks() == {}
+
+
+def test_sync_every_is_validated() -> None:
+    with pytest.raises(ValueError, match="sync_every"):
+        Preemption(sync_every=0, mailbox_dir="/nonexistent")
+
+
+def test_sigterm_is_the_notice_without_a_mailbox(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPOTRUN_NOTICE_DIR", raising=False)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        helper = Preemption(sync_every=2)
+        assert not helper.should_stop(2)
+        os.kill(os.getpid(), signal.SIGTERM)  # what stock torchrun forwards to its workers
+        assert not helper.should_stop(3), "only at a sync step"
+        assert helper.should_stop(4) and helper.stop_step == 4 and helper.should_stop(5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _two_ranks(rank: int, world: int, root: str) -> tuple[int, int | None, int | None, list[float]]:
+    """Rank 1's agent posts a notice at step 5; rank 0's never does: both must stop at the same step and
+    commit it once."""
+    from checkpoint import CheckpointConfig, Checkpointer
+
+    box = Mailbox(os.path.join(root, f"mailbox-{rank}"))
+    os.makedirs(box.path, exist_ok=True)
+    os.environ["LOCAL_RANK"] = "0"
+    helper = Preemption(sync_every=3, mailbox_dir=box.path)
+    weights = torch.zeros(4)
+    state = {"w": weights}
+    with Checkpointer(os.path.join(root, "ckpt"), CheckpointConfig()) as ckpt:
+        step = 0
+        while step < 100:
+            step += 1
+            weights += step
+            if rank == 1 and step == 5:
+                box.post(WorkerNotice("preempt", None, "test"))
+            if helper.save_and_stop(ckpt, step, state):
+                break
+        latest = ckpt.latest()
+    return step, latest, box.acks().get(0), weights.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_every_rank_agrees_on_the_step_and_commits_it(tmp_path: Path) -> None:
+    results = run_workers(_two_ranks, 2, (str(tmp_path),), tmpdir=str(tmp_path), timeout=50)
+    assert [r[0] for r in results] == [6, 6], "both ranks stop at the first sync step after the notice"
+    assert [r[1] for r in results] == [6, 6], "and that step is committed"
+    assert [r[2] for r in results] == [6, 6], "and each rank acknowledged it to its agent"
