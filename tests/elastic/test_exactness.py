@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.elastic.agent_harness import EXAMPLES, SPOTRUN, make_env, read_jsonl, run_cli
+from tests.harness.procs import EXAMPLES, SPOTRUN, make_env, read_jsonl, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
