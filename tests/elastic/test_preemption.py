@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from elastic.preemption import Mailbox, Preemption, WorkerNotice
-from tests.checkpoint.dist_helpers import run_workers, shutdown_launcher
+from tests.harness.dist import run_workers
+from tests.harness.dist import shutdown as shutdown_launcher
 
 
 @pytest.fixture(scope="module", autouse=True)
