@@ -54,6 +54,7 @@ from tests.harness.procs import (
     SPOTRUN,
     TORCHRUN,
     Launcher,
+    descendants,
     free_port,
     make_env,
     read_jsonl,
@@ -218,6 +219,15 @@ def endpoint_for(kind: str) -> Iterator[str]:
         yield f"127.0.0.1:{free_port()}"  # the first torchrun agent hosts the c10d TCPStore
 
 
+def pick_victim(run: Run) -> Launcher | None:
+    """The longest-running agent but node 0 whose worker trained in the last 30 s (a member of the group, not a
+    replacement still importing torch); else the longest-running agent but node 0."""
+    others = run.live()[1:]  # never node 0 (see the module docstring)
+    recent = {x["pid"] for x in run.progress() if x["t_wall"] > time.time() - 30}
+    training = [a for a in others if recent & set(descendants(a.pid))]
+    return (training or others or [None])[0]
+
+
 def execute(run: Run, schedule: list[Fault]) -> None:
     """Start the agents, wait for full size, apply the schedule, close everything."""
     args = run.args
@@ -237,12 +247,11 @@ def execute(run: Run, schedule: list[Fault]) -> None:
             if fault.kind == "rejoin":
                 run.start_agent()
                 continue
-            victims = run.live()[1:]  # never node 0 (see the module docstring)
-            if not victims:
+            victim = pick_victim(run)
+            if victim is None:
                 run.notes.append(f"+{fault.at:.0f} s {fault.kind}: only node 0 alive, skipped")
                 run.faults.pop()
                 continue
-            victim = victims[-1]
             if fault.kind == "notice":
                 victim.signal(signal.SIGTERM)
             else:
