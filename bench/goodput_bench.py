@@ -125,8 +125,10 @@ def productive_time(progress: list[dict[str, Any]], t0: float, t1: float) -> tup
     return seconds, steps, redone
 
 
-def lost_per_fault(progress: list[dict[str, Any]], faults: list[tuple[float, str]]) -> dict[str, list[int]]:
-    """Fault kind -> steps re-trained by the first new worker group after each fault (wall-clock ``faults``)."""
+def lost_per_fault(progress: list[dict[str, Any]], faults: list[tuple[float, str]], t1: float = float("inf")
+                   ) -> dict[str, list[int | None]]:
+    """Fault kind -> steps re-trained by the first new worker group after each fault (wall-clock ``faults``);
+    None when no new group trained before ``t1`` (the job did not resume in the window)."""
     starts: dict[int, tuple[float, int]] = {}
     ends: dict[int, tuple[float, int]] = {}
     for x in progress:
@@ -137,10 +139,11 @@ def lost_per_fault(progress: list[dict[str, Any]], faults: list[tuple[float, str
             starts[pid] = (x["t_wall"], x["step"])
         if pid not in ends or x["t_wall"] > ends[pid][0]:
             ends[pid] = (x["t_wall"], x["step"])
-    out: dict[str, list[int]] = {}
+    out: dict[str, list[int | None]] = {}
     for at, kind in faults:
-        after = sorted((t, s) for pid, (t, s) in starts.items() if t > at)
+        after = sorted((t, s) for pid, (t, s) in starts.items() if at < t <= t1)
         if not after:
+            out.setdefault(kind, []).append(None)
             continue
         t_new, first = after[0]
         before = max((s for pid, (t, s) in ends.items() if t < t_new), default=first - 1)
@@ -148,12 +151,13 @@ def lost_per_fault(progress: list[dict[str, Any]], faults: list[tuple[float, str
     return out
 
 
-def stage_times(events: list[dict[str, Any]], progress: list[dict[str, Any]], faults: list[tuple[float, str]]
-                ) -> dict[str, dict[str, list[float]]]:
-    """Fault kind -> stage -> seconds from the fault to that stage's first event (and to the first new step)."""
+def stage_times(events: list[dict[str, Any]], progress: list[dict[str, Any]], faults: list[tuple[float, str]],
+                t1: float = float("inf")) -> dict[str, dict[str, list[float]]]:
+    """Fault kind -> stage -> seconds from the fault to that stage's first event (and to the first new step),
+    looking no further than the next fault or the window's end ``t1``."""
     out: dict[str, dict[str, list[float]]] = {}
     for i, (at, kind) in enumerate(faults):
-        until = faults[i + 1][0] if i + 1 < len(faults) else float("inf")
+        until = min(faults[i + 1][0] if i + 1 < len(faults) else t1, t1)
         stages = out.setdefault(kind, {})
         for name in STAGES:
             hits = [e["t_wall"] for e in events if e["event"] == name and at <= e["t_wall"] < until]
@@ -257,6 +261,9 @@ def execute(run: Run, schedule: list[Fault]) -> None:
             else:
                 signal_all([*victim.snapshot_tree()], signal.SIGKILL)
         time.sleep(max(0.0, run.window[1] - time.time()))
+        ended = [(i, a.proc.returncode) for i, a in enumerate(run.agents) if a.proc.poll() is not None]
+        run.notes.append(f"agents ended before the window closed (agent, exit code): {ended}; "
+                         f"{len(run.live())} of {len(run.agents)} still running")
     finally:
         for agent in run.agents:
             agent.close(grace=5.0)
@@ -271,8 +278,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "ratio": seconds / (t1 - t0) if t1 > t0 else 0.0,
         "productive_steps": steps,
         "redone": redone,
-        "lost": lost_per_fault(progress, run.faults),
-        "stages": stage_times(events, progress, run.faults),
+        "lost": lost_per_fault(progress, run.faults, t1),
+        "stages": stage_times(events, progress, run.faults, t1),
         "faults": [k for _, k in run.faults],
         "notes": run.notes,
     }
@@ -295,7 +302,11 @@ def print_report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -
         cells = []
         for k in kinds:
             lost = results[k]["lost"].get(fault, [])
-            cells.append(f"{sum(lost)} ({lost})" if lost else "-")
+            resumed = [n for n in lost if n is not None]
+            text = f"{sum(resumed)} ({resumed})" if resumed else ("-" if not lost else "")
+            if len(resumed) < len(lost):
+                text += f" {len(lost) - len(resumed)}x not resumed in the window"
+            cells.append(text.strip())
         print(f"| steps lost: {fault} | " + " | ".join(cells) + " |")
     for fault in ("notice", "kill", "rejoin"):
         names = sorted({s for k in kinds for s in results[k]["stages"].get(fault, {})},

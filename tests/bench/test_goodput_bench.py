@@ -52,3 +52,9 @@ def test_a_planned_stop_loses_nothing() -> None:
     lines = [_line(1, s, float(s)) for s in range(1, 7)] + [_line(2, s, 20.0 + s) for s in range(7, 10)]
     assert gb.lost_per_fault(lines, [(10.0, "notice")]) == {"notice": [0]}
     assert gb.productive_time(lines, 0.0, 40.0)[1:] == (9, 0)
+
+
+def test_a_fault_the_job_did_not_recover_from_in_the_window_is_marked() -> None:
+    lines = [_line(1, s, float(s)) for s in range(1, 7)] + [_line(2, s, 100.0 + s) for s in range(1, 3)]
+    assert gb.lost_per_fault(lines, [(7.0, "notice")], t1=50.0) == {"notice": [None]}
+    assert gb.lost_per_fault(lines, [(7.0, "notice")]) == {"notice": [6]}  # restarted from nothing
