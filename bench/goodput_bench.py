@@ -35,7 +35,6 @@ Timings depend on the host; on a loaded machine they are indicative only. Measur
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import signal
@@ -43,19 +42,19 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the shared process harness
+# One way to get an etcd (spotrun) or a c10d port (torchrun) for both benches.
+from bench.elastic_bench import rendezvous_endpoint
 from tests.harness.procs import (
     EXAMPLES,
     SPOTRUN,
     TORCHRUN,
     Launcher,
     descendants,
-    free_port,
     make_env,
     read_jsonl,
     signal_all,
@@ -212,17 +211,6 @@ class Run:
         return [a for a in self.agents if a.proc.poll() is None]
 
 
-@contextlib.contextmanager
-def endpoint_for(kind: str) -> Iterator[str]:
-    if kind == "spotrun":
-        from elastic.etcd_server import EmbeddedEtcd
-
-        with EmbeddedEtcd() as etcd:
-            yield etcd.endpoint
-    else:
-        yield f"127.0.0.1:{free_port()}"  # the first torchrun agent hosts the c10d TCPStore
-
-
 def pick_victim(run: Run) -> Launcher | None:
     """The longest-running agent but node 0 whose worker trained in the last 30 s (a member of the group, not a
     replacement still importing torch); else the longest-running agent but node 0."""
@@ -346,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.launchers.split(","):
         workdir = root / kind
         workdir.mkdir(parents=True, exist_ok=True)
-        with endpoint_for(kind) as endpoint:
+        with rendezvous_endpoint(kind) as endpoint:
             run = Run(kind=kind, workdir=workdir, endpoint=endpoint, args=args)
             try:
                 execute(run, schedule)

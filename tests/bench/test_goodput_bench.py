@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "goodput_bench.py"
-_spec = importlib.util.spec_from_file_location("goodput_bench", _PATH)
-assert _spec is not None and _spec.loader is not None
-gb = importlib.util.module_from_spec(_spec)
-sys.modules["goodput_bench"] = gb
-_spec.loader.exec_module(gb)
+from tests.harness.scripts import load_script
+
+gb = load_script("bench/goodput_bench.py")
 
 
 def _line(pid: int, step: int, t: float, rank: int = 0) -> dict:

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from checkpoint import Checkpointer
+from tests.harness.scripts import load_script
 
-_PATH = Path(__file__).resolve().parents[2] / "examples" / "spot_report.py"
-_spec = importlib.util.spec_from_file_location("spot_report", _PATH)
-assert _spec is not None and _spec.loader is not None
-report = importlib.util.module_from_spec(_spec)
-sys.modules["spot_report"] = report
-_spec.loader.exec_module(report)
+report = load_script("examples/spot_report.py")
 
 
 def _line(pid: int, step: int, t: float, world: int = 2) -> dict:
