@@ -29,13 +29,13 @@ Run it (from the repository root):
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 300 --ckpt-dir runs/gpt-dcp --ckpt-backend dcp
 Every ``--log-every`` steps rank 0 prints ``step=N loss=X world_size=W`` (X: the global-batch mean loss, nats
 per character); ``--progress-file`` lines are the same as ``examples/train_ddp.py``'s
-(rank, world_size, step, pid, t_wall, loss).
+(rank, world_size, step, pid, t_wall, loss). Copy it with ``train_ddp.py``: it imports that file's launcher
+and checkpoint helpers (``init_distributed``, ``open_checkpointer``, ``append_progress``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -43,7 +43,6 @@ import re
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -53,6 +52,14 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
+
+# The launcher and checkpoint plumbing is train_ddp.py's (same directory, on sys.path as the script's own).
+from train_ddp import (
+    append_progress,
+    init_distributed,
+    open_checkpointer,
+    storage_option,
+)
 
 from elastic.data import BatchConfig, ElasticBatches, ElasticDataError, StepPlan
 from elastic.preemption import Preemption
@@ -276,25 +283,6 @@ class DCPCheckpoints:
         return path
 
 
-def open_checkpointer(uri: str | None) -> Any:
-    if uri is None:
-        return None
-    try:
-        from checkpoint import CheckpointConfig, Checkpointer
-    except ImportError as exc:
-        raise SystemExit(f"--ckpt-dir needs the spotrun `checkpoint` package (Checkpointer), which failed to import: {exc}")
-    return Checkpointer(uri, CheckpointConfig())
-
-
-def append_progress(path: str, record_: dict[str, Any]) -> None:
-    """One O_APPEND write per line, so ranks and nodes can share the file."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(record_) + "\n").encode())
-    finally:
-        os.close(fd)
-
-
 # --------------------------------------------------------------------------- CLI
 
 
@@ -313,6 +301,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="replicate (DDP) or shard (FSDP2)")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint URI (local path or s3://...); none: no checkpoints")
+    p.add_argument("--storage-option", "-o", action="append", default=[], type=storage_option, metavar="KEY=VALUE",
+                   help="fsspec option for --ckpt-dir, repeatable, e.g. endpoint_url=http://127.0.0.1:9000")
     p.add_argument("--ckpt-backend", choices=("spotrun", "dcp"), default="spotrun",
                    help="spotrun: async Checkpointer + preemption helper; dcp: stock torch.distributed.checkpoint")
     p.add_argument("--ckpt-every", type=int, default=50, help="save every N steps (and at the end)")
@@ -331,6 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--context, --d-model, --layers, --heads, --corpus-chars must be >= 1 and --loader-workers >= 0")
     if args.preempt_sync_every < 1:
         p.error("--preempt-sync-every must be >= 1")
+    if args.storage_option and (args.ckpt_dir is None or args.ckpt_backend == "dcp"):
+        p.error("--storage-option configures the --ckpt-dir location of the spotrun Checkpointer; pass --ckpt-dir too")
     try:
         args.dataset = CharWindows(make_corpus(args.corpus_chars, args.seed), args.context, max(1, args.context // 2))
         args.gpt = GPTConfig(vocab=len(args.dataset.vocab), context=args.context, d_model=args.d_model,
@@ -340,23 +332,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (ValueError, ElasticDataError) as exc:
         p.error(str(exc))
     return args
-
-
-def init_distributed(pg_timeout: float) -> tuple[int, int, torch.device]:
-    """Join the process group if a launcher started us; returns (rank, world size, device)."""
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-    if "MASTER_ADDR" in os.environ and world > 1:
-        dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout))
-    return rank, world, device
 
 
 @record
@@ -381,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         if (path := dcp_ckpt.load({"trainer": trainer, "data": batches})) is not None:
             logger.info("%s resumed from %s (step %s)", ctx, path, trainer.step)
     else:
-        ckpt = open_checkpointer(args.ckpt_dir)
+        ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option))
         if ckpt is not None and (restored := ckpt.load(state)) is not None:
             logger.info("%s resumed from step %s", ctx, restored)
     # A notice (or a node joining) stops every rank at the same, committed step (SIGTERM under torchrun).
