@@ -30,15 +30,15 @@ import io
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
-import sys
 from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.harness
-from tests.harness.dist import run_workers  # noqa: E402 - needs the repo root on sys.path first
+from tests.harness.dist import run_workers  # needs the repo root on sys.path first
 
 _COLS = 1024
 _N_TENSORS = 16
@@ -93,9 +93,9 @@ def instrument_spotrun_storage() -> None:
         SPOT_READ.add(n)
         return n
 
-    Storage.read_range = counted_range  # type: ignore[method-assign]
-    Storage.read_into = counted_into  # type: ignore[method-assign]
-    Storage._bench_counted = True  # type: ignore[attr-defined]
+    Storage.read_range = counted_range  # type: ignore[method-assign]  # counts the bytes read, bench only
+    Storage.read_into = counted_into  # type: ignore[method-assign]  # counts the bytes read, bench only
+    Storage._bench_counted = True  # type: ignore[attr-defined]  # marks the patch as applied
 
 
 class _CountingStream(io.RawIOBase):
@@ -141,7 +141,7 @@ def counting_dcp_reader(path: str) -> Any:
 
     class CountingFileSystem(FileSystem):
         @contextmanager
-        def create_stream(self, path: Any, mode: str) -> Any:  # type: ignore[override]
+        def create_stream(self, path: Any, mode: str) -> Any:  # type: ignore[override]  # @contextmanager wraps it
             with super().create_stream(path, mode) as stream:
                 yield _CountingStream(stream) if "r" in mode else stream
 

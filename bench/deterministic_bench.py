@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
 
-from elastic.data import BatchConfig, ElasticBatches
-from elastic.deterministic import ShardGradReducer
+from elastic.data import BatchConfig, ElasticBatches  # noqa: E402 - needs the repo root on sys.path first
+from elastic.deterministic import ShardGradReducer  # noqa: E402 - as above
 
 FEATURES = 32
 

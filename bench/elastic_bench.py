@@ -39,7 +39,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the shared process harness
-from tests.harness.procs import (  # noqa: E402
+from tests.harness.procs import (
     EXAMPLES,
     SPOTRUN,
     TORCHRUN,
@@ -188,12 +188,12 @@ def node_loss(kind: LauncherKind, workdir: Path, mode: str, reps: int, timeout: 
         with repetition(kind, bar, samples) as (endpoint, agents):
             agents += start_pair(kind, endpoint, f"loss-{mode}-{rep}", workdir, f"{mode}{rep}")
             began = agents[0].started_at
-            wait_for(lambda: first_step(progress, after=began, world=2), 150, f"{kind.name}: two nodes to train")
+            wait_for(lambda: first_step(progress, after=began, world=2), 150, f"{kind.name}: two nodes to train")  # noqa: B023 - polled before the loop moves on
             victims = agents[1].snapshot_tree()
             lost_at = time.time()
             signal_all(victims, signal.SIGKILL if mode == "sigkill" else signal.SIGSTOP)
             try:
-                at = wait_for_step(lambda: first_step(progress, after=lost_at, world=1, exclude_pids=set(victims)),
+                at = wait_for_step(lambda: first_step(progress, after=lost_at, world=1, exclude_pids=set(victims)),  # noqa: B023 - polled before the loop moves on
                                    agents[:1], timeout, f"{mode} recovery")
                 samples.values.append(None if at is None else at - lost_at)
             finally:
@@ -210,10 +210,10 @@ def scale_up(kind: LauncherKind, workdir: Path, reps: int, timeout: float, bar: 
         with repetition(kind, bar, total) as (endpoint, agents):
             agents.append(Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-a.log"))
             began = agents[0].started_at
-            wait_for(lambda: first_step(progress, after=began, world=1), 150, f"{kind.name}: first agent to train")
+            wait_for(lambda: first_step(progress, after=began, world=1), 150, f"{kind.name}: first agent to train")  # noqa: B023 - polled before the loop moves on
             second = Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-b.log")
             agents.append(second)
-            at = wait_for_step(lambda: first_step(progress, after=second.started_at, world=2), agents, timeout,
+            at = wait_for_step(lambda: first_step(progress, after=second.started_at, world=2), agents, timeout,  # noqa: B023 - polled before the loop moves on
                                "scale-up")
             if at is None:
                 total.values.append(None)
@@ -241,7 +241,7 @@ def worker_crash(kind: LauncherKind, workdir: Path, reps: int, timeout: float, b
                 crashed_at = time.time()
                 signal_all([victim], signal.SIGKILL)
                 try:
-                    at = wait_for(lambda: first_step(progress, after=crashed_at, world=2, new_pids_only=old_pids),
+                    at = wait_for(lambda: first_step(progress, after=crashed_at, world=2, new_pids_only=old_pids),  # noqa: B023 - polled before the loop moves on
                                   timeout, "worker crash recovery", interval=0.02)
                     samples.values.append(at - crashed_at)
                 except Timeout:

@@ -1,8 +1,10 @@
 """spotrun's checkpointer: async, sharded safetensors checkpoints through fsspec, restorable at any world size."""
 
+from typing import Any
+
 __version__ = "0.1.0"
 
-from checkpoint.api import (  # noqa: E402
+from checkpoint.api import (
     CheckpointConfigError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -11,10 +13,10 @@ from checkpoint.api import (  # noqa: E402
     IncompatibleCheckpointError,
     SaveInProgressError,
 )
-from checkpoint.config import CheckpointConfig  # noqa: E402
+from checkpoint.config import CheckpointConfig
 
 
-def __getattr__(name: str):  # lazy: importing the package must not import torch (CLI --help, api users)
+def __getattr__(name: str) -> Any:  # lazy: importing the package must not import torch (CLI --help, api users)
     if name == "Checkpointer":
         from checkpoint.checkpointer import Checkpointer
 

@@ -45,7 +45,6 @@ from checkpoint.api import (
     rank_objects_file_name,
     step_dir,
 )
-from checkpoint.faults import crash_point
 from checkpoint.collective import open_collectives
 from checkpoint.commit import commit_step, merge_records, rank_objects_payload
 from checkpoint.config import CheckpointConfig
@@ -55,6 +54,7 @@ from checkpoint.discover import (
     validate_step,
 )
 from checkpoint.fallback import LoadOutcome, load_with_fallback
+from checkpoint.faults import crash_point
 from checkpoint.per_rank import load_rank_entries, saved_as_shared
 from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.retention import apply_retention
@@ -125,6 +125,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
         started = time.perf_counter()
+        state_error: TypeError | ValueError | None
         try:
             flat = flatten(state)
             rank_payload = self._rank_objects_payload(flat, step)

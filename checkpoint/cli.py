@@ -6,6 +6,8 @@ Examples::
     spotrun-ckpt inspect s3://bucket/run1 --step 1000 --storage-option endpoint_url=http://127.0.0.1:9000
     spotrun-ckpt verify /fsx/run1                    # every checksum of the latest good step
     spotrun-ckpt export /fsx/run1 ./hf --max-shard-size 5GB
+    spotrun-ckpt export /fsx/run1 ./hf --key model --config ./config.json   # loads with from_pretrained("./hf")
+    spotrun-ckpt import /fsx/run2 ./gpt2-dir --key model --step 0           # start a run from a HF model
     spotrun-ckpt rm /fsx/run1 --step 900
 
 Exit codes: 0 success, 1 other checkpoint error, 2 usage, 3 not found, 4 corrupt, 5 incompatible, 6 storage.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import re
 import sys
 import time
@@ -76,6 +79,14 @@ def parse_option(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def parse_tie(text: str) -> tuple[str, str]:
+    """``TARGET=SOURCE`` of ``--tie``."""
+    target, sep, source = text.partition("=")
+    if not sep or not target or not source:
+        raise argparse.ArgumentTypeError(f"expected TARGET=SOURCE (e.g. lm_head.weight=transformer.wte.weight), got {text!r}")
+    return target, source
+
+
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -113,6 +124,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="step to export (default: latest good)")
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), help="per output file (default 5GB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--key", help="export only this top-level entry (e.g. model), names without its prefix (default: every tensor)"
+    )
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help="the model's config.json: copied into the export; its architecture's tied weights are written once",
+    )
+    p.add_argument(
+        "--tie", action="append", default=[], type=parse_tie, metavar="TARGET=SOURCE",
+        help="a tied weight written once under SOURCE, as save_pretrained does (repeatable; adds to --config's)",
+    )
+    p = sub.add_parser("import", parents=[common], help="a Hugging Face safetensors directory as a new step")
+    p.add_argument("src", help="local directory with model.safetensors or model.safetensors.index.json")
+    p.add_argument("--key", default="model", help="top-level entry the tensors go under (default: model)")
+    p.add_argument("--step", type=int, default=0, help="step to write (default: 0)")
     p = sub.add_parser("rm", parents=[common], help="delete one step")
     p.add_argument("--step", type=int, required=True, help="step to delete")
     p.add_argument("--force", action="store_true", help="also delete the newest committed step")
@@ -202,7 +229,7 @@ def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = Tr
             path = f"{rel}/{name}"
             crc, pos = 0, 0
 
-            def take(start: int, end: int, path: str = path) -> bytes:
+            def take(start: int, end: int, path: str = path) -> bytes | bytearray:
                 data = storage.read_range(path, start, end)
                 bar.update(len(data))
                 return data
@@ -342,17 +369,47 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from checkpoint.export import export_step
+    from checkpoint.dtypes import element_size
+    from checkpoint.export import export_step, select_tensors
+    from checkpoint.hf import CONFIG, read_config, tied_weights
 
     storage = _storage(args)
     manifest = resolve_step(storage, args.step)
+    selected = select_tensors(manifest, args.key)  # before creating the output: a wrong --key leaves nothing behind
+    if args.key is None and len({n.split(".", 1)[0] for n in selected}) > 1:
+        print("spotrun-ckpt: note: exporting every tensor (optimizer state included) under its checkpoint name; "
+              "--key model exports only the model, named as from_pretrained expects", file=sys.stderr)
+    ties: dict[str, str] = {}
+    config_bytes = None
+    if args.config:
+        ties = tied_weights(read_config(args.config))
+        with open(args.config, "rb") as f:
+            config_bytes = f.read()
+    ties.update(dict(args.tie))
     out = _storage(args, args.out)
     out.makedirs("")
-    total = sum(c.byte_range[1] - c.byte_range[0] for r in manifest.tensors.values() for c in r.chunks)
+    total = sum(math.prod(manifest.tensors[f].shape) * element_size(manifest.tensors[f].dtype) for f in selected.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"export step {manifest.step}", disable=args.no_progress) as bar:
-        weight_map = export_step(storage, manifest, out, max_shard_bytes=args.max_shard_size, progress=bar.update)
+        weight_map = export_step(
+            storage, manifest, out, max_shard_bytes=args.max_shard_size, progress=bar.update, key=args.key, ties=ties
+        )
+    if config_bytes is not None:
+        out.write_bytes(CONFIG, config_bytes)
     files = sorted(set(weight_map.values()))
     print(f"exported step {manifest.step}: {len(weight_map)} tensors in {len(files)} file(s) to {out.display()}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from checkpoint.checkpointer import Checkpointer
+    from checkpoint.config import CheckpointConfig
+    from checkpoint.hf import from_hf
+
+    state = from_hf(args.src)  # tied weights re-added from its config.json, so a live model's state matches
+    config = CheckpointConfig(storage_options=dict(args.storage_option), async_mode=False)
+    with Checkpointer(args.uri, config) as ckpt:
+        ckpt.save(args.step, {args.key: state})
+    print(f"imported {len(state)} tensors from {args.src} as step {args.step} of {args.uri} (under {args.key!r})")
     return 0
 
 
@@ -384,7 +441,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export, "rm": cmd_rm}
+COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export, "import": cmd_import, "rm": cmd_rm}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

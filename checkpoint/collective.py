@@ -82,7 +82,7 @@ class Collective:
 
     def rank0_decides(self, pick: Callable[[], T]) -> T:
         """``pick()`` run on rank 0 only; its (JSON-serialisable) result on every rank."""
-        return self.broadcast(pick() if self.rank == 0 else None)  # type: ignore[no-any-return]
+        return self.broadcast(pick() if self.rank == 0 else None)
 
 
 def open_collectives(process_group: Any, timeout: timedelta, count: int) -> list[Collective]:

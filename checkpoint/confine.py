@@ -59,7 +59,7 @@ def check_local(root: str, path: str, display: str) -> None:
         )
 
 
-def parse_json(raw: bytes, display: str, *, file: str | None = None) -> Any:
+def parse_json(raw: bytes | bytearray, display: str, *, file: str | None = None) -> Any:
     """``raw`` parsed as JSON; CorruptCheckpointError naming ``display`` for bad UTF-8, bad JSON or nesting
     too deep for the parser (RecursionError)."""
     try:

@@ -49,7 +49,9 @@ class StepListing:
 
 
 def list_steps(storage: Storage) -> StepListing:
-    committed, uncommitted, sizes = [], [], {}
+    committed: list[int] = []
+    uncommitted: list[int] = []
+    sizes: dict[int, int] = {}
     for name, (kind, _) in storage.listdir("").items():
         step = parse_step_dir(name)
         if step is None or kind != "directory":
@@ -61,7 +63,7 @@ def list_steps(storage: Storage) -> StepListing:
     return StepListing(sorted(committed), sorted(uncommitted), sizes)
 
 
-def read_step_file(storage: Storage, rel: str, *, limit: int, what: str) -> bytes:
+def read_step_file(storage: Storage, rel: str, *, limit: int, what: str) -> bytes | bytearray:
     """Bytes of one small file of a step, at most ``limit`` of them; CorruptCheckpointError when it is missing,
     not a file or larger than ``limit`` (what names it in the message)."""
     try:
@@ -175,7 +177,7 @@ def read_objects(storage: Storage, manifest: Manifest) -> dict[str, JSON]:
     return data
 
 
-def read_checksummed(storage: Storage, manifest: Manifest, name: str) -> bytes:
+def read_checksummed(storage: Storage, manifest: Manifest, name: str) -> bytes | bytearray:
     """A JSON file of the step, checked against its size and crc32 in ``manifest.checksums`` (read whole and
     unchecked for manifests older than that field). CorruptCheckpointError when missing or different."""
     rel = f"{step_dir(manifest.step)}/{name}"
@@ -185,7 +187,7 @@ def read_checksummed(storage: Storage, manifest: Manifest, name: str) -> bytes:
     return read_checked(storage, rel, size=rec.size, crc32=rec.crc32, what="file", file=name)
 
 
-def read_checked(storage: Storage, rel: str, *, size: int, crc32: int, what: str, file: str) -> bytes:
+def read_checked(storage: Storage, rel: str, *, size: int, crc32: int, what: str, file: str) -> bytes | bytearray:
     """Bytes of ``rel`` (at most ``size`` read); CorruptCheckpointError unless they have that size and crc32."""
     raw = read_step_file(storage, rel, limit=size, what=what)
     if len(raw) != size or zlib.crc32(raw) != crc32:

@@ -339,9 +339,9 @@ class _ChunkIndex:
                     tensor=fqn,
                     file=chunk.file,
                 )
-        self.boxes = sorted((_chunk_box(c), i) for i, c in enumerate(rec.chunks))
-        self.chunks = [rec.chunks[i] for _, i in self.boxes]
-        self.boxes = [b for b, _ in self.boxes]
+        ordered = sorted((_chunk_box(c), i) for i, c in enumerate(rec.chunks))
+        self.chunks = [rec.chunks[i] for _, i in ordered]
+        self.boxes = [b for b, _ in ordered]
         self.starts = [b[0][0] if b else 0 for b in self.boxes]
         self.max_len0 = max((b[0][1] - b[0][0] for b in self.boxes if b), default=0)
 

@@ -40,7 +40,7 @@ def steps_to_delete(
         newest = done[-1]
         doomed.update(s for s in uncommitted if s < newest and s not in set(done))
         doomed.discard(newest)
-    doomed.discard(in_flight)  # type: ignore[arg-type]
+    doomed.discard(in_flight)
     doomed.difference_update(protect)
     return sorted(doomed)
 

@@ -202,7 +202,7 @@ def _verifier(storage: Storage, path: str, req: ReadRequest, start: int, end: in
 
 def verified_range(
     storage: Storage, step_rel: str, req: ReadRequest, block_bytes: int, verify: bool
-) -> tuple[bytes, int]:
+) -> tuple[bytes | bytearray, int]:
     """Read ``req.read_range`` of ``step_rel/req.file`` (widened to whole checksum blocks when verifying);
     return (bytes, absolute start)."""
     path = f"{step_rel}/{req.file}"
@@ -266,7 +266,7 @@ def _read_direct(
     storage: Storage, path: str, req: ReadRequest, target: torch.Tensor, block_bytes: int, verify: bool
 ) -> int:
     lo, hi = req.read_range
-    out = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    out = target.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
     verifier = _verifier(storage, path, req, lo, hi, block_bytes) if verify else None
 
     def check(offset: int, nbytes: int) -> None:

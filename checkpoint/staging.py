@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from checkpoint.api import TensorItem
-from checkpoint.faults import crash_point
 from checkpoint.dtypes import torch_dtype
+from checkpoint.faults import crash_point
 from checkpoint.shard import ShardLayout
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class Stager:
         self._mmaps: list[mmap.mmap] = []
         self._signature: tuple[Any, ...] | None = None
         self._buffers: list[torch.Tensor] = []
-        self._views: list[list[torch.Tensor]] = []
+        self._views: list[list[torch.Tensor | None]] = []
         self.allocations = 0
         """How many times buffers were (re)allocated; a test asserts it stays at 1 across saves."""
 
@@ -62,7 +62,7 @@ class Stager:
         self.release()  # drop the old buffers before allocating the new
         for layout in layouts:
             buf = self._new_buffer(layout.data_bytes)
-            views = []
+            views: list[torch.Tensor | None] = []
             for e in layout.entries:
                 raw = buf[e.offset : e.offset + e.nbytes]
                 views.append(raw.view(torch_dtype(e.dtype)).view(e.key.lengths) if e.nbytes else None)
@@ -93,7 +93,7 @@ class Stager:
         if on_device:
             torch.cuda.synchronize()  # the copies above were async; the caller may now modify the sources
         crash_point("stage.end")
-        return [memoryview(b.numpy()).cast("B") for b in self._buffers]
+        return [b.numpy().data.cast("B") for b in self._buffers]
 
     def release(self) -> None:
         self._buffers, self._views, self._signature = [], [], None

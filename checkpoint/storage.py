@@ -88,6 +88,7 @@ def _foreign_errors() -> tuple[type[BaseException], ...]:
 
 
 _FOREIGN = _foreign_errors()
+_OPEN_ERRORS: tuple[type[BaseException], ...] = (ValueError, ImportError, *_FOREIGN)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -213,7 +214,7 @@ class Storage:
         """Caps the multipart bytes held in memory across all files: upload_threads + 1 parts."""
         try:
             self.fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
-        except (ValueError, ImportError, *_FOREIGN) as exc:
+        except _OPEN_ERRORS as exc:
             raise CheckpointStorageError(f"cannot open checkpoint location {uri!r}: {exc}", path=uri) from exc
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root = os.path.abspath(root) if self.is_local else root.rstrip("/")
@@ -331,7 +332,7 @@ class Storage:
             inv(self.root)
 
     # ------------------------------------------------------------------ reads
-    def read_bytes(self, rel: str, *, limit: int | None = None) -> bytes:
+    def read_bytes(self, rel: str, *, limit: int | None = None) -> bytes | bytearray:
         """The whole file; with ``limit``, at most ``limit + 1`` bytes (so a caller that expects at most
         ``limit`` sees that there is more without reading, or allocating, the rest)."""
         if limit is not None:
@@ -340,7 +341,7 @@ class Storage:
             return self._call("read", rel, self._read_local, rel, 0, None)
         return self._call("read", rel, self.fs.cat_file, self.full(rel))
 
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
+    def read_range(self, rel: str, start: int, end: int) -> bytes | bytearray:
         """Bytes ``[start, end)`` of ``rel`` (fewer if the file is shorter: callers check)."""
         if end <= start:
             return b""
@@ -406,7 +407,7 @@ class Storage:
             raise CorruptCheckpointError(f"{self.display(rel)} is not a regular file", file=rel)
         return open(fd, "rb", buffering=0)
 
-    def _read_local(self, rel: str, start: int, end: int | None) -> bytes:
+    def _read_local(self, rel: str, start: int, end: int | None) -> bytes | bytearray:
         with self._open_local(rel) as f:
             if end is None:
                 return f.read()

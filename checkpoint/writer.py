@@ -30,9 +30,9 @@ from checkpoint.api import (
     TensorRecord,
     shard_file_name,
 )
-from checkpoint.faults import crash_point
 from checkpoint.config import CheckpointConfig
-from checkpoint.shard import ShardLayout, build_layout, write_shard
+from checkpoint.faults import crash_point
+from checkpoint.shard import ShardEntry, ShardLayout, build_layout, write_shard
 from checkpoint.staging import Stager
 from checkpoint.storage import Sink, Storage, StorageSpec, lower_thread_priority
 
@@ -74,10 +74,10 @@ def _write_one(
     block_bytes: int,
     rank: int,
     crc_pool: Executor | None,
-) -> tuple[FileRecord, list[tuple[object, ChunkRecord]]]:
+) -> tuple[FileRecord, list[tuple[ShardEntry, ChunkRecord]]]:
     rel = f"{step_rel}/{layout.file}"
 
-    def produce(sink: Sink) -> tuple[FileRecord, list]:
+    def produce(sink: Sink) -> tuple[FileRecord, list[tuple[ShardEntry, ChunkRecord]]]:
         crash_point("shard.open")
         result = write_shard(sink, layout, data, block_bytes, rank=rank, crc_pool=crc_pool)
         crash_point("shard.before_commit")
@@ -128,7 +128,7 @@ def write_rank_files(
         records.files[layout.file] = file_record
         for entry, chunk in chunks:
             rec = records.tensors.setdefault(
-                entry.key.fqn, TensorRecord(shape=list(entry.global_shape), dtype=entry.dtype)  # type: ignore[attr-defined]
+                entry.key.fqn, TensorRecord(shape=list(entry.global_shape), dtype=entry.dtype)
             )
             rec.chunks.append(chunk)
     return records
@@ -327,7 +327,6 @@ def _serve() -> None:
     import sys
 
     from checkpoint.api import CheckpointStorageError
-
     from elastic.procutil import arm_parent_death_signal
 
     try:  # die with the training process, whatever kills it (one that died before this sees stdin EOF)

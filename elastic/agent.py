@@ -57,7 +57,13 @@ from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_
 from elastic.preemption import Mailbox, WorkerNotice
 from elastic.rendezvous.api import MembershipAwareHandler, NoticeAwareHandler
 from elastic.torch_internals import check_agent_internals, worker_processes
-from elastic.workers import DeathClock, PdeathsigEntrypoint, shim_command, terminate_processes
+from elastic.workers import (
+    DeathClock,
+    PdeathsigEntrypoint,
+    fall_back_to_plain_workers,
+    shim_command,
+    terminate_processes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +218,7 @@ class SpotrunAgent(LocalElasticAgent):
         self._emit(RecoveryEvent.RENDEZVOUS_STARTED)
         super()._rendezvous(worker_group)
         self._round += 1
+        assert worker_group.group_world_size is not None, "torch's _rendezvous sets the group world size"
         if should_refund(
             charged=self._charged_restart_pending,
             previous_group_world_size=self._previous_group_world_size,
@@ -227,6 +234,12 @@ class SpotrunAgent(LocalElasticAgent):
                    master_port=worker_group.master_port)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        reason = fall_back_to_plain_workers(worker_group.spec)
+        if reason is not None:
+            # CHANGE: a warm worker that a script could tell apart from torchrun's is not started; from now
+            # on this agent starts plain `python -u` subprocesses (the spec was rewritten, so this logs once).
+            logger.warning("%s warm workers off: %s; starting workers as plain subprocesses like torchrun",
+                           self._ctx(), reason)
         if self._mailbox is not None:
             self._mailbox.clear()  # helpers and acks of the previous group must not count for this one
         self._posted = None
@@ -279,7 +292,7 @@ class SpotrunAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # CHANGE: torch calls self._shutdown() with its 30 s default between SIGTERM and SIGKILL; workers
         # blocked in a collective with a dead peer ignore SIGTERM, so use a short grace.
-        self._shutdown(timeout=self._settings.stop_grace)  # type: ignore[arg-type]
+        self._shutdown(timeout=self._settings.stop_grace)  # type: ignore[arg-type]  # torch says int; any seconds work
         self._emit(RecoveryEvent.WORKERS_STOPPED)
 
     # --- monitor loop ------------------------------------------------------------------------------------
@@ -605,10 +618,14 @@ def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[
         wait = grace if timeout is None else timeout
         began = time.monotonic()
         _stop_releasing_returned_workers(pcontext, death_sig or signal.SIGTERM, wait)
-        # torch's close: signals what is still alive (nothing, normally), joins, closes the log tails.
-        original(death_sig, max(0.0, wait - (time.monotonic() - began)))  # type: ignore[arg-type]
+        # CHANGE (warm workers): torch's MultiprocessContext signals only each worker's PID; warm workers lead
+        # their own process group like torchrun's subprocess workers, so signal the group (DataLoader workers
+        # too), as torch's SubprocessHandler.close does. torch's close then only joins and closes log tails.
+        remaining = max(0.0, wait - (time.monotonic() - began))
+        terminate_processes(worker_processes(pcontext) or [], remaining, death_sig or signal.SIGTERM)
+        original(death_sig, max(0.0, wait - (time.monotonic() - began)))  # type: ignore[arg-type]  # torch says int; any seconds work
 
-    pcontext.close = close  # type: ignore[method-assign]
+    pcontext.close = close  # type: ignore[method-assign]  # this instance only (CHANGE above)
 
 
 def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signals, timeout: float) -> None:
@@ -624,7 +641,7 @@ def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signa
     from multiprocessing.connection import wait as wait_for_sentinels
 
     for proc in processes:
-        if proc.is_alive():
+        if proc.is_alive() and proc.pid is not None:  # alive implies started, so a pid
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, death_sig)
     deadline = time.monotonic() + timeout
@@ -634,7 +651,7 @@ def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signa
             return
         for rank, proc in alive:
             queue = ret_vals.get(rank)
-            if queue is not None and not queue.empty():
+            if queue is not None and not queue.empty() and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
         wait_for_sentinels([proc.sentinel for _, proc in alive], timeout=min(0.1, max(0.0, deadline - time.monotonic())))

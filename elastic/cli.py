@@ -66,8 +66,8 @@ from elastic.config import (
     default_peer_loss_grace,
     default_stop_grace,
     default_warm_workers,
-    parse_nnodes,
     env_float,
+    parse_nnodes,
     parse_rdzv_conf,
 )
 from elastic.notice import (
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.description = "spotrun: fault-tolerant torchrun drop-in on an etcd v3 rendezvous"
     # Keep the PET_RDZV_BACKEND fallback: torch's `env` action read it into the default at definition time.
     parser.set_defaults(rdzv_backend=os.environ.get("PET_RDZV_BACKEND", DEFAULT_RDZV_BACKEND))
-    for action in parser._actions:  # noqa: SLF001 (argparse has no public way to edit a help text)
+    for action in parser._actions:  # argparse has no public way to edit a help text
         if action.dest == "rdzv_backend":
             action.help = f"Rendezvous backend (spotrun default: {DEFAULT_RDZV_BACKEND})."
         elif action.dest == "standalone":
@@ -166,7 +166,7 @@ def validate_args(args: argparse.Namespace) -> None:
             # torch also accepts a registered privateuse1 backend name; let config_from_args judge that.
             import torch
 
-            if nproc != torch._C._get_privateuse1_backend_name():  # noqa: SLF001
+            if nproc != torch._C._get_privateuse1_backend_name():
                 raise LaunchConfigError(
                     f"--nproc-per-node={nproc!r} is not valid; use an integer, cpu, gpu, xpu or auto"
                 ) from exc

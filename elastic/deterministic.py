@@ -184,10 +184,7 @@ class ShardGradReducer:
             )
         mine = dyadic_blocks(self.num_shards, start, end)
         sums = [tree_sum(self.num_shards, self._leaves, node) for node in mine]
-        if world == 1:
-            known = dict(zip(mine, sums))
-        else:
-            known = self._exchange(sums, world)
+        known = dict(zip(mine, sums)) if world == 1 else self._exchange(sums, world)
         total = tree_sum(self.num_shards, known) / self.global_batch  # a new tensor: the grads may view it
         offset = 0
         for p in self.params:

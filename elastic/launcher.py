@@ -35,11 +35,13 @@ from elastic.events import JsonlEventLog
 from elastic.notice import NoticePoller, make_sources
 from elastic.preemption import ENV_NOTICE_DIR, Mailbox
 from elastic.rendezvous.api import MembershipAwareHandler
+from elastic.warm import note_agent_import_env
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
 logger = logging.getLogger(__name__)
 
 EVENTS_FILE_NAME = "events.jsonl"
+_COMPILER_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TRITON_")
 
 
 def register_backends() -> None:
@@ -102,13 +104,20 @@ def _preimport_log_formatter_dependencies() -> None:
     """torch's log formatter (``TorchLogsFormatter``) imports ``torch._dynamo`` the first time it formats a
     record with an exception, and torch logs a worker failure with ``logger.exception``: the first worker
     crash would cost the agent that import (seconds, see README) before it even starts recovering. Import it
-    in a daemon thread while the first rendezvous and worker start are under way."""
+    in a daemon thread while the first rendezvous and worker start are under way. What the import writes into
+    the agent's environment (``TORCHINDUCTOR_CACHE_DIR``) is undone: torchrun's workers never see it."""
 
     def preimport() -> None:
+        before = dict(os.environ)
         try:
             importlib.import_module("torch._dynamo")
         except Exception:  # only an optimisation
             logger.debug("pre-importing torch._dynamo failed", exc_info=True)
+        # Only the compiler stack's own variables: the main thread may set others meanwhile.
+        added = {name for name in set(os.environ) - set(before) if name.startswith(_COMPILER_ENV_PREFIXES)}
+        note_agent_import_env(added)
+        for name in added:
+            os.environ.pop(name, None)
 
     threading.Thread(target=preimport, name="spotrun-preimport", daemon=True).start()
 
@@ -186,14 +195,16 @@ def launch(
     # The workers' mailbox (elastic.preemption): set before the forkserver starts, warm workers inherit it.
     mailbox = Mailbox.create()
     os.environ[ENV_NOTICE_DIR] = mailbox.path
+    # LaunchConfig.__post_init__ fills both in (DefaultLogsSpecs; $TORCHELASTIC_SHUTDOWN_TIMEOUT or 30 s).
+    assert config.logs_specs is not None and config.shutdown_timeout is not None
     agent = SpotrunAgent(
         spec,
-        config.logs_specs,  # type: ignore[arg-type]
+        config.logs_specs,
         settings=settings,
         events=event_log,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
+        shutdown_timeout=config.shutdown_timeout,
         mailbox=mailbox,
     )
     poller = NoticePoller(make_sources(settings.preempt_sources, settings.preempt_grace), agent.receive_notice,
@@ -207,7 +218,7 @@ def launch(
 
     shutdown_rdzv = True
     try:
-        agent._install_notice_handlers()  # noqa: SLF001 (a --preempt-signal must not kill the agent before workers start)
+        agent._install_notice_handlers()
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)

@@ -17,10 +17,10 @@ import enum
 from dataclasses import dataclass, field
 
 from elastic.notice import Notice
+from elastic.preemption import WorkerNotice
 
 #: Seconds the workers get to commit an agreed step when a node joins (``--resize-timeout``).
 ENV_RESIZE_TIMEOUT = "SPOTRUN_RESIZE_TIMEOUT"
-from elastic.preemption import WorkerNotice
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,13 +20,13 @@ same two steps at the top of the child.
 
 Warm workers (spotrun default for Python scripts, ``--no-warm-workers`` to disable): instead of a fresh
 interpreter per worker (``python -u script.py``, which imports torch again on every restart: README), the
-script runs as a function entrypoint (:class:`ScriptEntrypoint`, ``runpy`` like torchrun's ``--run-path``) in
-a process forked from a multiprocessing *forkserver* that imported torch (and torch._dynamo) once, at agent
-start, in parallel with the first rendezvous. Each restart then costs a fork. What differs from a cold
-``python -u script.py`` (documented trade-offs): the worker inherits the agent environment as of the
-forkserver start plus torch's per-worker variables (the same names and values, but variables read at
-``import torch`` time are fixed at agent start); stdin is not the agent's; ``sys.argv``/``__file__``/
-``__name__ == "__main__"`` are as for a script.
+script runs as a function entrypoint (:class:`ScriptEntrypoint`) in a process forked from a multiprocessing
+*forkserver* that imported torch (and torch._dynamo) once, at agent start, in parallel with the first
+rendezvous. Each restart then costs a fork. Before the script runs, the child is made indistinguishable from
+torchrun's ``python -u script.py`` (``elastic.warm``: start method, ``atexit``, exit codes and tracebacks,
+stdin, stdio buffering, environment, ``sys.path``, own session). Where that is impossible (an environment
+variable read at ``import torch`` changed since the forkserver imported it) the agent starts plain
+subprocesses instead and says so once (:func:`fall_back_to_plain_workers`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ if __package__:
 else:
     # Running as the exec shim (``python -S elastic/workers.py``): without site-packages the package may not
     # be importable, but procutil (standard library only) sits next to this file, which is sys.path[0].
-    from procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal  # type: ignore[import-not-found,no-redef]
+    from procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal  # type: ignore[import-not-found,no-redef]  # shim path only
 
 
 def shim_command(entrypoint: str, args: tuple[Any, ...], agent_pid: int | None = None) -> tuple[str, tuple[Any, ...]]:
@@ -68,7 +68,10 @@ class PdeathsigEntrypoint:
         # The parent is the agent (spawn) or the agent's forkserver (warm workers).
         arm_parent_death_signal(agent_pid=self.agent_pid)
         release_forkserver_alive_fd()
-        watch_agent(self.agent_pid)
+        if not isinstance(self.fn, ScriptEntrypoint):
+            # A script must not see an extra thread (threading.enumerate, fork-with-threads warnings); for
+            # it the chain suffices: the forkserver exits when the agent does, and PDEATHSIG follows.
+            watch_agent(self.agent_pid)
         return self.fn(*args)
 
 
@@ -117,29 +120,34 @@ def watch_agent(agent_pid: int) -> None:
 
 
 class ScriptEntrypoint:
-    """Run a Python script (or ``-m`` module) as ``python -u`` would, inside an already warm interpreter."""
+    """Run a Python script (or ``-m`` module) as torchrun's ``python -u`` would, inside an already warm
+    interpreter (see ``elastic.warm`` for every difference removed)."""
 
-    def __init__(self, target: str, *, module: bool = False) -> None:
+    def __init__(self, target: str, *, module: bool = False, python: str = sys.executable,
+                 options: tuple[str, ...] = ("-u",)) -> None:
         self.target = target
         self.module = module
+        self.python = python
+        self.options = options
         # torch names entrypoints after __name__ (events); the failure summary uses the launcher's name.
         self.__name__ = target if module else os.path.basename(target)
 
-    def __call__(self, *args: str) -> None:
-        import runpy
+    def cold_command(self, args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
+        """The plain ``python -u [-m] target args...`` torchrun would run."""
+        return self.python, (*self.options, *(("-m",) if self.module else ()), self.target, *args)
 
-        for stream in (sys.stdout, sys.stderr):  # `python -u`: unbuffered, so logs interleave as they happen
-            reconfigure = getattr(stream, "reconfigure", None)
-            if reconfigure is not None:
-                reconfigure(line_buffering=True, write_through=True)
-        if self.module:
-            sys.argv = [self.target, *args]
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(self.target, run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = [self.target, *args]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(self.target)))
-            runpy.run_path(self.target, run_name="__main__")
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled in the agent once per worker start: capture what the child must reproduce *now*.
+        from elastic.warm import WarmLaunch
+
+        return dict(self.__dict__, launch=WarmLaunch())
+
+    def __call__(self, *args: str) -> None:
+        from elastic.warm import WarmLaunch, become_fresh_interpreter, run_as_fresh_interpreter
+
+        launch = self.__dict__.get("launch") or WarmLaunch()
+        become_fresh_interpreter(launch, self.target, module=self.module)
+        run_as_fresh_interpreter(self.target, tuple(args), module=self.module)
 
 
 def warm_entrypoint(cmd: Any, cmd_args: list[str], python: str = sys.executable) -> tuple[ScriptEntrypoint, list[str]] | None:
@@ -148,14 +156,35 @@ def warm_entrypoint(cmd: Any, cmd_args: list[str], python: str = sys.executable)
     if not isinstance(cmd, str) or os.path.realpath(cmd) != os.path.realpath(python):
         return None
     rest = list(cmd_args)
+    options: tuple[str, ...] = ()
     if rest[:1] == ["-u"]:
-        rest = rest[1:]
+        rest, options = rest[1:], ("-u",)
     module = rest[:1] == ["-m"]
     if module:
         rest = rest[1:]
     if not rest or rest[0].startswith("-"):
         return None
-    return ScriptEntrypoint(rest[0], module=module), rest[1:]
+    return ScriptEntrypoint(rest[0], module=module, python=cmd, options=options), rest[1:]
+
+
+def fall_back_to_plain_workers(spec: Any) -> str | None:
+    """If ``spec`` starts warm script workers and a warm worker started now could be told apart from
+    torchrun's, rewrite ``spec`` to the plain (PDEATHSIG-shimmed) ``python -u`` command for good and return
+    why; None when warm workers stay."""
+    from elastic.warm import forkserver_environ, warm_fallback_reason
+
+    entry = spec.entrypoint
+    script = entry.fn if isinstance(entry, PdeathsigEntrypoint) else entry
+    if not isinstance(script, ScriptEntrypoint):
+        return None
+    reason = warm_fallback_reason(forkserver_environ(), os.environ)
+    if reason is None:
+        return None
+    command, args = script.cold_command(tuple(spec.args))
+    if isinstance(entry, PdeathsigEntrypoint):
+        command, args = shim_command(command, args, entry.agent_pid)
+    spec.entrypoint, spec.args = command, args
+    return reason
 
 
 class DeathClock:
@@ -186,20 +215,22 @@ class DeathClock:
                 return
             now = self._clock()
             for fd in ready:
-                self.died_at.setdefault(by_fd.pop(fd), now)  # type: ignore[arg-type]
+                self.died_at.setdefault(by_fd.pop(fd), now)  # type: ignore[arg-type]  # wait() returns the ints it got
 
     def stop(self) -> None:
         self._stop.set()
 
 
-def terminate_processes(processes: list[Any], grace: float) -> None:
-    """SIGTERM every live ``multiprocessing`` process, wait up to ``grace`` s, then SIGKILL the rest."""
+def terminate_processes(processes: list[Any], grace: float, sig: int = signal.SIGTERM) -> None:
+    """Send ``sig`` to every live ``multiprocessing`` process, wait up to ``grace`` s, then SIGKILL the rest.
+    A process that leads its own process group (warm workers, like torchrun's) is signalled as a group, as
+    torch's ``SubprocessHandler.close`` does, so its DataLoader workers stop with it."""
     import time
     from multiprocessing.connection import wait
 
     alive = [proc for proc in processes if proc.is_alive()]
     for proc in alive:
-        _signal_quietly(proc.pid, signal.SIGTERM)
+        _signal_quietly(proc.pid, sig)
     deadline = time.monotonic() + grace
     while alive and time.monotonic() < deadline:
         wait([proc.sentinel for proc in alive], timeout=max(0.0, deadline - time.monotonic()))
@@ -210,7 +241,10 @@ def terminate_processes(processes: list[Any], grace: float) -> None:
 
 def _signal_quietly(pid: int, sig: int) -> None:
     try:
-        os.kill(pid, sig)
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
     except ProcessLookupError:
         pass
 
@@ -224,18 +258,39 @@ def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_ti
 
     Waiting *before* the first rendezvous matters for scale-up: a node that joins a running job only
     interrupts the others once it can start its workers at once, instead of making the whole group wait
-    for its ``import torch``. The forkserver exits when the agent dies (its alive pipe hits EOF)."""
+    for its ``import torch``. The forkserver exits when the agent dies (its alive pipe hits EOF). The
+    environment it started with, and the one its children inherit after its imports, are remembered for
+    ``elastic.warm`` (fallback decision and the workers' environment)."""
     import multiprocessing
     import time
     from multiprocessing import forkserver
 
+    from elastic.warm import note_forkserver_environ
+
     began = time.monotonic()
+    started_with = dict(os.environ)
     forkserver.set_forkserver_preload(list(preload))
     forkserver.ensure_running()
-    probe = multiprocessing.get_context("forkserver").Process(target=os.getpid, name="spotrun-warmup")
+    ctx = multiprocessing.get_context("forkserver")
+    receive, send = ctx.Pipe(duplex=False)
+    probe = ctx.Process(target=_send_environ, args=(send,), name="spotrun-warmup")
     probe.start()  # returns once the forkserver has finished its imports and forked
+    send.close()
+    after_imports = started_with
+    if receive.poll(wait_timeout):
+        try:
+            after_imports = receive.recv()
+        except EOFError:
+            pass
+    receive.close()
     probe.join(wait_timeout)
+    note_forkserver_environ(started_with, after_imports)
     return time.monotonic() - began
+
+
+def _send_environ(conn: Any) -> None:
+    conn.send(dict(os.environ))
+    conn.close()
 
 
 def _shim_main(argv: list[str]) -> None:

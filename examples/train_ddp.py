@@ -52,7 +52,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from elastic.data import BatchConfig, ElasticBatches, ElasticDataError, StepPlan
 from elastic.deterministic import ShardGradReducer
-from elastic.preemption import Preemption
 
 logger = logging.getLogger("train_ddp")
 
@@ -114,14 +113,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress-file", default=None,
                    help="append one JSON line per step and rank (rank, world_size, step, pid, t_wall, loss): benchmarks")
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process group (collective) timeout, seconds")
+    p.add_argument("--preempt-sync-every", type=int, default=8,
+                   help="steps between two checks (one tiny all-reduce) for a preemption notice or a joining node")
     p.add_argument("--max-micro-batch", type=int, default=None,
                    help="most samples a rank feeds forward at once (gradient accumulation); default: its whole share")
     p.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes per rank")
     p.add_argument("--deterministic", action="store_true",
                    help="bit-identical at any world size: --shards fixed micro-batches reduced in shard order")
     p.add_argument("--shards", type=int, default=8, help="virtual micro-batches per global batch (--deterministic)")
-    p.add_argument("--preempt-sync-every", type=int, default=8,
-                   help="steps between two checks (one tiny all-reduce) for a preemption notice or a joining node")
     args = p.parse_args(argv)
     if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 1 or args.log_every < 1:
         p.error("--steps must be >= 0 and --global-batch, --ckpt-every, --log-every >= 1")
@@ -165,7 +164,7 @@ def open_checkpointer(uri: str | None, storage_options: dict[str, Any] | None = 
     try:
         from checkpoint import CheckpointConfig, Checkpointer
     except ImportError as exc:
-        raise SystemExit(f"--ckpt-dir needs the spotrun `checkpoint` package (Checkpointer), which failed to import: {exc}")
+        raise SystemExit(f"--ckpt-dir needs the spotrun `checkpoint` package (Checkpointer), which failed to import: {exc}") from exc
     return Checkpointer(uri, CheckpointConfig(storage_options=storage_options or {}))
 
 
@@ -186,7 +185,7 @@ def train_step(model: nn.Module, ddp: nn.Module, plan: StepPlan, micro: Any, dev
     for i in range(plan.accumulation_steps):
         x, y = next(micro)
         last = i == plan.accumulation_steps - 1
-        with nullcontext() if last or ddp is model else ddp.no_sync():  # type: ignore[operator]
+        with nullcontext() if last or ddp is model else ddp.no_sync():  # type: ignore[operator]  # ddp is DDP whenever no_sync() is reached
             loss = loss_fn(ddp(x.to(device)), y.to(device))
             (loss * plan.loss_scale).backward()
         loss_sum += loss.detach()
@@ -239,7 +238,11 @@ def main(argv: list[str] | None = None) -> None:
     ddp = DistributedDataParallel(model) if dist.is_initialized() and reducer is None else model
     # On a preemption notice (or a node joining) every rank stops at the same step, which is committed:
     # spotrun then re-forms the group and the next start resumes there (SIGTERM under plain torchrun).
-    preemption = Preemption(sync_every=args.preempt_sync_every) if ckpt is not None else None
+    preemption = None
+    if ckpt is not None:
+        from elastic.preemption import Preemption  # spotrun's package, like the Checkpointer
+
+        preemption = Preemption(sync_every=args.preempt_sync_every)
     dataset = synthetic_regression(args.dataset_size, args.seed)
     # The sampler starts at the restored cursor and yields this rank's micro-batches step after step.
     sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))

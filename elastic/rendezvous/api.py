@@ -280,7 +280,7 @@ def _require_positive(name: str, value: object) -> None:
 
 def _parse_float(name: str, raw: object) -> float:
     try:
-        value = float(raw)  # type: ignore[arg-type]
+        value = float(raw)  # type: ignore[arg-type]  # any object: the TypeError is converted below
     except (TypeError, ValueError) as exc:
         raise RendezvousConfigError(f"--rdzv-conf {name}={raw!r} is not a number of seconds") from exc
     if math.isnan(value):

@@ -173,7 +173,7 @@ class EtcdConnection:
                 creds=creds,
                 # Blacklist a failed endpoint only if there is another one to fail over to.
                 time_retry=1.0 if many else 0.0,
-                opts=_GRPC_OPTIONS,  # type: ignore[arg-type] (grpc wants a list of pairs)
+                opts=_GRPC_OPTIONS,  # grpc wants a list of pairs
             )
             for host, port in cfg.endpoints
         ]
@@ -293,7 +293,7 @@ class EtcdConnection:
     def close(self) -> None:
         try:
             self.client.close()
-        except Exception:  # noqa: BLE001 (best effort on the way out)
+        except Exception:  # best effort on the way out
             log.debug("%sclosing the etcd client failed", self._context(), exc_info=True)
 
     # ------------------------------------------------------------------ watch streams

@@ -45,8 +45,6 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import grpc
-
-from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 from torch.distributed.elastic.rendezvous.api import (
@@ -280,9 +278,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if action is Action.JOIN:
                 if self._write_join(target, seen_mod):
                     joined_target = (target, self._lease_id)
-            elif action is Action.COMMIT:
-                if self._commit(target, decision.participants, seen_mod):
-                    committed_mod = seen_mod
+            elif action is Action.COMMIT and self._commit(target, decision.participants, seen_mod):
+                committed_mod = seen_mod
 
     def is_closed(self) -> bool:
         if not self._released:  # after leave()/shutdown(): the last state seen, without I/O
@@ -693,8 +690,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     master_port=int(data["master_port"]),
                 )
                 mirror.committed, mirror.committed_mod = record, mod_revision
-                for number in [n for n in mirror.joins if n <= record.number]:
-                    del mirror.joins[number]
+                for stale in [n for n in mirror.joins if n <= record.number]:
+                    del mirror.joins[stale]
             elif rel == "closed":
                 mirror.closed_mod = mod_revision
                 mirror.closed = True
@@ -726,17 +723,21 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         elif rel.startswith("notice/"):
             mirror.notices.pop(rel[len("notice/") :], None)
 
+    def _sleep_unless_stopped(self, seconds: float) -> None:
+        """The watch loop's retry backoff: cut short by shutdown."""
+        self._stop.wait(seconds)
+
     def _watch_loop(self) -> None:
         retrying = Retrying(
             stop=lambda _state: self._stop.is_set(),
             wait=wait_random_exponential(multiplier=0.05, max=1.0),
             retry=retry_if_exception(lambda exc: not self._stop.is_set() and (is_transient(exc) or isinstance(exc, WatchCanceledError))),
-            sleep=self._stop.wait,
+            sleep=self._sleep_unless_stopped,
             reraise=True,
         )
         try:
             retrying(self._watch_once)
-        except Exception as exc:  # noqa: BLE001 (the thread must report, not die silently)
+        except Exception as exc:  # the thread must report, not die silently
             if not self._stop.is_set():
                 log.exception("%sthe rendezvous watch failed", self._ctx())
                 with self._cond:
@@ -828,7 +829,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._renew_lease(lease)
             except RendezvousConnectionError as exc:
                 self._note_etcd_failure(exc)
-            except Exception as exc:  # noqa: BLE001 (keep refreshing; classify below)
+            except Exception as exc:  # keep refreshing; classify below
                 if self._stop.is_set():
                     return
                 if is_token_expired(exc):

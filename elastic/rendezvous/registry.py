@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
     from .etcd_v3 import EtcdV3RendezvousHandler
@@ -27,7 +29,7 @@ def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
     return EtcdV3RendezvousHandler(EtcdRendezvousConfig.from_parameters(params))
 
 
-def handler_factory():  # noqa: ANN201 (torch expects the creator callable back)
+def handler_factory() -> Callable[[RendezvousParameters], EtcdV3RendezvousHandler]:
     """Entry point ``torchrun.handlers: etcd-v3``: torch calls ``load()()`` and registers the result."""
     return create_handler
 

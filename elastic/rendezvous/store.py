@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import grpc
-from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random
 from torch.distributed import DistStoreError, Store
@@ -25,6 +26,8 @@ from torch.distributed import DistStoreError, Store
 from .etcd_client import EtcdConnection, is_auth_refusal, is_token_expired, is_transient
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class _CasConflict(Exception):
@@ -56,11 +59,11 @@ class EtcdV3Store(Store):
         return self.prefix + key
 
     @property
-    def _client(self):  # noqa: ANN202
+    def _client(self) -> Any:  # python3-etcd3's client is untyped
         return self._conn.client
 
     def _timeout_s(self, override: timedelta | None = None) -> float:
-        timeout = override if override is not None else self.timeout
+        timeout = override if override is not None else self.timeout  # type: ignore[attr-defined]  # pybind, not in stubs
         return timeout.total_seconds()
 
     def _read(self, key: str) -> tuple[bytes | None, int]:
@@ -199,7 +202,7 @@ class EtcdV3Store(Store):
             stream.cancel()
         return False
 
-    def _cas_loop(self, attempt):  # noqa: ANN001, ANN202
+    def _cas_loop(self, attempt: Callable[[], T]) -> T:
         retrying = Retrying(
             stop=stop_after_delay(self._conn.config.etcd_timeout),
             wait=wait_random(0, 0.02),

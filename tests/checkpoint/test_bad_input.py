@@ -97,16 +97,14 @@ def test_damage_with_no_older_step_is_an_error(tmp_path: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x01
     shard.write_bytes(bytes(data))
-    with Checkpointer(str(root)) as ckpt:
-        with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
-            ckpt.load(zeros())
+    with Checkpointer(str(root)) as ckpt, pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        ckpt.load(zeros())
 
 
 def test_wrong_live_state_does_not_fall_back(run: Path) -> None:
     """An older step cannot fix a state that does not match: the error is raised, not papered over."""
-    with Checkpointer(str(run)) as ckpt:
-        with pytest.raises(IncompatibleCheckpointError):
-            ckpt.load({"w": torch.zeros(64, 31), "b": torch.zeros(32), "i": torch.zeros(5, dtype=torch.int64)})
+    with Checkpointer(str(run)) as ckpt, pytest.raises(IncompatibleCheckpointError):
+        ckpt.load({"w": torch.zeros(64, 31), "b": torch.zeros(32), "i": torch.zeros(5, dtype=torch.int64)})
 
 
 def test_truncated_shard_falls_back_and_errors_when_asked_for(run: Path, caplog) -> None:
@@ -150,9 +148,11 @@ def test_manifest_with_wrong_shape(run: Path) -> None:
 
 def test_unknown_format_version(run: Path) -> None:
     rewrite_manifest(run, 2, lambda d: d.update(version=99), resign=True)
-    with Checkpointer(str(run)) as ckpt:
-        with pytest.raises(IncompatibleCheckpointError, match="format version 99 is not supported.*upgrade spotrun"):
-            ckpt.load(zeros(), step=2)
+    with (
+        Checkpointer(str(run)) as ckpt,
+        pytest.raises(IncompatibleCheckpointError, match="format version 99 is not supported.*upgrade spotrun"),
+    ):
+        ckpt.load(zeros(), step=2)
 
 
 def test_unreadable_manifest(run: Path) -> None:
@@ -207,9 +207,11 @@ def test_bad_uri_and_step() -> None:
 
     with pytest.raises(CheckpointStorageError, match="cannot open checkpoint location 'nosuchproto://x'"):
         Checkpointer("nosuchproto://x")
-    with Checkpointer("memory://bad-step") as ckpt:
-        with pytest.raises(CheckpointError, match="step must be a non-negative int"):
-            ckpt.save(-1, state())
+    with (
+        Checkpointer("memory://bad-step") as ckpt,
+        pytest.raises(CheckpointError, match="step must be a non-negative int"),
+    ):
+        ckpt.save(-1, state())
 
 
 def test_flipped_byte_in_a_block_larger_than_a_read_piece(tmp_path: Path) -> None:

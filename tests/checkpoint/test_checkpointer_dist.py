@@ -144,12 +144,12 @@ def _hung_peer_worker(rank: int, world: int, uri: str) -> dict[str, Any]:
     import time
     from datetime import timedelta
 
-    from checkpoint.api import CheckpointError
-    from checkpoint.faults import CRASH_AT_ENV
-    from checkpoint.config import CheckpointConfig
-
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    from checkpoint.api import CheckpointError
+    from checkpoint.config import CheckpointConfig
+    from checkpoint.faults import CRASH_AT_ENV
 
     mesh = init_device_mesh("cpu", (world,))  # sharded: every rank writes a shard of its own
     state = {"w": distribute_tensor(torch.arange(1000, dtype=torch.float32), mesh, [Shard(0)])}

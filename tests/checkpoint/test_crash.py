@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint.faults import CRASH_POINTS
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.config import CheckpointConfig
 from checkpoint.discover import list_steps
+from checkpoint.faults import CRASH_POINTS
 from checkpoint.state import RNGState
 
 SEED = 20261121

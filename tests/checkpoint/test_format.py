@@ -12,10 +12,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from checkpoint.api import ChunkKey, CheckpointError, Manifest, TensorItem, shard_file_name
-from checkpoint.commit import build_index, merge_records
 from checkpoint import checksum
+from checkpoint.api import CheckpointError, ChunkKey, Manifest, TensorItem, shard_file_name
 from checkpoint.checksum import crc32_combine
+from checkpoint.commit import build_index, merge_records
 from checkpoint.shard import build_layout, write_shard
 from checkpoint.writer import RankRecords, plan_files
 

@@ -28,10 +28,10 @@ from checkpoint.api import (
     rank_objects_file_name,
     step_dir,
 )
-from checkpoint.per_rank import per_rank_source
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.cli import main
 from checkpoint.discover import validate_step
+from checkpoint.per_rank import per_rank_source
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
 from tests.harness.dist import run_workers
@@ -216,9 +216,11 @@ def test_missing_per_rank_entry_and_skip(tmp_path: Path) -> None:
     with Checkpointer(uri) as ckpt:
         ckpt.save(1, {"w": torch.ones(2), "counter": PerRank(4)})
         ckpt.wait()
-        with Checkpointer(uri) as again:
-            with pytest.raises(IncompatibleCheckpointError, match="no per-rank entry 'other'.*on_resize='skip'"):
-                again.load({"w": torch.zeros(2), "counter": PerRank(0), "other": PerRank(1)})
+        with (
+            Checkpointer(uri) as again,
+            pytest.raises(IncompatibleCheckpointError, match="no per-rank entry 'other'.*on_resize='skip'"),
+        ):
+            again.load({"w": torch.zeros(2), "counter": PerRank(0), "other": PerRank(1)})
         ckpt.save(2, {"w": torch.ones(2)})
         ckpt.wait()
         with pytest.raises(IncompatibleCheckpointError, match="step 2 holds no per-rank state of rank 0 .*saved without per-rank"):

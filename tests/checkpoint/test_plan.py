@@ -251,7 +251,7 @@ def test_plan_reads_n_to_m_resharding_is_exact(saved, loaded, dim):
 def test_plan_reads_row_reshard_reads_only_owned_bytes():
     full = {"w": torch.randn(1000, 64)}
     manifest, files = sharded_manifest(full, 4)
-    for r, (off, n) in enumerate(split(1000, 3)):
+    for off, n in split(1000, 3):
         w = wanted_piece("w", full["w"], 0, off, n)
         nread = execute(manifest, files, [w])
         assert nread == w.nbytes  # exactly 1.0x for a row reshard

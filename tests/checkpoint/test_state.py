@@ -162,7 +162,7 @@ def test_unsupported_values_are_type_errors_naming_the_key():
     with pytest.raises(TypeError, match="'x'.*complex64"):
         flatten({"x": torch.zeros(2, dtype=torch.complex64)})
     with pytest.raises(TypeError, match="keys must be non-empty str"):
-        flatten({1: 2})  # type: ignore[dict-item]
+        flatten({1: 2})  # type: ignore[dict-item]  # the bad input under test
     with pytest.raises(TypeError, match="'meta'.*meta device"):
         flatten({"meta": torch.empty(2, device="meta")})
 

@@ -6,15 +6,21 @@
     .start()   start again on the same data dir and port (keys and leases survive)
     .pid       PID of the running etcd, None when stopped
 Teardown closes it (process reaped, data dir removed) even if the test failed.
+
+``handlers`` (a factory of rendezvous handlers, all released at teardown) and ``pool`` (threads): shared by the
+rendezvous suites, which take them by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from elastic.etcd_server import EmbeddedEtcd
+from elastic.rendezvous.api import EtcdRendezvousConfig
+from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
 
 
 @pytest.fixture
@@ -25,3 +31,24 @@ def etcd_server() -> Iterator[EmbeddedEtcd]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def handlers() -> Iterator[Callable[..., EtcdV3RendezvousHandler]]:
+    """Factory of handlers that are all released at teardown (leave(): the etcd may already be gone)."""
+    made: list[EtcdV3RendezvousHandler] = []
+
+    def make(config: EtcdRendezvousConfig, node_id: str | None = None) -> EtcdV3RendezvousHandler:
+        handler = EtcdV3RendezvousHandler(config, node_id=node_id)
+        made.append(handler)
+        return handler
+
+    yield make
+    for handler in made:
+        handler._simulate_crash()  # no etcd calls: fast teardown even when etcd was stopped
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(max_workers=16) as executor:
+        yield executor

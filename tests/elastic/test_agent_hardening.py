@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd_server import EmbeddedEtcd, ServerTLS
-from tests.elastic.agent_harness import REPO, SPOTRUN, TORCHRUN, make_env, pid_alive, read_jsonl, run_cli, wait_for
 from tests.elastic.etcd_security import PASSWORD, USER, Certs, enable_auth, etcdctl_path, make_certs
 from tests.elastic.test_agent import _agent, _running, _steps_at_world, _worker_pids
+from tests.harness.procs import REPO, SPOTRUN, TORCHRUN, make_env, pid_alive, read_jsonl, run_cli, wait_for
 
 TOKEN_TTL = 3
 
@@ -136,7 +136,7 @@ def test_etcd_server_cli_port_data_dir_and_sigterm(tmp_path: Path) -> None:
     proc, log = _start_server(tmp_path, "--port", str(port), "--data-dir", str(data))
     try:
         wait_for(lambda: f"etcd endpoint: 127.0.0.1:{port}" in log.read_text(), 30, "the server to print its endpoint")
-        etcd_pid = int(re.search(r"embedded etcd pid=(\d+)", log.read_text()).group(1))  # type: ignore[union-attr]
+        etcd_pid = int(re.search(r"embedded etcd pid=(\d+)", log.read_text()).group(1))  # type: ignore[union-attr]  # no match fails the test
         client = etcd3.client(host="127.0.0.1", port=port, timeout=5)
         client.put("/kept", "yes")
         client.close()
@@ -160,7 +160,7 @@ def test_etcd_server_cli_port_data_dir_and_sigterm(tmp_path: Path) -> None:
     proc, log = _start_server(tmp_path)
     try:
         wait_for(lambda: "etcd endpoint:" in log.read_text(), 30, "the server to start")
-        temp = Path(re.search(r"\(data (\S+)\)", log.read_text()).group(1))  # type: ignore[union-attr]
+        temp = Path(re.search(r"\(data (\S+)\)", log.read_text()).group(1))  # type: ignore[union-attr]  # no match fails the test
         assert temp.is_dir()
     finally:
         assert _stop(proc) == 0

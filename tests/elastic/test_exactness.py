@@ -10,9 +10,6 @@ split it 22/21/21). Normal mode: every tensor of the final checkpoint and every 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,13 +17,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness.procs import EXAMPLES, SPOTRUN, make_env, read_jsonl, run_cli
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-# Self-contained (the shared process helpers moved between branches): only a launcher run to completion
-# and a JSON-lines reader are needed here.
-REPO = Path(__file__).resolve().parents[2]
-TRAIN = str(REPO / "examples" / "train_ddp.py")
-SPOTRUN = [sys.executable, "-m", "elastic.cli"]
+TRAIN = str(EXAMPLES / "train_ddp.py")
 SEGMENTS = [(2, 8), (1, 16), (3, 24)]  # (workers, stop after step): the 2 -> 1 -> 3 sequence
 COMMON = ["--global-batch", "64", "--ckpt-every", "1000", "--log-every", "1000", "--dataset-size", "1000"]
 
@@ -38,9 +33,7 @@ def _train(workers: int, steps: int, ckpt: Path, progress: Path, *extra: str) ->
         argv = [sys.executable, *args]
     else:
         argv = [*SPOTRUN, "--standalone", "--nproc-per-node", str(workers), "--max-restarts", "0", *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING"}
-    env.pop("PET_RDZV_BACKEND", None)
-    result = subprocess.run(argv, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    result = run_cli(argv, timeout=240, env=make_env(LOGLEVEL="WARNING"))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
@@ -68,10 +61,6 @@ def _final_state(ckpt: Path) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         out[f"momentum.{name}"] = optim.state[p]["momentum_buffer"].clone()
     return out
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _losses(progress: Path) -> dict[int, float]:

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from elastic.events import read_events
 from tests.harness.procs import (
-    descendants,
     EXAMPLES,
     SPOTRUN,
     TORCHRUN,
     Launcher,
+    descendants,
+    make_env,
     pid_alive,
     read_jsonl,
     run_cli,
-    make_env,
     wait_for,
 )
 

@@ -196,7 +196,8 @@ def _final_state(ckpt_dir: Path, step: int) -> dict[str, torch.Tensor]:
     the comparison does not depend on how the example builds its state."""
     from safetensors.torch import load_file
 
-    from checkpoint.api import COMMIT_FILE, step_dir as step_name
+    from checkpoint.api import COMMIT_FILE
+    from checkpoint.api import step_dir as step_name
 
     step_dir = ckpt_dir / step_name(step)
     assert (step_dir / COMMIT_FILE).exists(), f"step {step} was not committed: {sorted(ckpt_dir.iterdir())}"

@@ -9,7 +9,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -40,27 +39,6 @@ def make_config(endpoint: str, *, run_id: str = "job", min_nodes: int = 1, max_n
     return EtcdRendezvousConfig(
         run_id=run_id, endpoints=((host, int(port)),), min_nodes=min_nodes, max_nodes=max_nodes, **kw
     )
-
-
-@pytest.fixture
-def handlers() -> Iterator[Callable[..., EtcdV3RendezvousHandler]]:
-    """Factory of handlers that are all released at teardown (leave(): the etcd may already be gone)."""
-    made: list[EtcdV3RendezvousHandler] = []
-
-    def make(config: EtcdRendezvousConfig, node_id: str | None = None) -> EtcdV3RendezvousHandler:
-        handler = EtcdV3RendezvousHandler(config, node_id=node_id)
-        made.append(handler)
-        return handler
-
-    yield make
-    for handler in made:
-        handler._simulate_crash()  # no etcd calls: fast teardown even when etcd was stopped
-
-
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(max_workers=16) as executor:
-        yield executor
 
 
 def rendezvous_all(pool: ThreadPoolExecutor, hs: list[EtcdV3RendezvousHandler], timeout: float = 20.0) -> list[RendezvousInfo]:
@@ -139,7 +117,7 @@ def test_sigkilled_agent_process_is_detected(etcd_server: EmbeddedEtcd, handlers
     fut = pool.submit(survivor.next_rendezvous)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     try:
-        line = pool.submit(proc.stdout.readline).result(timeout=30)  # type: ignore[union-attr]
+        line = pool.submit(proc.stdout.readline).result(timeout=30)  # type: ignore[union-attr]  # stdout=PIPE
         assert line.startswith("rank "), line
         assert fut.result(timeout=20).world_size == 2
         proc.send_signal(signal.SIGKILL)
@@ -175,7 +153,9 @@ def test_new_node_below_max_triggers_waiting_then_larger_round(etcd_server: Embe
 
 @pytest.mark.timeout(60)
 def test_node_beyond_max_is_a_spare_until_a_loss(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
-    cfg = lambda: make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2, join_timeout=1.0)  # noqa: E731
+    def cfg() -> EtcdRendezvousConfig:
+        return make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2, join_timeout=1.0)
+
     hs = [handlers(cfg()) for _ in range(2)]
     assert_consistent(rendezvous_all(pool, hs), 2)
 
@@ -236,7 +216,9 @@ def test_join_timeout_below_min(etcd_server: EmbeddedEtcd, handlers) -> None:
 # ------------------------------------------------------------------ etcd trouble
 @pytest.mark.timeout(60)
 def test_etcd_restart_keeps_membership(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
-    cfg = lambda: make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2, lease_ttl=2, last_call_timeout=10)  # noqa: E731
+    def cfg() -> EtcdRendezvousConfig:
+        return make_config(etcd_server.endpoint, min_nodes=1, max_nodes=2, lease_ttl=2, last_call_timeout=10)
+
     hs = [handlers(cfg()) for _ in range(2)]
     assert_consistent(rendezvous_all(pool, hs), 2)
 

@@ -19,9 +19,9 @@ from elastic.rendezvous.api import (
     parse_endpoints,
 )
 from elastic.rendezvous.etcd_client import WARN_EVERY_S
-from tests.elastic.agent_harness import wait_for
 from tests.elastic.etcd_security import PASSWORD, USER, Certs, enable_auth, etcdctl_path, make_certs
-from tests.elastic.test_rendezvous_etcd import LOSS_BOUND_S, handlers, make_config, pool, rendezvous_all  # noqa: F401
+from tests.elastic.test_rendezvous_etcd import LOSS_BOUND_S, make_config, rendezvous_all
+from tests.harness.procs import wait_for
 
 TOKEN_TTL = 3
 """etcd's --auth-token-ttl in these tests (etcd's default is 300 s): a simple token unused this long dies."""
@@ -70,7 +70,7 @@ def tls_etcd(certs: Certs) -> Iterator[EmbeddedEtcd]:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_job_outliving_the_auth_token_survives_a_node_loss_and_an_etcd_restart(
-    auth_etcd: EmbeddedEtcd, handlers, pool, caplog: pytest.LogCaptureFixture  # noqa: F811
+    auth_etcd: EmbeddedEtcd, handlers, pool, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="elastic.rendezvous")
     conf: dict[str, object] = {"min_nodes": 1, "max_nodes": 3, "user": USER, "password": PASSWORD}
@@ -109,7 +109,7 @@ def test_job_outliving_the_auth_token_survives_a_node_loss_and_an_etcd_restart(
 
 # ------------------------------------------------------------------ run id reuse
 @pytest.mark.timeout(90)
-def test_same_run_id_works_again_after_a_clean_end(etcd_server: EmbeddedEtcd, handlers, pool) -> None:  # noqa: F811
+def test_same_run_id_works_again_after_a_clean_end(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
     cfg = _config(etcd_server.endpoint, run_id="k8s-job", min_nodes=2, max_nodes=2)
     first = [handlers(cfg, node_id=f"a{i}") for i in range(2)]
     infos = rendezvous_all(pool, first)
@@ -138,7 +138,7 @@ def test_same_run_id_works_again_after_a_clean_end(etcd_server: EmbeddedEtcd, ha
 
 @pytest.mark.timeout(90)
 def test_a_closed_run_with_live_agents_is_not_cleared_until_they_leave(
-    etcd_server: EmbeddedEtcd, handlers, pool, caplog: pytest.LogCaptureFixture  # noqa: F811
+    etcd_server: EmbeddedEtcd, handlers, pool, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="elastic.rendezvous")
     cfg = _config(etcd_server.endpoint, run_id="reuse", min_nodes=2, max_nodes=2)
@@ -171,7 +171,7 @@ def _ipv6_loopback() -> bool:
 
 
 @pytest.mark.timeout(60)
-def test_ipv6_endpoint(handlers, pool) -> None:  # noqa: F811
+def test_ipv6_endpoint(handlers, pool) -> None:
     if not _ipv6_loopback():
         pytest.skip("this machine has no IPv6 loopback (::1 cannot be bound)")
     with EmbeddedEtcd(host="::1") as server:
@@ -188,7 +188,7 @@ def test_ipv6_endpoint(handlers, pool) -> None:  # noqa: F811
 
 # ------------------------------------------------------------------ TLS
 @pytest.mark.timeout(60)
-def test_tls_with_client_certificate_forms_a_round(tls_etcd: EmbeddedEtcd, certs: Certs, handlers, pool) -> None:  # noqa: F811
+def test_tls_with_client_certificate_forms_a_round(tls_etcd: EmbeddedEtcd, certs: Certs, handlers, pool) -> None:
     cfg = _config(tls_etcd.endpoint, min_nodes=2, max_nodes=2, cacert=certs.ca, cert=certs.client_cert,
                   key=certs.client_key)  # fmt: skip
     infos = rendezvous_all(pool, [handlers(cfg), handlers(cfg)])
@@ -201,7 +201,7 @@ def test_tls_with_client_certificate_forms_a_round(tls_etcd: EmbeddedEtcd, certs
     ("case", "match"),
     [("wrong CA", "CERTIFICATE_VERIFY_FAILED"), ("no client certificate", "BAD_CERTIFICATE|CERTIFICATE_REQUIRED")],
 )
-def test_tls_failures_are_named_at_once(tls_etcd: EmbeddedEtcd, certs: Certs, handlers, case: str, match: str) -> None:  # noqa: F811
+def test_tls_failures_are_named_at_once(tls_etcd: EmbeddedEtcd, certs: Certs, handlers, case: str, match: str) -> None:
     tls = {"cacert": certs.other_ca, "cert": certs.client_cert, "key": certs.client_key}
     if case == "no client certificate":
         tls = {"cacert": certs.ca}
@@ -219,7 +219,7 @@ def test_tls_failures_are_named_at_once(tls_etcd: EmbeddedEtcd, certs: Certs, ha
 # ------------------------------------------------------------------ unreachable
 @pytest.mark.timeout(60)
 def test_unreachable_endpoint_fails_within_etcd_timeout_with_few_warnings(
-    handlers, caplog: pytest.LogCaptureFixture  # noqa: F811
+    handlers, caplog: pytest.LogCaptureFixture
 ) -> None:
     with socket.socket() as sock:  # a port nobody listens on (a mistyped endpoint)
         sock.bind(("127.0.0.1", 0))

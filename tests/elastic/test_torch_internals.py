@@ -102,6 +102,6 @@ def test_worker_processes_only_for_a_started_multiprocess_context() -> None:
     subprocess_context = SubprocessContext.__new__(SubprocessContext)
     assert worker_processes(subprocess_context) is None  # binaries: no multiprocessing objects, not an error
     broken = MultiprocessContext.__new__(MultiprocessContext)
-    broken._pc = None  # type: ignore[assignment]
+    broken._pc = None  # type: ignore[assignment]  # the torch change this test simulates
     with pytest.raises(TorchInternalsError, match=r"MultiprocessContext\._pc\.processes"):
         worker_processes(broken)

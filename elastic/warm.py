@@ -1,0 +1,415 @@
+"""Make a warm worker (forked from the torch-preloaded forkserver) indistinguishable from torchrun's.
+
+torchrun starts each worker as ``python -u script.py`` in a new session. A warm worker is instead a
+multiprocessing forkserver child running the script as a function, which by itself differs in ways a script
+can see: multiprocessing's start method is ``forkserver`` (so a ``DataLoader`` pickles its ``collate_fn`` and
+re-imports the script in every loader worker), ``atexit`` handlers never run, an uncaught exception is
+reported by multiprocessing instead of printed, stdin is ``/dev/null``, the environment is the forkserver's,
+``sys.path`` is the agent's, and the worker shares the agent's session. :func:`run_as_fresh_interpreter`
+removes each of those differences in the child before the script runs and ends the process the way CPython's
+``Py_FinalizeEx`` does. What cannot be removed in the child (environment variables that the preloaded modules
+read at import time and that changed since) is detected in the agent by :func:`warm_fallback_reason`, and the
+agent then starts plain subprocesses instead (torchrun's way).
+
+Everything here that runs in the worker imports lazily: it runs before the user's script and must not add
+modules a fresh interpreter would not have.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+#: Prefixes of environment variables that torch, its BLAS/OpenMP runtimes, the dynamic loader or the
+#: interpreter read when a module is imported (``import torch`` fixes the OpenMP pool, the allocator, CUDA
+#: lazy loading, logging). A forkserver that imported torch saw their values at agent start.
+IMPORT_TIME_ENV_PREFIXES = (
+    "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "BLIS_", "GOTO_", "DNNL_", "ONEDNN_",
+    "TORCH", "PYTORCH_", "CUDA_", "CUBLAS", "CUDNN_", "NVIDIA_", "HIP_", "ROCM_", "HSA_", "XLA_", "TRITON_",
+    "LD_", "MALLOC_", "GLIBC_TUNABLES", "PYTHON",
+)
+#: Variables torch's agent sets per worker (``LocalElasticAgent._start_workers`` and ``PContext``): torch
+#: itself reads them only when the process group starts, never at import, so their values do not matter to
+#: the preloaded modules.
+PER_WORKER_ENV = frozenset({
+    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_ENABLE_FILE_TIMER",
+    "TORCHELASTIC_TIMER_FILE", "TORCHELASTIC_HEALTH_CHECK_PORT", "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT",
+})
+
+#: The environment the warm forkserver was started with and the one its children inherit (after its
+#: imports); set once by ``note_forkserver_environ``, None while no forkserver runs.
+_forkserver_environ: tuple[dict[str, str], dict[str, str]] | None = None
+
+
+def note_forkserver_environ(started: Mapping[str, str], after_imports: Mapping[str, str]) -> None:
+    """Remember the environment the warm forkserver's preloaded modules saw, and the one it hands its children."""
+    global _forkserver_environ
+    _forkserver_environ = (dict(started), dict(after_imports))
+
+
+def forkserver_environ() -> tuple[dict[str, str], dict[str, str]] | None:
+    """(environment at forkserver start, environment of its children before torch's per-worker variables)."""
+    return _forkserver_environ
+
+
+#: Variables the agent's own background imports set and then removed again (``launcher``'s pre-import of
+#: ``torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR``); whether the forkserver started before or after that
+#: passing change says nothing about the user's environment.
+_agent_import_env: set[str] = set()
+
+
+def note_agent_import_env(names: set[str]) -> None:
+    _agent_import_env.update(names)
+
+
+# --- decisions (pure, agent side) ------------------------------------------------------------------------
+
+
+def import_time_env_changes(
+    started: Mapping[str, str], after_imports: Mapping[str, str], current: Mapping[str, str]
+) -> list[str]:
+    """Names of import-time variables whose current value is neither the one the forkserver's preloaded
+    modules saw nor the one they set themselves (``import torch._dynamo`` sets ``TORCHINDUCTOR_CACHE_DIR``:
+    a worker given that same value behaves the same), sorted."""
+    def relevant(name: str) -> bool:
+        return name.startswith(IMPORT_TIME_ENV_PREFIXES) and name not in PER_WORKER_ENV
+
+    names = {name for name in (*started, *after_imports, *current) if relevant(name)}
+    return sorted(name for name in names if current.get(name) not in (started.get(name), after_imports.get(name)))
+
+
+def interpreter_flags_differ(flags: Any, environ: Mapping[str, str]) -> list[str]:
+    """Command-line-only interpreter options of the agent that a fresh ``python -u`` worker would not have
+    (the forkserver inherits the agent's options; torchrun's worker gets only those implied by the env)."""
+    checks = (
+        ("-I", bool(flags.isolated)),
+        ("-E", bool(flags.ignore_environment) and not flags.isolated),
+        ("-S", bool(flags.no_site)),
+        ("-s", bool(flags.no_user_site) and not flags.isolated and not environ.get("PYTHONNOUSERSITE")),
+        ("-P", bool(getattr(flags, "safe_path", False)) and not flags.isolated and not environ.get("PYTHONSAFEPATH")),
+    )
+    return [option for option, differs in checks if differs]
+
+
+def warm_fallback_reason(
+    forkserver: tuple[Mapping[str, str], Mapping[str, str]] | None, current: Mapping[str, str], flags: Any = None
+) -> str | None:
+    """Why a warm worker started now could be told apart from torchrun's, or None when it cannot.
+    ``forkserver``: the environments at forkserver start and after its imports (None: no forkserver)."""
+    if forkserver is None:
+        return "the warm forkserver was not started"
+    changed = [name for name in import_time_env_changes(forkserver[0], forkserver[1], current)
+               if name not in _agent_import_env]
+    if changed:
+        return (f"environment variables read at import time changed since the forkserver imported torch: "
+                f"{', '.join(changed)}")
+    options = interpreter_flags_differ(sys.flags if flags is None else flags, current)
+    if options:
+        return f"the agent runs with interpreter options a fresh worker would not have: {' '.join(options)}"
+    return None
+
+
+def worker_environ(agent: Mapping[str, str], forkserver: Mapping[str, str], inherited: Mapping[str, str]) -> dict[str, str]:
+    """The environment torchrun would give this worker: the agent's at worker start plus torch's per-worker
+    variables. ``inherited`` is the child's (the forkserver's, after its imports, with torch's per-worker
+    variables set on top); what differs from ``forkserver`` there, or is a known per-worker name, is torch's.
+    What the forkserver's own imports added (``TORCHINDUCTOR_CACHE_DIR``) is dropped."""
+    env = dict(agent)
+    for name, value in inherited.items():
+        if name in PER_WORKER_ENV or forkserver.get(name) != value:
+            env[name] = value
+    return env
+
+
+def fresh_sys_path(agent_path: list[str], agent_argv0: str, cwd: str, first: str, safe_path: bool) -> list[str]:
+    """``sys.path`` of ``python -u TARGET``: the agent's without its own first entry (its script's directory,
+    or the cwd for ``-m``/``-c``), with ``first`` (the script's directory, or the cwd for ``-m``) in front."""
+    rest = list(agent_path)
+    if rest and not safe_path:
+        own = rest[0]
+        candidates = {"", os.path.realpath(cwd)}
+        if agent_argv0:
+            candidates.add(os.path.dirname(os.path.realpath(agent_argv0)))
+        if own == "" or os.path.realpath(own) in candidates:
+            rest = rest[1:]
+    return rest if safe_path else [first, *rest]
+
+
+def exit_status(exc: BaseException | None) -> tuple[int, str | None]:
+    """Exit code and stderr text of a script that ended with ``exc``, as CPython's ``handle_system_exit``
+    decides (None: ran to the end). An uncaught exception other than SystemExit is 1 (traceback printed by
+    the caller)."""
+    if exc is None:
+        return 0, None
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if code is None:
+            return 0, None
+        if isinstance(code, int):  # bool too: sys.exit(True) is 1
+            return int(code) & 0xFF, None
+        return 1, f"{code}\n"
+    return 1, None
+
+
+# --- the worker side ---------------------------------------------------------------------------------------
+
+
+class WarmLaunch:
+    """What the agent knows at worker start that the child must reproduce (picklable, made per start)."""
+
+    def __init__(self) -> None:
+        self.agent_environ = dict(os.environ)
+        known = forkserver_environ()
+        self.forkserver_environ = dict(os.environ) if known is None else known[1]
+        self.agent_path = list(sys.path)
+        self.agent_argv0 = sys.argv[0] if sys.argv else ""
+        self.stdin: Any = _share_stdin()
+
+
+def _share_stdin() -> Any:
+    """A handle on the agent's fd 0 that multiprocessing passes to the forkserver child (torchrun's
+    workers inherit the agent's stdin; multiprocessing gives its children /dev/null)."""
+    try:
+        os.fstat(0)
+    except OSError:
+        return None
+    from multiprocessing import context, reduction
+
+    if context.get_spawning_popen() is None:  # not being pickled for a child (e.g. a test calls it directly)
+        return None
+    return reduction.DupFd(0)
+
+
+def become_fresh_interpreter(launch: WarmLaunch, target: str, *, module: bool) -> None:
+    """Undo, in the forkserver child, everything that differs from a fresh ``python -u`` started by torch."""
+    try:
+        os.setsid()  # torch starts workers with start_new_session=True: own session and process group
+    except OSError:
+        pass
+    _reset_multiprocessing()
+    _reseed_inherited_random_state()
+    env = worker_environ(launch.agent_environ, launch.forkserver_environ, dict(os.environ))
+    os.environ.clear()
+    os.environ.update(env)
+    _restore_stdio(launch.stdin)
+    first = os.getcwd() if module else os.path.dirname(os.path.realpath(target))
+    sys.path[:] = fresh_sys_path(launch.agent_path, launch.agent_argv0, os.getcwd(), first,
+                                 bool(getattr(sys.flags, "safe_path", False)))
+
+
+def _reset_multiprocessing() -> None:
+    """Fresh-interpreter multiprocessing state: no start method chosen yet (so ``fork`` is the default on
+    Linux, as torchrun's workers see), this process is ``MainProcess`` with no parent, its own authkey, and
+    its own resource tracker when it needs one (the inherited one is the agent's)."""
+    from multiprocessing import context, process, resource_tracker
+
+    context._default_context._actual_context = None  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
+    process._current_process = _main_process()  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
+    process._parent_process = None  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
+    process._children = set()  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker, "_pid", None) is None and getattr(tracker, "_fd", None) is not None:  # inherited fd
+        try:
+            os.close(tracker._fd)  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
+        except OSError:
+            pass
+        tracker._fd = None  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
+
+
+def _reseed_inherited_random_state() -> None:
+    """A fresh interpreter seeds torch's default CPU generator and numpy's global one from OS entropy when
+    it imports them; a forked worker would inherit the forkserver's, so every rank of every restart would
+    draw the same "random" numbers (initial weights, dropout masks, shuffles). ``random`` reseeds itself
+    after a fork; CUDA generators are created fresh (CUDA is never initialised in the forkserver)."""
+    torch = sys.modules.get("torch")
+    generator = getattr(torch, "default_generator", None)
+    if generator is not None:
+        generator.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    seed = getattr(numpy_random, "seed", None)
+    if callable(seed):
+        seed()
+
+
+def _main_process() -> Any:
+    """A new ``multiprocessing.process._MainProcess`` (the module deletes that class after using it once)."""
+    from multiprocessing import process
+
+    class _MainProcess(process.BaseProcess):
+        def __init__(self) -> None:
+            self._identity = ()
+            self._name = "MainProcess"
+            self._parent_pid = None
+            self._popen = None
+            self._closed = False
+            authkey = process.AuthenticationString(os.urandom(32))  # type: ignore[attr-defined]  # private CPython class, not in typeshed
+            self._config = {"authkey": authkey, "semprefix": "/mp"}
+
+        def close(self) -> None:
+            pass
+
+    return _MainProcess()
+
+
+def _restore_stdio(stdin_handle: Any) -> None:
+    """stdin as the agent's fd 0; stdout/stderr as ``python -u`` makes them (unbuffered binary layer,
+    write-through text layer), so output interleaves exactly as under torchrun."""
+    import io
+
+    stdin_fd = None
+    if stdin_handle is not None:
+        try:
+            stdin_fd = stdin_handle.detach()
+        except Exception:  # noqa: BLE001 - the handle could not be passed: keep /dev/null
+            stdin_fd = None
+    if stdin_fd is not None and stdin_fd != 0:
+        os.dup2(stdin_fd, 0)
+        os.close(stdin_fd)
+    old_in = sys.stdin
+    encoding = getattr(sys.__stdout__, "encoding", None) or "utf-8"
+    errors = getattr(sys.__stdout__, "errors", None) or "strict"
+    buffered = open(0, "rb", closefd=False)  # noqa: SIM115 - the script's stdin, open for its lifetime
+    _named(buffered.raw, "<stdin>")
+    # `python -u` leaves stdin buffered and never line-buffered; newlines split at "\n" (POSIX).
+    new_in = io.TextIOWrapper(buffered, encoding=encoding, errors=errors, newline="\n", line_buffering=False)
+    sys.stdin = new_in
+    sys.__stdin__ = new_in  # type: ignore[misc]  # a fresh interpreter's original stdin is this one
+    if old_in is not None:
+        try:
+            # multiprocessing's /dev/null wrapper does not own its descriptor (closefd=False): close both.
+            old_fd = old_in.fileno()
+            old_in.close()
+            if old_fd > 2:
+                os.close(old_fd)
+        except (OSError, ValueError):
+            pass
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        if old is None:
+            continue
+        try:
+            old.flush()
+        except (OSError, ValueError):
+            pass
+        raw = _named(io.FileIO(fd, "wb", closefd=False), f"<{name}>")
+        text = io.TextIOWrapper(raw, encoding=getattr(old, "encoding", None) or encoding,
+                                errors="backslashreplace" if fd == 2 else errors, newline="\n",
+                                line_buffering=False, write_through=True)
+        setattr(sys, name, text)
+        setattr(sys, f"__{name}__", text)
+
+
+def _named(stream: Any, name: str) -> Any:
+    try:
+        stream.name = name
+    except (AttributeError, TypeError):
+        pass
+    return stream
+
+
+def run_as_fresh_interpreter(target: str, args: tuple[str, ...], *, module: bool) -> None:
+    """Run ``target`` as ``__main__`` and end as CPython does: on a clean exit (code 0) return normally (torch
+    collects the return value); otherwise print like the interpreter, run exit handlers and ``os._exit``."""
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=sys.modules["builtins"], __annotations__={}, __spec__=None, __package__=None)
+    sys.modules["__main__"] = main
+    exc: BaseException | None = None
+    try:
+        if module:
+            import runpy
+
+            sys.argv = ["-m", *args]
+            runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]  # what `python -m` calls
+        else:
+            sys.argv = [target, *args]
+            _run_script(main, target)
+    except BaseException as caught:  # noqa: BLE001 - the interpreter's top level sees everything
+        exc = caught
+    if exc is not None and not isinstance(exc, SystemExit):
+        tb = _script_traceback(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+    code, message = exit_status(exc)
+    if message:
+        _write_stderr(message)
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    exc = None  # drop the frames (and their locals) before the exit handlers, as the interpreter does
+    code = finalize(code)
+    if code == 0 and not interrupted:
+        return
+    _flush_c_stdio()
+    if interrupted:
+        # CPython >= 3.8 ends on an uncaught KeyboardInterrupt by re-raising SIGINT with the default action.
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+def _script_traceback(tb: Any) -> Any:
+    """The traceback without this module's frames, so it starts where the interpreter's would."""
+    here = os.path.normcase(os.path.abspath(__file__))
+    while tb is not None and os.path.normcase(os.path.abspath(tb.tb_frame.f_code.co_filename)) == here:
+        tb = tb.tb_next
+    return tb
+
+
+def _run_script(main: Any, target: str) -> None:
+    import io
+    from importlib.machinery import SourceFileLoader
+
+    path = os.path.abspath(target)
+    try:
+        with io.open_code(path) as handle:
+            source = handle.read()
+    except OSError as exc:
+        _write_stderr(f"{sys.executable}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}\n")
+        raise SystemExit(2) from None
+    main.__file__ = path
+    main.__cached__ = None
+    main.__loader__ = SourceFileLoader("__main__", path)
+    code = compile(source, path, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
+
+
+def finalize(code: int) -> int:
+    """CPython's ``Py_FinalizeEx`` order: wait for non-daemon threads, run ``atexit`` handlers, flush stdio
+    (a failed flush turns exit code 0 into 120)."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter calls at exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            if code == 0:
+                code = 120
+    return code
+
+
+def _write_stderr(text: str) -> None:
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _flush_c_stdio() -> None:
+    """``os._exit`` skips libc's exit-time flush; C extensions that printf would lose their last lines."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,87 @@
+"""Decisions behind warm workers' fidelity to torchrun (``elastic.warm``), tested without processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from elastic import warm
+from elastic.workers import PdeathsigEntrypoint, ScriptEntrypoint, fall_back_to_plain_workers, warm_entrypoint
+
+
+def test_import_time_env_changes_name_only_variables_the_preloaded_modules_read() -> None:
+    started = {"OMP_NUM_THREADS": "1", "HOME": "/root", "PATH": "/bin"}
+    after_imports = {**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"}
+    unchanged = {**started, "HOME": "/elsewhere", "RANK": "3", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    assert warm.import_time_env_changes(started, after_imports, unchanged) == []
+    # The value an import set itself is the value a worker importing torch would compute: no difference.
+    assert warm.import_time_env_changes(started, after_imports, after_imports) == []
+    changed = {**started, "OMP_NUM_THREADS": "8", "MKL_DEBUG_CPU_TYPE": "5", "TORCHINDUCTOR_CACHE_DIR": "/x"}
+    assert warm.import_time_env_changes(started, after_imports, changed) == [
+        "MKL_DEBUG_CPU_TYPE", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR"]
+    removed = {"HOME": "/root", "PATH": "/bin"}
+    assert warm.import_time_env_changes(started, after_imports, removed) == ["OMP_NUM_THREADS"]
+
+
+def test_fallback_reason_names_the_variables_and_the_missing_forkserver() -> None:
+    env = {"OMP_NUM_THREADS": "1"}
+    flags = SimpleNamespace(isolated=0, ignore_environment=0, no_site=0, no_user_site=0, safe_path=False)
+    assert warm.warm_fallback_reason((env, env), env, flags) is None
+    assert "not started" in (warm.warm_fallback_reason(None, env, flags) or "")
+    reason = warm.warm_fallback_reason((env, env), {"OMP_NUM_THREADS": "4"}, flags)
+    assert reason is not None and "OMP_NUM_THREADS" in reason
+    isolated = SimpleNamespace(isolated=1, ignore_environment=1, no_site=0, no_user_site=1, safe_path=True)
+    assert "-I" in (warm.warm_fallback_reason((env, env), env, isolated) or "")
+
+
+def test_worker_environ_is_the_agents_plus_torchs_per_worker_variables() -> None:
+    agent = {"PATH": "/bin", "LATE": "set after the forkserver started"}
+    forkserver = {"PATH": "/bin", "TORCHINDUCTOR_CACHE_DIR": "/tmp/i", "RANK": "0"}
+    inherited = {**forkserver, "RANK": "0", "LOCAL_RANK": "0", "MASTER_PORT": "29500"}
+    assert warm.worker_environ(agent, forkserver, inherited) == {
+        "PATH": "/bin", "LATE": "set after the forkserver started", "RANK": "0", "LOCAL_RANK": "0",
+        "MASTER_PORT": "29500"}
+
+
+def test_fresh_sys_path_replaces_the_agents_own_first_entry(tmp_path) -> None:
+    rest = ["/lib/python3.11", "/site-packages"]
+    console = str(tmp_path / "bin" / "spotrun")
+    assert warm.fresh_sys_path([str(tmp_path / "bin"), *rest], console, "/cwd", "/job", False) == ["/job", *rest]
+    assert warm.fresh_sys_path(["/cwd", *rest], "-m", "/cwd", "/job", False) == ["/job", *rest]
+    assert warm.fresh_sys_path(["/pythonpath", *rest], console, "/cwd", "/job", False) == ["/job", "/pythonpath", *rest]
+    assert warm.fresh_sys_path(rest, console, "/cwd", "/job", True) == rest
+
+
+@pytest.mark.parametrize(("exc", "expected"), [
+    (None, (0, None)), (SystemExit(), (0, None)), (SystemExit(0), (0, None)), (SystemExit(3), (3, None)),
+    (SystemExit(256 + 7), (7, None)), (SystemExit(True), (1, None)), (SystemExit("bye"), (1, "bye\n")),
+    (ValueError("x"), (1, None)),
+])
+def test_exit_status_is_cpythons(exc: BaseException | None, expected: tuple[int, str | None]) -> None:
+    assert warm.exit_status(exc) == expected
+
+
+def test_fall_back_rewrites_the_spec_to_torchruns_command_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    entry, args = warm_entrypoint(sys.executable, ["-u", "train.py", "--lr", "1"])  # type: ignore[misc]  # python -u script: never None
+    spec = SimpleNamespace(entrypoint=PdeathsigEntrypoint(entry, agent_pid=4242), args=tuple(args))
+    monkeypatch.setattr(warm, "_forkserver_environ", None)
+    warm.note_forkserver_environ(dict(os.environ), dict(os.environ))
+    assert fall_back_to_plain_workers(spec) is None
+    assert isinstance(spec.entrypoint, PdeathsigEntrypoint)
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    reason = fall_back_to_plain_workers(spec)
+    assert reason is not None and "OMP_NUM_THREADS" in reason
+    assert spec.entrypoint == sys.executable
+    assert spec.args[:2] == ("-S", sys.modules["elastic.workers"].__file__.rstrip("c"))
+    assert spec.args[2:] == ("4242", sys.executable, "-u", "train.py", "--lr", "1")
+    assert fall_back_to_plain_workers(spec) is None  # already plain: nothing more to say
+
+
+def test_cold_command_of_a_module_entrypoint() -> None:
+    entry = ScriptEntrypoint("pkg.train", module=True, python="/py", options=("-u",))
+    assert entry.cold_command(("x",)) == ("/py", ("-u", "-m", "pkg.train", "x"))
