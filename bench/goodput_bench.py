@@ -1,0 +1,350 @@
+"""Goodput under a seeded fault schedule: spotrun (etcd-v3, async Checkpointer, preemption helper) vs stock
+torchrun (c10d rendezvous) + torch.distributed.checkpoint, at the same checkpoint interval, in one run.
+
+    python bench/goodput_bench.py                                   # 10 min per launcher, a fault every 2 min
+    python bench/goodput_bench.py --duration 240 --fault-every 60 --seed 1    # a short smoke run
+
+Job: ``examples/train_gpt.py`` (small GPT, DDP, gloo/CPU, ``--step-time`` per step), one worker per agent,
+``--nodes`` agents (``--nnodes 1:N``) on one host. spotrun runs it with its Checkpointer; torchrun with
+``--ckpt-backend dcp`` (synchronous ``dcp.save`` every ``--ckpt-every`` steps, newest complete directory
+loaded at start): what a stock job does. Both get ``--max-restarts 100``.
+
+Fault schedule (:func:`make_schedule`, a pure function of the seed; the same for both launchers): one fault
+every ``--fault-every`` s (+-20 % jitter), alternately drawn as
+
+* ``notice``: SIGTERM to one agent (a spot/preemption notice; Kubernetes sends SIGTERM);
+* ``kill``: SIGKILL to one agent and its workers (a node vanishing);
+
+and ``--rejoin-after`` s after each, a new agent joins (a replacement node). Node 0 is never hit: it hosts
+torchrun's c10d store, whose loss ends a torchrun job outright (spotrun's etcd runs apart) -- this
+benchmark would otherwise measure only that.
+
+Reported, per launcher, over the window from the first step at full size to ``--duration`` s later:
+
+* effective training time ratio: productive step time / wall time; a step execution is productive when no
+  later execution of the same step number replaced it (a restart from an older checkpoint re-trains steps);
+  its time is the gap since the previous step of the same worker (the first step after a start counts as
+  the median step time);
+* steps lost per fault type: steps trained again after the restart that followed each fault;
+* recovery by stage (spotrun, from ``events.jsonl``): seconds from the fault to each recovery event, and to
+  the first step of the new group; torchrun has no events, only the last.
+
+Timings depend on the host; on a loaded machine they are indicative only. Measure on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the shared process harness
+# One way to get an etcd (spotrun) or a c10d port (torchrun) for both benches.
+from bench.elastic_bench import rendezvous_endpoint
+from tests.harness.procs import (
+    EXAMPLES,
+    SPOTRUN,
+    TORCHRUN,
+    Launcher,
+    descendants,
+    make_env,
+    read_jsonl,
+    signal_all,
+    wait_for,
+)
+
+JOB = str(EXAMPLES / "train_gpt.py")
+STAGES = ("notice_received", "failure_detected", "planned_leave", "workers_stopped", "rendezvous_completed",
+          "workers_started")
+
+
+# --------------------------------------------------------------------------- schedule (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    at: float
+    """Seconds after the measured window opens."""
+    kind: str
+    """``notice`` (SIGTERM to an agent), ``kill`` (SIGKILL to an agent and its workers), ``rejoin`` (a new agent)."""
+
+
+def make_schedule(seed: int, duration: float, fault_every: float, rejoin_after: float) -> list[Fault]:
+    """Faults at ``fault_every`` +-20 %, notice or kill drawn from ``seed``, each followed by a rejoin."""
+    if fault_every <= 0 or rejoin_after <= 0 or rejoin_after >= fault_every * 0.8:
+        raise ValueError("--fault-every and --rejoin-after must be > 0, and the rejoin must come before the next fault "
+                         f"(--rejoin-after {rejoin_after} >= 0.8 x --fault-every {fault_every})")
+    rng = random.Random(seed)
+    out: list[Fault] = []
+    t = fault_every
+    while t < duration:
+        at = t + rng.uniform(-0.2, 0.2) * fault_every
+        out.append(Fault(at, rng.choice(("notice", "kill"))))
+        if at + rejoin_after < duration:
+            out.append(Fault(at + rejoin_after, "rejoin"))
+        t += fault_every
+    return out
+
+
+# --------------------------------------------------------------------------- analysis (pure)
+
+
+def productive_time(progress: list[dict[str, Any]], t0: float, t1: float) -> tuple[float, int, int]:
+    """(productive seconds, productive steps, re-trained steps) of rank 0's lines in the window [t0, t1]."""
+    lines = sorted((x for x in progress if x["rank"] == 0), key=lambda x: x["t_wall"])
+    prev: dict[int, float] = {}
+    durations: list[tuple[int, float | None, float]] = []  # (step, seconds or None, t_wall)
+    for x in lines:
+        pid = x["pid"]
+        gap = x["t_wall"] - prev[pid] if pid in prev else None
+        prev[pid] = x["t_wall"]
+        durations.append((x["step"], gap, x["t_wall"]))
+    known = [g for _, g, t in durations if g is not None and t0 <= t <= t1]
+    median = statistics.median(known) if known else 0.0
+    last_exec: dict[int, int] = {}
+    for i, (step, _, _) in enumerate(durations):
+        last_exec[step] = i
+    seconds, steps, redone = 0.0, 0, 0
+    for i, (step, gap, t) in enumerate(durations):
+        if not t0 <= t <= t1:
+            continue
+        if last_exec[step] == i:
+            seconds += median if gap is None else gap
+            steps += 1
+        else:
+            redone += 1
+    return seconds, steps, redone
+
+
+def lost_per_fault(progress: list[dict[str, Any]], faults: list[tuple[float, str]], t1: float = float("inf")
+                   ) -> dict[str, list[int | None]]:
+    """Fault kind -> steps re-trained by the first new worker group after each fault (wall-clock ``faults``);
+    None when no new group trained before ``t1`` (the job did not resume in the window)."""
+    starts: dict[int, tuple[float, int]] = {}
+    ends: dict[int, tuple[float, int]] = {}
+    for x in progress:
+        if x["rank"] != 0:
+            continue
+        pid = x["pid"]
+        if pid not in starts or x["t_wall"] < starts[pid][0]:
+            starts[pid] = (x["t_wall"], x["step"])
+        if pid not in ends or x["t_wall"] > ends[pid][0]:
+            ends[pid] = (x["t_wall"], x["step"])
+    out: dict[str, list[int | None]] = {}
+    for at, kind in faults:
+        after = sorted((t, s) for pid, (t, s) in starts.items() if at < t <= t1)
+        if not after:
+            out.setdefault(kind, []).append(None)
+            continue
+        t_new, first = after[0]
+        before = max((s for pid, (t, s) in ends.items() if t < t_new), default=first - 1)
+        out.setdefault(kind, []).append(max(0, before - first + 1))
+    return out
+
+
+def stage_times(events: list[dict[str, Any]], progress: list[dict[str, Any]], faults: list[tuple[float, str]],
+                t1: float = float("inf")) -> dict[str, dict[str, list[float]]]:
+    """Fault kind -> stage -> seconds from the fault to that stage's first event (and to the first new step),
+    looking no further than the next fault or the window's end ``t1``."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for i, (at, kind) in enumerate(faults):
+        until = min(faults[i + 1][0] if i + 1 < len(faults) else t1, t1)
+        stages = out.setdefault(kind, {})
+        for name in STAGES:
+            hits = [e["t_wall"] for e in events if e["event"] == name and at <= e["t_wall"] < until]
+            if hits:
+                stages.setdefault(name, []).append(min(hits) - at)
+        before = {x["pid"] for x in progress if x["t_wall"] <= at}
+        new = [x["t_wall"] for x in progress if x["t_wall"] > at and x["pid"] not in before and x["t_wall"] < until]
+        if new:
+            stages.setdefault("first_step_of_new_group", []).append(min(new) - at)
+    return out
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass(kw_only=True)
+class Run:
+    kind: str
+    workdir: Path
+    endpoint: str
+    args: argparse.Namespace
+    agents: list[Launcher] = field(default_factory=list)
+    faults: list[tuple[float, str]] = field(default_factory=list)
+    window: tuple[float, float] = (0.0, 0.0)
+    notes: list[str] = field(default_factory=list)
+
+    def argv(self) -> list[str]:
+        job = [JOB, "--steps", "1000000000", "--step-time", str(self.args.step_time), "--log-every", "1000000",
+               "--ckpt-every", str(self.args.ckpt_every), "--ckpt-dir", str(self.workdir / "ckpt"),
+               "--progress-file", str(self.workdir / "progress.jsonl"), "--pg-timeout", "60",
+               "--global-batch", "8", "--context", "32", "--d-model", "32", "--corpus-chars", "16384"]
+        n = f"1:{self.args.nodes}"
+        if self.kind == "spotrun":
+            return [*SPOTRUN, "--nnodes", n, "--nproc-per-node", "1", "--rdzv-endpoint", self.endpoint,
+                    "--rdzv-id", "goodput", "--max-restarts", "100", "--rdzv-conf", "lease_ttl=3",
+                    "--events-file", str(self.workdir / "events.jsonl"), *job]
+        return [*TORCHRUN, "--nnodes", n, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", self.endpoint, "--rdzv-id", "goodput", "--max-restarts", "100",
+                *job, "--ckpt-backend", "dcp"]
+
+    def start_agent(self) -> Launcher:
+        agent = Launcher(self.argv(), self.workdir / f"agent{len(self.agents)}.log",
+                         env=make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING")))
+        self.agents.append(agent)
+        return agent
+
+    def progress(self) -> list[dict[str, Any]]:
+        path = self.workdir / "progress.jsonl"
+        return read_jsonl(path) if path.exists() else []
+
+    def live(self) -> list[Launcher]:
+        return [a for a in self.agents if a.proc.poll() is None]
+
+
+def pick_victim(run: Run) -> Launcher | None:
+    """The longest-running agent but node 0 whose worker trained in the last 30 s (a member of the group, not a
+    replacement still importing torch); else the longest-running agent but node 0."""
+    others = run.live()[1:]  # never node 0 (see the module docstring)
+    recent = {x["pid"] for x in run.progress() if x["t_wall"] > time.time() - 30}
+    training = [a for a in others if recent & set(descendants(a.pid))]
+    return (training or others or [None])[0]
+
+
+def execute(run: Run, schedule: list[Fault]) -> None:
+    """Start the agents, wait for full size, apply the schedule, close everything."""
+    args = run.args
+    try:
+        for _ in range(args.nodes):
+            run.start_agent()
+        wait_for(lambda: len({x["rank"] for x in run.progress() if x["world_size"] == args.nodes}) == args.nodes,
+                 args.start_timeout, f"{run.kind}: {args.nodes} agents to train together", interval=0.2)
+        t0 = time.time()
+        run.window = (t0, t0 + args.duration)
+        for fault in schedule:
+            time.sleep(max(0.0, t0 + fault.at - time.time()))
+            if not run.live():
+                run.notes.append(f"no agent left alive at +{fault.at:.0f} s: the job ended")
+                break
+            run.faults.append((time.time(), fault.kind))
+            if fault.kind == "rejoin":
+                run.start_agent()
+                continue
+            victim = pick_victim(run)
+            if victim is None:
+                run.notes.append(f"+{fault.at:.0f} s {fault.kind}: only node 0 alive, skipped")
+                run.faults.pop()
+                continue
+            if fault.kind == "notice":
+                victim.signal(signal.SIGTERM)
+            else:
+                signal_all([*victim.snapshot_tree()], signal.SIGKILL)
+        time.sleep(max(0.0, run.window[1] - time.time()))
+        ended = [(i, a.proc.returncode) for i, a in enumerate(run.agents) if a.proc.poll() is not None]
+        run.notes.append(f"agents ended before the window closed (agent, exit code): {ended}; "
+                         f"{len(run.live())} of {len(run.agents)} still running")
+    finally:
+        for agent in run.agents:
+            agent.close(grace=5.0)
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    progress = run.progress()
+    t0, t1 = run.window
+    seconds, steps, redone = productive_time(progress, t0, t1)
+    events = read_jsonl(run.workdir / "events.jsonl") if (run.workdir / "events.jsonl").exists() else []
+    return {
+        "ratio": seconds / (t1 - t0) if t1 > t0 else 0.0,
+        "productive_steps": steps,
+        "redone": redone,
+        "lost": lost_per_fault(progress, run.faults, t1),
+        "stages": stage_times(events, progress, run.faults, t1),
+        "faults": [k for _, k in run.faults],
+        "notes": run.notes,
+    }
+
+
+def _median(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} s (n={len(values)})" if values else "-"
+
+
+def print_report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    kinds = list(results)
+    print(f"\n### Goodput, {args.duration:.0f} s window, a fault every {args.fault_every:.0f} s, seed {args.seed}, "
+          f"checkpoint every {args.ckpt_every} steps, step time +{args.step_time} s, load {os.getloadavg()[0]:.1f}\n")
+    print("| | " + " | ".join(kinds) + " |")
+    print("|---|" + "---|" * len(kinds))
+    print("| effective training time ratio | " + " | ".join(f"{results[k]['ratio']:.3f}" for k in kinds) + " |")
+    print("| productive steps | " + " | ".join(str(results[k]["productive_steps"]) for k in kinds) + " |")
+    print("| steps trained again | " + " | ".join(str(results[k]["redone"]) for k in kinds) + " |")
+    for fault in ("notice", "kill", "rejoin"):
+        cells = []
+        for k in kinds:
+            lost = results[k]["lost"].get(fault, [])
+            resumed = [n for n in lost if n is not None]
+            text = f"{sum(resumed)} ({resumed})" if resumed else ("-" if not lost else "")
+            if len(resumed) < len(lost):
+                text += f" {len(lost) - len(resumed)}x not resumed in the window"
+            cells.append(text.strip())
+        print(f"| steps lost: {fault} | " + " | ".join(cells) + " |")
+    for fault in ("notice", "kill", "rejoin"):
+        names = sorted({s for k in kinds for s in results[k]["stages"].get(fault, {})},
+                       key=lambda s: (STAGES + ("first_step_of_new_group",)).index(s))
+        for stage in names:
+            cells = [_median(results[k]["stages"].get(fault, {}).get(stage, [])) for k in kinds]
+            print(f"| {fault}: fault -> {stage} | " + " | ".join(cells) + " |")
+    for k in kinds:
+        for note in results[k]["notes"]:
+            print(f"- {k}: {note}")
+    print("\nIndicative only unless measured on a quiet machine (see the load above).")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--duration", type=float, default=600.0, help="measured seconds per launcher")
+    p.add_argument("--fault-every", type=float, default=120.0, help="seconds between faults (+-20 %% jitter)")
+    p.add_argument("--rejoin-after", type=float, default=None, help="seconds from a fault to its rejoin (default: a third of --fault-every)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nodes", type=int, default=3, help="agents at full size (one worker each)")
+    p.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint interval (both launchers)")
+    p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--launchers", default="spotrun,torchrun")
+    p.add_argument("--workdir", default=None, help="keep logs, progress and events here (default: temporary)")
+    args = p.parse_args(argv)
+    rejoin = args.rejoin_after if args.rejoin_after is not None else args.fault_every / 3
+    if args.nodes < 2 or args.duration <= 0:
+        p.error("--nodes must be >= 2 and --duration > 0")
+    try:
+        schedule = make_schedule(args.seed, args.duration, args.fault_every, rejoin)
+    except ValueError as exc:
+        p.error(str(exc))
+    print("schedule: " + ", ".join(f"+{f.at:.0f}s {f.kind}" for f in schedule), flush=True)
+    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="goodput-"))
+    results: dict[str, dict[str, Any]] = {}
+    for kind in args.launchers.split(","):
+        workdir = root / kind
+        workdir.mkdir(parents=True, exist_ok=True)
+        with rendezvous_endpoint(kind) as endpoint:
+            run = Run(kind=kind, workdir=workdir, endpoint=endpoint, args=args)
+            try:
+                execute(run, schedule)
+            except AssertionError as exc:  # a harness Timeout: report what happened instead of a traceback
+                run.notes.append(f"aborted: {exc}")
+        results[kind] = summarize(run)
+        print(f"{kind}: done ({results[kind]['productive_steps']} productive steps); files in {workdir}", flush=True)
+    print_report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

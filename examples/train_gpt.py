@@ -1,0 +1,403 @@
+"""A small GPT-style language model trained elastically: DDP or FSDP2, async checkpoints, preemption-safe.
+
+A character-level decoder-only transformer (``--layers`` 2, ``--d-model`` 64, ``--context`` 64 by default:
+CPU-friendly) learns a deterministic synthetic corpus generated in this script from ``--seed`` (sentences
+from a small fixed grammar: no download, identical on every rank and every restart). The data position is
+the elastic global cursor (``elastic.data``): the global batch is fixed and each rank takes its share of it
+at whatever world size the job has now; each rank backpropagates its summed per-sample loss times
+``world_size / global_batch``, so DDP's and FSDP2's gradient averaging gives the global-batch mean even for
+uneven shares. A preemption notice (or a node joining) stops every rank at the same step, which is
+committed first (``elastic.preemption``), so spotrun re-forms the group without losing a step.
+
+``--parallel ddp`` (default) replicates the model; ``--parallel fsdp`` shards every block and the whole
+model with FSDP2 (``fully_shard``); the spotrun ``Checkpointer`` saves either as world-size-independent
+tensors, so a DDP checkpoint resumes under FSDP2 and at any world size. ``--ckpt-backend dcp`` saves with
+stock ``torch.distributed.checkpoint`` instead (synchronous ``dcp.save`` every ``--ckpt-every`` steps, no
+preemption helper): the anchor of ``bench/goodput_bench.py``.
+
+Run it (from the repository root):
+    # single process, no launcher
+    python examples/train_gpt.py --steps 50 --ckpt-dir runs/gpt
+    # one node, two workers, embedded etcd; FSDP2 instead of DDP
+    spotrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 300 --ckpt-dir runs/gpt
+    spotrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 300 --ckpt-dir runs/gpt-fsdp --parallel fsdp
+    # several nodes (run on each node; 1 to 4 nodes; a preempted node's step is saved before it leaves)
+    python -m elastic.etcd_server --host 0.0.0.0          # once, somewhere reachable (or a real etcd >= 3.5)
+    spotrun --nnodes 1:4 --nproc-per-node 2 --rdzv-endpoint ETCD_HOST:PORT --rdzv-id gpt1 \\
+        examples/train_gpt.py --steps 100000 --ckpt-dir s3://bucket/gpt1 --parallel fsdp
+    # the stock anchor: torchrun + DCP checkpoints
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 300 --ckpt-dir runs/gpt-dcp --ckpt-backend dcp
+Every ``--log-every`` steps rank 0 prints ``step=N loss=X world_size=W`` (X: the global-batch mean loss, nats
+per character); ``--progress-file`` lines are the same as ``examples/train_ddp.py``'s
+(rank, world_size, step, pid, t_wall, loss). Copy it with ``train_ddp.py``: it imports that file's launcher
+and checkpoint helpers (``init_distributed``, ``open_checkpointer``, ``append_progress``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import re
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+# The launcher and checkpoint plumbing is train_ddp.py's (same directory, on sys.path as the script's own).
+from train_ddp import (
+    append_progress,
+    init_distributed,
+    open_checkpointer,
+    storage_option,
+)
+
+from elastic.data import BatchConfig, ElasticBatches, ElasticDataError, StepPlan
+from elastic.preemption import Preemption
+
+logger = logging.getLogger("train_gpt")
+
+# --------------------------------------------------------------------------- corpus
+
+_SUBJECTS = ("the cat", "a dog", "my friend", "the old sailor", "every child", "the spot node", "a tired worker")
+_VERBS = ("sees", "likes", "follows", "checkpoints", "remembers", "writes to", "waits for")
+_OBJECTS = ("the moon", "a red ball", "the quiet sea", "its shadow", "the next step", "a long story", "the etcd lease")
+_ENDINGS = (".", "!", " today.", " again.", " at night.", ", slowly.")
+
+
+def make_corpus(chars: int, seed: int) -> str:
+    """A deterministic text of ``chars`` characters: sentences of a tiny grammar drawn with ``seed``.
+
+    Learnable structure (words, agreement of the grammar) at a few KB, so a 2-layer model's loss visibly falls
+    within a few hundred CPU steps."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(options: tuple[str, ...]) -> str:
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    parts: list[str] = []
+    size = 0
+    while size < chars:
+        sentence = f"{pick(_SUBJECTS)} {pick(_VERBS)} {pick(_OBJECTS)}{pick(_ENDINGS)}\n"
+        parts.append(sentence)
+        size += len(sentence)
+    return "".join(parts)[:chars]
+
+
+class CharWindows(Dataset):
+    """Windows of ``context + 1`` characters every ``stride`` characters: (input ids, next-character ids)."""
+
+    def __init__(self, text: str, context: int, stride: int) -> None:
+        self.vocab = sorted(set(text))
+        index = {c: i for i, c in enumerate(self.vocab)}
+        self.ids = torch.tensor([index[c] for c in text], dtype=torch.long)
+        self.context = context
+        self.stride = stride
+        self.count = (len(self.ids) - context - 1) // stride + 1
+        if self.count < 1:
+            raise ValueError(f"corpus of {len(text)} characters is shorter than one window of {context + 1}")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.stride
+        window = self.ids[start:start + self.context + 1]
+        return window[:-1], window[1:]
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True, slots=True)
+class GPTConfig:
+    vocab: int
+    context: int
+    d_model: int
+    layers: int
+    heads: int
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.heads:
+            raise ValueError(f"--d-model {self.d_model} must be a multiple of --heads {self.heads}")
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then a 4x MLP."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.context, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln = nn.LayerNorm(cfg.d_model)
+        # Not tied to ``tok``: a shared parameter would need the same FSDP2 unit for both uses.
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def make_model(cfg: GPTConfig) -> GPT:
+    torch.manual_seed(0)  # identical initial weights on every rank (DDP broadcasts rank 0's anyway)
+    return GPT(cfg)
+
+
+def parallelize(model: GPT, kind: str, device: torch.device) -> nn.Module:
+    """The module the loop calls: DDP around ``model``, or ``model`` itself sharded in place by FSDP2."""
+    if not dist.is_initialized():
+        return model
+    if kind == "ddp":
+        return DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerState:
+    """Progress that is not in the model or optimizer; checkpointed as JSON."""
+
+    step: int = 0
+    """Optimizer steps completed."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+def sample_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed over the micro-batch of each sample's mean next-character loss (the elastic scaling needs sums)."""
+    per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return per_token / targets.shape[1]
+
+
+def train_step(model: nn.Module, wrapped: nn.Module, kind: str, plan: StepPlan, micro: Any,
+               device: torch.device) -> torch.Tensor:
+    """One step's gradients: each micro-batch's summed loss times ``plan.loss_scale``, gradients synchronised
+    on the last micro-batch only. Returns this rank's summed loss."""
+    loss_sum = torch.zeros((), device=device)
+    for i in range(plan.accumulation_steps):
+        x, y = next(micro)
+        last = i == plan.accumulation_steps - 1
+        sync: Any = nullcontext()
+        if wrapped is not model and kind == "ddp" and not last:
+            sync = wrapped.no_sync()  # type: ignore[operator]
+        elif wrapped is model and kind == "fsdp" and dist.is_initialized():
+            model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        with sync:
+            loss = sample_losses(wrapped(x.to(device)), y.to(device))
+            (loss * plan.loss_scale).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def global_mean_loss(loss_sum: torch.Tensor, global_batch: int) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+    return loss_sum / global_batch
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+class DCPCheckpoints:
+    """The stock anchor: ``torch.distributed.checkpoint.save`` of step directories, synchronously, and a load of
+    the newest complete one (DCP writes ``.metadata`` last: a directory without it was interrupted)."""
+
+    def __init__(self, root: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.root = root
+        self.model = model
+        self.optimizer = optimizer
+        os.makedirs(root, exist_ok=True)
+
+    def _state(self, extra: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, **{k: v.state_dict() for k, v in extra.items()}}
+
+    def save(self, step: int, extra: dict[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(extra), checkpoint_id=os.path.join(self.root, f"step_{step:08d}"))
+
+    def latest(self) -> str | None:
+        steps = [d for d in os.listdir(self.root) if re.fullmatch(r"step_\d{8}", d)
+                 and os.path.exists(os.path.join(self.root, d, ".metadata"))]
+        return os.path.join(self.root, max(steps)) if steps else None
+
+    def load(self, extra: dict[str, Any]) -> str | None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        path = self.latest()
+        if path is None:
+            return None
+        state = self._state(extra)
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for key, value in extra.items():
+            value.load_state_dict(state[key])
+        return path
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="elastic GPT-style language model (DDP or FSDP2) with async checkpoints")
+    p.add_argument("--steps", type=int, default=300, help="train until this many optimizer steps are done")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step across all ranks")
+    p.add_argument("--max-micro-batch", type=int, default=None,
+                   help="most sequences a rank feeds forward at once (gradient accumulation); default: its whole share")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=1234, help="corpus and data-order seed")
+    p.add_argument("--corpus-chars", type=int, default=65536, help="size of the generated corpus")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="replicate (DDP) or shard (FSDP2)")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint URI (local path or s3://...); none: no checkpoints")
+    p.add_argument("--storage-option", "-o", action="append", default=[], type=storage_option, metavar="KEY=VALUE",
+                   help="fsspec option for --ckpt-dir, repeatable, e.g. endpoint_url=http://127.0.0.1:9000")
+    p.add_argument("--ckpt-backend", choices=("spotrun", "dcp"), default="spotrun",
+                   help="spotrun: async Checkpointer + preemption helper; dcp: stock torch.distributed.checkpoint")
+    p.add_argument("--ckpt-every", type=int, default=50, help="save every N steps (and at the end)")
+    p.add_argument("--log-every", type=int, default=20, help="rank 0 prints one line every N steps")
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch recoveries)")
+    p.add_argument("--progress-file", default=None,
+                   help="append one JSON line per step and rank (rank, world_size, step, pid, t_wall, loss): benchmarks")
+    p.add_argument("--pg-timeout", type=float, default=120.0, help="process group (collective) timeout, seconds")
+    p.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes per rank")
+    p.add_argument("--preempt-sync-every", type=int, default=8,
+                   help="steps between two checks (one tiny all-reduce) for a preemption notice or a joining node")
+    args = p.parse_args(argv)
+    if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 1 or args.log_every < 1:
+        p.error("--steps must be >= 0 and --global-batch, --ckpt-every, --log-every >= 1")
+    if min(args.context, args.d_model, args.layers, args.heads, args.corpus_chars) < 1 or args.loader_workers < 0:
+        p.error("--context, --d-model, --layers, --heads, --corpus-chars must be >= 1 and --loader-workers >= 0")
+    if args.preempt_sync_every < 1:
+        p.error("--preempt-sync-every must be >= 1")
+    if args.storage_option and (args.ckpt_dir is None or args.ckpt_backend == "dcp"):
+        p.error("--storage-option configures the --ckpt-dir location of the spotrun Checkpointer; pass --ckpt-dir too")
+    try:
+        args.dataset = CharWindows(make_corpus(args.corpus_chars, args.seed), args.context, max(1, args.context // 2))
+        args.gpt = GPTConfig(vocab=len(args.dataset.vocab), context=args.context, d_model=args.d_model,
+                             layers=args.layers, heads=args.heads)
+        args.batch_config = BatchConfig(global_batch=args.global_batch, dataset_size=len(args.dataset),
+                                        max_micro_batch=args.max_micro_batch, seed=args.seed)
+    except (ValueError, ElasticDataError) as exc:
+        p.error(str(exc))
+    return args
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logger.setLevel(logging.INFO)
+    rank, world, device = init_distributed(args.pg_timeout)
+    ctx = f"[rank {rank}/{world} restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}]"
+
+    model = make_model(args.gpt).to(device)
+    # FSDP2 shards the parameters in place, so the optimizer is built on the wrapped (sharded) parameters.
+    wrapped = parallelize(model, args.parallel, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    trainer = TrainerState()
+    batches = ElasticBatches(args.batch_config)
+    state = {"model": model, "optim": optimizer, "trainer": trainer, "data": batches}
+    ckpt: Any = None
+    dcp_ckpt: DCPCheckpoints | None = None
+    if args.ckpt_dir is not None and args.ckpt_backend == "dcp":
+        dcp_ckpt = DCPCheckpoints(args.ckpt_dir, model, optimizer)
+        if (path := dcp_ckpt.load({"trainer": trainer, "data": batches})) is not None:
+            logger.info("%s resumed from %s (step %s)", ctx, path, trainer.step)
+    else:
+        ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option))
+        if ckpt is not None and (restored := ckpt.load(state)) is not None:
+            logger.info("%s resumed from step %s", ctx, restored)
+    # A notice (or a node joining) stops every rank at the same, committed step (SIGTERM under torchrun).
+    preemption = Preemption(sync_every=args.preempt_sync_every) if ckpt is not None else None
+    sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))
+    micro = iter(DataLoader(args.dataset, batch_sampler=sampler, num_workers=args.loader_workers))
+    if rank == 0 and trainer.step == 0:
+        logger.info("%s vocab=%d windows=%d params=%d uniform loss=%.3f", ctx, args.gpt.vocab, len(args.dataset),
+                    sum(p.numel() for p in make_model(args.gpt).parameters()), math.log(args.gpt.vocab))
+
+    try:
+        while trainer.step < args.steps:
+            plan = batches.plan(rank, world)
+            optimizer.zero_grad(set_to_none=True)
+            loss = global_mean_loss(train_step(model, wrapped, args.parallel, plan, micro, device), args.global_batch)
+            optimizer.step()
+            batches.advance()
+            trainer.step += 1
+            if args.step_time:
+                time.sleep(args.step_time)
+            if args.progress_file:
+                append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
+                                                     "pid": os.getpid(), "t_wall": time.time(),
+                                                     "loss": loss.item()})
+            if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
+                print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
+            if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
+                break
+            if trainer.step % args.ckpt_every == 0 or trainer.step == args.steps:
+                if ckpt is not None:
+                    ckpt.save(trainer.step, state)
+                elif dcp_ckpt is not None:
+                    dcp_ckpt.save(trainer.step, {"trainer": trainer, "data": batches})
+        if ckpt is not None:
+            ckpt.wait()
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

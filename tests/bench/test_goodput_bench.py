@@ -1,0 +1,53 @@
+"""bench/goodput_bench.py's pure parts: the seeded schedule and the goodput arithmetic on progress lines."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness.scripts import load_script
+
+gb = load_script("bench/goodput_bench.py")
+
+
+def _line(pid: int, step: int, t: float, rank: int = 0) -> dict:
+    return {"rank": rank, "world_size": 2, "step": step, "pid": pid, "t_wall": t, "loss": 1.0}
+
+
+def test_schedule_is_seeded_and_each_fault_is_followed_by_a_rejoin() -> None:
+    a = gb.make_schedule(7, 600, 120, 40)
+    assert a == gb.make_schedule(7, 600, 120, 40)
+    assert a != gb.make_schedule(8, 600, 120, 40) or all(f.kind == "rejoin" for f in a)
+    faults = [f for f in a if f.kind != "rejoin"]
+    assert len(faults) == 4 and {f.kind for f in faults} <= {"notice", "kill"}
+    for f in faults:
+        assert f.at % 120 >= 96 or f.at % 120 <= 24  # within +-20 % of a multiple of --fault-every
+        assert any(r.kind == "rejoin" and abs(r.at - f.at - 40) < 1e-9 for r in a)
+    assert [f.at for f in a] == sorted(f.at for f in a)
+
+
+def test_schedule_rejects_a_rejoin_after_the_next_fault() -> None:
+    with pytest.raises(ValueError, match="--rejoin-after 100"):
+        gb.make_schedule(0, 600, 120, 100)
+
+
+def test_productive_time_counts_the_last_execution_of_each_step_only() -> None:
+    # pid 1 trains steps 1..6 (1 s each), crashes; pid 2 resumes from the checkpoint at 4: steps 5, 6 again.
+    lines = [_line(1, s, float(s)) for s in range(1, 7)] + [_line(2, s, 20.0 + s - 4) for s in range(5, 9)]
+    lines.append(_line(1, 3, 3.0, rank=1))  # other ranks do not count
+    seconds, steps, redone = gb.productive_time(lines, 0.0, 30.0)
+    assert (steps, redone) == (8, 2)
+    # steps 1-4 of pid 1: the first has no predecessor (median 1 s), then 1 s each; pid 2's 5..8 likewise.
+    assert seconds == pytest.approx(8.0)
+    assert gb.lost_per_fault(lines, [(10.0, "kill")]) == {"kill": [2]}
+
+
+def test_a_planned_stop_loses_nothing() -> None:
+    lines = [_line(1, s, float(s)) for s in range(1, 7)] + [_line(2, s, 20.0 + s) for s in range(7, 10)]
+    assert gb.lost_per_fault(lines, [(10.0, "notice")]) == {"notice": [0]}
+    assert gb.productive_time(lines, 0.0, 40.0)[1:] == (9, 0)
+
+
+def test_a_fault_the_job_did_not_recover_from_in_the_window_is_marked() -> None:
+    lines = [_line(1, s, float(s)) for s in range(1, 7)] + [_line(2, s, 100.0 + s) for s in range(1, 3)]
+    assert gb.lost_per_fault(lines, [(7.0, "notice")], t1=50.0) == {"notice": [None]}
+    assert gb.lost_per_fault(lines, [(7.0, "notice")]) == {"notice": [6]}  # restarted from nothing
