@@ -1,6 +1,6 @@
 """Crash points: named places in the save and commit protocol where a process can be made to stop.
 
-The kill-at-named-points tests (tests/checkpoint/test_crash.py) and a chaos toolkit use them to prove that
+The kill-at-named-points tests (tests/checkpoint/test_crash.py) use them to prove that
 a crash anywhere leaves every committed step loadable. Off by default and cheap: ``crash_point`` is one
 environment lookup when ``SPOTRUN_CKPT_CRASH_AT`` is unset. The environment is read at every call (not once
 at import), so a writer process inherits the setting of the training process that started it.

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from checkpoint.api import JSON, IncompatibleCheckpointError
+from checkpoint.api import JSON, CheckpointNotFoundError
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.state import RNGState
 
@@ -72,7 +72,7 @@ def read_step(checkpointer: Checkpointer, step: int | None = None) -> tuple[int,
 
     chosen = checkpointer.latest() if step is None else step
     if chosen is None:
-        raise IncompatibleCheckpointError(f"no committed checkpoint at {checkpointer.storage.display()}")
+        raise CheckpointNotFoundError(f"no committed checkpoint at {checkpointer.storage.display()}")
     manifest = validate_step(checkpointer.storage, chosen)
     objects = read_objects(checkpointer.storage, manifest)
     verify = checkpointer.config.verify_on_load

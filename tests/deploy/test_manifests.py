@@ -171,6 +171,9 @@ def test_trainer_command_parses_and_gives_the_agent_its_notice(name: str) -> Non
     pod = m.pod_template(doc)["spec"]
     assert args.shutdown_timeout is not None
     assert pod["terminationGracePeriodSeconds"] >= args.shutdown_timeout + 10
+    # ... and the preemption helper's save budget (SIGTERM is a notice for workers that use it).
+    assert args.preempt_grace is not None
+    assert pod["terminationGracePeriodSeconds"] >= args.preempt_grace + 10
     # preStop sends SIGTERM to the agent (PID 1) and waits for it.
     hook = container["lifecycle"]["preStop"]["exec"]["command"]
     assert hook[:2] == ["/bin/sh", "-c"] and "kill -TERM 1" in hook[2]
@@ -207,3 +210,5 @@ def test_slurm_script_signals_the_agents_and_requeues() -> None:
     assert args.rdzv_backend == "etcd-v3"
     assert args.shutdown_timeout is not None and args.shutdown_timeout + 10 <= int(lead), \
         "the emergency-save budget must end before the time limit"
+    assert args.preempt_grace is not None and args.preempt_grace + 10 <= int(lead), \
+        "the preemption helper's save budget must end before the time limit"
