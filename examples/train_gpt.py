@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader, Dataset
 # The launcher and checkpoint plumbing is train_ddp.py's (same directory, on sys.path as the script's own).
 from train_ddp import (
     append_progress,
+    global_mean_loss,
     init_distributed,
     open_checkpointer,
     storage_option,
@@ -231,12 +232,6 @@ def train_step(model: nn.Module, wrapped: nn.Module, kind: str, plan: StepPlan, 
             (loss * plan.loss_scale).backward()
         loss_sum += loss.detach()
     return loss_sum
-
-
-def global_mean_loss(loss_sum: torch.Tensor, global_batch: int) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(loss_sum)
-    return loss_sum / global_batch
 
 
 # --------------------------------------------------------------------------- checkpoints
