@@ -20,8 +20,9 @@ How the agent talks to its workers (the *mailbox*, a private directory the agent
 
 Agreement (every rank stops at the same step): notices reach nodes at different times, so the local view
 alone would split the group. Every ``sync_every`` steps (the same step numbers on every rank, so the calls
-pair up) the ranks all-reduce one int (MAX of "my node has a notice") on a dedicated gloo group; the first
-such step at which any rank saw a notice is the agreed step on every rank. One 8-byte gloo all-reduce
+pair up) the ranks all-reduce one int (MAX of "my node has a notice") on a dedicated gloo group (a
+``checkpoint.collective.Collective``, bounded by ``timeout``); the first such step at which any rank saw a
+notice is the agreed step on every rank. One 8-byte gloo all-reduce
 costs ~0.1 ms on a LAN; at the default ``sync_every=8`` that is negligible, and the notice is acted on at
 most 8 steps late (deadlines are 30-120 s, steps well under a second). Between sync steps the call is an
 integer modulo: no I/O, no collective.
@@ -39,7 +40,10 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
+
+from elastic.api import SpotrunError
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,15 @@ ENV_NOTICE_DIR = "SPOTRUN_NOTICE_DIR"
 
 NOTICE_FILE = "notice.json"
 DEFAULT_SYNC_EVERY = 8
+#: How long a rank waits in the vote for its peers. The same as torch's default for gloo groups (what the
+#: training's own CPU collectives wait) and the checkpointer's ``collective_timeout``: a shorter bound would
+#: fail runs the training tolerates (rank 0 evaluating for minutes between two sync steps), a longer one
+#: only delays the error when a peer is gone without its connection closing.
+DEFAULT_VOTE_TIMEOUT = timedelta(minutes=30)
+
+
+class PlannedStopVoteError(SpotrunError):
+    """The vote on the stop step failed: a peer rank did not reach it within the timeout, or left."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,25 +158,29 @@ class Preemption:
     """Answers "stop here?" identically on every rank (see the module docstring for the protocol).
 
     Construct it on every rank after ``init_process_group`` (it creates a gloo group: collective).
+    ``timeout`` bounds each vote (see :data:`DEFAULT_VOTE_TIMEOUT`).
     """
 
     def __init__(self, *, sync_every: int = DEFAULT_SYNC_EVERY, process_group: Any = None,
-                 mailbox_dir: str | None = None) -> None:
+                 mailbox_dir: str | None = None, timeout: timedelta = DEFAULT_VOTE_TIMEOUT) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1 (steps between notice checks), got {sync_every!r}")
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+            raise ValueError(f"timeout must be a positive datetime.timedelta (how long a vote waits for the "
+                             f"peers), got {timeout!r}")
         self.sync_every = sync_every
+        self.timeout = timeout
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         path = mailbox_dir if mailbox_dir is not None else os.environ.get(ENV_NOTICE_DIR)
         self.mailbox = Mailbox(path) if path else None
         self.stop_step: int | None = None
         self.notice: WorkerNotice | None = None
         self._signalled = False
-        self._group: Any = None
-        import torch.distributed as dist
+        from checkpoint.collective import open_collectives  # imports torch: not at module level (the agent's)
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-            ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-            self._group = dist.new_group(ranks=ranks, backend="gloo")
+        # Our own gloo group (a local identity in a world of one): the vote never interleaves with the
+        # training's collectives, and it is gloo whatever the training's backend is.
+        (self._vote,) = open_collectives(process_group, timeout, 1)
         if self.mailbox is not None:
             self.mailbox.register_helper(self.local_rank)
         else:
@@ -189,22 +206,22 @@ class Preemption:
         if not is_sync_step(step, self.sync_every):
             return False
         self.notice = self._local_notice()
-        if not self._any_rank(self.notice is not None):
+        if not self._any_rank(step, self.notice is not None):
             return False
         self.stop_step = step
         logger.warning("[rank %s step %d] stopping at the agreed step for a planned change (%s)",
                        os.environ.get("RANK", "0"), step, self.notice or "another rank's notice")
         return True
 
-    def _any_rank(self, flag: bool) -> bool:
-        if self._group is None:
-            return flag
-        import torch
-        import torch.distributed as dist
-
-        value = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(value.item())
+    def _any_rank(self, step: int, flag: bool) -> bool:
+        try:
+            (anyone,) = self._vote.any(flag)
+        except RuntimeError as exc:  # gloo's timeout and closed-connection errors (DistBackendError)
+            raise PlannedStopVoteError(
+                f"[rank {os.environ.get('RANK', '0')} step {step}] the planned-stop vote failed: a peer rank did "
+                f"not reach step {step} within {self.timeout.total_seconds():.0f} s, or left: {exc}"
+            ) from exc
+        return anyone
 
     def acknowledge(self, step: int) -> None:
         """Tell the agent this worker committed ``step`` and is leaving for the planned change."""

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from elastic.preemption import Mailbox, Preemption, WorkerNotice
+from elastic.preemption import Mailbox, PlannedStopVoteError, Preemption, WorkerNotice
 from tests.harness.dist import run_workers
 from tests.harness.dist import shutdown as shutdown_launcher
 
@@ -56,9 +58,11 @@ def test_sigterm_is_the_notice_without_a_mailbox(monkeypatch: pytest.MonkeyPatch
         signal.signal(signal.SIGTERM, previous)
 
 
-def _two_ranks(rank: int, world: int, root: str) -> tuple[int, int | None, int | None, list[float]]:
+def _two_ranks(rank: int, world: int, root: str) -> tuple[int, int | None, int | None, list[float], str]:
     """Rank 1's agent posts a notice at step 5; rank 0's never does: both must stop at the same step and
-    commit it once."""
+    commit it once. Then a vote rank 1 never joins: rank 0 fails within the vote's timeout, naming it."""
+    import torch.distributed as dist
+
     from checkpoint import CheckpointConfig, Checkpointer
 
     box = Mailbox(os.path.join(root, f"mailbox-{rank}"))
@@ -77,7 +81,15 @@ def _two_ranks(rank: int, world: int, root: str) -> tuple[int, int | None, int |
             if helper.save_and_stop(ckpt, step, state):
                 break
         latest = ckpt.latest()
-    return step, latest, box.acks().get(0), weights.tolist()
+    lonely = Preemption(sync_every=1, mailbox_dir=box.path, timeout=timedelta(seconds=1))
+    vote_error = ""
+    if rank == 0:
+        began = time.monotonic()
+        with pytest.raises(PlannedStopVoteError, match="did not reach step 7 within 1 s") as caught:
+            lonely.should_stop(7)
+        vote_error = f"{type(caught.value).__name__} after {time.monotonic() - began:.1f} s"
+    dist.barrier()  # rank 1 waits here (the training's group) until rank 0's vote timed out
+    return step, latest, box.acks().get(0), weights.tolist(), vote_error
 
 
 @pytest.mark.slow
@@ -87,3 +99,10 @@ def test_every_rank_agrees_on_the_step_and_commits_it(tmp_path: Path) -> None:
     assert [r[0] for r in results] == [6, 6], "both ranks stop at the first sync step after the notice"
     assert [r[1] for r in results] == [6, 6], "and that step is committed"
     assert [r[2] for r in results] == [6, 6], "and each rank acknowledged it to its agent"
+    error, seconds = results[0][4].split(" after ")
+    assert error == "PlannedStopVoteError" and float(seconds.split()[0]) < 10, "a vote is bounded by its timeout"
+
+
+def test_timeout_is_validated() -> None:
+    with pytest.raises(ValueError, match="timeout must be a positive datetime.timedelta"):
+        Preemption(mailbox_dir="/nonexistent", timeout=30)  # type: ignore[arg-type]
