@@ -293,7 +293,7 @@ class SpotrunAgent(LocalElasticAgent):
             self._hang_watch.started(dict(pids))
         # CHANGE: torch's PContext.start installs handlers that turn SIGTERM into an immediate shutdown;
         # a SIGTERM is a preemption notice here (workers that can save do so first).
-        self._install_notice_handlers()
+        self.install_notice_handlers()
         if self._pcontext is not None:
             self._close_started_at = None
             _default_close_timeout(self._pcontext, self._settings.stop_grace, self._note_close_started)
@@ -451,7 +451,10 @@ class SpotrunAgent(LocalElasticAgent):
             graces[int(sig)] = (f"signal:{sig.name}", grace)
         return graces
 
-    def _install_notice_handlers(self) -> None:
+    def install_notice_handlers(self) -> None:
+        """Make the notice signals (SIGTERM, ``--preempt-signal``) preemption notices to this agent. The
+        launcher calls it before the first rendezvous; the agent again after each worker start (torch's
+        ``PContext.start`` replaces the handlers). Main thread only (``signal.signal``)."""
         for signum in self._notice_signals:
             signal.signal(signum, self._on_notice_signal)
 

@@ -218,7 +218,7 @@ def launch(
 
     shutdown_rdzv = True
     try:
-        agent._install_notice_handlers()
+        agent.install_notice_handlers()
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
