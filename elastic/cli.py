@@ -74,9 +74,13 @@ from elastic.config import (
     AgentSettings,
     default_events_file,
     default_peer_loss_grace,
+    default_preempt_grace,
+    default_preempt_notice,
+    default_preempt_poll_interval,
+    default_preempt_signal,
+    default_resize_timeout,
     default_stop_grace,
     default_warm_workers,
-    env_float,
     hang_policy,
     parse_nnodes,
     parse_rdzv_conf,
@@ -173,18 +177,16 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         peer_loss_grace=default_peer_loss_grace() if args.peer_loss_grace is None else args.peer_loss_grace,
         events_file=args.events_file if args.events_file is not None else default_events_file(),
         warm_workers=default_warm_workers() if args.warm_workers is None else args.warm_workers,
-        preempt_grace=_or_env(args.preempt_grace, ENV_PREEMPT_GRACE, 30.0),
-        preempt_signal=args.preempt_signal or os.environ.get(ENV_PREEMPT_SIGNAL) or None,
-        preempt_sources=parse_sources(args.preempt_notice or os.environ.get(ENV_PREEMPT_NOTICE)),
-        preempt_poll_interval=_or_env(args.preempt_poll_interval, ENV_PREEMPT_POLL_INTERVAL, 2.0),
-        resize_timeout=_or_env(args.resize_timeout, ENV_RESIZE_TIMEOUT, 60.0),
+        preempt_grace=default_preempt_grace() if args.preempt_grace is None else args.preempt_grace,
+        # An empty --preempt-signal/--preempt-notice falls back to the environment too (as it always did).
+        preempt_signal=args.preempt_signal or default_preempt_signal(),
+        preempt_sources=parse_sources(args.preempt_notice or default_preempt_notice()),
+        preempt_poll_interval=default_preempt_poll_interval() if args.preempt_poll_interval is None
+        else args.preempt_poll_interval,
+        resize_timeout=default_resize_timeout() if args.resize_timeout is None else args.resize_timeout,
         hang=hang_policy(enabled=args.hang_detection, timeout=args.hang_timeout,
                          startup_timeout=args.hang_startup_timeout),
     )
-
-
-def _or_env(value: float | None, env: str, default: float) -> float:
-    return env_float(env, default) if value is None else value
 
 
 def validate_args(args: argparse.Namespace) -> None:

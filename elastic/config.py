@@ -17,6 +17,8 @@ from elastic.api import (
     LaunchConfigError,
 )
 from elastic.hang import HangPolicy
+from elastic.notice import ENV_PREEMPT_GRACE, ENV_PREEMPT_NOTICE, ENV_PREEMPT_POLL_INTERVAL, ENV_PREEMPT_SIGNAL
+from elastic.planned import ENV_RESIZE_TIMEOUT
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +88,11 @@ class AgentSettings:
             raise LaunchConfigError("--events-file must be a path, got an empty string")
 
 
+_DEFAULTS = AgentSettings()
+"""Every setting's default in one place (the field defaults above); the ``default_*`` functions below are
+what the CLI uses when a flag is not given: the ``SPOTRUN_*`` variable if set, else this."""
+
+
 def env_float(name: str, default: float) -> float:
     """Read a float from the environment, naming the variable when it does not parse."""
     raw = os.environ.get(name)
@@ -98,11 +105,32 @@ def env_float(name: str, default: float) -> float:
 
 
 def default_stop_grace() -> float:
-    return env_float(ENV_STOP_GRACE, 3.0)
+    return env_float(ENV_STOP_GRACE, _DEFAULTS.stop_grace)
 
 
 def default_peer_loss_grace() -> float:
-    return env_float(ENV_PEER_LOSS_GRACE, 5.0)
+    return env_float(ENV_PEER_LOSS_GRACE, _DEFAULTS.peer_loss_grace)
+
+
+def default_preempt_grace() -> float:
+    return env_float(ENV_PREEMPT_GRACE, _DEFAULTS.preempt_grace)
+
+
+def default_preempt_poll_interval() -> float:
+    return env_float(ENV_PREEMPT_POLL_INTERVAL, _DEFAULTS.preempt_poll_interval)
+
+
+def default_resize_timeout() -> float:
+    return env_float(ENV_RESIZE_TIMEOUT, _DEFAULTS.resize_timeout)
+
+
+def default_preempt_signal() -> str | None:
+    return os.environ.get(ENV_PREEMPT_SIGNAL) or _DEFAULTS.preempt_signal
+
+
+def default_preempt_notice() -> str:
+    """The comma-separated metadata sources (``--preempt-notice``'s syntax); empty: none."""
+    return os.environ.get(ENV_PREEMPT_NOTICE) or ",".join(_DEFAULTS.preempt_sources)
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -116,7 +144,7 @@ def env_flag(name: str, default: bool) -> bool:
 
 
 def default_warm_workers() -> bool:
-    return env_flag(ENV_WARM_WORKERS, True)
+    return env_flag(ENV_WARM_WORKERS, _DEFAULTS.warm_workers)
 
 
 def hang_policy(*, enabled: bool | None, timeout: float | None, startup_timeout: float | None) -> HangPolicy | None:
@@ -131,7 +159,7 @@ def hang_policy(*, enabled: bool | None, timeout: float | None, startup_timeout:
 
 
 def default_events_file() -> str | None:
-    return os.environ.get(ENV_EVENTS_FILE) or None
+    return os.environ.get(ENV_EVENTS_FILE) or _DEFAULTS.events_file
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

@@ -66,6 +66,42 @@ def test_spotrun_settings_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) ->
         AgentSettings(stop_grace=-1)
 
 
+# (flag, env var, env value, flag value, settings field, from env, from flag): the flag wins over the env
+# var, the env var over the default, each read the same way (elastic.config.default_*).
+SETTINGS = [
+    ("--stop-grace", "SPOTRUN_STOP_GRACE", "1.5", "0.5", "stop_grace", 1.5, 0.5),
+    ("--peer-loss-grace", "SPOTRUN_PEER_LOSS_GRACE", "7", "8", "peer_loss_grace", 7.0, 8.0),
+    ("--events-file", "SPOTRUN_EVENTS_FILE", "/tmp/env.jsonl", "/tmp/flag.jsonl", "events_file",
+     "/tmp/env.jsonl", "/tmp/flag.jsonl"),
+    ("--preempt-grace", "SPOTRUN_PREEMPT_GRACE", "90", "45", "preempt_grace", 90.0, 45.0),
+    ("--preempt-signal", "SPOTRUN_PREEMPT_SIGNAL", "USR2@120", "USR1", "preempt_signal", "USR2@120", "USR1"),
+    ("--preempt-notice", "SPOTRUN_PREEMPT_NOTICE", "aws,gcp", "azure", "preempt_sources", ("aws", "gcp"),
+     ("azure",)),
+    ("--preempt-poll-interval", "SPOTRUN_PREEMPT_POLL_INTERVAL", "5", "0.5", "preempt_poll_interval", 5.0, 0.5),
+    ("--resize-timeout", "SPOTRUN_RESIZE_TIMEOUT", "120", "10", "resize_timeout", 120.0, 10.0),
+]
+
+
+@pytest.mark.parametrize(("flag", "env", "env_value", "flag_value", "field", "from_env", "from_flag"), SETTINGS)
+def test_each_spotrun_setting_reads_flag_then_env_then_default(
+    monkeypatch: pytest.MonkeyPatch, flag: str, env: str, env_value: str, flag_value: str, field: str,
+    from_env: object, from_flag: object,
+) -> None:
+    monkeypatch.delenv(env, raising=False)
+    assert getattr(settings_from_args(build_parser().parse_args([SCRIPT])), field) == getattr(AgentSettings(), field)
+    monkeypatch.setenv(env, env_value)
+    assert getattr(settings_from_args(build_parser().parse_args([SCRIPT])), field) == from_env
+    args = build_parser().parse_args([flag, flag_value, SCRIPT])
+    assert getattr(settings_from_args(args), field) == from_flag
+
+
+@pytest.mark.parametrize("env", ["SPOTRUN_PREEMPT_GRACE", "SPOTRUN_RESIZE_TIMEOUT", "SPOTRUN_PREEMPT_POLL_INTERVAL"])
+def test_a_malformed_env_default_names_the_variable(monkeypatch: pytest.MonkeyPatch, env: str) -> None:
+    monkeypatch.setenv(env, "soon")
+    with pytest.raises(LaunchConfigError, match=f"{env}='soon' is not a number"):
+        settings_from_args(build_parser().parse_args([SCRIPT]))
+
+
 @pytest.mark.parametrize(
     ("text", "expected"), [("1", (1, 1)), ("2:4", (2, 4)), (" 3:3 ", (3, 3))]
 )
