@@ -34,7 +34,7 @@ from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
 from elastic.notice import NoticePoller, make_sources
 from elastic.preemption import ENV_NOTICE_DIR, Mailbox
-from elastic.rendezvous.api import MembershipAwareHandler
+from elastic.rendezvous.api import ConnectableHandler, MembershipAwareHandler
 from elastic.warm import note_agent_import_env
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
@@ -210,14 +210,16 @@ def launch(
     poller = NoticePoller(make_sources(settings.preempt_sources, settings.preempt_grace), agent.receive_notice,
                           interval=settings.preempt_poll_interval).start()
 
-    _preimport_log_formatter_dependencies()
-    if config.start_method == "forkserver":
-        # After every env change the workers must inherit (OMP_NUM_THREADS, TORCHELASTIC_SIGNALS_TO_HANDLE)
-        # and before joining the rendezvous: a joining node must not stall a running group on its imports.
-        logger.info("warm workers: forkserver ready in %.2f s", start_warm_forkserver())
-
     shutdown_rdzv = True
     try:
+        # An unreachable backend fails within its own timeout, not after seconds of imports below.
+        if isinstance(rdzv_handler, ConnectableHandler):
+            rdzv_handler.connect()
+        _preimport_log_formatter_dependencies()
+        if config.start_method == "forkserver":
+            # After every env change the workers must inherit (OMP_NUM_THREADS, TORCHELASTIC_SIGNALS_TO_HANDLE)
+            # and before joining the rendezvous: a joining node must not stall a running group on its imports.
+            logger.info("warm workers: forkserver ready in %.2f s", start_warm_forkserver())
         agent.install_notice_handlers()
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()

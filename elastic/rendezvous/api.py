@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 __all__ = [
     "BACKEND_NAME",
+    "ConnectableHandler",
     "EtcdRendezvousConfig",
     "MembershipAwareHandler",
     "RendezvousClosedError",
@@ -94,6 +95,16 @@ class NoticeAwareHandler(Protocol):
 
     def lost_peers(self) -> set[str]:
         """Participants of this node's round that are gone (lease expired or revoked); no I/O."""
+
+
+@runtime_checkable
+class ConnectableHandler(Protocol):
+    """A handler that can reach its backend before joining (etcd-v3 can), so the launcher reports an
+    unreachable backend within the backend's timeout, before it pays seconds for the warm workers' imports."""
+
+    def connect(self) -> None:
+        """Reach the backend now without joining a round (raises ``RendezvousConnectionError`` once it has
+        been unreachable for the backend's timeout); idempotent, ``next_rendezvous`` would do it anyway."""
 
 
 # Keys torch's launcher or other torch backends put into --rdzv-conf. We accept them so an existing

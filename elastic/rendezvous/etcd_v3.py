@@ -146,6 +146,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with the node) / the notices the other participants of this node's round published (no I/O).
     ``lost_peers() -> set[str]``
         Participants of this node's round whose registration vanished (crashed or left), no I/O.
+    ``connect() -> None``
+        Reach etcd and load the run's state without joining (bounded by ``etcd_timeout``); idempotent.
     ``node_id`` / ``round`` properties
         This agent's id (stable across rounds) / the number of the last round it completed (None before).
 
@@ -326,6 +328,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return ok
 
     # ================================================================== extra API
+    def connect(self) -> None:
+        self._ensure_connected()
+
     def membership_changed(self) -> bool:
         with self._cond:
             self._raise_if_fatal()

@@ -17,6 +17,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo
 
 from elastic.etcd_server import EmbeddedEtcd
 from elastic.rendezvous.api import (
+    ConnectableHandler,
     EtcdRendezvousConfig,
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -244,10 +245,23 @@ def test_unreachable_endpoint_fails_fast_and_clearly(handlers) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     h = handlers(make_config(f"127.0.0.1:{port}", etcd_timeout=1.5))
-    began = time.monotonic()
-    with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
-        h.next_rendezvous()
-    assert time.monotonic() - began < 6
+    assert isinstance(h, ConnectableHandler), "the launcher checks reachability through connect()"
+    for attempt in (h.connect, h.next_rendezvous):
+        began = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
+            attempt()
+        assert time.monotonic() - began < 6
+
+
+@pytest.mark.timeout(30)
+def test_connect_reaches_etcd_without_joining(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    connected = handlers(make_config(etcd_server.endpoint, run_id="connect", min_nodes=1, max_nodes=2))
+    connected.connect()
+    connected.connect()  # idempotent
+    joiner = handlers(make_config(etcd_server.endpoint, run_id="connect", min_nodes=1, max_nodes=2))
+    [info] = rendezvous_all(pool, [joiner])
+    assert info.world_size == 1, "a connected handler is not a participant until next_rendezvous"
+    assert connected.round is None
 
 
 @pytest.mark.timeout(30)
