@@ -37,7 +37,9 @@ from checkpoint.api import (
     COMMIT_FILE,
     JSON,
     CheckpointError,
+    CheckpointNotFoundError,
     ChunkKey,
+    Manifest,
     RankObjectsRecord,
     RankRecords,
     SaveInProgressError,
@@ -53,13 +55,14 @@ from checkpoint.discover import (
     read_objects,
     validate_step,
 )
+from checkpoint.dtypes import torch_dtype
 from checkpoint.fallback import LoadOutcome, load_with_fallback
 from checkpoint.faults import crash_point
 from checkpoint.per_rank import load_rank_entries, saved_as_shared
 from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.retention import apply_retention
 from checkpoint.shard import ShardLayout, read_requests
-from checkpoint.state import FlatState, apply, flatten
+from checkpoint.state import FlatState, apply, blank_state, flatten
 from checkpoint.storage import StorageSpec, lower_thread_priority
 from checkpoint.writer import open_writer, plan_files
 
@@ -310,10 +313,32 @@ class Checkpointer:
             rank=self.rank,
         )
 
-    def _load_step(self, state: Mapping[str, Any], chosen: int) -> None:
-        started = time.perf_counter()
+    def read(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
+        """Every shared top-level entry of ``step`` (default: latest good) as plain values, tensors in full.
+
+        For callers with no live state to load into (Lightning's ``CheckpointIO.load_checkpoint``): the load
+        path of :meth:`load` into a state built from the step's own manifest. On this process only (no
+        collective, no fallback to an older step): every rank that calls it reads the whole step. Per-rank
+        entries are not included. CheckpointNotFoundError when there is no committed step.
+        """
+        self._check_open()
+        chosen = self.latest() if step is None else step
+        if chosen is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint at {self.storage.display()}")
         manifest = validate_step(self.storage, chosen)
         shared = read_objects(self.storage, manifest)
+        tensors = {fqn: (rec.shape, torch_dtype(rec.dtype)) for fqn, rec in manifest.tensors.items()}
+        state = blank_state(shared, tensors)
+        self._read_into(state, manifest, shared)
+        return chosen, state
+
+    def _load_step(self, state: Mapping[str, Any], chosen: int) -> None:
+        manifest = validate_step(self.storage, chosen)
+        self._read_into(state, manifest, read_objects(self.storage, manifest))
+
+    def _read_into(self, state: Mapping[str, Any], manifest: Manifest, shared: dict[str, JSON]) -> None:
+        started = time.perf_counter()
+        chosen = manifest.step
         flat = flatten(state, as_shared=saved_as_shared(manifest, state, shared, rank=self.rank))
         requests = plan_reads(manifest, flat.items)
         destinations = {item.key: item.tensor for item in flat.items}

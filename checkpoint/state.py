@@ -505,6 +505,14 @@ def _rebuild(skel: JSON, live: Any, path: str, loaded: Mapping[str, torch.Tensor
     return skel
 
 
+def blank_state(objects: Mapping[str, JSON], tensors: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> dict[str, Any]:
+    """The plain state the skeletons ``objects`` describe, each tensor (``tensors``: fqn -> full shape, dtype)
+    allocated in full and uninitialised: a live state for a template-free load. No live value guides the
+    containers, so tuples come back as lists and int dict keys as str."""
+    empty = {fqn: torch.empty(tuple(shape), dtype=dtype) for fqn, (shape, dtype) in tensors.items()}
+    return {key: _rebuild(skel, None, key, empty) for key, skel in objects.items()}
+
+
 def _as_live(fqn: str, local: torch.Tensor, live: Any) -> torch.Tensor:
     """The live tensor holding the loaded piece: copied in place unless the reader already wrote there.
 

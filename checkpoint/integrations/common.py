@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from checkpoint.api import JSON, CheckpointNotFoundError
+from checkpoint.api import JSON
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.state import RNGState
 
@@ -61,21 +61,6 @@ class GlobalRNG:
 
 
 def read_step(checkpointer: Checkpointer, step: int | None = None) -> tuple[int, dict[str, JSON]]:
-    """Every shared top-level entry of ``step`` (default: latest good) as plain values, tensors assembled in full.
-
-    For callers with no live state to load into. Reads on this process only (no collective): every rank of a
-    job that calls it reads the whole step. Per-rank entries are not included.
-    """
-    from checkpoint.discover import read_objects, validate_step
-    from checkpoint.export import assemble
-    from checkpoint.state import _rebuild
-
-    chosen = checkpointer.latest() if step is None else step
-    if chosen is None:
-        raise CheckpointNotFoundError(f"no committed checkpoint at {checkpointer.storage.display()}")
-    manifest = validate_step(checkpointer.storage, chosen)
-    objects = read_objects(checkpointer.storage, manifest)
-    verify = checkpointer.config.verify_on_load
-    loaded = {fqn: assemble(checkpointer.storage, manifest, fqn, verify=verify) for fqn in manifest.tensors}
-    # no live value guides the containers: tuples come back as lists and int dict keys as str
-    return chosen, {key: _rebuild(value, None, key, loaded) for key, value in objects.items()}
+    """Every shared top-level entry of ``step`` (default: latest good) as plain values, tensors in full
+    (:meth:`Checkpointer.read <checkpoint.checkpointer.Checkpointer.read>`: this process only, no collective)."""
+    return checkpointer.read(step)

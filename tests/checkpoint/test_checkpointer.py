@@ -26,6 +26,7 @@ from checkpoint.api import (
 )
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.discover import list_steps
+from checkpoint.state import flatten
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,12 +75,21 @@ def test_round_trip_bit_exact(backend) -> None:
     with Checkpointer(backend.uri, backend.config()) as ckpt:
         assert ckpt.latest() is None
         assert ckpt.load(dst) is None  # nothing to load yet: a fresh start, not an error
+        with pytest.raises(CheckpointNotFoundError):
+            ckpt.read()
         ckpt.save(10, src)
         ckpt.wait()
         assert ckpt.latest() == 10
     with Checkpointer(backend.uri, backend.config()) as ckpt:
         assert ckpt.load(dst) == 10
+        step, plain = ckpt.read()  # no live state: the same read path into one built from the manifest
     assert_same(src, dst)
+    assert step == 10 and plain["epoch"] == 1 and plain["sampler"] == src["sampler"]
+    read_tensors = {item.key.fqn: item.tensor for item in flatten(plain).items}
+    expected = {item.key.fqn: item.tensor for item in flatten(src).items}
+    assert read_tensors.keys() == expected.keys() and len(expected) > 20
+    for fqn, tensor in expected.items():
+        assert read_tensors[fqn].dtype == tensor.dtype and torch.equal(read_tensors[fqn], tensor), fqn
 
 
 def test_step_layout_and_safetensors_compatibility(backend) -> None:
