@@ -176,7 +176,7 @@ class Preemption:
         self.stop_step: int | None = None
         self.notice: WorkerNotice | None = None
         self._signalled = False
-        from checkpoint.collective import open_collectives  # imports torch: not at module level (the agent's)
+        from checkpoint.collective import open_collectives  # imports torch; the agent imports this module for Mailbox
 
         # Our own gloo group (a local identity in a world of one): the vote never interleaves with the
         # training's collectives, and it is gloo whatever the training's backend is.
