@@ -252,6 +252,20 @@ class SpotrunAgent(LocalElasticAgent):
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
 
+    def _wait_for_peer_loss(self, window: float) -> bool:
+        """Watch the membership up to ``window`` s: True as soon as it changes (a peer lost its lease),
+        False when the window passes. Event-driven with a membership-aware handler, else polled."""
+        deadline = time.monotonic() + window
+        while not self._membership_changed():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if self._membership is not None:
+                self._wait_for_membership_change(remaining)
+            else:
+                time.sleep(min(remaining, self._worker_group.spec.monitor_interval))
+        return True
+
     # --- rendezvous, start and stop with events ------------------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -617,8 +631,9 @@ class SpotrunAgent(LocalElasticAgent):
         failures = {rank: f.exitcode for rank, f in run_result.failures.items()}
         peer_lost = self._membership_changed()
         if not peer_lost and self._remaining_restarts == 0:
-            # CHANGE: last chance; a collective broken by a dead peer fails before the peer's lease expires.
-            peer_lost = self._wait_for_membership_change(self._settings.peer_loss_grace) or self._membership_changed()
+            # CHANGE: last chance; a collective broken by a dead peer fails before the peer's lease expires
+            # (the launcher stretches peer_loss_grace over the lease TTL, see launcher.peer_loss_window).
+            peer_lost = self._wait_for_peer_loss(self._settings.peer_loss_grace)
         action = decide_on_failure(remaining_restarts=self._remaining_restarts, peer_lost=peer_lost)
         cause = FailureCause.WORKER_FAILURE_WITH_PEER_LOSS if peer_lost else FailureCause.WORKER_FAILURE
         if self._hung_pending:

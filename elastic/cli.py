@@ -15,7 +15,8 @@ Differences from torchrun:
   ``--stop-grace SECONDS``       SIGTERM->SIGKILL grace when workers are stopped for a restart
                                  (env ``SPOTRUN_STOP_GRACE``, default 3; torch uses 30).
   ``--peer-loss-grace SECONDS``  with no restarts left, how long a failed group waits for a lost-peer signal
-                                 before giving up (env ``SPOTRUN_PEER_LOSS_GRACE``, default 5).
+                                 before giving up (env ``SPOTRUN_PEER_LOSS_GRACE``, default 5; with etcd-v3
+                                 at least ``lease_ttl`` + 2 unless 0).
   ``--[no-]warm-workers``        fork Python script workers from a torch-preloaded forkserver (env
                                  ``SPOTRUN_WARM_WORKERS``, default on): a restart skips ``import torch``.
                                  (torchrun's ``--start-method`` only ever applied to ``--run-path``
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(env {ENV_STOP_GRACE}, default 3).")
     group.add_argument("--peer-loss-grace", "--peer_loss_grace", type=float, default=None,
                        help=f"With no restarts left, seconds a failed worker group waits for a lost-peer signal "
-                            f"before failing the job (env {ENV_PEER_LOSS_GRACE}, default 5).")
+                            f"before failing the job (env {ENV_PEER_LOSS_GRACE}, default 5; with etcd-v3 at least the "
+                            f"lease_ttl + 2 s, so a peer that died with the failure is seen; 0: no wait).")
     group.add_argument("--warm-workers", "--warm_workers", action=argparse.BooleanOptionalAction, default=None,
                        help=f"Fork Python script workers from a forkserver that pre-imported torch, so restarts skip "
                             f"the interpreter start (env {ENV_WARM_WORKERS}, default on; --no-warm-workers: plain "

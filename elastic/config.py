@@ -29,7 +29,8 @@ class AgentSettings:
 
     peer_loss_grace: float = 5.0
     """When a worker group fails with no restarts left, seconds to wait for the rendezvous to report a lost
-    peer before giving up: a collective broken by a dead peer fails before the peer's lease expires."""
+    peer before giving up: a collective broken by a dead peer fails before the peer's lease expires. The
+    launcher raises it to the lease TTL plus a margin (``launcher.peer_loss_window``); 0 turns it off."""
 
     events_file: str | None = None
     """JSON-lines file for recovery events; ``None`` means ``<log root>/events.jsonl`` (the ``--log-dir``,
