@@ -63,7 +63,15 @@ from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
 from elastic.notice import Notice, earliest, parse_signal_spec
-from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
+from elastic.planned import (
+    GroupView,
+    PlannedStep,
+    all_acknowledged,
+    leave_exit_code,
+    unplanned_loss,
+    while_posted,
+    worker_notice,
+)
 from elastic.preemption import Mailbox, WorkerNotice
 from elastic.progress import ProgressBoard
 from elastic.rendezvous.api import MembershipAwareHandler, NoticeAwareHandler
@@ -160,6 +168,14 @@ class SpotrunAgent(LocalElasticAgent):
         self._hung_pending = False
         self._recovery_cause: RecoveryCause | None = None
         """Why the current recovery happens: on every event until its workers_started (None at first start)."""
+        self._exit_status = 0
+        """What the process should exit with after a successful run (``--planned-leave-exit-code`` on a leave)."""
+
+    @property
+    def exit_status(self) -> int:
+        """Exit status for a run that did not fail: 0, or ``--planned-leave-exit-code`` after this node left
+        the group for its notice with training unfinished (see ``planned.leave_exit_code``)."""
+        return self._exit_status
 
     # --- context for logs and events ------------------------------------------------------------------------
 
@@ -439,8 +455,7 @@ class SpotrunAgent(LocalElasticAgent):
                 if planned is PlannedTick.WAITING:
                     continue
                 if planned is PlannedTick.LEFT:
-                    self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.SUCCEEDED.name)
-                    return self._left_result()
+                    return self._left_result(workers_finished=False)
                 # CHANGE: also reacts to a lost peer (membership_changed), not only to waiting nodes.
                 if self._membership_changed():
                     self._begin_recovery(self._membership_cause())
@@ -578,11 +593,15 @@ class SpotrunAgent(LocalElasticAgent):
         """The workers committed ``step`` and exited 0: revoke the lease (peers re-form now) and exit 0."""
         self._stop_workers(self._worker_group)
         self._leave(step=step, why=None if step is not None else "the workers exited without acknowledging a step")
-        self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.SUCCEEDED.name)
-        return self._left_result()
+        # Workers that use the helper and exit 0 without stopping at an agreed step finished the run.
+        return self._left_result(workers_finished=step is None)
 
-    def _left_result(self) -> RunResult:
-        """Success for every local worker (torch records one event per worker from the return values)."""
+    def _left_result(self, *, workers_finished: bool) -> RunResult:
+        """Success for every local worker (torch records one event per worker from the return values); the
+        process exits with ``--planned-leave-exit-code`` unless the workers had finished the run."""
+        self._exit_status = leave_exit_code(workers_finished=workers_finished,
+                                            configured=self._settings.planned_leave_exit_code)
+        self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.SUCCEEDED.name, exit_code=self._exit_status)
         return RunResult(state=WorkerState.SUCCEEDED,
                          return_values={w.global_rank: None for w in self._worker_group.workers})
 

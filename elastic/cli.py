@@ -28,6 +28,9 @@ Differences from torchrun:
                                  ``SPOTRUN_PREEMPT_NOTICE``), every ``--preempt-poll-interval`` s (default 2).
   ``--resize-timeout SECONDS``   a joining node first lets the workers commit an agreed step (env
                                  ``SPOTRUN_RESIZE_TIMEOUT``, default 60).
+  ``--planned-leave-exit-code N`` exit status of an agent that left for its notice with training unfinished
+                                 (env ``SPOTRUN_PLANNED_LEAVE_EXIT_CODE``, 0-255, default 0; 75 with a
+                                 podFailurePolicy Ignore rule on a Kubernetes Indexed Job).
   ``--hang-timeout SECONDS``     a worker without progress (optimizer steps, ``elastic.progress.heartbeat()``
                                  or main-thread CPU) this long after start-up counts as hung: its stack is
                                  logged, it is killed and the group restarts (env ``SPOTRUN_HANG_TIMEOUT``;
@@ -39,7 +42,8 @@ Differences from torchrun:
                                  ``<log-dir>/events.jsonl``, or in torch's temporary log directory
                                  ``/tmp/torchelastic_*/events.jsonl`` when no ``--log-dir`` is given).
 
-Exit status: 0 on success; 1 when workers fail (with torchrun's root-cause summary); 2 for a bad command
+Exit status: 0 on success (also after leaving the group for a preemption notice, unless
+``--planned-leave-exit-code`` says otherwise); 1 when workers fail (with torchrun's root-cause summary); 2 for a bad command
 line or rendezvous configuration; 1 when the rendezvous backend is unreachable.
 """
 
@@ -68,6 +72,7 @@ from elastic.api import (
     ENV_STOP_GRACE,
     ENV_WARM_WORKERS,
     LaunchConfigError,
+    PlannedLeaveExit,
     RendezvousUnavailableError,
     StandaloneEtcdError,
 )
@@ -78,6 +83,7 @@ from elastic.config import (
     default_stop_grace,
     default_warm_workers,
     env_float,
+    env_int,
     hang_policy,
     parse_nnodes,
     parse_rdzv_conf,
@@ -89,7 +95,7 @@ from elastic.notice import (
     ENV_PREEMPT_SIGNAL,
     parse_sources,
 )
-from elastic.planned import ENV_RESIZE_TIMEOUT
+from elastic.planned import ENV_PLANNED_LEAVE_EXIT_CODE, ENV_RESIZE_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--resize-timeout", "--resize_timeout", type=float, default=None,
                        help=f"When a node joins, seconds the workers get to commit an agreed step before the "
                             f"group restarts anyway (env {ENV_RESIZE_TIMEOUT}, default 60).")
+    group.add_argument("--planned-leave-exit-code", "--planned_leave_exit_code", type=int, default=None,
+                       help=f"Exit status (0-255) of an agent that left the group for its preemption notice with "
+                            f"training unfinished (env {ENV_PLANNED_LEAVE_EXIT_CODE}, default 0). On a Kubernetes "
+                            f"Indexed Job use e.g. 75 with a podFailurePolicy Ignore rule, so the index is recreated.")
     group.add_argument("--hang-timeout", "--hang_timeout", type=float, default=None,
                        help=f"Seconds without progress after start-up before a worker counts as hung and the group "
                             f"restarts (env {ENV_HANG_TIMEOUT}; default adaptive: 10x the slowest recent step, "
@@ -180,6 +190,8 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         preempt_sources=parse_sources(args.preempt_notice or os.environ.get(ENV_PREEMPT_NOTICE)),
         preempt_poll_interval=_or_env(args.preempt_poll_interval, ENV_PREEMPT_POLL_INTERVAL, 2.0),
         resize_timeout=_or_env(args.resize_timeout, ENV_RESIZE_TIMEOUT, 60.0),
+        planned_leave_exit_code=env_int(ENV_PLANNED_LEAVE_EXIT_CODE, 0) if args.planned_leave_exit_code is None
+        else args.planned_leave_exit_code,
         hang=hang_policy(enabled=args.hang_detection, timeout=args.hang_timeout,
                          startup_timeout=args.hang_startup_timeout),
     )
@@ -283,6 +295,9 @@ def _main(argv: Sequence[str] | None) -> None:
         parser.exit(EXIT_USAGE, f"spotrun: error: {exc}\n")
     except (RendezvousUnavailableError, StandaloneEtcdError) as exc:
         parser.exit(EXIT_FAILURE, f"spotrun: error: {exc}\n")
+    except PlannedLeaveExit as exc:
+        logger.warning("%s", exc)
+        parser.exit(exc.exit_code)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

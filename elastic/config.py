@@ -57,6 +57,11 @@ class AgentSettings:
     """When a node waits to join, seconds the running workers get to reach an agreed step and commit it
     before the group is restarted anyway (losing the steps since the last checkpoint, as before)."""
 
+    planned_leave_exit_code: int = 0
+    """Exit status of an agent that left the group for its notice with training unfinished (0-255). 0 says
+    "done" to the platform; a Kubernetes Indexed Job then never recreates the index. Set e.g. 75 there with a
+    podFailurePolicy rule ``action: Ignore`` on that code (deploy/kubernetes/job.yaml)."""
+
     hang: HangPolicy | None = None
     """Hang detection budgets (``--hang-timeout``, ``--hang-startup-timeout``); None turns it off
     (``--no-hang-detection``). The CLI turns it on by default (see ``elastic.hang``)."""
@@ -83,6 +88,10 @@ class AgentSettings:
                     f"{name} must be a finite number of seconds >= 0, got {value!r}; "
                     f"pass e.g. --{name.replace('_', '-')} 3"
                 )
+        code = self.planned_leave_exit_code
+        if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255:
+            raise LaunchConfigError(f"--planned-leave-exit-code must be an integer from 0 to 255 (an exit status), "
+                                    f"got {code!r}; e.g. 75 with a Kubernetes podFailurePolicy Ignore rule")
         if self.events_file is not None and not self.events_file.strip():
             raise LaunchConfigError("--events-file must be a path, got an empty string")
 
@@ -96,6 +105,17 @@ def env_float(name: str, default: float) -> float:
         return float(raw)
     except ValueError as exc:
         raise LaunchConfigError(f"environment variable {name}={raw!r} is not a number of seconds") from exc
+
+
+def env_int(name: str, default: int) -> int:
+    """Read an integer from the environment, naming the variable when it does not parse."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise LaunchConfigError(f"environment variable {name}={raw!r} is not an integer") from exc
 
 
 def default_stop_grace() -> float:

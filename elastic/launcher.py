@@ -29,7 +29,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
 from elastic.agent import SpotrunAgent
-from elastic.api import DEFAULT_RDZV_BACKEND, LaunchConfigError, RendezvousUnavailableError
+from elastic.api import DEFAULT_RDZV_BACKEND, LaunchConfigError, PlannedLeaveExit, RendezvousUnavailableError
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
 from elastic.notice import NoticePoller, make_sources
@@ -254,8 +254,10 @@ def launch(
         if result.is_failed():
             # @record on main() copies the root-cause worker's error file into the launcher's, like torchrun.
             raise ChildFailedError(name=entrypoint_name, failures=result.failures)
+        if agent.exit_status:
+            raise PlannedLeaveExit(agent.exit_status)
         return result.return_values
-    except ChildFailedError:
+    except (ChildFailedError, PlannedLeaveExit):
         raise
     except RendezvousError as exc:
         # e.g. etcd unreachable or join timeout: a clear one-line error at the CLI edge, not a traceback.

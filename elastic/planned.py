@@ -21,6 +21,8 @@ from elastic.preemption import WorkerNotice
 
 #: Seconds the workers get to commit an agreed step when a node joins (``--resize-timeout``).
 ENV_RESIZE_TIMEOUT = "SPOTRUN_RESIZE_TIMEOUT"
+#: Exit status of an agent that left the group for its notice (``--planned-leave-exit-code``, default 0).
+ENV_PLANNED_LEAVE_EXIT_CODE = "SPOTRUN_PLANNED_LEAVE_EXIT_CODE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,18 @@ def while_posted(view: GroupView, posted: WorkerNotice, *, stop_grace: float) ->
     if posted.deadline is not None and view.now >= posted.deadline - stop_grace:
         return PlannedStep.ABANDON
     return PlannedStep.WAIT
+
+
+def leave_exit_code(*, workers_finished: bool, configured: int) -> int:
+    """Exit status of an agent that left the group for its own notice.
+
+    ``configured`` (``--planned-leave-exit-code``) for every leave with training unfinished, whether the
+    peers go on or all of them were preempted at once: a controller that recreates only failed pods (a
+    Kubernetes Indexed Job) must bring this index back, and a whole preempted group exiting 0 would mark every
+    index succeeded and complete the Job with training unfinished. 0 when the workers had already finished
+    the run (they exited 0 without stopping at an agreed step): the job is over, a recreated pod would only
+    wait for peers that are gone."""
+    return 0 if workers_finished else configured
 
 
 def all_acknowledged(acks: dict[int, int], local_world_size: int) -> int | None:
