@@ -69,6 +69,7 @@ from elastic.planned import (
     all_acknowledged,
     leave_exit_code,
     unplanned_loss,
+    wait_for_helpers,
     while_posted,
     worker_notice,
 )
@@ -168,6 +169,8 @@ class SpotrunAgent(LocalElasticAgent):
         self._hung_pending = False
         self._recovery_cause: RecoveryCause | None = None
         """Why the current recovery happens: on every event until its workers_started (None at first start)."""
+        self._helpers_seen = False
+        """A local worker group of this agent ran Preemption helpers once (they come back after a restart)."""
         self._exit_status = 0
         """What the process should exit with after a successful run (``--planned-leave-exit-code`` on a leave)."""
 
@@ -542,6 +545,8 @@ class SpotrunAgent(LocalElasticAgent):
         """While healthy: post a planned stop to the workers, wait for it, or give up on it."""
         if self._mailbox is None:
             return PlannedTick.NONE
+        if not self._helpers_seen:
+            self._helpers_seen = self._helpers_ready()
         view = self._group_view()
         if self._posted is not None:
             if while_posted(view, self._posted, stop_grace=self._settings.stop_grace) is PlannedStep.WAIT:
@@ -561,10 +566,13 @@ class SpotrunAgent(LocalElasticAgent):
         if notice is None or unplanned_loss(view):
             return PlannedTick.NONE  # nothing planned, or a crash: the restart path below handles it
         if not self._helpers_ready():
-            if self._own_notice is not None:
+            own = self._own_notice
+            if own is not None and not wait_for_helpers(seen_before=self._helpers_seen, now=view.now,
+                                                        deadline=own.deadline, stop_grace=self._settings.stop_grace):
                 # The workers cannot stop at an agreed step: leave now so the peers re-form at once.
                 self._stop_workers(self._worker_group)
-                self._leave(step=None, why="the workers do not use elastic.preemption.Preemption")
+                self._leave(step=None, why="the workers do not use elastic.preemption.Preemption" if not
+                            self._helpers_seen else "the workers did not start their Preemption helper in time")
                 return PlannedTick.LEFT
             return PlannedTick.NONE
         self._mailbox.post(notice)

@@ -74,6 +74,14 @@ def while_posted(view: GroupView, posted: WorkerNotice, *, stop_grace: float) ->
     return PlannedStep.WAIT
 
 
+def wait_for_helpers(*, seen_before: bool, now: float, deadline: float, stop_grace: float) -> bool:
+    """With this node's notice pending and not every local worker running a ``Preemption`` helper: wait for
+    them (True) or leave at once without a save (False). Workers that used the helper before are only
+    starting up (a restart, a checkpoint load) and can still save while the deadline leaves room; workers
+    that never did cannot be asked to stop at a step, and waiting would only keep the peers from re-forming."""
+    return seen_before and now < deadline - stop_grace
+
+
 def leave_exit_code(*, workers_finished: bool, configured: int) -> int:
     """Exit status of an agent that left the group for its own notice.
 

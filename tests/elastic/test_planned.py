@@ -21,6 +21,7 @@ from elastic.planned import (
     all_acknowledged,
     leave_exit_code,
     unplanned_loss,
+    wait_for_helpers,
     while_posted,
     worker_notice,
 )
@@ -61,6 +62,12 @@ def test_a_leave_with_training_unfinished_exits_with_the_configured_code() -> No
     assert leave_exit_code(workers_finished=False, configured=75) == 75
     assert leave_exit_code(workers_finished=False, configured=0) == 0
     assert leave_exit_code(workers_finished=True, configured=75) == 0, "a finished run is a success"
+
+
+def test_only_workers_that_used_the_helper_are_waited_for_and_only_while_time_is_left() -> None:
+    assert wait_for_helpers(seen_before=True, now=NOW, deadline=NOW + 30, stop_grace=3)
+    assert not wait_for_helpers(seen_before=False, now=NOW, deadline=NOW + 30, stop_grace=3)
+    assert not wait_for_helpers(seen_before=True, now=NOW, deadline=NOW + 2, stop_grace=3)
 
 
 def test_all_local_workers_must_acknowledge_the_same_step() -> None:
