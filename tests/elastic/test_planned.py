@@ -13,18 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic import planned
 from elastic.events import read_events
 from elastic.notice import Notice
-from elastic.planned import (
-    GroupView,
-    PlannedStep,
-    all_acknowledged,
-    leave_exit_code,
-    unplanned_loss,
-    wait_for_helpers,
-    while_posted,
-    worker_notice,
-)
+from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
 from elastic.preemption import WorkerNotice
 from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, descendants, pid_alive, read_jsonl, wait_for
 
@@ -59,15 +51,15 @@ def test_waiting_for_the_agreed_step_is_abandoned_on_a_crash_or_the_deadline() -
 
 
 def test_a_leave_with_training_unfinished_exits_with_the_configured_code() -> None:
-    assert leave_exit_code(workers_finished=False, configured=75) == 75
-    assert leave_exit_code(workers_finished=False, configured=0) == 0
-    assert leave_exit_code(workers_finished=True, configured=75) == 0, "a finished run is a success"
+    assert planned.leave_exit_code(workers_finished=False, configured=75) == 75
+    assert planned.leave_exit_code(workers_finished=False, configured=0) == 0
+    assert planned.leave_exit_code(workers_finished=True, configured=75) == 0, "a finished run is a success"
 
 
 def test_only_workers_that_used_the_helper_are_waited_for_and_only_while_time_is_left() -> None:
-    assert wait_for_helpers(seen_before=True, now=NOW, deadline=NOW + 30, stop_grace=3)
-    assert not wait_for_helpers(seen_before=False, now=NOW, deadline=NOW + 30, stop_grace=3)
-    assert not wait_for_helpers(seen_before=True, now=NOW, deadline=NOW + 2, stop_grace=3)
+    assert planned.wait_for_helpers(seen_before=True, now=NOW, deadline=NOW + 30, stop_grace=3)
+    assert not planned.wait_for_helpers(seen_before=False, now=NOW, deadline=NOW + 30, stop_grace=3)
+    assert not planned.wait_for_helpers(seen_before=True, now=NOW, deadline=NOW + 2, stop_grace=3)
 
 
 def test_all_local_workers_must_acknowledge_the_same_step() -> None:
