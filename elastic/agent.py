@@ -22,7 +22,7 @@ tests/elastic/test_torch_internals.py (when torch changes):
 * a failed worker is one log line, not torch's ``logger.exception`` traceback;
 * planned changes (``elastic.planned``): SIGTERM / ``--preempt-signal`` / metadata notices become a deadline
   published to the group; workers with a ``Preemption`` helper commit an agreed step, then the preempted
-  agent revokes its lease and exits 0 and the others re-form uncharged (a joining node: the same stop first);
+  agent revokes its lease and exits 0 (or ``--planned-leave-exit-code``) and the others re-form uncharged (a joining node: the same stop first);
 * shutdown without traps: a worker that already returned is not waited for, and an agent whose workers
   finished does not sit in the exit barrier for a peer that left (it re-forms instead of reporting success).
 
@@ -598,7 +598,8 @@ class SpotrunAgent(LocalElasticAgent):
                    source=notice.source if notice else None, deadline=notice.deadline if notice else None)
 
     def _leave_for_notice(self, step: int | None) -> RunResult:
-        """The workers committed ``step`` and exited 0: revoke the lease (peers re-form now) and exit 0."""
+        """The workers committed ``step`` and exited 0: revoke the lease (peers re-form now) and exit 0 (or
+        ``--planned-leave-exit-code``)."""
         self._stop_workers(self._worker_group)
         self._leave(step=step, why=None if step is not None else "the workers exited without acknowledging a step")
         # Workers that use the helper and exit 0 without stopping at an agreed step finished the run.

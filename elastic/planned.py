@@ -4,7 +4,8 @@ A *planned* change is one the group hears about before it happens: this node got
 peer published one (through the rendezvous), or a node waits to join. Instead of killing the workers and
 rolling back to the last periodic checkpoint, the agent posts a :class:`~elastic.preemption.WorkerNotice`
 to its workers' mailbox; workers that use :class:`~elastic.preemption.Preemption` agree on a step, commit
-it, acknowledge and exit 0. Then the leaving agent revokes its lease and exits 0, and the others re-form at
+it, acknowledge and exit 0. Then the leaving agent revokes its lease and exits 0 (``--planned-leave-exit-code``
+for controllers that recreate only failed pods, see :func:`leave_exit_code`), and the others re-form at
 once at the new size and resume from that step: zero steps lost. These restarts are not charged against
 ``--max-restarts``.
 
