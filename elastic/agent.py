@@ -22,7 +22,7 @@ tests/elastic/test_torch_internals.py (when torch changes):
 * a failed worker is one log line, not torch's ``logger.exception`` traceback;
 * planned changes (``elastic.planned``): SIGTERM / ``--preempt-signal`` / metadata notices become a deadline
   published to the group; workers with a ``Preemption`` helper commit an agreed step, then the preempted
-  agent revokes its lease and exits 0 and the others re-form uncharged (a joining node: the same stop first);
+  agent revokes its lease and exits 0 (or ``--planned-leave-exit-code``) and the others re-form uncharged (a joining node: the same stop first);
 * shutdown without traps: a worker that already returned is not waited for, and an agent whose workers
   finished does not sit in the exit barrier for a peer that left (it re-forms instead of reporting success).
 
@@ -63,7 +63,16 @@ from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
 from elastic.notice import Notice, earliest, parse_signal_spec
-from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
+from elastic.planned import (
+    GroupView,
+    PlannedStep,
+    all_acknowledged,
+    leave_exit_code,
+    unplanned_loss,
+    wait_for_helpers,
+    while_posted,
+    worker_notice,
+)
 from elastic.preemption import Mailbox, WorkerNotice
 from elastic.progress import ProgressBoard
 from elastic.rendezvous.api import MembershipAwareHandler, NoticeAwareHandler
@@ -160,6 +169,16 @@ class SpotrunAgent(LocalElasticAgent):
         self._hung_pending = False
         self._recovery_cause: RecoveryCause | None = None
         """Why the current recovery happens: on every event until its workers_started (None at first start)."""
+        self._helpers_seen = False
+        """A local worker group of this agent ran Preemption helpers once (they come back after a restart)."""
+        self._exit_status = 0
+        """What the process should exit with after a successful run (``--planned-leave-exit-code`` on a leave)."""
+
+    @property
+    def exit_status(self) -> int:
+        """Exit status for a run that did not fail: 0, or ``--planned-leave-exit-code`` after this node left
+        the group for its notice with training unfinished (see ``planned.leave_exit_code``)."""
+        return self._exit_status
 
     # --- context for logs and events ------------------------------------------------------------------------
 
@@ -251,6 +270,20 @@ class SpotrunAgent(LocalElasticAgent):
                            exc_info=logger.isEnabledFor(logging.DEBUG))
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
+
+    def _wait_for_peer_loss(self, window: float) -> bool:
+        """Watch the membership up to ``window`` s: True as soon as it changes (a peer lost its lease),
+        False when the window passes. Event-driven with a membership-aware handler, else polled."""
+        deadline = time.monotonic() + window
+        while not self._membership_changed():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if self._membership is not None:
+                self._wait_for_membership_change(remaining)
+            else:
+                time.sleep(min(remaining, self._worker_group.spec.monitor_interval))
+        return True
 
     # --- rendezvous, start and stop with events ------------------------------------------------------------
 
@@ -425,8 +458,7 @@ class SpotrunAgent(LocalElasticAgent):
                 if planned is PlannedTick.WAITING:
                     continue
                 if planned is PlannedTick.LEFT:
-                    self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.SUCCEEDED.name)
-                    return self._left_result()
+                    return self._left_result(workers_finished=False)
                 # CHANGE: also reacts to a lost peer (membership_changed), not only to waiting nodes.
                 if self._membership_changed():
                     self._begin_recovery(self._membership_cause())
@@ -516,6 +548,8 @@ class SpotrunAgent(LocalElasticAgent):
         """While healthy: post a planned stop to the workers, wait for it, or give up on it."""
         if self._mailbox is None:
             return PlannedTick.NONE
+        if not self._helpers_seen:
+            self._helpers_seen = self._helpers_ready()
         view = self._group_view()
         if self._posted is not None:
             if while_posted(view, self._posted, stop_grace=self._settings.stop_grace) is PlannedStep.WAIT:
@@ -535,10 +569,13 @@ class SpotrunAgent(LocalElasticAgent):
         if notice is None or unplanned_loss(view):
             return PlannedTick.NONE  # nothing planned, or a crash: the restart path below handles it
         if not self._helpers_ready():
-            if self._own_notice is not None:
+            own = self._own_notice
+            if own is not None and not wait_for_helpers(seen_before=self._helpers_seen, now=view.now,
+                                                        deadline=own.deadline, stop_grace=self._settings.stop_grace):
                 # The workers cannot stop at an agreed step: leave now so the peers re-form at once.
                 self._stop_workers(self._worker_group)
-                self._leave(step=None, why="the workers do not use elastic.preemption.Preemption")
+                self._leave(step=None, why="the workers do not use elastic.preemption.Preemption" if not
+                            self._helpers_seen else "the workers did not start their Preemption helper in time")
                 return PlannedTick.LEFT
             return PlannedTick.NONE
         self._mailbox.post(notice)
@@ -564,14 +601,19 @@ class SpotrunAgent(LocalElasticAgent):
                    source=notice.source if notice else None, deadline=notice.deadline if notice else None)
 
     def _leave_for_notice(self, step: int | None) -> RunResult:
-        """The workers committed ``step`` and exited 0: revoke the lease (peers re-form now) and exit 0."""
+        """The workers committed ``step`` and exited 0: revoke the lease (peers re-form now) and exit 0 (or
+        ``--planned-leave-exit-code``)."""
         self._stop_workers(self._worker_group)
         self._leave(step=step, why=None if step is not None else "the workers exited without acknowledging a step")
-        self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.SUCCEEDED.name)
-        return self._left_result()
+        # Workers that use the helper and exit 0 without stopping at an agreed step finished the run.
+        return self._left_result(workers_finished=step is None)
 
-    def _left_result(self) -> RunResult:
-        """Success for every local worker (torch records one event per worker from the return values)."""
+    def _left_result(self, *, workers_finished: bool) -> RunResult:
+        """Success for every local worker (torch records one event per worker from the return values); the
+        process exits with ``--planned-leave-exit-code`` unless the workers had finished the run."""
+        self._exit_status = leave_exit_code(workers_finished=workers_finished,
+                                            configured=self._settings.planned_leave_exit_code)
+        self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.SUCCEEDED.name, exit_code=self._exit_status)
         return RunResult(state=WorkerState.SUCCEEDED,
                          return_values={w.global_rank: None for w in self._worker_group.workers})
 
@@ -620,8 +662,9 @@ class SpotrunAgent(LocalElasticAgent):
         failures = {rank: f.exitcode for rank, f in run_result.failures.items()}
         peer_lost = self._membership_changed()
         if not peer_lost and self._remaining_restarts == 0:
-            # CHANGE: last chance; a collective broken by a dead peer fails before the peer's lease expires.
-            peer_lost = self._wait_for_membership_change(self._settings.peer_loss_grace) or self._membership_changed()
+            # CHANGE: last chance; a collective broken by a dead peer fails before the peer's lease expires
+            # (the launcher stretches peer_loss_grace over the lease TTL, see launcher.peer_loss_window).
+            peer_lost = self._wait_for_peer_loss(self._settings.peer_loss_grace)
         action = decide_on_failure(remaining_restarts=self._remaining_restarts, peer_lost=peer_lost)
         cause = FailureCause.WORKER_FAILURE_WITH_PEER_LOSS if peer_lost else FailureCause.WORKER_FAILURE
         if self._hung_pending:

@@ -44,6 +44,7 @@ class RecoveryEvent(str, enum.Enum):
     RENDEZVOUS_COMPLETED = "rendezvous_completed"
     WORKERS_STARTED = "workers_started"
     RUN_FINISHED = "run_finished"
+    """The agent's run ended (``state``; after a planned leave also ``exit_code``, the process's exit status)."""
     NOTICE_RECEIVED = "notice_received"
     """This node got a preemption notice (``source``, ``deadline`` wall-clock s, ``published`` to the group)."""
     PLANNED_STOP_POSTED = "planned_stop_posted"
@@ -114,6 +115,14 @@ class RendezvousUnavailableError(SpotrunError):
 
 class StandaloneEtcdError(SpotrunError):
     """``--standalone`` could not start its embedded etcd."""
+
+
+class PlannedLeaveExit(SpotrunError):
+    """This agent left the group for its notice and exits with ``--planned-leave-exit-code`` (not a failure)."""
+
+    def __init__(self, exit_code: int) -> None:
+        super().__init__(f"left the group for a preemption notice; exiting with status {exit_code}")
+        self.exit_code = exit_code
 
 
 class TorchInternalsError(SpotrunError, AssertionError):

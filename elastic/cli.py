@@ -15,7 +15,8 @@ Differences from torchrun:
   ``--stop-grace SECONDS``       SIGTERM->SIGKILL grace when workers are stopped for a restart
                                  (env ``SPOTRUN_STOP_GRACE``, default 3; torch uses 30).
   ``--peer-loss-grace SECONDS``  with no restarts left, how long a failed group waits for a lost-peer signal
-                                 before giving up (env ``SPOTRUN_PEER_LOSS_GRACE``, default 5).
+                                 before giving up (env ``SPOTRUN_PEER_LOSS_GRACE``, default 5; with etcd-v3
+                                 at least ``lease_ttl`` + 2 unless 0).
   ``--[no-]warm-workers``        fork Python script workers from a torch-preloaded forkserver (env
                                  ``SPOTRUN_WARM_WORKERS``, default on): a restart skips ``import torch``.
                                  (torchrun's ``--start-method`` only ever applied to ``--run-path``
@@ -27,6 +28,9 @@ Differences from torchrun:
                                  ``SPOTRUN_PREEMPT_NOTICE``), every ``--preempt-poll-interval`` s (default 2).
   ``--resize-timeout SECONDS``   a joining node first lets the workers commit an agreed step (env
                                  ``SPOTRUN_RESIZE_TIMEOUT``, default 60).
+  ``--planned-leave-exit-code N`` exit status of an agent that left for its notice with training unfinished
+                                 (env ``SPOTRUN_PLANNED_LEAVE_EXIT_CODE``, 0-255, default 0; 75 with a
+                                 podFailurePolicy Ignore rule on a Kubernetes Indexed Job).
   ``--hang-timeout SECONDS``     a worker without progress (optimizer steps, ``elastic.progress.heartbeat()``
                                  or main-thread CPU) this long after start-up counts as hung: its stack is
                                  logged, it is killed and the group restarts (env ``SPOTRUN_HANG_TIMEOUT``;
@@ -38,7 +42,8 @@ Differences from torchrun:
                                  ``<log-dir>/events.jsonl``, or in torch's temporary log directory
                                  ``/tmp/torchelastic_*/events.jsonl`` when no ``--log-dir`` is given).
 
-Exit status: 0 on success; 1 when workers fail (with torchrun's root-cause summary); 2 for a bad command
+Exit status: 0 on success (also after leaving the group for a preemption notice, unless
+``--planned-leave-exit-code`` says otherwise); 1 when workers fail (with torchrun's root-cause summary); 2 for a bad command
 line or rendezvous configuration; 1 when the rendezvous backend is unreachable.
 """
 
@@ -67,6 +72,7 @@ from elastic.api import (
     ENV_STOP_GRACE,
     ENV_WARM_WORKERS,
     LaunchConfigError,
+    PlannedLeaveExit,
     RendezvousUnavailableError,
     StandaloneEtcdError,
 )
@@ -74,6 +80,7 @@ from elastic.config import (
     AgentSettings,
     default_events_file,
     default_peer_loss_grace,
+    default_planned_leave_exit_code,
     default_preempt_grace,
     default_preempt_notice,
     default_preempt_poll_interval,
@@ -92,7 +99,7 @@ from elastic.notice import (
     ENV_PREEMPT_SIGNAL,
     parse_sources,
 )
-from elastic.planned import ENV_RESIZE_TIMEOUT
+from elastic.planned import ENV_PLANNED_LEAVE_EXIT_CODE, ENV_RESIZE_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(env {ENV_STOP_GRACE}, default 3).")
     group.add_argument("--peer-loss-grace", "--peer_loss_grace", type=float, default=None,
                        help=f"With no restarts left, seconds a failed worker group waits for a lost-peer signal "
-                            f"before failing the job (env {ENV_PEER_LOSS_GRACE}, default 5).")
+                            f"before failing the job (env {ENV_PEER_LOSS_GRACE}, default 5; with etcd-v3 at least the "
+                            f"lease_ttl + 2 s, so a peer that died with the failure is seen; 0: no wait).")
     group.add_argument("--warm-workers", "--warm_workers", action=argparse.BooleanOptionalAction, default=None,
                        help=f"Fork Python script workers from a forkserver that pre-imported torch, so restarts skip "
                             f"the interpreter start (env {ENV_WARM_WORKERS}, default on; --no-warm-workers: plain "
@@ -141,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--resize-timeout", "--resize_timeout", type=float, default=None,
                        help=f"When a node joins, seconds the workers get to commit an agreed step before the "
                             f"group restarts anyway (env {ENV_RESIZE_TIMEOUT}, default 60).")
+    group.add_argument("--planned-leave-exit-code", "--planned_leave_exit_code", type=int, default=None,
+                       help=f"Exit status (0-255) of an agent that left the group for its preemption notice with "
+                            f"training unfinished (env {ENV_PLANNED_LEAVE_EXIT_CODE}, default 0). On a Kubernetes "
+                            f"Indexed Job use e.g. 75 with a podFailurePolicy Ignore rule, so the index is recreated.")
     group.add_argument("--hang-timeout", "--hang_timeout", type=float, default=None,
                        help=f"Seconds without progress after start-up before a worker counts as hung and the group "
                             f"restarts (env {ENV_HANG_TIMEOUT}; default adaptive: 10x the slowest recent step, "
@@ -184,6 +196,8 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         preempt_poll_interval=default_preempt_poll_interval() if args.preempt_poll_interval is None
         else args.preempt_poll_interval,
         resize_timeout=default_resize_timeout() if args.resize_timeout is None else args.resize_timeout,
+        planned_leave_exit_code=default_planned_leave_exit_code() if args.planned_leave_exit_code is None
+        else args.planned_leave_exit_code,
         hang=hang_policy(enabled=args.hang_detection, timeout=args.hang_timeout,
                          startup_timeout=args.hang_startup_timeout),
     )
@@ -283,6 +297,9 @@ def _main(argv: Sequence[str] | None) -> None:
         parser.exit(EXIT_USAGE, f"spotrun: error: {exc}\n")
     except (RendezvousUnavailableError, StandaloneEtcdError) as exc:
         parser.exit(EXIT_FAILURE, f"spotrun: error: {exc}\n")
+    except PlannedLeaveExit as exc:
+        logger.warning("%s", exc)
+        parser.exit(exc.exit_code)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

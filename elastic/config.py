@@ -18,7 +18,7 @@ from elastic.api import (
 )
 from elastic.hang import HangPolicy
 from elastic.notice import ENV_PREEMPT_GRACE, ENV_PREEMPT_NOTICE, ENV_PREEMPT_POLL_INTERVAL, ENV_PREEMPT_SIGNAL
-from elastic.planned import ENV_RESIZE_TIMEOUT
+from elastic.planned import ENV_PLANNED_LEAVE_EXIT_CODE, ENV_RESIZE_TIMEOUT
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,7 +31,8 @@ class AgentSettings:
 
     peer_loss_grace: float = 5.0
     """When a worker group fails with no restarts left, seconds to wait for the rendezvous to report a lost
-    peer before giving up: a collective broken by a dead peer fails before the peer's lease expires."""
+    peer before giving up: a collective broken by a dead peer fails before the peer's lease expires. The
+    launcher raises it to the lease TTL plus a margin (``launcher.peer_loss_window``); 0 turns it off."""
 
     events_file: str | None = None
     """JSON-lines file for recovery events; ``None`` means ``<log root>/events.jsonl`` (the ``--log-dir``,
@@ -57,6 +58,11 @@ class AgentSettings:
     resize_timeout: float = 60.0
     """When a node waits to join, seconds the running workers get to reach an agreed step and commit it
     before the group is restarted anyway (losing the steps since the last checkpoint, as before)."""
+
+    planned_leave_exit_code: int = 0
+    """Exit status of an agent that left the group for its notice with training unfinished (0-255). 0 says
+    "done" to the platform; a Kubernetes Indexed Job then never recreates the index. Set e.g. 75 there with a
+    podFailurePolicy rule ``action: Ignore`` on that code (deploy/kubernetes/job.yaml)."""
 
     hang: HangPolicy | None = None
     """Hang detection budgets (``--hang-timeout``, ``--hang-startup-timeout``); None turns it off
@@ -84,6 +90,10 @@ class AgentSettings:
                     f"{name} must be a finite number of seconds >= 0, got {value!r}; "
                     f"pass e.g. --{name.replace('_', '-')} 3"
                 )
+        code = self.planned_leave_exit_code
+        if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255:
+            raise LaunchConfigError(f"--planned-leave-exit-code must be an integer from 0 to 255 (an exit status), "
+                                    f"got {code!r}; e.g. 75 with a Kubernetes podFailurePolicy Ignore rule")
         if self.events_file is not None and not self.events_file.strip():
             raise LaunchConfigError("--events-file must be a path, got an empty string")
 
@@ -104,6 +114,17 @@ def env_float(name: str, default: float) -> float:
         raise LaunchConfigError(f"environment variable {name}={raw!r} is not a number of seconds") from exc
 
 
+def env_int(name: str, default: int) -> int:
+    """Read an integer from the environment, naming the variable when it does not parse."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise LaunchConfigError(f"environment variable {name}={raw!r} is not an integer") from exc
+
+
 def default_stop_grace() -> float:
     return env_float(ENV_STOP_GRACE, _DEFAULTS.stop_grace)
 
@@ -122,6 +143,10 @@ def default_preempt_poll_interval() -> float:
 
 def default_resize_timeout() -> float:
     return env_float(ENV_RESIZE_TIMEOUT, _DEFAULTS.resize_timeout)
+
+
+def default_planned_leave_exit_code() -> int:
+    return env_int(ENV_PLANNED_LEAVE_EXIT_CODE, _DEFAULTS.planned_leave_exit_code)
 
 
 def default_preempt_signal() -> str | None:

@@ -29,7 +29,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
 from elastic.agent import SpotrunAgent
-from elastic.api import DEFAULT_RDZV_BACKEND, LaunchConfigError, RendezvousUnavailableError
+from elastic.api import DEFAULT_RDZV_BACKEND, LaunchConfigError, PlannedLeaveExit, RendezvousUnavailableError
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
 from elastic.notice import NoticePoller, make_sources
@@ -92,12 +92,41 @@ def _maybe_warm(
     return warm
 
 
-def _effective_settings(config: LaunchConfig, settings: AgentSettings) -> AgentSettings:
+#: Seconds past the lease TTL before a dead peer is surely seen gone: etcd expires leases on a 0.5 s tick,
+#: the deletion then travels through the watch, and a loaded machine adds its own delay.
+LEASE_EXPIRY_MARGIN = 2.0
+
+
+def peer_loss_window(grace: float, lease_ttl: float | None) -> float:
+    """Seconds a failed group with no restarts left watches the membership for a lost peer before giving up.
+
+    A SIGKILLed peer breaks the survivors' collectives at once (its sockets close), but its lease lasts up
+    to ``lease_ttl``: a fixed grace shorter than that charged the loss to the survivor as its own failure
+    and ended the job. So the wait covers the lease TTL plus a margin; ``grace`` 0 keeps it off."""
+    if grace <= 0 or lease_ttl is None:
+        return grace
+    return max(grace, lease_ttl + LEASE_EXPIRY_MARGIN)
+
+
+def _effective_settings(config: LaunchConfig, settings: AgentSettings, lease_ttl: float | None) -> AgentSettings:
     """A job of one node has no peer whose loss could explain a worker failure: waiting
-    ``peer_loss_grace`` for one only delays the failure (torchrun reports it at once)."""
+    ``peer_loss_grace`` for one only delays the failure (torchrun reports it at once). Otherwise the
+    wait covers the peers' lease TTL (:func:`peer_loss_window`)."""
     if config.max_nodes == 1 and settings.peer_loss_grace > 0:
         return dataclasses.replace(settings, peer_loss_grace=0.0)
+    window = peer_loss_window(settings.peer_loss_grace, lease_ttl)
+    if window != settings.peer_loss_grace:
+        return dataclasses.replace(settings, peer_loss_grace=window)
     return settings
+
+
+def lease_ttl_of(handler: RendezvousHandler) -> float | None:
+    """How long a dead peer stays a member (etcd-v3's lease TTL); None for backends without leases."""
+    try:
+        from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
+    except ImportError:  # the backend is not installed: no handler of it can exist
+        return None
+    return float(handler.config.lease_ttl) if isinstance(handler, EtcdV3RendezvousHandler) else None
 
 
 def _preimport_log_formatter_dependencies() -> None:
@@ -154,7 +183,6 @@ def launch(
         logger.warning("config has no run_id, generated a random run_id: %s", config.run_id)
     entrypoint_name = _get_entrypoint_name(entrypoint, args)
     entrypoint, args = _maybe_warm(config, entrypoint, args, settings)
-    settings = _effective_settings(config, settings)
 
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,
@@ -168,6 +196,7 @@ def launch(
     master_addr, master_port = _get_addr_and_port(rdzv_parameters)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     rdzv_handler = create_rendezvous_handler(rdzv_parameters)
+    settings = _effective_settings(config, settings, lease_ttl_of(rdzv_handler))
 
     spec = WorkerSpec(
         role=config.role,
@@ -227,8 +256,10 @@ def launch(
         if result.is_failed():
             # @record on main() copies the root-cause worker's error file into the launcher's, like torchrun.
             raise ChildFailedError(name=entrypoint_name, failures=result.failures)
+        if agent.exit_status:
+            raise PlannedLeaveExit(agent.exit_status)
         return result.return_values
-    except ChildFailedError:
+    except (ChildFailedError, PlannedLeaveExit):
         raise
     except RendezvousError as exc:
         # e.g. etcd unreachable or join timeout: a clear one-line error at the CLI edge, not a traceback.

@@ -4,7 +4,8 @@ A *planned* change is one the group hears about before it happens: this node got
 peer published one (through the rendezvous), or a node waits to join. Instead of killing the workers and
 rolling back to the last periodic checkpoint, the agent posts a :class:`~elastic.preemption.WorkerNotice`
 to its workers' mailbox; workers that use :class:`~elastic.preemption.Preemption` agree on a step, commit
-it, acknowledge and exit 0. Then the leaving agent revokes its lease and exits 0, and the others re-form at
+it, acknowledge and exit 0. Then the leaving agent revokes its lease and exits 0 (``--planned-leave-exit-code``
+for controllers that recreate only failed pods, see :func:`leave_exit_code`), and the others re-form at
 once at the new size and resume from that step: zero steps lost. These restarts are not charged against
 ``--max-restarts``.
 
@@ -21,6 +22,8 @@ from elastic.preemption import WorkerNotice
 
 #: Seconds the workers get to commit an agreed step when a node joins (``--resize-timeout``).
 ENV_RESIZE_TIMEOUT = "SPOTRUN_RESIZE_TIMEOUT"
+#: Exit status of an agent that left the group for its notice (``--planned-leave-exit-code``, default 0).
+ENV_PLANNED_LEAVE_EXIT_CODE = "SPOTRUN_PLANNED_LEAVE_EXIT_CODE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,26 @@ def while_posted(view: GroupView, posted: WorkerNotice, *, stop_grace: float) ->
     if posted.deadline is not None and view.now >= posted.deadline - stop_grace:
         return PlannedStep.ABANDON
     return PlannedStep.WAIT
+
+
+def wait_for_helpers(*, seen_before: bool, now: float, deadline: float, stop_grace: float) -> bool:
+    """With this node's notice pending and not every local worker running a ``Preemption`` helper: wait for
+    them (True) or leave at once without a save (False). Workers that used the helper before are only
+    starting up (a restart, a checkpoint load) and can still save while the deadline leaves room; workers
+    that never did cannot be asked to stop at a step, and waiting would only keep the peers from re-forming."""
+    return seen_before and now < deadline - stop_grace
+
+
+def leave_exit_code(*, workers_finished: bool, configured: int) -> int:
+    """Exit status of an agent that left the group for its own notice.
+
+    ``configured`` (``--planned-leave-exit-code``) for every leave with training unfinished, whether the
+    peers go on or all of them were preempted at once: a controller that recreates only failed pods (a
+    Kubernetes Indexed Job) must bring this index back, and a whole preempted group exiting 0 would mark every
+    index succeeded and complete the Job with training unfinished. 0 when the workers had already finished
+    the run (they exited 0 without stopping at an agreed step): the job is over, a recreated pod would only
+    wait for peers that are gone."""
+    return 0 if workers_finished else configured
 
 
 def all_acknowledged(acks: dict[int, int], local_world_size: int) -> int | None:

@@ -290,8 +290,9 @@ def test_prestop_hook_gives_the_agent_its_notice(cluster: Cluster) -> None:
         # The kubelet runs the hook inside the container, i.e. in the agent's PID namespace.
         hook_run = subprocess.run(["nsenter", f"--target={agent}", "--pid", "--", *hook],
                                   check=False, capture_output=True, text=True, timeout=120)
-        # The hook loops until PID 1 is gone; the namespace's end then takes the hook's shell with it.
-        assert pod0.wait(timeout=30) is not None, hook_run
+        # The hook loops until PID 1 is gone; the namespace's end then takes the hook's shell with it. The agent
+        # left after saving with job.yaml's --planned-leave-exit-code (75), which its podFailurePolicy ignores.
+        assert pod0.wait(timeout=30) == int(m.flag_value(pods[0][1], "--planned-leave-exit-code") or 0) == 75, hook_run
         assert not os.path.exists(f"/proc/{agent}")
         etcdctl = str(Path(find_etcd_binary()).with_name("etcdctl"))
 

@@ -142,6 +142,14 @@ def test_indexed_job_follows_the_api_servers_rules() -> None:
         assert pod["restartPolicy"] == "Never", "backoffLimitPerIndex/podFailurePolicy need restartPolicy: Never"
     if "maxFailedIndexes" in spec:
         assert "backoffLimitPerIndex" in spec and spec["maxFailedIndexes"] <= spec["completions"]
+    # A planned leave exits non-zero so the index is recreated, and that exit is not counted as a failure.
+    (container,) = m.pod_template(job)["spec"]["containers"]
+    argv = m.container_argv(container, m.container_env(container, SAMPLE_FIELDS))
+    code = build_parser().parse_args(argv[1:]).planned_leave_exit_code
+    assert code, "an agent that left for its notice must not exit 0: the Indexed Job would not recreate its index"
+    ignored = [r["onExitCodes"] for r in spec["podFailurePolicy"]["rules"]
+               if r["action"] == "Ignore" and "onExitCodes" in r]
+    assert [(r["containerName"], r["operator"], r["values"]) for r in ignored] == [(container["name"], "In", [code])]
     # A headless Service whose selector matches the Job's pods, named like the pods' subdomain.
     service = m.find(path, "Service")
     assert service["spec"]["clusterIP"] == "None"

@@ -12,6 +12,7 @@ import pytest
 
 from elastic.agent import FailureAction, decide_on_failure, should_refund
 from elastic.events import read_events
+from elastic.launcher import LEASE_EXPIRY_MARGIN, peer_loss_window
 from tests.harness.procs import (
     EXAMPLES,
     SPOTRUN,
@@ -19,6 +20,7 @@ from tests.harness.procs import (
     Launcher,
     pid_alive,
     read_jsonl,
+    signal_all,
     wait_for,
 )
 
@@ -45,14 +47,23 @@ def test_should_refund_only_charged_restarts_that_changed_the_group() -> None:
     assert not should_refund(charged=True, previous_group_world_size=None, new_group_world_size=1)
 
 
+def test_peer_loss_window_covers_the_lease_ttl() -> None:
+    # A SIGKILLed peer stays a member until its lease expires: the last-chance wait must outlast it.
+    assert peer_loss_window(5.0, 3.0) == 5.0
+    assert peer_loss_window(0.5, 2.0) == 2.0 + LEASE_EXPIRY_MARGIN
+    assert peer_loss_window(5.0, 10.0) == 10.0 + LEASE_EXPIRY_MARGIN
+    assert peer_loss_window(0.0, 10.0) == 0.0, "0 keeps the wait off"
+    assert peer_loss_window(5.0, None) == 5.0, "backends without leases keep the grace"
+
+
 # --- processes ---------------------------------------------------------------------------------------------
 
 
 def _agent(tmp_path: Path, name: str, endpoint: str, run_id: str, *extra: str, nnodes: str = "1:3",
-           rdzv_conf: str = RDZV_CONF) -> Launcher:
+           rdzv_conf: str = RDZV_CONF, agent_flags: tuple[str, ...] = ()) -> Launcher:
     return Launcher(
         [*SPOTRUN, "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-         "--rdzv-conf", rdzv_conf, "--max-restarts", "0", "--stop-grace", "1", "--shutdown-timeout", "2",
+         "--rdzv-conf", rdzv_conf, "--max-restarts", "0", "--stop-grace", "1", "--shutdown-timeout", "2", *agent_flags,
          "--log-dir", str(tmp_path / f"logs-{name}"), "--events-file", str(tmp_path / "events.jsonl"),
          FAULT, "--steps", "0", "--step-time", "0.1", "--out", str(tmp_path / "out"), *extra],
         tmp_path / f"{name}.log",
@@ -94,7 +105,10 @@ def _running(agents: list[Launcher]) -> Iterator[list[Launcher]]:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_node_loss_shrinks_the_group_and_a_new_node_grows_it_back(tmp_path: Path, etcd_server) -> None:
-    agents = [_agent(tmp_path, "a", etcd_server.endpoint, "grow-shrink"),
+    # a's --peer-loss-grace (0.5 s) is shorter than b's lease (2 s): when b's node dies, a's worker fails in
+    # the collective at once, and only a wait stretched over the lease TTL sees b gone instead of charging a
+    # (--max-restarts 0: giving up) with a failure of its own.
+    agents = [_agent(tmp_path, "a", etcd_server.endpoint, "grow-shrink", agent_flags=("--peer-loss-grace", "0.5")),
               _agent(tmp_path, "b", etcd_server.endpoint, "grow-shrink")]
     a, b = agents
     with _running(agents):
@@ -103,8 +117,10 @@ def test_node_loss_shrinks_the_group_and_a_new_node_grows_it_back(tmp_path: Path
         b_workers = _worker_pids(tmp_path, b)
         assert b_workers and all(pid_alive(p) for p in b_workers)
 
-        # Node loss: SIGKILL agent b. Its worker must not outlive it, and a must go on alone.
-        b.signal(signal.SIGKILL)
+        # Node loss: SIGKILL b's worker, then agent b (a node losing power; the worker first, so that a's
+        # collective breaks before b's lease expires). a must go on alone. (Workers dying with a SIGKILLed
+        # agent: tests/elastic/test_launcher.py.)
+        signal_all([*b_workers, b.pid], signal.SIGKILL)
         b.wait(10)
         killed_at = time.time()
         wait_for(lambda: not any(pid_alive(p) for p in b_workers), 10, f"b's workers {b_workers} to die with b")

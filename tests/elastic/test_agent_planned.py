@@ -126,3 +126,34 @@ def test_a_deadline_too_short_to_save_is_recorded_and_the_node_still_leaves(tmp_
     assert leave["saved"] is False and leave["step"] is None and leave["source"] == "aws"
     assert "deadline" in events.records[-3]["why"]
     assert handler.left == 1, "the lease is revoked so the peers re-form at once"
+
+
+def test_a_metadata_notice_without_helpers_leaves_at_once_and_says_why(tmp_path: Path) -> None:
+    from elastic.notice import Notice
+
+    handler = NoticeHandler()
+    agent, _, events = _agent(tmp_path, handler, planned_leave_exit_code=75)
+    agent.receive_notice(Notice("gcp", time.time() + 30, "instance/preempted TRUE"))
+    assert agent._planned_tick() is PlannedTick.LEFT, "workers that never used the helper cannot save"
+    leave = events.records[-1]
+    assert leave["event"] == "planned_leave" and leave["saved"] is False and leave["step"] is None
+    assert "do not use elastic.preemption.Preemption" in leave["why"] and leave["source"] == "gcp"
+    assert handler.left == 1
+    agent._left_result(workers_finished=False)
+    assert agent.exit_status == 75 and events.records[-1]["exit_code"] == 75
+
+
+def test_a_notice_during_a_restart_waits_for_helpers_that_were_used_before(tmp_path: Path) -> None:
+    from elastic.notice import Notice
+
+    handler = NoticeHandler()
+    agent, box, events = _agent(tmp_path, handler, stop_grace=1.0)
+    box.register_helper(0)
+    assert agent._planned_tick() is PlannedTick.NONE  # healthy, nothing planned: the helper is noted
+    box.clear()  # a restart: the new workers have not constructed their helper yet
+    agent.receive_notice(Notice("aws", time.time() + 30, "spot instance-action terminate"))
+    assert agent._planned_tick() is PlannedTick.NONE, "the workers used the helper before: wait for it"
+    assert not [e for e in events.records if e["event"] == "planned_leave"]
+    box.register_helper(0)
+    assert agent._planned_tick() is PlannedTick.WAITING
+    assert box.read_notice().reason == "preempt"

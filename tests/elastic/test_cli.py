@@ -102,6 +102,22 @@ def test_a_malformed_env_default_names_the_variable(monkeypatch: pytest.MonkeyPa
         settings_from_args(build_parser().parse_args([SCRIPT]))
 
 
+def test_planned_leave_exit_code_from_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert settings_from_args(build_parser().parse_args([SCRIPT])).planned_leave_exit_code == 0
+    monkeypatch.setenv("SPOTRUN_PLANNED_LEAVE_EXIT_CODE", "75")
+    assert settings_from_args(build_parser().parse_args([SCRIPT])).planned_leave_exit_code == 75
+    args = build_parser().parse_args(["--planned-leave-exit-code", "3", SCRIPT])
+    assert settings_from_args(args).planned_leave_exit_code == 3, "the flag wins over the environment"
+    for bad in ("256", "-1"):
+        with pytest.raises(LaunchConfigError, match="from 0 to 255"):
+            settings_from_args(build_parser().parse_args(["--planned-leave-exit-code", bad, SCRIPT]))
+    monkeypatch.setenv("SPOTRUN_PLANNED_LEAVE_EXIT_CODE", "seventy")
+    with pytest.raises(LaunchConfigError, match="SPOTRUN_PLANNED_LEAVE_EXIT_CODE"):
+        settings_from_args(build_parser().parse_args([SCRIPT]))
+    with pytest.raises(LaunchConfigError, match="from 0 to 255"):
+        AgentSettings(planned_leave_exit_code=True)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("text", "expected"), [("1", (1, 1)), ("2:4", (2, 4)), (" 3:3 ", (3, 3))]
 )

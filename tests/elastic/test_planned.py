@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic import planned
 from elastic.events import read_events
 from elastic.notice import Notice
 from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
@@ -47,6 +48,18 @@ def test_waiting_for_the_agreed_step_is_abandoned_on_a_crash_or_the_deadline() -
     assert unplanned_loss(crashed) == {"c"} and while_posted(crashed, posted, stop_grace=3) is PlannedStep.ABANDON
     late = GroupView(now=NOW + 7.5)
     assert while_posted(late, posted, stop_grace=3) is PlannedStep.ABANDON
+
+
+def test_a_leave_with_training_unfinished_exits_with_the_configured_code() -> None:
+    assert planned.leave_exit_code(workers_finished=False, configured=75) == 75
+    assert planned.leave_exit_code(workers_finished=False, configured=0) == 0
+    assert planned.leave_exit_code(workers_finished=True, configured=75) == 0, "a finished run is a success"
+
+
+def test_only_workers_that_used_the_helper_are_waited_for_and_only_while_time_is_left() -> None:
+    assert planned.wait_for_helpers(seen_before=True, now=NOW, deadline=NOW + 30, stop_grace=3)
+    assert not planned.wait_for_helpers(seen_before=False, now=NOW, deadline=NOW + 30, stop_grace=3)
+    assert not planned.wait_for_helpers(seen_before=True, now=NOW, deadline=NOW + 2, stop_grace=3)
 
 
 def test_all_local_workers_must_acknowledge_the_same_step() -> None:
@@ -114,17 +127,22 @@ def _assert_resumed_exactly(progress: list[dict], agreed: int, before: int, afte
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigterm_to_one_agent_loses_no_step(tmp_path: Path, etcd_server) -> None:
-    agents = [_agent(tmp_path, "a", etcd_server.endpoint, "leave", steps=100),
-              _agent(tmp_path, "b", etcd_server.endpoint, "leave", steps=100)]
+    # Both with --planned-leave-exit-code 75 (a Kubernetes Indexed Job recreates the leaver's pod); the survivor
+    # that finishes the run still exits 0.
+    exit_code = ("--planned-leave-exit-code", "75")
+    agents = [_agent(tmp_path, "a", etcd_server.endpoint, "leave", steps=100, extra=exit_code),
+              _agent(tmp_path, "b", etcd_server.endpoint, "leave", steps=100, extra=exit_code)]
     a, b = agents
     with _running(agents):
         wait_for(lambda: _training_at(tmp_path, 2, 2), 120, "two agents to train at world size 2")
         b.signal(signal.SIGTERM)
-        assert b.wait(30) == 0, "the preempted agent exits 0"
+        assert b.wait(30) == 75, "the preempted agent exits with --planned-leave-exit-code"
         leave = _events(tmp_path, "planned_leave")
         assert len(leave) == 1 and leave[0]["saved"] and not leave[0]["late"], leave
         agreed = leave[0]["step"]
         assert a.wait(60) == 0, "the survivor finishes the run at world size 1"
+        finished = {e["node"]: e for e in _events(tmp_path, "run_finished")}
+        assert finished[leave[0]["node"]].get("exit_code") == 75, finished
     _assert_resumed_exactly(_progress(tmp_path), agreed, 2, 1)
     restarts = _events(tmp_path, "planned_restart")
     # a first planned resize when the second agent arrived after the first had started alone is fine
