@@ -21,7 +21,7 @@ one transaction that compares the round key's mod revision (a stale agent's comm
 the job is not closed, then writes the record, clears the
 round's join keys and drops the store of two rounds ago. A lease refresher thread keeps the registration
 alive, re-registers after an expiry (e.g. etcd unreachable longer than the TTL) and turns an etcd outage
-longer than ``etcd_timeout`` into a ``RendezvousConnectionError``.
+longer than ``etcd_timeout`` into a ``RendezvousOutageError`` (a ``RendezvousConnectionError``).
 
 Loss detection: when a participant's registration disappears, the watch marks the running round broken,
 ``membership_changed()`` becomes True and ``num_nodes_waiting()`` >= 1, so torch's stock agent (which
@@ -60,6 +60,7 @@ from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousOutageError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -223,6 +224,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     @property
     def config(self) -> EtcdRendezvousConfig:
         return self._config
+
+    @property
+    def outage_bound(self) -> float:
+        """``etcd_timeout``: past it a failing etcd ends the job (``OutageBoundHandler``)."""
+        return self._config.etcd_timeout
+
+    @property
+    def endpoint(self) -> str:
+        return self._config.endpoint_str
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; block until it is committed with this node in it (see class doc)."""
@@ -860,12 +870,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return
         if now - self._unreachable_since > self._config.etcd_timeout and self._fatal is None:
             with self._cond:
-                self._fatal = RendezvousConnectionError(
-                    f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for more than "
-                    f"etcd_timeout={self._config.etcd_timeout:.0f} s (last error: {describe(exc)}); giving up"
+                self._fatal = RendezvousOutageError(
+                    f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for "
+                    f"{now - self._unreachable_since:.1f} s, more than etcd_timeout="
+                    f"{self._config.etcd_timeout:g} s (last error: {describe(exc)}); giving up"
                 )
                 self._cond.notify_all()
-            log.error("%s%s", self._ctx(), self._fatal)
+            log.error("%s", self._fatal)  # the message starts with the context
 
     def _raise_if_fatal(self) -> None:
         if self._fatal is not None:
