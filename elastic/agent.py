@@ -271,7 +271,8 @@ class SpotrunAgent(LocalElasticAgent):
         away past the handler's bound must: nobody would notice a lost peer, and the job could end with exit
         0 after the rest of the group is gone. Warns at the start of an outage and every few seconds."""
         seen = self._rdzv_outage.observe(False, time.monotonic())
-        if isinstance(exc, RendezvousOutageError) or seen.verdict is OutageVerdict.FATAL:
+        fatal = isinstance(exc, RendezvousOutageError) or seen.verdict is OutageVerdict.FATAL
+        if fatal and self._worker_group.state is not WorkerState.SUCCEEDED:  # in the exit barrier: done anyway
             self._end_for_outage(exc, seen.failing_for)
         if seen.verdict is OutageVerdict.WARN:
             logger.warning("%s cannot %s (%s); the job fails if this lasts %.0f s more", self._ctx(), what,

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
@@ -207,6 +207,9 @@ def test_a_handler_that_declares_its_outage_fatal_ends_the_job_at_once(tmp_path:
     """etcd-v3 raises RendezvousOutageError once etcd was away past etcd_timeout: no second bound on top."""
     error = RendezvousOutageError("[run=job] etcd at etcd-0:2379 unreachable for 3.2 s, more than etcd_timeout=3 s")
     agent = make_agent(BoundedHandler(error=error), tmp_path)
+    agent._worker_group.state = WorkerState.SUCCEEDED  # in the exit barrier the workers are done: not fatal
+    assert not agent._wait_for_membership_change(0.01)
+    agent._worker_group.state = WorkerState.HEALTHY
     with pytest.raises(RendezvousOutageError) as raised:
         agent._membership_changed()
     assert raised.value is error
