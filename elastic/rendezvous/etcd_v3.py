@@ -14,8 +14,9 @@ deletes the run's keys (``_reap_ended_run``). A run id can be used again after i
 Job's name, torchrun's default id); when keys of the ended job are still there (its agents are still
 leaving, or the last one could not reach etcd), a new agent that finds ``P/ctl/closed`` waits until no node
 of the ended job is registered any more, then deletes everything under ``P`` in one transaction that
-compares the closed key's revision and that no node key exists. A running job always has registered nodes (their leases) and no closed key, so it is
-never touched; two newcomers racing to clear the same ended run are serialised by the compare.
+compares the closed key's revision and that no node key exists. A running job always has registered nodes
+(their leases) and no closed key, so it is never touched; two newcomers racing to clear the same ended run
+are serialised by the compare.
 
 Each handler mirrors ``P/ctl/`` through one watch stream (no polling) and feeds snapshots of the mirror to
 the pure ``state.decide``; it performs the I/O the decision asks for. The round's rank 0 commits it with
@@ -382,10 +383,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._release(reap=False)
 
     def _release(self, *, reap: bool) -> None:
-        """``leave()``; with ``reap`` (the job ended) the last agent to go also deletes the run's keys."""
+        """``leave()``; when the job ended (``reap``: closed by this call, or seen closed: a signalled agent
+        leaves without closing) the last agent to go also deletes the run's keys."""
         if self._released:
             return
         self._released = True
+        with self._cond:
+            reap = reap or self._mirror.closed
         self._stop_threads()
         conn, lease = self._conn, self._lease_id
         if conn is not None and lease is not None:
