@@ -14,7 +14,8 @@ tests/elastic/test_torch_internals.py (when torch changes):
 * workers die with the agent even on SIGKILL (parent-death signal via an exec shim, or in the entrypoint of
   warm workers forked from a torch-preloaded forkserver; see ``elastic.workers``);
 * the failure summary lists every rank that failed on its own, root cause (first to die) first;
-* transient rendezvous errors while monitoring (etcd restarting) do not kill a healthy job;
+* transient rendezvous errors while monitoring (etcd restarting) do not kill a healthy job, but a rendezvous
+  failing past its bound (``etcd_timeout``, ``elastic.outage``) stops the workers and fails the job;
 * every recovery stage is written to a structured event log (``elastic.events``), each event of a recovery
   with its ``recovery_cause`` (failure, hang, peer_lost, planned_leave, scale_up);
 * hung workers are detected (``elastic.hang``: progress files, ``/proc``, stack look at stalled ranks), their
@@ -40,7 +41,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
@@ -63,6 +64,7 @@ from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
 from elastic.notice import Notice, earliest, parse_signal_spec
+from elastic.outage import OutageClock, OutageVerdict
 from elastic.planned import (
     GroupView,
     PlannedStep,
@@ -75,7 +77,13 @@ from elastic.planned import (
 )
 from elastic.preemption import Mailbox, WorkerNotice
 from elastic.progress import ProgressBoard
-from elastic.rendezvous.api import MembershipAwareHandler, NoticeAwareHandler
+from elastic.rendezvous.api import (
+    DEFAULT_ETCD_TIMEOUT_S,
+    MembershipAwareHandler,
+    NoticeAwareHandler,
+    OutageBoundHandler,
+    RendezvousOutageError,
+)
 from elastic.torch_internals import check_agent_internals, worker_processes
 from elastic.workers import (
     DeathClock,
@@ -149,6 +157,7 @@ class SpotrunAgent(LocalElasticAgent):
         self._settings = settings
         self._events = events
         self._membership = membership_aware(spec.rdzv_handler)
+        self._rdzv_outage = OutageClock(bound=outage_bound(spec.rdzv_handler))
         self._round = 0
         self._charged_restart_pending = False
         self._previous_group_world_size: int | None = None
@@ -231,29 +240,27 @@ class SpotrunAgent(LocalElasticAgent):
         if self._membership is None:
             return self._nodes_waiting(handler)
         try:
-            if self._membership.membership_changed():
-                return True
-        except RendezvousError:
-            # CHANGE: torch lets a rendezvous error here kill the agent. The workers do not need the backend
-            # while training, so an etcd restart must not end a healthy job; the next tick retries. Errors
-            # outside the declared tree (a bug, a changed handler) propagate.
-            logger.warning("%s cannot query the rendezvous for membership changes; will retry", self._ctx(),
-                           exc_info=logger.isEnabledFor(logging.DEBUG))
+            changed = self._membership.membership_changed()
+        except RendezvousError as exc:
+            # Errors outside the declared tree (a bug, a changed handler) propagate.
+            self._rendezvous_failed("query the rendezvous for membership changes", exc)
             return False
-        return self._nodes_waiting(handler)
+        self._rendezvous_ok()
+        return changed or self._nodes_waiting(handler)
 
     def _nodes_waiting(self, handler: RendezvousHandler) -> bool:
         """torch's own signal: a node is waiting to join."""
         try:
-            return handler.num_nodes_waiting() > 0
+            waiting = handler.num_nodes_waiting() > 0
         except SignalException:
             raise
-        except Exception:
-            # CHANGE: as above. Any handler may sit behind this call (torch's c10d raises store errors outside
-            # the RendezvousError tree), so here any error counts as transient.
-            logger.warning("%s cannot query the rendezvous for waiting nodes; will retry", self._ctx(),
-                           exc_info=logger.isEnabledFor(logging.DEBUG))
+        except Exception as exc:  # noqa: BLE001 - any handler's store error is an outage (below)
+            # Any handler may sit behind this call (torch's c10d raises store errors outside the
+            # RendezvousError tree), so here any error counts against the outage bound.
+            self._rendezvous_failed("query the rendezvous for waiting nodes", exc)
             return False
+        self._rendezvous_ok()
+        return waiting
 
     def _wait_for_membership_change(self, timeout: float) -> bool:
         """Block up to ``timeout`` s, returning early (True) on a membership event when the handler has one."""
@@ -264,12 +271,45 @@ class SpotrunAgent(LocalElasticAgent):
             return False
         started = time.monotonic()
         try:
-            return self._membership.wait_membership_change(timeout)
-        except RendezvousError:
-            logger.warning("%s wait_membership_change failed; sleeping instead", self._ctx(),
-                           exc_info=logger.isEnabledFor(logging.DEBUG))
+            changed = self._membership.wait_membership_change(timeout)
+        except RendezvousError as exc:
+            self._rendezvous_failed("wait for membership changes", exc)
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
+        self._rendezvous_ok()
+        return changed
+
+    def _rendezvous_ok(self) -> None:
+        seen = self._rdzv_outage.observe(True, time.monotonic())
+        if seen.verdict is OutageVerdict.RECOVERED:
+            logger.warning("%s the rendezvous answers again after %.1f s", self._ctx(), seen.failing_for)
+
+    def _rendezvous_failed(self, what: str, exc: BaseException) -> None:
+        """CHANGE: torch lets a rendezvous error while monitoring kill the agent at once. The workers do not
+        need the backend while training, so an etcd restart must not end a healthy job; but one that stays
+        away past the handler's bound must: nobody would notice a lost peer, and the job could end with exit
+        0 after the rest of the group is gone. Warns at the start of an outage and every few seconds."""
+        seen = self._rdzv_outage.observe(False, time.monotonic())
+        fatal = isinstance(exc, RendezvousOutageError) or seen.verdict is OutageVerdict.FATAL
+        if fatal and self._worker_group.state is not WorkerState.SUCCEEDED:  # in the exit barrier: done anyway
+            self._end_for_outage(exc, seen.failing_for)
+        if seen.verdict is OutageVerdict.WARN:
+            logger.warning("%s cannot %s (%s); the job fails if this lasts %.0f s more", self._ctx(), what,
+                           _first_line(exc), seen.fatal_in, exc_info=logger.isEnabledFor(logging.DEBUG))
+
+    def _end_for_outage(self, exc: BaseException, failing_for: float) -> NoReturn:
+        """Stop the workers and raise a ``RendezvousOutageError`` (the CLI prints it as one line, exit 1)."""
+        error = exc if isinstance(exc, RendezvousOutageError) else RendezvousOutageError(
+            f"rendezvous at {outage_endpoint(self._worker_group.spec.rdzv_handler)} failing for {failing_for:.1f} s, "
+            f"more than its bound of {self._rdzv_outage.bound:g} s (last error: {_first_line(exc)}); giving up")
+        logger.error("%s rendezvous unavailable for %.1f s, past its bound; stopping the workers (committed "
+                     "checkpoints are kept)", self._ctx(), failing_for)
+        self._stop_workers(self._worker_group)
+        self._worker_group.state = WorkerState.FAILED
+        self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name, error=_first_line(error))
+        if error is exc:
+            raise error
+        raise error from exc
 
     def _wait_for_peer_loss(self, window: float) -> bool:
         """Watch the membership up to ``window`` s: True as soon as it changes (a peer lost its lease),
@@ -816,6 +856,25 @@ def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signa
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
         wait_for_sentinels([proc.sentinel for _, proc in alive], timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def outage_bound(handler: RendezvousHandler) -> float:
+    """Seconds a failing rendezvous is tolerated while monitoring: the handler's own bound (etcd-v3's
+    ``etcd_timeout``), else the default ``etcd_timeout``."""
+    if isinstance(handler, OutageBoundHandler):
+        return handler.outage_bound
+    return DEFAULT_ETCD_TIMEOUT_S
+
+
+def outage_endpoint(handler: RendezvousHandler) -> str:
+    """Where the rendezvous backend is, for the fatal error (torch's handlers do not say: their backend name)."""
+    if isinstance(handler, OutageBoundHandler):
+        return handler.endpoint
+    return f"backend {handler.get_backend()!r}"
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
 def membership_aware(handler: RendezvousHandler) -> MembershipAwareHandler | None:

@@ -33,11 +33,13 @@ __all__ = [
     "ConnectableHandler",
     "EtcdRendezvousConfig",
     "MembershipAwareHandler",
+    "OutageBoundHandler",
     "RendezvousClosedError",
     "RendezvousConfigError",
     "RendezvousConnectionError",
     "RendezvousError",
     "RendezvousGracefulExitError",
+    "RendezvousOutageError",
     "RendezvousStateError",
     "RendezvousTLSError",
     "RendezvousTimeoutError",
@@ -48,9 +50,16 @@ BACKEND_NAME: Final = "etcd-v3"
 
 DEFAULT_ETCD_PORT: Final = 2379
 
+DEFAULT_ETCD_TIMEOUT_S: Final = 30.0
+"""Default ``etcd_timeout``; also the agent's outage bound for handlers that declare none."""
+
 
 class RendezvousConfigError(RendezvousError, ValueError):
     """A rendezvous parameter or ``--rdzv-conf`` key is unknown or has an invalid value."""
+
+
+class RendezvousOutageError(RendezvousConnectionError):
+    """The backend stayed unreachable past its bound (``etcd_timeout``): fatal, the handler will not recover."""
 
 
 @runtime_checkable
@@ -105,6 +114,21 @@ class ConnectableHandler(Protocol):
     def connect(self) -> None:
         """Reach the backend now without joining a round (raises ``RendezvousConnectionError`` once it has
         been unreachable for the backend's timeout); idempotent, ``next_rendezvous`` would do it anyway."""
+
+
+@runtime_checkable
+class OutageBoundHandler(Protocol):
+    """A handler that says how long its backend may be unreachable before the job must end (etcd-v3:
+    ``etcd_timeout``). The agent tolerates failed membership queries that long, then stops the workers and
+    fails the job; for other handlers it uses ``EtcdRendezvousConfig``'s default."""
+
+    @property
+    def outage_bound(self) -> float:
+        """Seconds of continuous failure that are still transient."""
+
+    @property
+    def endpoint(self) -> str:
+        """Where the backend is, as the user wrote it (for error messages)."""
 
 
 # Keys torch's launcher or other torch backends put into --rdzv-conf. We accept them so an existing
@@ -180,7 +204,7 @@ class EtcdRendezvousConfig:
     etcd_prefix: str = "/spotrun/rdzv"
     """Key prefix in etcd; must start with '/'."""
 
-    etcd_timeout: float = 30.0
+    etcd_timeout: float = DEFAULT_ETCD_TIMEOUT_S
     """Seconds etcd may be unreachable (leader change, restart) before the job fails with a
     ``RendezvousConnectionError`` naming the endpoint. Every etcd call is retried within this bound."""
 

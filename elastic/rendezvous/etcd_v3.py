@@ -5,15 +5,18 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
     P/ctl/nodes/{node}         registration, attached to the node's lease (vanishes <= lease_ttl after death)
     P/ctl/join/{round}/{node}  "I want to be in round N", attached to the node's lease
     P/ctl/round                the committed round record (JSON: number, participants, master addr/port)
-    P/ctl/closed               present once the job ended (set_closed/shutdown)
+    P/ctl/closed               present once the job ended (set_closed/shutdown), until its last agent left
     P/ctl/notice/{node}        the node's preemption deadline (JSON), attached to its lease (publish_notice)
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
 
-A run id can be used again after its job ended (a Kubernetes Job's name, torchrun's default id): a new
-agent that finds ``P/ctl/closed`` waits until no node of the ended job is registered any more, then
-deletes everything under ``P`` in one transaction that compares the closed key's revision and that no
-node key exists. A running job always has registered nodes (their leases) and no closed key, so it is
-never touched; two newcomers racing to clear the same ended run are serialised by the compare.
+After a clean end (every agent's ``shutdown()``) nothing is left under ``P``: the last agent to leave
+deletes the run's keys (``_reap_ended_run``). A run id can be used again after its job ended (a Kubernetes
+Job's name, torchrun's default id); when keys of the ended job are still there (its agents are still
+leaving, or the last one could not reach etcd), a new agent that finds ``P/ctl/closed`` waits until no node
+of the ended job is registered any more, then deletes everything under ``P`` in one transaction that
+compares the closed key's revision and that no node key exists. A running job always has registered nodes
+(their leases) and no closed key, so it is never touched; two newcomers racing to clear the same ended run
+are serialised by the compare.
 
 Each handler mirrors ``P/ctl/`` through one watch stream (no polling) and feeds snapshots of the mirror to
 the pure ``state.decide``; it performs the I/O the decision asks for. The round's rank 0 commits it with
@@ -21,7 +24,7 @@ one transaction that compares the round key's mod revision (a stale agent's comm
 the job is not closed, then writes the record, clears the
 round's join keys and drops the store of two rounds ago. A lease refresher thread keeps the registration
 alive, re-registers after an expiry (e.g. etcd unreachable longer than the TTL) and turns an etcd outage
-longer than ``etcd_timeout`` into a ``RendezvousConnectionError``.
+longer than ``etcd_timeout`` into a ``RendezvousOutageError`` (a ``RendezvousConnectionError``).
 
 Loss detection: when a participant's registration disappears, the watch marks the running round broken,
 ``membership_changed()`` becomes True and ``num_nodes_waiting()`` >= 1, so torch's stock agent (which
@@ -60,6 +63,7 @@ from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousOutageError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -226,6 +230,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def config(self) -> EtcdRendezvousConfig:
         return self._config
 
+    @property
+    def outage_bound(self) -> float:
+        """``etcd_timeout``: past it a failing etcd ends the job (``OutageBoundHandler``)."""
+        return self._config.etcd_timeout
+
+    @property
+    def endpoint(self) -> str:
+        return self._config.endpoint_str
+
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; block until it is committed with this node in it (see class doc)."""
         self._ensure_registered()
@@ -313,18 +326,20 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         """torch semantics: close the rendezvous (the job is over), then release this node. Idempotent."""
-        ok = True
+        ok = closed_here = True
         if self._connect_failed or isinstance(self._fatal, RendezvousConnectionError):
             # etcd was already unreachable for etcd_timeout: trying close_timeout more only doubles the wait.
             log.warning("%snot marking the rendezvous closed: etcd is unreachable", self._ctx())
-            ok = False
+            ok = closed_here = False
         elif not self._released:
             try:
                 self.set_closed()
             except RendezvousError as exc:
-                ok = False
+                ok = closed_here = False
                 log.warning("%scould not mark the rendezvous closed: %s", self._ctx(), exc)
-        self.leave()
+        else:
+            closed_here = False  # left already (a preempted node): the job goes on without it
+        self._release(reap=closed_here)
         return ok
 
     # ================================================================== extra API
@@ -370,9 +385,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def leave(self) -> None:
         """Revoke the lease (peers notice at once) and release threads and the connection; job stays open."""
+        self._release(reap=False)
+
+    def _release(self, *, reap: bool) -> None:
+        """``leave()``; when the job ended (``reap``: closed by this call, or seen closed: a signalled agent
+        leaves without closing) the last agent to go also deletes the run's keys."""
         if self._released:
             return
         self._released = True
+        with self._cond:
+            reap = reap or self._mirror.closed
         self._stop_threads()
         conn, lease = self._conn, self._lease_id
         if conn is not None and lease is not None:
@@ -380,9 +402,44 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 conn.call("revoke this node's lease", lambda: conn.client.revoke_lease(lease), within=min(2.0, self._config.etcd_timeout))
             except RendezvousError as exc:
                 log.warning("%scould not revoke lease %x (it expires in <= %d s): %s", self._ctx(), lease, self._config.lease_ttl, exc)
+        if conn is not None and reap:
+            self._reap_ended_run(conn)
         if conn is not None:
             conn.close()
         log.info("%sleft the rendezvous", self._ctx())
+
+    def _reap_ended_run(self, conn: EtcdConnection) -> None:
+        """The last agent of an ended job to leave deletes every key of the run (closed marker, last round,
+        stores), in one transaction that compares that the run is still closed and that no node is registered.
+
+        Why delete rather than keep ``ctl/closed`` as a tombstone for late agents: once no agent of the
+        ended job is registered, a newcomer that finds the closed marker clears it and starts a new job anyway
+        (run-id reuse, ``_clear_ended_run``), so the marker would protect nobody and only leave keys behind.
+        While another agent is still registered (in its exit barrier, or a spare about to see the job closed)
+        the compare fails and nothing is deleted: that agent's own shutdown runs this again, and the last one
+        wins. Once a newcomer has cleared the run for a new job there is no closed key: nothing is deleted.
+        Left behind only when the last agent cannot reach etcd, or an agent crashed within ``lease_ttl`` of
+        the end (its key outlives the others): a newcomer with the run id clears those keys as before."""
+        tx = conn.client.transactions
+        prefix = self._config.run_prefix
+        compare = [
+            tx.version(self._closed_key) > 0,
+            tx.version(self._nodes_prefix, range_end=prefix_end(self._nodes_prefix)) == 0,
+        ]
+        success = [tx.delete(prefix, range_end=prefix_end(prefix))]
+        try:
+            ok, _ = conn.call(
+                "delete the ended run's keys",
+                lambda: conn.client.transaction(compare=compare, success=success, failure=[]),
+                within=min(2.0, self._config.etcd_timeout),
+            )
+        except RendezvousError as exc:
+            log.warning("%scould not delete the ended run's keys (the next job with this run id will): %s", self._ctx(), exc)
+            return
+        if ok:
+            log.info("%slast agent of the ended job: deleted the run's keys under %s", self._ctx(), prefix)
+        else:
+            log.info("%sother agents of the ended job are still registered: the last to leave deletes its keys", self._ctx())
 
     # ================================================================== test hooks
     def _simulate_crash(self) -> None:
@@ -865,12 +922,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return
         if now - self._unreachable_since > self._config.etcd_timeout and self._fatal is None:
             with self._cond:
-                self._fatal = RendezvousConnectionError(
-                    f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for more than "
-                    f"etcd_timeout={self._config.etcd_timeout:.0f} s (last error: {describe(exc)}); giving up"
+                self._fatal = RendezvousOutageError(
+                    f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for "
+                    f"{now - self._unreachable_since:.1f} s, more than etcd_timeout="
+                    f"{self._config.etcd_timeout:g} s (last error: {describe(exc)}); giving up"
                 )
                 self._cond.notify_all()
-            log.error("%s%s", self._ctx(), self._fatal)
+            log.error("%s", self._fatal)  # the message starts with the context
 
     def _raise_if_fatal(self) -> None:
         if self._fatal is not None:

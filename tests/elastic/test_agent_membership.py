@@ -8,17 +8,24 @@ No process or server is started: the agent is only constructed.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
-from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
 from elastic.agent import SpotrunAgent
 from elastic.config import AgentSettings
 from elastic.launcher import _leave_rendezvous
-from elastic.rendezvous.api import EtcdRendezvousConfig, MembershipAwareHandler, RendezvousConnectionError
+from elastic.rendezvous.api import (
+    EtcdRendezvousConfig,
+    MembershipAwareHandler,
+    OutageBoundHandler,
+    RendezvousConnectionError,
+    RendezvousOutageError,
+)
 from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
 from tests.elastic.doubles import MemoryEventLog
 
@@ -114,8 +121,12 @@ def make_agent(handler: RendezvousHandler, tmp_path: Path) -> SpotrunAgent:
 
 
 def test_the_etcd_v3_handler_is_membership_aware() -> None:
-    config = EtcdRendezvousConfig(run_id="job", endpoints=(("127.0.0.1", 2379),), min_nodes=1, max_nodes=2)
-    assert isinstance(EtcdV3RendezvousHandler(config), MembershipAwareHandler)  # constructing does not connect
+    config = EtcdRendezvousConfig(run_id="job", endpoints=(("127.0.0.1", 2379),), min_nodes=1, max_nodes=2,
+                                  etcd_timeout=7)
+    handler = EtcdV3RendezvousHandler(config)
+    assert isinstance(handler, MembershipAwareHandler)  # constructing does not connect
+    assert isinstance(handler, OutageBoundHandler)
+    assert (handler.outage_bound, handler.endpoint) == (7, "127.0.0.1:2379")
 
 
 def test_a_renamed_method_is_not_membership_aware() -> None:
@@ -152,17 +163,56 @@ def test_handler_with_the_protocol_drives_the_monitor_loop(tmp_path: Path, caplo
     assert agent._rdzv_round() == 7
 
 
-def test_declared_rendezvous_errors_of_a_membership_aware_handler_are_transient(
+def test_declared_rendezvous_errors_of_a_membership_aware_handler_are_transient_within_the_bound(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    handler = AwareHandler(error=RendezvousConnectionError("etcd 127.0.0.1:1 unreachable for 30 s"))
+    handler = AwareHandler(error=RendezvousConnectionError("etcd 127.0.0.1:1 refused to read"))
     agent = make_agent(handler, tmp_path)
+    assert agent._rdzv_outage.bound == 30.0  # no OutageBoundHandler: the default etcd_timeout
+    with caplog.at_level(logging.WARNING, logger="elastic.agent"):
+        for _ in range(5):  # monitor ticks: one warning per outage start, not one per tick
+            assert not agent._membership_changed()
+            assert not agent._wait_for_membership_change(0.01)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "refused to read" in warnings[0] and "fails if this lasts 30 s more" in warnings[0]
+    handler.error = None
     with caplog.at_level(logging.WARNING, logger="elastic.agent"):
         assert not agent._membership_changed()
-        assert not agent._wait_for_membership_change(0.01)
-    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
+    assert "the rendezvous answers again" in caplog.records[-1].getMessage()
+    assert agent._rdzv_outage.since is None  # a success resets the clock
     _leave_rendezvous(handler)  # logged, not raised: the agent is already exiting on a signal
     assert handler.left == 1
+
+
+class BoundedHandler(AwareHandler):
+    """An ``OutageBoundHandler``: declares its bound and endpoint."""
+
+    outage_bound = 3.0
+    endpoint = "etcd-0:2379,etcd-1:2379"
+
+
+def test_rendezvous_failing_past_its_bound_stops_the_workers_and_fails_the_job(tmp_path: Path) -> None:
+    handler = BoundedHandler(error=RendezvousConnectionError("etcd refused to read"))
+    agent = make_agent(handler, tmp_path)
+    assert not agent._membership_changed()  # the outage starts: transient
+    agent._rdzv_outage.since = time.monotonic() - 3.5  # ... and has lasted 3.5 s
+    with pytest.raises(RendezvousOutageError, match=r"etcd-0:2379,etcd-1:2379 failing for 3\.\d s, more than its "
+                                                    r"bound of 3 s \(last error: etcd refused to read\)"):
+        agent._wait_for_membership_change(0.01)
+    finished = [r for r in agent._events.records if r["event"] == "run_finished"]  # type: ignore[attr-defined]
+    assert finished and finished[-1]["state"] == "FAILED" and "failing for" in finished[-1]["error"]
+
+
+def test_a_handler_that_declares_its_outage_fatal_ends_the_job_at_once(tmp_path: Path) -> None:
+    """etcd-v3 raises RendezvousOutageError once etcd was away past etcd_timeout: no second bound on top."""
+    error = RendezvousOutageError("[run=job] etcd at etcd-0:2379 unreachable for 3.2 s, more than etcd_timeout=3 s")
+    agent = make_agent(BoundedHandler(error=error), tmp_path)
+    agent._worker_group.state = WorkerState.SUCCEEDED  # in the exit barrier the workers are done: not fatal
+    assert not agent._wait_for_membership_change(0.01)
+    agent._worker_group.state = WorkerState.HEALTHY
+    with pytest.raises(RendezvousOutageError) as raised:
+        agent._membership_changed()
+    assert raised.value is error
 
 
 @pytest.mark.parametrize("error", [TypeError("membership_changed() takes 0 arguments"), AttributeError("_mirror")])

@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import Iterator
 
+import etcd3
 import pytest
 
 from elastic.etcd_server import EmbeddedEtcd, ServerTLS
@@ -108,6 +109,15 @@ def test_job_outliving_the_auth_token_survives_a_node_loss_and_an_etcd_restart(
 
 
 # ------------------------------------------------------------------ run id reuse
+def _run_keys(endpoint: str, prefix: str) -> list[str]:
+    host, port = endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port), timeout=5)
+    try:
+        return sorted(meta.key.decode() for _, meta in client.get_prefix(prefix))
+    finally:
+        client.close()
+
+
 @pytest.mark.timeout(90)
 def test_same_run_id_works_again_after_a_clean_end(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
     cfg = _config(etcd_server.endpoint, run_id="k8s-job", min_nodes=2, max_nodes=2)
@@ -115,7 +125,10 @@ def test_same_run_id_works_again_after_a_clean_end(etcd_server: EmbeddedEtcd, ha
     infos = rendezvous_all(pool, first)
     infos[0].store.set("stale", "from the first job")
     assert first[0].shutdown() is True  # the job ended: closed for everyone
-    first[1].shutdown()
+    # a1 is still registered (as in its exit barrier): a0 leaving first deletes nothing a1 may still read.
+    assert infos[1].store.get("stale") == b"from the first job" and first[1].is_closed()
+    first[1].shutdown()  # the last agent of the ended job leaves: no key of the run is left
+    wait_for(lambda: _run_keys(etcd_server.endpoint, cfg.run_prefix) == [], 5, "the ended run's keys to go")
 
     second = [handlers(cfg, node_id=f"b{i}") for i in range(2)]
     infos = rendezvous_all(pool, second)
