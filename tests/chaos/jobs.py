@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from checkpoint.config import CheckpointConfig
 from checkpoint.discover import list_steps, read_manifest
 from checkpoint.export import assemble
 from checkpoint.storage import Storage
-from elastic.chaos.api import STORAGE_CONTROL_ENV, Schedule
+from elastic.chaos.api import STORAGE_CONTROL_ENV, FaultKind, Schedule
 from elastic.chaos.injector import Injector
 from elastic.chaos.journal import Journal
 from elastic.chaos.storage import register
@@ -57,6 +58,8 @@ class Job:
     extra: tuple[str, ...] = ()
     steps: int = STEPS
     step_time: float = 0.05
+    hang_timeout: float | None = None
+    """``--hang-timeout`` of the agent (None: spotrun's adaptive default)."""
     launcher: Launcher | None = None
     seen_pids: set[int] = field(default_factory=set)
     committed_at_fault: list[int] = field(default_factory=list)
@@ -80,6 +83,7 @@ class Job:
         argv = [*SPOTRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", self.endpoint,
                 "--rdzv-id", self.run_id, "--rdzv-conf", self.rdzv_conf, "--max-restarts", str(self.max_restarts),
                 "--stop-grace", "2", "--events-file", str(self.root / "events.jsonl"),
+                *(("--hang-timeout", str(self.hang_timeout)) if self.hang_timeout is not None else ()),
                 TRAIN, "--steps", str(self.steps), "--ckpt-every", str(CKPT_EVERY), "--step-time", str(self.step_time),
                 "--log-every", "10", "--progress-file", str(self.root / "progress.jsonl"), "--ckpt-dir", self.ckpt,
                 "--pg-timeout", "20", *self.extra]
@@ -137,3 +141,159 @@ class Job:
 
     def restarts(self) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == "failure_detected"]
+
+
+class ProgressTail:
+    """The ``--progress-file`` read incrementally (a soak writes thousands of lines; re-reading them all every
+    poll would load the machine it measures): the newest step and the time of the newest line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self.step: int | None = None
+        self.t_wall: float | None = None
+
+    def poll(self) -> int | None:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self._offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return self.step
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being appended is read next time
+        self._offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record.get("step"), int):
+                self.step = max(self.step or 0, record["step"])
+                self.t_wall = float(record.get("t_wall", time.time()))
+        return self.step
+
+
+@dataclass
+class Nodes:
+    """``nodes`` agents of one worker each on one etcd, ``--nnodes`` fixed: world size ``nodes`` (2: the
+    world size of :class:`Job`, so both match one reference). An agent a fault takes away (SIGKILL: a node
+    lost; SIGTERM: a preemption) is replaced by a new agent once it has exited, as a cluster would; the
+    survivor waits for it in the rendezvous. All agents append to one events file (``node`` tells them
+    apart) and one progress file."""
+
+    root: Path
+    endpoint: str
+    run_id: str
+    nodes: int = 2
+    max_restarts: int = 0
+    rdzv_conf: str = RDZV_CONF
+    steps: int = STEPS
+    step_time: float = 0.05
+    hang_timeout: float | None = None
+    script_extra: tuple[str, ...] = ("--preempt-sync-every", "2")
+    agents: list[Launcher] = field(default_factory=list)
+    seen_pids: set[int] = field(default_factory=set)
+    step_at_fault: list[tuple[str, int]] = field(default_factory=list)
+    """(kind, newest step reported) of each fault when it fired."""
+
+    @property
+    def ckpt(self) -> str:
+        return f"chaos::file://{self.root}/ckpt"
+
+    @property
+    def control(self) -> str:
+        return str(self.root / "storage-control.json")
+
+    @property
+    def events_file(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def progress_file(self) -> Path:
+        return self.root / "progress.jsonl"
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return read_events(str(self.events_file))
+
+    def events_of(self, agent: Launcher) -> list[dict[str, Any]]:
+        return [e for e in self.events if str(e.get("node", "")).endswith(f":{agent.pid}")]
+
+    def start_agent(self) -> Launcher:
+        self.root.mkdir(parents=True, exist_ok=True)
+        name = f"agent{len(self.agents)}"
+        argv = [*SPOTRUN, "--nnodes", str(self.nodes), "--nproc-per-node", "1", "--rdzv-endpoint", self.endpoint,
+                "--rdzv-id", self.run_id, "--rdzv-conf", self.rdzv_conf, "--max-restarts", str(self.max_restarts),
+                "--stop-grace", "2", "--monitor-interval", "0.1", "--events-file", str(self.events_file),
+                "--log-dir", str(self.root / f"logs-{name}"),
+                *(("--hang-timeout", str(self.hang_timeout)) if self.hang_timeout is not None else ()),
+                TRAIN, "--steps", str(self.steps), "--ckpt-every", str(CKPT_EVERY), "--step-time", str(self.step_time),
+                "--log-every", "10", "--progress-file", str(self.progress_file), "--ckpt-dir", self.ckpt,
+                "--pg-timeout", "20", *self.script_extra]
+        launcher = Launcher(argv, self.root / f"{name}.log", make_env(**{STORAGE_CONTROL_ENV: self.control}))
+        self.agents.append(launcher)
+        return launcher
+
+    def live(self) -> list[int]:
+        """PIDs of the running agents in start order: ``agent:N`` of a schedule is the N-th of these."""
+        return [a.pid for a in self.agents if a.proc.poll() is None]
+
+    def run(self, schedule: Schedule, timeout: float, endpoints: tuple[str, ...] = (),
+            clock_from_first_step: bool = False, one_at_a_time: bool = False) -> Injector:
+        """Start the agents, inject ``schedule`` while they run, replace the agents it takes away, wait until
+        every agent exited. ``one_at_a_time``: a due fault waits until the job is healthy again (every node
+        up and a step made since the last workers started), so each fault meets a recovered job."""
+        for _ in range(self.nodes):
+            self.start_agent()
+        injector = Injector(schedule, Journal(str(self.root / "journal.jsonl")), agent_pids=self.live,
+                            etcd_endpoints=endpoints, storage_control=self.control,
+                            events_file=str(self.events_file))
+        progress = ProgressTail(self.progress_file)
+        to_replace: list[Launcher] = []
+        deadline = time.monotonic() + timeout
+        waiting_for_first_step = clock_from_first_step
+        try:
+            while any(a.proc.poll() is None for a in self.agents) or to_replace:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"job {self.run_id} still running after {timeout} s:\n{self.output()[-3000:]}")
+                for agent in self.agents:
+                    if agent.proc.poll() is None:
+                        self.seen_pids.update(descendants(agent.pid))
+                for gone in [a for a in to_replace if a.proc.poll() is not None]:
+                    to_replace.remove(gone)
+                    self.start_agent()
+                step = progress.poll()
+                if waiting_for_first_step:
+                    if step is not None:
+                        injector.reset_clock()
+                        waiting_for_first_step = False
+                elif one_at_a_time and (to_replace or not self._healthy(progress)):
+                    injector.end_due()
+                else:
+                    for record in injector.tick(step, limit=1 if one_at_a_time else None):
+                        self._note_fault(record, step, to_replace)
+                time.sleep(0.05)
+        finally:
+            injector.close()
+            for agent in self.agents:
+                agent.close()
+        return injector
+
+    def _note_fault(self, record: dict[str, Any], step: int | None, to_replace: list[Launcher]) -> None:
+        if record.get("record") not in ("injected", "skipped", "failed"):
+            return
+        self.step_at_fault.append((record["kind"], step or 0))
+        if record["record"] == "injected" and record["kind"] in (FaultKind.KILL_AGENT.value, FaultKind.TERM_AGENT.value):
+            to_replace.extend(a for a in self.agents if a.pid == record["pid"])
+
+    def _healthy(self, progress: ProgressTail) -> bool:
+        if len(self.live()) < self.nodes or progress.t_wall is None:
+            return False
+        started = [e["t_wall"] for e in self.events if e.get("event") == "workers_started"]
+        return not started or progress.t_wall > max(started)
+
+    def output(self) -> str:
+        return "\n".join(f"--- {a.log.name}\n{a.output()[-3000:]}" for a in self.agents)
+
+    def assert_no_process_left(self, timeout: float = 15.0) -> None:
+        reap(self.seen_pids, timeout)
