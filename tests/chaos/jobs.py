@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +24,9 @@ from elastic.chaos.injector import Injector
 from elastic.chaos.journal import Journal
 from elastic.chaos.storage import register
 from elastic.chaos.targets import descendants, last_step
+from elastic.etcd_server import find_etcd_binary
 from elastic.events import read_events
-from tests.harness.procs import SPOTRUN, Launcher, make_env, reap
+from tests.harness.procs import SPOTRUN, Launcher, free_port, make_env, reap, wait_for
 
 TRAIN = str(Path(__file__).with_name("chaos_train.py"))
 RDZV_CONF = "lease_ttl=2,last_call_timeout=0.5,join_timeout=60"
@@ -58,6 +62,7 @@ class Job:
     extra: tuple[str, ...] = ()
     steps: int = STEPS
     step_time: float = 0.05
+    ckpt_every: int = CKPT_EVERY
     hang_timeout: float | None = None
     """``--hang-timeout`` of the agent (None: spotrun's adaptive default)."""
     launcher: Launcher | None = None
@@ -84,7 +89,7 @@ class Job:
                 "--rdzv-id", self.run_id, "--rdzv-conf", self.rdzv_conf, "--max-restarts", str(self.max_restarts),
                 "--stop-grace", "2", "--events-file", str(self.root / "events.jsonl"),
                 *(("--hang-timeout", str(self.hang_timeout)) if self.hang_timeout is not None else ()),
-                TRAIN, "--steps", str(self.steps), "--ckpt-every", str(CKPT_EVERY), "--step-time", str(self.step_time),
+                TRAIN, "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every), "--step-time", str(self.step_time),
                 "--log-every", "10", "--progress-file", str(self.root / "progress.jsonl"), "--ckpt-dir", self.ckpt,
                 "--pg-timeout", "20", *self.extra]
         env = make_env(**{STORAGE_CONTROL_ENV: self.control})
@@ -189,12 +194,15 @@ class Nodes:
     rdzv_conf: str = RDZV_CONF
     steps: int = STEPS
     step_time: float = 0.05
+    ckpt_every: int = CKPT_EVERY
     hang_timeout: float | None = None
     script_extra: tuple[str, ...] = ("--preempt-sync-every", "2")
     agents: list[Launcher] = field(default_factory=list)
     seen_pids: set[int] = field(default_factory=set)
     step_at_fault: list[tuple[str, int]] = field(default_factory=list)
     """(kind, newest step reported) of each fault when it fired."""
+    injector: Injector | None = None
+    """The injector of the last :meth:`run` (set as it starts: its restarted etcd members are the caller's)."""
 
     @property
     def ckpt(self) -> str:
@@ -227,7 +235,7 @@ class Nodes:
                 "--stop-grace", "2", "--monitor-interval", "0.1", "--events-file", str(self.events_file),
                 "--log-dir", str(self.root / f"logs-{name}"),
                 *(("--hang-timeout", str(self.hang_timeout)) if self.hang_timeout is not None else ()),
-                TRAIN, "--steps", str(self.steps), "--ckpt-every", str(CKPT_EVERY), "--step-time", str(self.step_time),
+                TRAIN, "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every), "--step-time", str(self.step_time),
                 "--log-every", "10", "--progress-file", str(self.progress_file), "--ckpt-dir", self.ckpt,
                 "--pg-timeout", "20", *self.script_extra]
         launcher = Launcher(argv, self.root / f"{name}.log", make_env(**{STORAGE_CONTROL_ENV: self.control}))
@@ -245,9 +253,9 @@ class Nodes:
         up and a step made since the last workers started), so each fault meets a recovered job."""
         for _ in range(self.nodes):
             self.start_agent()
-        injector = Injector(schedule, Journal(str(self.root / "journal.jsonl")), agent_pids=self.live,
-                            etcd_endpoints=endpoints, storage_control=self.control,
-                            events_file=str(self.events_file))
+        injector = self.injector = Injector(schedule, Journal(str(self.root / "journal.jsonl")), agent_pids=self.live,
+                                            etcd_endpoints=endpoints, storage_control=self.control,
+                                            events_file=str(self.events_file))
         progress = ProgressTail(self.progress_file)
         to_replace: list[Launcher] = []
         deadline = time.monotonic() + timeout
@@ -297,3 +305,42 @@ class Nodes:
 
     def assert_no_process_left(self, timeout: float = 15.0) -> None:
         reap(self.seen_pids, timeout)
+
+
+@contextlib.contextmanager
+def etcd_cluster_at(root: Path) -> Iterator[list[str]]:
+    """Three etcd members on free loopback ports (fast elections), data and logs under ``root``; yields
+    their client endpoints once a leader is elected, kills them on exit."""
+    from elastic.chaos.targets import etcd_leader
+
+    binary = find_etcd_binary()
+    root.mkdir(parents=True, exist_ok=True)
+    ports = [(free_port(), free_port()) for _ in range(3)]
+    initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+    procs = []
+    logs = [open(root / f"m{i}.log", "wb") for i in range(3)]  # noqa: SIM115 (closed below)
+    for i, (client, peer) in enumerate(ports):
+        argv = [binary, "--name", f"m{i}", "--data-dir", str(root / f"m{i}"),
+                "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", root.name,
+                "--heartbeat-interval", "50", "--election-timeout", "500"]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=logs[i], start_new_session=True))
+    endpoints = [f"127.0.0.1:{client}" for client, _ in ports]
+
+    def elected() -> bool:
+        try:
+            return bool(etcd_leader(endpoints))
+        except Exception:  # noqa: BLE001 (not elected yet)
+            return False
+
+    try:
+        wait_for(elected, 30, "the etcd cluster to elect a leader")
+        yield endpoints
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        for log in logs:
+            log.close()
