@@ -134,8 +134,9 @@ def attribute(groups: Sequence[Sequence[NodeRecovery]], faults: Sequence[Fault],
     unused = sorted(faults, key=lambda f: f.t_wall)
     steps = sorted((float(p["t_wall"]), int(p["step"])) for p in progress or () if "t_wall" in p and "step" in p)
     out = []
-    for group in groups:
-        detected = min(p.start for p in group)
+    starts = [min(p.start for p in group) for group in groups] + [float("inf")]
+    for i, group in enumerate(groups):
+        detected, until = starts[i], starts[i + 1]  # a later recovery's resume or step is not this one's
         # A node joining is nobody's fault: a scale-up is never charged to the fault before it.
         earlier = [f for f in unused if f.t_wall <= detected] if group[0].cause != "scale_up" else []
         fault = earlier[-1] if earlier else None
@@ -148,11 +149,12 @@ def attribute(groups: Sequence[Sequence[NodeRecovery]], faults: Sequence[Fault],
             t = _last(group, stage)
             rec.stages[stage] = None if t is None else t - origin
         started = _last(group, "process_start")
-        rec.stages["checkpoint_load"] = _first_after(resumes, started, origin)
-        rec.stages["first_step"] = _first_after([t for t, _ in steps] if progress is not None else None, started, origin)
+        rec.stages["checkpoint_load"] = _first_after(resumes, started, until, origin)
+        rec.stages["first_step"] = _first_after([t for t, _ in steps] if progress is not None else None, started,
+                                                until, origin)
         if started is not None and progress is not None:
             before = [s for t, s in steps if t < started]
-            after = [s for t, s in steps if t >= started]
+            after = [s for t, s in steps if started <= t < until]
             if before and after:
                 rec.steps_lost = max(0, max(before) - (after[0] - 1))
         out.append(rec)
@@ -160,10 +162,10 @@ def attribute(groups: Sequence[Sequence[NodeRecovery]], faults: Sequence[Fault],
     return sorted(out, key=lambda r: r.origin)
 
 
-def _first_after(times: Sequence[float] | None, started: float | None, origin: float) -> float | None:
+def _first_after(times: Sequence[float] | None, started: float | None, until: float, origin: float) -> float | None:
     if times is None or started is None:
         return None
-    later = [t for t in times if t >= started]
+    later = [t for t in times if started <= t < until]
     return min(later) - origin if later else None
 
 

@@ -294,8 +294,10 @@ class Nodes:
         if record["record"] == "injected" and record["kind"] in (FaultKind.KILL_AGENT.value, FaultKind.TERM_AGENT.value):
             to_replace.extend(a for a in self.agents if a.pid == record["pid"])
 
-    def _healthy(self, progress: ProgressTail) -> bool:
-        if len(self.live()) < self.nodes or progress.t_wall is None:
+    def _healthy(self, progress: ProgressTail, fresh_s: float = 2.0) -> bool:
+        """Every node up, a step made within ``fresh_s`` (no recovery is under way: none makes steps) and
+        since the last workers started (the steps seen are the recovered group's)."""
+        if len(self.live()) < self.nodes or progress.t_wall is None or time.time() - progress.t_wall > fresh_s:
             return False
         started = [e["t_wall"] for e in self.events if e.get("event") == "workers_started"]
         return not started or progress.t_wall > max(started)

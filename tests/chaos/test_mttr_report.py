@@ -57,6 +57,8 @@ def test_each_cause_is_one_recovery_timed_from_its_fault() -> None:
     assert leave.stages["detection"] == pytest.approx(0.6) and leave.stages["process_start"] == pytest.approx(1.2)
     assert leave.steps_lost == 0
     assert etcd.stages == {} and etcd.steps_lost is None
+    # No resume line between the hang's restart and the next recovery: n/a, not the next recovery's line.
+    assert recoveries(EVENTS, JOURNAL, PROGRESS, resumes=[11.1, 31.4])[1].stages["checkpoint_load"] is None
     assert grow.fault is None and grow.stages["detection"] == 0.0 and grow.stages["process_start"] == pytest.approx(0.5)
 
 
