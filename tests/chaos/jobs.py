@@ -50,8 +50,43 @@ def committed_steps(ckpt_uri: str) -> list[int]:
         return list_steps(ckpt.storage).committed
 
 
+class _RunFiles:
+    """Where a job keeps its files, and the training script's arguments (shared by :class:`Job` and
+    :class:`Nodes`)."""
+
+    root: Path
+    steps: int
+    step_time: float
+    ckpt_every: int
+
+    @property
+    def ckpt(self) -> str:
+        return f"chaos::file://{self.root}/ckpt"
+
+    @property
+    def control(self) -> str:
+        return str(self.root / "storage-control.json")
+
+    @property
+    def events_file(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def progress_file(self) -> Path:
+        return self.root / "progress.jsonl"
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return read_events(str(self.events_file))
+
+    def train_args(self) -> list[str]:
+        return [TRAIN, "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every), "--step-time",
+                str(self.step_time), "--log-every", "10", "--progress-file", str(self.progress_file),
+                "--ckpt-dir", self.ckpt, "--pg-timeout", "20"]
+
+
 @dataclass
-class Job:
+class Job(_RunFiles):
     """One agent (``--nproc-per-node 2``) on an external etcd, checkpointing behind ``chaos::``."""
 
     root: Path
@@ -71,27 +106,13 @@ class Job:
     step_at_fault: list[tuple[str, int]] = field(default_factory=list)
     """(kind, last step reported) of each fault when it fired."""
 
-    @property
-    def ckpt(self) -> str:
-        return f"chaos::file://{self.root}/ckpt"
-
-    @property
-    def control(self) -> str:
-        return str(self.root / "storage-control.json")
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        return read_events(str(self.root / "events.jsonl"))
-
     def start(self) -> Launcher:
         self.root.mkdir(parents=True, exist_ok=True)
         argv = [*SPOTRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", self.endpoint,
                 "--rdzv-id", self.run_id, "--rdzv-conf", self.rdzv_conf, "--max-restarts", str(self.max_restarts),
                 "--stop-grace", "2", "--events-file", str(self.root / "events.jsonl"),
                 *(("--hang-timeout", str(self.hang_timeout)) if self.hang_timeout is not None else ()),
-                TRAIN, "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every), "--step-time", str(self.step_time),
-                "--log-every", "10", "--progress-file", str(self.root / "progress.jsonl"), "--ckpt-dir", self.ckpt,
-                "--pg-timeout", "20", *self.extra]
+                *self.train_args(), *self.extra]
         env = make_env(**{STORAGE_CONTROL_ENV: self.control})
         self.launcher = Launcher(argv, self.root / "agent.log", env)
         return self.launcher
@@ -179,7 +200,7 @@ class ProgressTail:
 
 
 @dataclass
-class Nodes:
+class Nodes(_RunFiles):
     """``nodes`` agents of one worker each on one etcd, ``--nnodes`` fixed: world size ``nodes`` (2: the
     world size of :class:`Job`, so both match one reference). An agent a fault takes away (SIGKILL: a node
     lost; SIGTERM: a preemption) is replaced by a new agent once it has exited, as a cluster would; the
@@ -204,26 +225,6 @@ class Nodes:
     injector: Injector | None = None
     """The injector of the last :meth:`run` (set as it starts: its restarted etcd members are the caller's)."""
 
-    @property
-    def ckpt(self) -> str:
-        return f"chaos::file://{self.root}/ckpt"
-
-    @property
-    def control(self) -> str:
-        return str(self.root / "storage-control.json")
-
-    @property
-    def events_file(self) -> Path:
-        return self.root / "events.jsonl"
-
-    @property
-    def progress_file(self) -> Path:
-        return self.root / "progress.jsonl"
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        return read_events(str(self.events_file))
-
     def events_of(self, agent: Launcher) -> list[dict[str, Any]]:
         return [e for e in self.events if str(e.get("node", "")).endswith(f":{agent.pid}")]
 
@@ -235,9 +236,7 @@ class Nodes:
                 "--stop-grace", "2", "--monitor-interval", "0.1", "--events-file", str(self.events_file),
                 "--log-dir", str(self.root / f"logs-{name}"),
                 *(("--hang-timeout", str(self.hang_timeout)) if self.hang_timeout is not None else ()),
-                TRAIN, "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every), "--step-time", str(self.step_time),
-                "--log-every", "10", "--progress-file", str(self.progress_file), "--ckpt-dir", self.ckpt,
-                "--pg-timeout", "20", *self.script_extra]
+                *self.train_args(), *self.script_extra]
         launcher = Launcher(argv, self.root / f"{name}.log", make_env(**{STORAGE_CONTROL_ENV: self.control}))
         self.agents.append(launcher)
         return launcher
