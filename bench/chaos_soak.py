@@ -57,7 +57,7 @@ STEP_TIME = 0.05
 CKPT_EVERY = 50
 HANG_TIMEOUT = 3.0
 LEASE_TTL = 2.0
-RDZV_CONF = f"lease_ttl={LEASE_TTL:g},last_call_timeout=0.5,join_timeout=120"
+RDZV_CONF = f"lease_ttl={LEASE_TTL:g},last_call_timeout=0.5,join_timeout=300"
 
 
 def soak_schedule(seed: int, duration: float, gap: float) -> Schedule:

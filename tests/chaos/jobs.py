@@ -30,6 +30,9 @@ from tests.harness.procs import SPOTRUN, Launcher, free_port, make_env, reap, wa
 
 TRAIN = str(Path(__file__).with_name("chaos_train.py"))
 RDZV_CONF = "lease_ttl=2,last_call_timeout=0.5,join_timeout=60"
+NODES_RDZV_CONF = "lease_ttl=2,last_call_timeout=0.5,join_timeout=300"
+"""A survivor waits in the rendezvous for a replacement agent, whose start-up (torch import) took 60-90 s on
+a loaded 2-core machine: past 60 s the survivor would give up (join timeout) and close the run."""
 STEPS = 30
 CKPT_EVERY = 10
 
@@ -212,7 +215,7 @@ class Nodes(_RunFiles):
     run_id: str
     nodes: int = 2
     max_restarts: int = 0
-    rdzv_conf: str = RDZV_CONF
+    rdzv_conf: str = NODES_RDZV_CONF
     steps: int = STEPS
     step_time: float = 0.05
     ckpt_every: int = CKPT_EVERY
