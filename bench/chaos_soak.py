@@ -1,54 +1,78 @@
-"""Chaos soak: one long seeded run of examples/train_ddp.py under spotrun with random survivable faults.
+"""Chaos soak: one long seeded run of examples/train_ddp.py under spotrun, faults of every kind, the README figures.
 
-    python bench/chaos_soak.py --duration 300 --seed 1      # ~5 min of faults, then the job's end
-    python bench/chaos_soak.py --duration 30 --seed 1 --gap 8
+    python bench/chaos_soak.py --duration 300 --seed 1      # the README figures (~10 min on a quiet machine)
+    python bench/chaos_soak.py --duration 40 --seed 1       # a smoke run (every kind once)
 
-One agent with two workers on a real etcd (loopback), checkpointing behind ``chaos::file://``. Faults, drawn
-with the seed, at least ``--gap`` s apart: kill_worker (one restart each), restart_etcd (the member down
-1 s: 0 restarts), storage_latency and storage_error (transient, 2 s: 0 restarts). The job trains until a
-step count long enough to outlast the schedule; then the run is compared with an uninterrupted reference.
+Two agents of one worker each (``--nnodes 2``: world size 2) on a real 3-member etcd cluster (loopback),
+checkpointing behind ``chaos::file://``. An agent a fault takes away is replaced by a new one, as a cluster
+would, so the world size, and with it the bit-exact result, stays that of an uninterrupted reference run.
+Faults, one every ``--gap`` s or more, each kind in turn in a seeded order (every kind at least once, so a
+short run may last longer than ``--duration``): stop_worker (SIGSTOP: a hang, found by ``--hang-timeout``),
+kill_worker, kill_agent (a node lost), term_agent (a preemption: planned leave), kill_etcd_leader,
+storage_latency and storage_error (transient). A fault waits until the job has recovered from the last one
+(every node up, a step made), so each one meets a healthy job.
 
-Prints the figures of the README's chaos section: faults injected by type, survived, steps lost per fault,
-MTTR per type (median, worst; see bench/mttr_report.py), corrupt checkpoints (every committed step must
-load), leftover processes, and whether the final weights are bit-identical to the reference. The numbers
-are only comparable between runs on a quiet machine: the host load is printed beside them.
+Prints a markdown table for the README (faults injected by type, survived, restarts, steps lost per fault,
+detection and MTTR to the first step: median / worst), the stage breakdown of bench/mttr_report.py,
+corrupt checkpoints and leftover processes, then checks the targets and prints PASS or FAIL (exit 0/1):
+final weights bit-identical to the reference, restarts == faults (one recovery for each worker or agent
+fault, none for etcd and storage faults), a hang found within its timeout + 1 s, a node loss within the
+lease TTL + 1 s, 0 corrupt checkpoints, 0 leftover processes. The numbers are only comparable between runs
+on a quiet machine: the host load is printed beside them.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
+import shutil
 import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.mttr_report import Fault as ReportFault
-from bench.mttr_report import breakdown, render, resume_times, summarize
+from bench.mttr_report import NO_RECOVERY, Recovery, recoveries, render, resume_times, summarize
 from elastic.chaos.api import Fault, FaultKind, Schedule
-from elastic.chaos.schedule import random_schedule
-from elastic.etcd_server import EmbeddedEtcd
 from elastic.events import read_events
-from tests.chaos.jobs import Job, committed_steps, final_state
+from tests.chaos.jobs import Job, Nodes, committed_steps, etcd_cluster_at, final_state
 from tests.harness.procs import Timeout, pid_alive, wait_for
 
-KINDS = (FaultKind.KILL_WORKER, FaultKind.RESTART_ETCD, FaultKind.STORAGE_LATENCY, FaultKind.STORAGE_ERROR)
-PARAMS = {FaultKind.STORAGE_LATENCY: {"seconds": 0.5}, FaultKind.STORAGE_ERROR: {"rate": 0.2, "ops": "all"}}
+KINDS = (FaultKind.STOP_WORKER, FaultKind.KILL_WORKER, FaultKind.KILL_AGENT, FaultKind.TERM_AGENT,
+         FaultKind.KILL_ETCD_LEADER, FaultKind.STORAGE_LATENCY, FaultKind.STORAGE_ERROR)
+RESTARTING = {FaultKind.STOP_WORKER.value: ("hang",), FaultKind.KILL_WORKER.value: ("failure", "peer_lost"),
+              FaultKind.KILL_AGENT.value: ("peer_lost", "failure"), FaultKind.TERM_AGENT.value: ("planned_leave",)}
+"""Fault kinds that cost exactly one recovery of the job, and the causes it may carry (a worker whose peer was
+SIGKILLed fails at once, before the lost lease shows: 'failure'); every other kind costs none."""
+DURATIONS = {FaultKind.KILL_ETCD_LEADER: 1.0, FaultKind.STORAGE_LATENCY: 2.0, FaultKind.STORAGE_ERROR: 2.0}
+PARAMS: dict[FaultKind, dict[str, Any]] = {FaultKind.STORAGE_LATENCY: {"seconds": 0.5}, FaultKind.STORAGE_ERROR: {"rate": 0.2, "ops": "all"}}
 STEP_TIME = 0.05
+CKPT_EVERY = 50
+HANG_TIMEOUT = 3.0
+LEASE_TTL = 2.0
+RDZV_CONF = f"lease_ttl={LEASE_TTL:g},last_call_timeout=0.5,join_timeout=300"
 
 
 def soak_schedule(seed: int, duration: float, gap: float) -> Schedule:
-    """The seeded random schedule, each fault given its soak target, duration and parameters."""
-    raw = random_schedule(seed, duration_s=duration, count=max(1, int(duration // gap)), kinds=KINDS, min_gap_s=gap)
+    """At least one fault of each kind, one per ``gap`` s over ``duration`` s; kinds in seeded rounds (each
+    round every kind once, shuffled), times jittered within the gap's first quarter."""
+    rng = random.Random(seed)
+    count = max(len(KINDS), int(duration // gap))
+    kinds: list[FaultKind] = []
+    while len(kinds) < count:
+        kinds.extend(rng.sample(KINDS, len(KINDS)))
     faults = []
-    for f in raw.faults:
-        duration_s = {FaultKind.KILL_WORKER: None, FaultKind.RESTART_ETCD: 1.0}.get(f.kind, 2.0)
-        target = "etcd:0" if f.kind is FaultKind.RESTART_ETCD else ""
-        faults.append(Fault(kind=f.kind, target=target, at_s=f.at_s, duration_s=duration_s, params=PARAMS.get(f.kind, {})))
+    for i, kind in enumerate(kinds[:count]):
+        target = {FaultKind.KILL_ETCD_LEADER: "etcd:leader"}.get(kind, "")
+        faults.append(Fault(kind=kind, target=target, at_s=round((i + 1) * gap + rng.uniform(0, gap / 4), 3),
+                            duration_s=DURATIONS.get(kind), params=PARAMS.get(kind, {})))
     return Schedule(seed=seed, faults=tuple(faults))
 
 
@@ -81,72 +105,140 @@ def leftover(pids: set[int], timeout: float = 15.0) -> list[int]:
     return sorted(p for p in pids if pid_alive(p))
 
 
-def _fired_records(injector: object) -> list[str]:
-    """The journal record (injected/skipped/failed) of each fired fault, in firing order."""
-    from elastic.events import read_events as read
+def _stat(values: Sequence[float], fmt: str = ".2f") -> str:
+    return f"{statistics.median(values):{fmt}} / {max(values):{fmt}}" if values else "n/a"
 
-    journal = getattr(injector, "journal").path  # noqa: B009
-    return [r["record"] for r in read(journal) if r.get("record") in ("injected", "skipped", "failed")]
+
+def readme_table(injected: list[dict], recs: list[Recovery], survived: dict[str, int]) -> str:
+    """Per fault kind: injected, survived, restarts, steps lost per fault, detection, MTTR (first step)."""
+    lines = ["| fault | injected | survived | restarts | steps lost per fault | detection s | MTTR s (first step) |",
+             "|---|---|---|---|---|---|---|"]
+    for kind in [k.value for k in KINDS]:
+        n = sum(1 for r in injected if r["kind"] == kind)
+        if not n:
+            continue
+        mine = [r for r in recs if r.kind == kind and r.cause != NO_RECOVERY]
+        lost = [float(r.steps_lost) for r in mine if r.steps_lost is not None]
+        detect = [v for r in mine if (v := r.stages.get("detection")) is not None]
+        mttr = [v for r in mine if (v := r.stages.get("first_step")) is not None]
+        lines.append(f"| {kind} | {n} | {survived.get(kind, 0)} | {len(mine)} | {_stat(lost, '.0f') if mine else '0'} "
+                     f"| {_stat(detect)} | {_stat(mttr) if mine else 'no restart'} |")
+    return "\n".join(lines)
+
+
+def check_targets(injected: list[dict], recs: list[Recovery], *, identical: bool, final_ok: bool,
+                  corrupt: list[int], alive: list[int], codes_ok: bool) -> list[str]:
+    """The targets that failed (empty: PASS). Pure."""
+    failed = []
+    if not final_ok:
+        failed.append("the job did not reach its final step with exit code 0")
+    if not codes_ok:
+        failed.append("an agent exited with an unexpected code (survivors and preempted agents: 0, killed: -9)")
+    if not identical:
+        failed.append("final weights differ from the uninterrupted reference")
+    for r in recs:
+        if r.fault is None:
+            failed.append(f"a recovery ({r.cause}) no fault caused")
+        elif r.kind in RESTARTING and r.cause not in RESTARTING[r.kind]:
+            failed.append(f"{r.kind}: {'no recovery' if r.cause == NO_RECOVERY else f'recovery cause {r.cause}'}, "
+                          f"expected {'/'.join(RESTARTING[r.kind])}")
+        elif r.kind not in RESTARTING and r.cause != NO_RECOVERY:
+            failed.append(f"{r.kind} cost a restart ({r.cause}); target 0")
+        detect = r.stages.get("detection")
+        if r.kind == FaultKind.STOP_WORKER.value and detect is not None and detect > HANG_TIMEOUT + 1:
+            failed.append(f"a hang found {detect:.2f} s after the SIGSTOP; target <= {HANG_TIMEOUT + 1:g} s")
+        if r.kind == FaultKind.KILL_AGENT.value and detect is not None and detect > LEASE_TTL + 1:
+            failed.append(f"a node loss found {detect:.2f} s after the SIGKILL; target <= {LEASE_TTL + 1:g} s")
+    if len(recs) != len(injected) + sum(1 for r in recs if r.fault is None):
+        failed.append("faults and recoveries do not pair up")
+    if corrupt:
+        failed.append(f"corrupt checkpoints at steps {corrupt}")
+    if alive:
+        failed.append(f"processes left: {alive}")
+    return failed
+
+
+def _survived(injected: list[dict], recs: list[Recovery], progress: list[dict]) -> dict[str, int]:
+    """Per kind, the faults after which training went on (a step reported after the fault's recovery ended,
+    or after the fault itself when it needed none)."""
+    last = max((float(p["t_wall"]) for p in progress), default=0.0)
+    out: dict[str, int] = {}
+    for r in recs:
+        if r.fault is None:
+            continue
+        ok = r.stages.get("first_step") is not None if r.cause != NO_RECOVERY else last > r.fault.t_wall
+        out[r.kind] = out.get(r.kind, 0) + int(ok)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, required=True, help="seconds over which faults are injected")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gap", type=float, default=15.0, help="minimum seconds between two faults")
+    p.add_argument("--gap", type=float, default=12.0, help="minimum seconds between two faults")
     p.add_argument("--keep", action="store_true", help="keep the run directory (printed)")
     args = p.parse_args(argv)
+    if args.duration <= 0 or args.gap <= 0:
+        p.error("--duration and --gap must be > 0")
     schedule = soak_schedule(args.seed, args.duration, args.gap)
+    span = max(f.at_s or 0.0 for f in schedule.faults) + args.gap
     # Enough steps that the job outlives the schedule even with no time lost to recoveries.
-    steps = int(args.duration / STEP_TIME) + 100
+    steps = int(span / STEP_TIME) + 100
     root = Path(tempfile.mkdtemp(prefix="spotrun-soak-"))
-    print(f"soak: seed {args.seed}, {len(schedule.faults)} faults over {args.duration} s, {steps} steps, "
-          f"load average {os.getloadavg()}, run dir {root}")
-    with EmbeddedEtcd() as etcd:
-        ref = Job(root / "reference", etcd.endpoint, "soak-ref", steps=steps, step_time=0.0)
-        code, _ = ref.run(Schedule(), timeout=args.duration * 4 + 600)
+    began = time.monotonic()
+    print(f"soak: seed {args.seed}, {len(schedule.faults)} faults over {span:.0f} s, {steps} steps, "
+          f"load average {os.getloadavg()}, run dir {root}", flush=True)
+    with etcd_cluster_at(root / "etcd") as endpoints:
+        ref = Job(root / "reference", ",".join(endpoints), "soak-ref", steps=steps, step_time=0.0, ckpt_every=CKPT_EVERY)
+        code, _ = ref.run(Schedule(), timeout=steps * 0.2 + 600)
         if code != 0:
             print(f"reference run failed with exit code {code}:\n{ref.output()[-3000:]}")
             return 1
-        job = Job(root / "chaos", etcd.endpoint, "soak", steps=steps, step_time=STEP_TIME, max_restarts=1000)
-        code, injector = job.run(schedule, timeout=args.duration * 4 + 600, endpoints=(etcd.endpoint,),
-                                 clock_from_first_step=True)
-        for proc in injector.started:  # etcd members the injector restarted: stop them before the fixture's
-            proc.terminate()
-            proc.wait(30)
+        job = Nodes(root / "chaos", ",".join(endpoints), "soak", steps=steps, step_time=STEP_TIME,
+                    ckpt_every=CKPT_EVERY, max_restarts=1000, hang_timeout=HANG_TIMEOUT, rdzv_conf=RDZV_CONF)
+        try:
+            injector = job.run(schedule, timeout=span * 6 + 900, endpoints=tuple(endpoints),
+                               clock_from_first_step=True, one_at_a_time=True)
+        finally:
+            for proc in job.injector.started if job.injector else ():  # members it started again: ours to stop
+                proc.kill()
+                proc.wait(30)
     injected = injector.injected
-    by_kind: dict[str, int] = {}
-    for r in injected:
-        by_kind[r["kind"]] = by_kind.get(r["kind"], 0) + 1
-    restarts = len(job.restarts())
-    kills = by_kind.get(FaultKind.KILL_WORKER.value, 0)
+    progress = read_events(str(job.progress_file))
+    resumes = [t for a in job.agents for t in resume_times(a.output())]
+    recs = recoveries(job.events, read_events(str(job.root / "journal.jsonl")), progress, resumes)
     step, tensors = final_state(job.ckpt)
     _, reference = final_state(ref.ckpt)
     identical = tensors.keys() == reference.keys() and all(torch.equal(tensors[k], reference[k]) for k in tensors)
-    resumed = job.resumed_steps()
-    # Each injected kill costs one restart, which resumes once (the "resumed from step" line of rank 0).
-    killed_at = [step for (kind, step), rec in zip(job.step_at_fault, _fired_records(injector))
-                 if kind == FaultKind.KILL_WORKER.value and rec == "injected"]
-    lost = [max(0, at - r) for at, r in zip(killed_at, resumed)]
+    killed = {r["pid"] for r in injected if r["kind"] == FaultKind.KILL_AGENT.value}
+    codes = {a.pid: a.proc.returncode for a in job.agents}
+    codes_ok = all(c == (-9 if pid in killed else 0) for pid, c in codes.items())
+    corrupt = corrupt_steps(job.ckpt)
     alive = leftover(job.seen_pids)
-    print(f"exit code {code}; final step {step} of {steps}; final weights identical to the reference: {identical}")
-    print(f"faults injected by type: {by_kind} (not fired: {injector.pending()})")
-    print(f"restarts {restarts}, worker kills {kills} (expected equal; etcd and storage faults cost none)")
-    print(f"steps lost per kill (median, worst): {statistics.median(lost) if lost else 'n/a'}, {max(lost, default='n/a')}")
-    print(f"corrupt checkpoints: {corrupt_steps(job.ckpt)}; leftover processes: {alive}")
-    faults = [ReportFault(r["kind"], float(r["t_wall"])) for r in injected]
-    recoveries = breakdown(faults, read_events(str(job.root / "events.jsonl")),
-                           read_events(str(job.root / "progress.jsonl")), resume_times(job.output()))
-    counts = {k: sum(1 for r in recoveries if r.fault.kind == k) for k in by_kind}
-    print("MTTR, seconds from injection (median / worst):")
-    print(render(summarize(recoveries), counts))
-    ok = code == 0 and step == steps and identical and restarts == kills and not alive
-    if not args.keep:
-        import shutil
-
+    survived = _survived(injected, recs, progress)
+    restarts = sum(1 for r in recs if r.cause != NO_RECOVERY)
+    print(f"\nfinal step {step} of {steps}; agents {len(job.agents)} (exit codes {sorted(codes.values())}); "
+          f"final weights identical to the reference: {identical}; wall time {time.monotonic() - began:.0f} s; "
+          f"load average {os.getloadavg()}")
+    print(f"faults injected {len(injected)} (not fired: {injector.pending()}), recoveries {restarts}, "
+          f"corrupt checkpoints {len(corrupt)}, leftover processes {len(alive)}")
+    print(f"hang timeout {HANG_TIMEOUT:g} s, lease TTL {LEASE_TTL:g} s, step time {STEP_TIME} s, checkpoint every "
+          f"{CKPT_EVERY} steps\n")
+    print(readme_table(injected, recs, survived))
+    print("\nrecovery stages, seconds from the fault (median / worst; bench/mttr_report.py):")
+    print(render(summarize(recs)))
+    failed = check_targets(injected, recs, identical=identical, final_ok=step == steps, corrupt=corrupt,
+                           alive=alive, codes_ok=codes_ok)
+    if injector.pending():
+        failed.append(f"{injector.pending()} faults never fired (the job ended first)")
+    for line in failed:
+        print(f"target missed: {line}")
+    if not args.keep and not failed:
         shutil.rmtree(root, ignore_errors=True)
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    else:
+        print(f"run dir kept: {root}")
+    print("PASS" if not failed else "FAIL")
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

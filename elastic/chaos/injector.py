@@ -82,16 +82,23 @@ class Injector:
         self._t0 = self._clock()
 
     # ------------------------------------------------------------------ loop
-    def tick(self, step: int | None = None) -> list[dict[str, Any]]:
-        """Fire what is due now and end what has run its course; returns the journal records written."""
+    def tick(self, step: int | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        """Fire what is due now (at most ``limit`` faults: the rest stay due) and end what has run its
+        course; returns the journal records written."""
+        out = self.end_due()
+        now = self.elapsed()
+        for index in due(self.schedule, self.fired, now, step)[:limit]:
+            self.fired.append(index)
+            out.append(self.fire(index))
+        return out
+
+    def end_due(self) -> list[dict[str, Any]]:
+        """End the faults that have run their course (and fire nothing): while a caller holds new faults
+        back, e.g. until the job has recovered from the last one, what is in force still ends on time."""
         out = []
         now = self.elapsed()
         while self._undo and self._undo[0].at <= now:
-            undo = heapq.heappop(self._undo)
-            out.append(self._run_undo(undo))
-        for index in due(self.schedule, self.fired, now, step):
-            self.fired.append(index)
-            out.append(self.fire(index))
+            out.append(self._run_undo(heapq.heappop(self._undo)))
         return out
 
     def run(self, done: Callable[[], bool], step: Callable[[], int | None] = lambda: None,

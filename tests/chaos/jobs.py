@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
+import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,16 +19,20 @@ from checkpoint.config import CheckpointConfig
 from checkpoint.discover import list_steps, read_manifest
 from checkpoint.export import assemble
 from checkpoint.storage import Storage
-from elastic.chaos.api import STORAGE_CONTROL_ENV, Schedule
+from elastic.chaos.api import STORAGE_CONTROL_ENV, FaultKind, Schedule
 from elastic.chaos.injector import Injector
 from elastic.chaos.journal import Journal
 from elastic.chaos.storage import register
 from elastic.chaos.targets import descendants, last_step
+from elastic.etcd_server import find_etcd_binary
 from elastic.events import read_events
-from tests.harness.procs import SPOTRUN, Launcher, make_env, reap
+from tests.harness.procs import SPOTRUN, Launcher, free_port, make_env, reap, wait_for
 
 TRAIN = str(Path(__file__).with_name("chaos_train.py"))
 RDZV_CONF = "lease_ttl=2,last_call_timeout=0.5,join_timeout=60"
+NODES_RDZV_CONF = "lease_ttl=2,last_call_timeout=0.5,join_timeout=300"
+"""A survivor waits in the rendezvous for a replacement agent, whose start-up (torch import) took 60-90 s on
+a loaded 2-core machine: past 60 s the survivor would give up (join timeout) and close the run."""
 STEPS = 30
 CKPT_EVERY = 10
 
@@ -45,23 +53,14 @@ def committed_steps(ckpt_uri: str) -> list[int]:
         return list_steps(ckpt.storage).committed
 
 
-@dataclass
-class Job:
-    """One agent (``--nproc-per-node 2``) on an external etcd, checkpointing behind ``chaos::``."""
+class _RunFiles:
+    """Where a job keeps its files, and the training script's arguments (shared by :class:`Job` and
+    :class:`Nodes`)."""
 
     root: Path
-    endpoint: str
-    run_id: str
-    max_restarts: int = 3
-    rdzv_conf: str = RDZV_CONF
-    extra: tuple[str, ...] = ()
-    steps: int = STEPS
-    step_time: float = 0.05
-    launcher: Launcher | None = None
-    seen_pids: set[int] = field(default_factory=set)
-    committed_at_fault: list[int] = field(default_factory=list)
-    step_at_fault: list[tuple[str, int]] = field(default_factory=list)
-    """(kind, last step reported) of each fault when it fired."""
+    steps: int
+    step_time: float
+    ckpt_every: int
 
     @property
     def ckpt(self) -> str:
@@ -72,17 +71,51 @@ class Job:
         return str(self.root / "storage-control.json")
 
     @property
+    def events_file(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def progress_file(self) -> Path:
+        return self.root / "progress.jsonl"
+
+    @property
     def events(self) -> list[dict[str, Any]]:
-        return read_events(str(self.root / "events.jsonl"))
+        return read_events(str(self.events_file))
+
+    def train_args(self) -> list[str]:
+        return [TRAIN, "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every), "--step-time",
+                str(self.step_time), "--log-every", "10", "--progress-file", str(self.progress_file),
+                "--ckpt-dir", self.ckpt, "--pg-timeout", "20"]
+
+
+@dataclass
+class Job(_RunFiles):
+    """One agent (``--nproc-per-node 2``) on an external etcd, checkpointing behind ``chaos::``."""
+
+    root: Path
+    endpoint: str
+    run_id: str
+    max_restarts: int = 3
+    rdzv_conf: str = RDZV_CONF
+    extra: tuple[str, ...] = ()
+    steps: int = STEPS
+    step_time: float = 0.05
+    ckpt_every: int = CKPT_EVERY
+    hang_timeout: float | None = None
+    """``--hang-timeout`` of the agent (None: spotrun's adaptive default)."""
+    launcher: Launcher | None = None
+    seen_pids: set[int] = field(default_factory=set)
+    committed_at_fault: list[int] = field(default_factory=list)
+    step_at_fault: list[tuple[str, int]] = field(default_factory=list)
+    """(kind, last step reported) of each fault when it fired."""
 
     def start(self) -> Launcher:
         self.root.mkdir(parents=True, exist_ok=True)
         argv = [*SPOTRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", self.endpoint,
                 "--rdzv-id", self.run_id, "--rdzv-conf", self.rdzv_conf, "--max-restarts", str(self.max_restarts),
                 "--stop-grace", "2", "--events-file", str(self.root / "events.jsonl"),
-                TRAIN, "--steps", str(self.steps), "--ckpt-every", str(CKPT_EVERY), "--step-time", str(self.step_time),
-                "--log-every", "10", "--progress-file", str(self.root / "progress.jsonl"), "--ckpt-dir", self.ckpt,
-                "--pg-timeout", "20", *self.extra]
+                *(("--hang-timeout", str(self.hang_timeout)) if self.hang_timeout is not None else ()),
+                *self.train_args(), *self.extra]
         env = make_env(**{STORAGE_CONTROL_ENV: self.control})
         self.launcher = Launcher(argv, self.root / "agent.log", env)
         return self.launcher
@@ -137,3 +170,181 @@ class Job:
 
     def restarts(self) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == "failure_detected"]
+
+
+class ProgressTail:
+    """The ``--progress-file`` read incrementally (a soak writes thousands of lines; re-reading them all every
+    poll would load the machine it measures): the newest step and the time of the newest line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self.step: int | None = None
+        self.t_wall: float | None = None
+
+    def poll(self) -> int | None:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self._offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return self.step
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being appended is read next time
+        self._offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record.get("step"), int):
+                self.step = max(self.step or 0, record["step"])
+                self.t_wall = float(record.get("t_wall", time.time()))
+        return self.step
+
+
+@dataclass
+class Nodes(_RunFiles):
+    """``nodes`` agents of one worker each on one etcd, ``--nnodes`` fixed: world size ``nodes`` (2: the
+    world size of :class:`Job`, so both match one reference). An agent a fault takes away (SIGKILL: a node
+    lost; SIGTERM: a preemption) is replaced by a new agent once it has exited, as a cluster would; the
+    survivor waits for it in the rendezvous. All agents append to one events file (``node`` tells them
+    apart) and one progress file."""
+
+    root: Path
+    endpoint: str
+    run_id: str
+    nodes: int = 2
+    max_restarts: int = 0
+    rdzv_conf: str = NODES_RDZV_CONF
+    steps: int = STEPS
+    step_time: float = 0.05
+    ckpt_every: int = CKPT_EVERY
+    hang_timeout: float | None = None
+    script_extra: tuple[str, ...] = ("--preempt-sync-every", "2")
+    agents: list[Launcher] = field(default_factory=list)
+    seen_pids: set[int] = field(default_factory=set)
+    step_at_fault: list[tuple[str, int]] = field(default_factory=list)
+    """(kind, newest step reported) of each fault when it fired."""
+    injector: Injector | None = None
+    """The injector of the last :meth:`run` (set as it starts: its restarted etcd members are the caller's)."""
+
+    def events_of(self, agent: Launcher) -> list[dict[str, Any]]:
+        return [e for e in self.events if str(e.get("node", "")).endswith(f":{agent.pid}")]
+
+    def start_agent(self) -> Launcher:
+        self.root.mkdir(parents=True, exist_ok=True)
+        name = f"agent{len(self.agents)}"
+        argv = [*SPOTRUN, "--nnodes", str(self.nodes), "--nproc-per-node", "1", "--rdzv-endpoint", self.endpoint,
+                "--rdzv-id", self.run_id, "--rdzv-conf", self.rdzv_conf, "--max-restarts", str(self.max_restarts),
+                "--stop-grace", "2", "--monitor-interval", "0.1", "--events-file", str(self.events_file),
+                "--log-dir", str(self.root / f"logs-{name}"),
+                *(("--hang-timeout", str(self.hang_timeout)) if self.hang_timeout is not None else ()),
+                *self.train_args(), *self.script_extra]
+        launcher = Launcher(argv, self.root / f"{name}.log", make_env(**{STORAGE_CONTROL_ENV: self.control}))
+        self.agents.append(launcher)
+        return launcher
+
+    def live(self) -> list[int]:
+        """PIDs of the running agents in start order: ``agent:N`` of a schedule is the N-th of these."""
+        return [a.pid for a in self.agents if a.proc.poll() is None]
+
+    def run(self, schedule: Schedule, timeout: float, endpoints: tuple[str, ...] = (),
+            clock_from_first_step: bool = False, one_at_a_time: bool = False) -> Injector:
+        """Start the agents, inject ``schedule`` while they run, replace the agents it takes away, wait until
+        every agent exited. ``one_at_a_time``: a due fault waits until the job is healthy again (every node
+        up and a step made since the last workers started), so each fault meets a recovered job."""
+        for _ in range(self.nodes):
+            self.start_agent()
+        injector = self.injector = Injector(schedule, Journal(str(self.root / "journal.jsonl")), agent_pids=self.live,
+                                            etcd_endpoints=endpoints, storage_control=self.control,
+                                            events_file=str(self.events_file))
+        progress = ProgressTail(self.progress_file)
+        to_replace: list[Launcher] = []
+        deadline = time.monotonic() + timeout
+        waiting_for_first_step = clock_from_first_step
+        try:
+            while any(a.proc.poll() is None for a in self.agents) or to_replace:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"job {self.run_id} still running after {timeout} s:\n{self.output()[-3000:]}")
+                for agent in self.agents:
+                    if agent.proc.poll() is None:
+                        self.seen_pids.update(descendants(agent.pid))
+                for gone in [a for a in to_replace if a.proc.poll() is not None]:
+                    to_replace.remove(gone)
+                    self.start_agent()
+                step = progress.poll()
+                if waiting_for_first_step:
+                    if step is not None:
+                        injector.reset_clock()
+                        waiting_for_first_step = False
+                elif one_at_a_time and (to_replace or not self._healthy(progress)):
+                    injector.end_due()
+                else:
+                    for record in injector.tick(step, limit=1 if one_at_a_time else None):
+                        self._note_fault(record, step, to_replace)
+                time.sleep(0.05)
+        finally:
+            injector.close()
+            for agent in self.agents:
+                agent.close()
+        return injector
+
+    def _note_fault(self, record: dict[str, Any], step: int | None, to_replace: list[Launcher]) -> None:
+        if record.get("record") not in ("injected", "skipped", "failed"):
+            return
+        self.step_at_fault.append((record["kind"], step or 0))
+        if record["record"] == "injected" and record["kind"] in (FaultKind.KILL_AGENT.value, FaultKind.TERM_AGENT.value):
+            to_replace.extend(a for a in self.agents if a.pid == record["pid"])
+
+    def _healthy(self, progress: ProgressTail, fresh_s: float = 2.0) -> bool:
+        """Every node up, a step made within ``fresh_s`` (no recovery is under way: none makes steps) and
+        since the last workers started (the steps seen are the recovered group's)."""
+        if len(self.live()) < self.nodes or progress.t_wall is None or time.time() - progress.t_wall > fresh_s:
+            return False
+        started = [e["t_wall"] for e in self.events if e.get("event") == "workers_started"]
+        return not started or progress.t_wall > max(started)
+
+    def output(self) -> str:
+        return "\n".join(f"--- {a.log.name}\n{a.output()[-3000:]}" for a in self.agents)
+
+    def assert_no_process_left(self, timeout: float = 15.0) -> None:
+        reap(self.seen_pids, timeout)
+
+
+@contextlib.contextmanager
+def etcd_cluster_at(root: Path) -> Iterator[list[str]]:
+    """Three etcd members on free loopback ports (fast elections), data and logs under ``root``; yields
+    their client endpoints once a leader is elected, kills them on exit."""
+    from elastic.chaos.targets import etcd_leader
+
+    binary = find_etcd_binary()
+    root.mkdir(parents=True, exist_ok=True)
+    ports = [(free_port(), free_port()) for _ in range(3)]
+    initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+    procs = []
+    logs = [open(root / f"m{i}.log", "wb") for i in range(3)]  # noqa: SIM115 (closed below)
+    for i, (client, peer) in enumerate(ports):
+        argv = [binary, "--name", f"m{i}", "--data-dir", str(root / f"m{i}"),
+                "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", root.name,
+                "--heartbeat-interval", "50", "--election-timeout", "500"]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=logs[i], start_new_session=True))
+    endpoints = [f"127.0.0.1:{client}" for client, _ in ports]
+
+    def elected() -> bool:
+        try:
+            return bool(etcd_leader(endpoints))
+        except Exception:  # noqa: BLE001 (not elected yet)
+            return False
+
+    try:
+        wait_for(elected, 30, "the etcd cluster to elect a leader")
+        yield endpoints
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        for log in logs:
+            log.close()

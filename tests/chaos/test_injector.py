@@ -233,3 +233,22 @@ def test_partition_takes_the_namespace_links_down_then_up(tmp_path: Path, netns:
     (healed,) = injector.tick()
     assert healed["record"] == "undone"
     assert _link_up(netns, "v0") and _link_up(netns, "v1")
+
+
+def test_faults_held_back_stay_due_while_those_in_force_still_end(tmp_path: Path) -> None:
+    """What the soak does between faults: tick(limit=1) fires one due fault, end_due() ends faults on time
+    and fires none."""
+    clock = [0.0]
+    schedule = Schedule(faults=(Fault(kind=FaultKind.STORAGE_LATENCY, at_s=0, duration_s=1, params={"seconds": 0.1}),
+                                Fault(kind=FaultKind.DISK_FULL, at_s=0, duration_s=1)))
+    control = tmp_path / "control.json"
+    injector = Injector(schedule, Journal(str(tmp_path / "j.jsonl")), storage_control=str(control),
+                        clock=lambda: clock[0])
+    (first,) = injector.tick(limit=1)
+    assert first["record"] == "injected" and first["kind"] == "storage_latency" and injector.pending() == 1
+    clock[0] = 1.5
+    (ended,) = injector.end_due()
+    assert ended["record"] == "undone" and injector.pending() == 1
+    assert json.loads(control.read_text())["faults"] == []
+    (second,) = injector.tick(limit=1)
+    assert second["kind"] == "disk_full" and injector.pending() == 0
