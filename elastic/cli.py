@@ -59,7 +59,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 from torch.distributed.run import config_from_args, get_args_parser
 
 from elastic.api import (
@@ -256,8 +257,6 @@ def standalone_rendezvous(args: argparse.Namespace) -> Iterator[None]:
 
 def _raise_signal_exception(signum: int, frame: object) -> NoReturn:
     # torch's SignalException, so the agent and the launcher treat it exactly like torch does.
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
 
@@ -300,6 +299,12 @@ def _main(argv: Sequence[str] | None) -> None:
     except PlannedLeaveExit as exc:
         logger.warning("%s", exc)
         parser.exit(exc.exit_code)
+    except SignalException as exc:
+        # torchrun's exit code (1) and error file for an immediate stop (a signal before the workers could
+        # save at an agreed step, or a second SIGTERM); one line instead of the launcher's own traceback.
+        get_error_handler().record_exception(exc)
+        parser.exit(EXIT_FAILURE, f"spotrun: stopped by {exc.sigval.name} (workers stopped at once; a restart "
+                                  "resumes from the last committed checkpoint)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -293,8 +293,11 @@ def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_ti
 
 
 def _send_environ(conn: Any) -> None:
-    conn.send(dict(os.environ))
-    conn.close()
+    try:
+        conn.send(dict(os.environ))
+        conn.close()
+    except OSError:  # the launcher was stopped (SIGTERM) while warming up: nobody is listening, nothing to say
+        pass
 
 
 def _shim_main(argv: list[str]) -> None:
