@@ -476,6 +476,16 @@ class SpotrunAgent(LocalElasticAgent):
             return None
         return all_acknowledged(self._mailbox.acks(), self._worker_group.spec.local_world_size)
 
+    def _committed_at(self) -> float | None:
+        """When the local workers had committed the agreed step (for the events: the start of a planned
+        change's resume time, which bench/goodput_bench.py reports against its 1 s target)."""
+        if self._mailbox is None:
+            return None
+        try:
+            return self._mailbox.committed_at()
+        except OSError:
+            return None
+
     def _publish_own_notice(self) -> None:
         notice = self._own_notice
         if notice is None or self._notice_published:
@@ -558,6 +568,7 @@ class SpotrunAgent(LocalElasticAgent):
                        ", after the deadline" if late else "")
         self._begin_recovery(RecoveryCause.PLANNED_LEAVE)
         self._emit(RecoveryEvent.PLANNED_LEAVE, step=step, saved=step is not None, why=why, late=late,
+                   committed_at=self._committed_at() if step is not None else None,
                    source=notice.source if notice else None, deadline=notice.deadline if notice else None)
 
     def _leave_for_notice(self, step: int | None) -> RunResult:
@@ -579,7 +590,7 @@ class SpotrunAgent(LocalElasticAgent):
         logger.info("%s workers committed step %d for a planned change (%s); re-forming the group", self._ctx(),
                     step, reason)
         self._begin_recovery(RecoveryCause.SCALE_UP if reason == "resize" else RecoveryCause.PLANNED_LEAVE)
-        self._emit(RecoveryEvent.PLANNED_RESTART, step=step, reason=reason)
+        self._emit(RecoveryEvent.PLANNED_RESTART, step=step, reason=reason, committed_at=self._committed_at())
         self._restart_workers(self._worker_group)
 
     def _exit_barrier_unless_peers_left(self) -> bool:
