@@ -182,8 +182,9 @@ def stage_times(events: list[dict[str, Any]], progress: list[dict[str, Any]], fa
 def agreed_step_to_first_step(events: list[dict[str, Any]], progress: list[dict[str, Any]],
                               faults: list[tuple[float, str]], t1: float = float("inf")) -> dict[str, list[float]]:
     """Fault kind -> seconds from the agreed step's commit to the first step of the new group, for each fault
-    that ended in a planned change with a committed step (see the module docstring for the timestamps),
-    looking no further than the next fault or the window's end ``t1``."""
+    that ended in a planned change with a committed step (see the module docstring for the timestamps).
+    The planned events are looked for up to the next fault; the first step up to the window's end ``t1``
+    (on a slow machine the group may resume after the next fault, e.g. a rejoin, was injected)."""
     out: dict[str, list[float]] = {}
     for i, (at, kind) in enumerate(faults):
         until = min(faults[i + 1][0] if i + 1 < len(faults) else t1, t1)
@@ -194,7 +195,7 @@ def agreed_step_to_first_step(events: list[dict[str, Any]], progress: list[dict[
         committed = [e["committed_at"] for e in planned if e.get("committed_at") is not None]
         agreed = min(committed) if committed else min(e["t_wall"] for e in planned)
         before = {x["pid"] for x in progress if x["t_wall"] <= at}
-        new = [x["t_wall"] for x in progress if x["t_wall"] > agreed and x["pid"] not in before and x["t_wall"] < until]
+        new = [x["t_wall"] for x in progress if agreed < x["t_wall"] <= t1 and x["pid"] not in before]
         if new:
             out.setdefault(kind, []).append(min(new) - agreed)
     return out

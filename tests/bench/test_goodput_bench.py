@@ -76,6 +76,8 @@ def test_agreed_step_to_first_step_starts_at_the_commit_of_the_agreed_step() -> 
     unsaved = [_event("planned_leave", 11.3, step=None)]
     assert gb.agreed_step_to_first_step(unsaved, lines, faults) == {}
     assert gb.agreed_step_to_first_step(events, lines, faults, t1=11.5) == {}
+    # a resume that comes after the next fault (a rejoin injected meanwhile) still counts for the notice
+    assert gb.agreed_step_to_first_step(events, lines, [(10.0, "notice"), (11.5, "rejoin")]) == {"notice": [pytest.approx(0.8)]}
 
 
 def test_the_report_shows_median_worst_and_the_target() -> None:
