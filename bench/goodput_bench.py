@@ -27,7 +27,14 @@ Reported, per launcher, over the window from the first step at full size to ``--
   the median step time);
 * steps lost per fault type: steps trained again after the restart that followed each fault;
 * recovery by stage (spotrun, from ``events.jsonl``): seconds from the fault to each recovery event, and to
-  the first step of the new group; torchrun has no events, only the last.
+  the first step of the new group; torchrun has no events, only the last;
+* agreed step -> first step of the new group, per planned change (``notice`` and ``rejoin``; spotrun only),
+  median and worst, against the target of 1 s: from the moment the agreed step was committed to the first
+  step of a worker that was not training before the fault. The moment is the earliest ``committed_at`` of
+  the fault's ``planned_leave`` / ``planned_restart`` events (each agent's latest worker acknowledgement,
+  written right after the commit), or, in an events file without that field, the earliest of those events'
+  ``t_wall`` (a little later: the agent noticed its workers had exited). It excludes the time to reach the
+  agreed step (up to ``--preempt-sync-every`` steps plus the save), which the fault -> stage rows include.
 
 Timings depend on the host; on a loaded machine they are indicative only. Measure on a quiet machine.
 """
@@ -62,6 +69,9 @@ from tests.harness.procs import (
 )
 
 JOB = str(EXAMPLES / "train_gpt.py")
+PLANNED = ("planned_leave", "planned_restart")
+RESUME_TARGET_S = 1.0
+"""Issue 8's target: survivors step within 1 s of the agreed (committed) step of a planned change."""
 STAGES = ("notice_received", "failure_detected", "planned_leave", "workers_stopped", "rendezvous_completed",
           "workers_started")
 
@@ -169,6 +179,28 @@ def stage_times(events: list[dict[str, Any]], progress: list[dict[str, Any]], fa
     return out
 
 
+def agreed_step_to_first_step(events: list[dict[str, Any]], progress: list[dict[str, Any]],
+                              faults: list[tuple[float, str]], t1: float = float("inf")) -> dict[str, list[float]]:
+    """Fault kind -> seconds from the agreed step's commit to the first step of the new group, for each fault
+    that ended in a planned change with a committed step (see the module docstring for the timestamps).
+    The planned events are looked for up to the next fault; the first step up to the window's end ``t1``
+    (on a slow machine the group may resume after the next fault, e.g. a rejoin, was injected)."""
+    out: dict[str, list[float]] = {}
+    for i, (at, kind) in enumerate(faults):
+        until = min(faults[i + 1][0] if i + 1 < len(faults) else t1, t1)
+        planned = [e for e in events
+                   if e["event"] in PLANNED and e.get("step") is not None and at <= e["t_wall"] < until]
+        if not planned:
+            continue
+        committed = [e["committed_at"] for e in planned if e.get("committed_at") is not None]
+        agreed = min(committed) if committed else min(e["t_wall"] for e in planned)
+        before = {x["pid"] for x in progress if x["t_wall"] <= at}
+        new = [x["t_wall"] for x in progress if agreed < x["t_wall"] <= t1 and x["pid"] not in before]
+        if new:
+            out.setdefault(kind, []).append(min(new) - agreed)
+    return out
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -268,6 +300,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "redone": redone,
         "lost": lost_per_fault(progress, run.faults, t1),
         "stages": stage_times(events, progress, run.faults, t1),
+        "resume": agreed_step_to_first_step(events, progress, run.faults, t1),
         "faults": [k for _, k in run.faults],
         "notes": run.notes,
     }
@@ -275,6 +308,15 @@ def summarize(run: Run) -> dict[str, Any]:
 
 def _median(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} s (n={len(values)})" if values else "-"
+
+
+def _median_worst(values: list[float]) -> str:
+    """``median / worst`` with the count and whether the worst meets :data:`RESUME_TARGET_S`."""
+    if not values:
+        return "-"
+    worst = max(values)
+    verdict = "met" if worst <= RESUME_TARGET_S else "missed"
+    return f"{statistics.median(values):.2f} / {worst:.2f} s (n={len(values)}, {verdict})"
 
 
 def print_report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
@@ -302,6 +344,10 @@ def print_report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -
         for stage in names:
             cells = [_median(results[k]["stages"].get(fault, {}).get(stage, [])) for k in kinds]
             print(f"| {fault}: fault -> {stage} | " + " | ".join(cells) + " |")
+    for fault in ("notice", "rejoin"):
+        cells = [_median_worst(results[k].get("resume", {}).get(fault, [])) for k in kinds]
+        print(f"| {fault}: agreed step -> first step of the new group, median / worst "
+              f"(target <= {RESUME_TARGET_S:.0f} s) | " + " | ".join(cells) + " |")
     for k in kinds:
         for note in results[k]["notes"]:
             print(f"- {k}: {note}")

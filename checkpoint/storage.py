@@ -22,6 +22,7 @@ import errno
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -76,19 +77,20 @@ _PERMANENT_TYPES: tuple[type[BaseException], ...] = (
 
 
 def _foreign_errors() -> tuple[type[BaseException], ...]:
-    """Error types we convert at this edge: the OSError family plus botocore's own (when installed)."""
+    """Error types we convert at this edge: the OSError family plus botocore's own once botocore is loaded.
+    Only an S3 filesystem raises botocore errors, and it imports botocore before it can; importing it here
+    for every root (a local one too) cost each worker start ~50 ms of CPU, on the resume path of a planned
+    change. So it is looked up when an error is being classified, not at import."""
     types: list[type[BaseException]] = [OSError]
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        types += [BotoCoreError, ClientError]
-    except ImportError:  # pragma: no cover - s3 extra not installed
-        pass
+    exceptions = sys.modules.get("botocore.exceptions")
+    if exceptions is not None:
+        types += [exceptions.BotoCoreError, exceptions.ClientError]
     return tuple(types)
 
 
-_FOREIGN = _foreign_errors()
-_OPEN_ERRORS: tuple[type[BaseException], ...] = (ValueError, ImportError, *_FOREIGN)
+def _open_errors() -> tuple[type[BaseException], ...]:
+    """What opening a root may raise that we convert: bad URIs, missing protocol packages, storage errors."""
+    return (ValueError, ImportError, *_foreign_errors())
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -99,7 +101,7 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
         return False
-    return isinstance(exc, _FOREIGN)
+    return isinstance(exc, _foreign_errors())
 
 
 @dataclass(kw_only=True, slots=True)
@@ -214,7 +216,7 @@ class Storage:
         """Caps the multipart bytes held in memory across all files: upload_threads + 1 parts."""
         try:
             self.fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
-        except _OPEN_ERRORS as exc:
+        except _open_errors() as exc:
             raise CheckpointStorageError(f"cannot open checkpoint location {uri!r}: {exc}", path=uri) from exc
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root = os.path.abspath(root) if self.is_local else root.rstrip("/")
@@ -267,7 +269,7 @@ class Storage:
             return retrying(fn, *args, **kwargs)
         except CheckpointError:
             raise
-        except _FOREIGN as exc:
+        except _foreign_errors() as exc:
             raise self.error(op, rel, exc) from exc
 
     def error(self, op: str, rel: str, exc: BaseException) -> CheckpointStorageError:

@@ -92,6 +92,7 @@ from elastic.workers import (
     shim_command,
     signal_worker,
     terminate_processes,
+    wait_for_workers,
 )
 
 logger = logging.getLogger(__name__)
@@ -455,8 +456,12 @@ class SpotrunAgent(LocalElasticAgent):
         while True:
             if self._worker_group.state == WorkerState.INIT:
                 raise AssertionError("worker group is in INIT state inside the monitor loop")
-            # CHANGE: wake up on a membership event instead of sleeping a full monitor interval.
-            self._wait_for_membership_change(spec.monitor_interval)
+            # CHANGE: wake up on a membership event instead of sleeping a full monitor interval; while the
+            # workers head for an agreed step, the moment they finish (elastic.planned).
+            if self._posted is not None:
+                self._wait_for_planned_stop(spec.monitor_interval)
+            else:
+                self._wait_for_membership_change(spec.monitor_interval)
             run_result = self._monitor_workers(self._worker_group)
             state = run_result.state
             self._worker_group.state = state
@@ -551,6 +556,27 @@ class SpotrunAgent(LocalElasticAgent):
             return None
         return all_acknowledged(self._mailbox.acks(), self._worker_group.spec.local_world_size)
 
+    def _wait_for_planned_stop(self, timeout: float) -> None:
+        """Up to ``timeout`` s, returning as soon as a local worker returns or exits: a planned change
+        resumes from the committed step without waiting for the next monitor tick. A peer that vanishes
+        meanwhile is seen at the next tick, as before."""
+        pcontext = self._pcontext
+        processes = worker_processes(pcontext) if pcontext is not None else None
+        began = time.monotonic()
+        if wait_for_workers(processes, getattr(pcontext, "_ret_vals", None), timeout):
+            # never spin: a worker that returned stays "ready" until torch's next poll has read it
+            time.sleep(max(0.0, min(timeout, 0.01) - (time.monotonic() - began)))
+
+    def _committed_at(self) -> float | None:
+        """When the local workers had committed the agreed step (for the events: the start of a planned
+        change's resume time, which bench/goodput_bench.py reports against its 1 s target)."""
+        if self._mailbox is None:
+            return None
+        try:
+            return self._mailbox.committed_at()
+        except OSError:
+            return None
+
     def _publish_own_notice(self) -> None:
         notice = self._own_notice
         if notice is None or self._notice_published:
@@ -638,6 +664,7 @@ class SpotrunAgent(LocalElasticAgent):
                        ", after the deadline" if late else "")
         self._begin_recovery(RecoveryCause.PLANNED_LEAVE)
         self._emit(RecoveryEvent.PLANNED_LEAVE, step=step, saved=step is not None, why=why, late=late,
+                   committed_at=self._committed_at() if step is not None else None,
                    source=notice.source if notice else None, deadline=notice.deadline if notice else None)
 
     def _leave_for_notice(self, step: int | None) -> RunResult:
@@ -664,7 +691,7 @@ class SpotrunAgent(LocalElasticAgent):
         logger.info("%s workers committed step %d for a planned change (%s); re-forming the group", self._ctx(),
                     step, reason)
         self._begin_recovery(RecoveryCause.SCALE_UP if reason == "resize" else RecoveryCause.PLANNED_LEAVE)
-        self._emit(RecoveryEvent.PLANNED_RESTART, step=step, reason=reason)
+        self._emit(RecoveryEvent.PLANNED_RESTART, step=step, reason=reason, committed_at=self._committed_at())
         self._restart_workers(self._worker_group)
 
     def _exit_barrier_unless_peers_left(self) -> bool:

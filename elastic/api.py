@@ -52,9 +52,11 @@ class RecoveryEvent(str, enum.Enum):
     PLANNED_STOP_ABANDONED = "planned_stop_abandoned"
     """No time left (or a peer crashed) before the workers committed: stopped without the save (``why``)."""
     PLANNED_LEAVE = "planned_leave"
-    """This node left the group for its notice (``step`` committed, or null when nothing could be saved)."""
+    """This node left the group for its notice (``step`` committed, or null when nothing could be saved;
+    ``committed_at``: wall-clock s by which its workers had committed it, from their acknowledgements)."""
     PLANNED_RESTART = "planned_restart"
-    """The group re-forms at a new size after a planned stop (``step`` committed), not counted as a restart."""
+    """The group re-forms at a new size after a planned stop (``step`` committed, ``committed_at`` as for
+    ``planned_leave``), not counted as a restart."""
     HANG_DETECTED = "hang_detected"
     """Local workers made no progress past their budget (``hung``: global rank -> reason); they are killed."""
 

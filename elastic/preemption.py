@@ -115,6 +115,19 @@ class Mailbox:
                     continue
         return out
 
+    def committed_at(self) -> float | None:
+        """Wall-clock time by which every worker that acknowledged had its step committed (the latest
+        acknowledgement: each is written right after its commit), or None without a timed acknowledgement."""
+        times: list[float] = []
+        for name in os.listdir(self.path):
+            if name.startswith("ack-") and name.endswith(".json"):
+                try:
+                    with open(os.path.join(self.path, name)) as handle:
+                        times.append(float(json.load(handle)["time"]))
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+        return max(times) if times else None
+
     def remove(self) -> None:
         self.clear()
         try:

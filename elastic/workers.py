@@ -224,6 +224,30 @@ class DeathClock:
         self._stop.set()
 
 
+def wait_for_workers(processes: list[Any] | None, returns: Any, timeout: float) -> bool:
+    """Block up to ``timeout`` s until a worker process exits or hands a return value to its agent (torch's
+    ``MultiprocessContext._ret_vals`` queues, when given). True when one did; False on timeout or when there
+    is nothing to wait on (then it sleeps ``timeout``, as the monitor loop would).
+
+    The agent waits on this while its workers head for an agreed step: it acts the moment they finish,
+    instead of at its next monitor tick (up to ``--monitor-interval`` later, on the resume path of every
+    planned change)."""
+    import time
+    from multiprocessing.connection import wait
+
+    waitables: list[Any] = [proc.sentinel for proc in processes or [] if proc.is_alive()]
+    if isinstance(returns, dict):
+        waitables += [getattr(queue, "_reader", None) for queue in returns.values()]
+    waitables = [w for w in waitables if w is not None]
+    if not waitables:
+        time.sleep(max(0.0, timeout))
+        return False
+    try:
+        return bool(wait(waitables, timeout=max(0.0, timeout)))
+    except (OSError, ValueError):  # torch closed a sentinel or queue meanwhile: the next poll sees why
+        return True
+
+
 def terminate_processes(processes: list[Any], grace: float, sig: int = signal.SIGTERM) -> None:
     """Send ``sig`` to every live ``multiprocessing`` process, wait up to ``grace`` s, then SIGKILL the rest.
     A process that leads its own process group (warm workers, like torchrun's) is signalled as a group, as
@@ -253,7 +277,19 @@ def signal_worker(pid: int, sig: int) -> None:
         pass
 
 
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+DEFAULT_PRELOAD = (
+    "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+    # What every warm worker imported after the fork, before its script ran (~60 modules, 0.1 s of CPU per
+    # worker start): torch's worker wrapper (``_wrap``), the agent's main module that multiprocessing
+    # re-runs in each child as ``__mp_main__`` (``elastic.cli``, with ``torch.distributed.run``), and this
+    # entrypoint's own modules. Imported once here; the script sees the same modules as before (and
+    # ``elastic.cli`` under its own name, not only as ``__mp_main__``).
+    "torch.distributed.elastic.multiprocessing", "torch.distributed.run", "elastic.cli", "elastic.workers",
+    "elastic.warm", "elastic.progress",
+    # torch's checkpoint package, which spotrun's Checkpointer (and DCP users) import at every (re)start:
+    # ~0.2 s of CPU in each new worker on the resume path of a planned change; torch's own, like _dynamo.
+    "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+)
 
 
 def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_timeout: float = 300.0) -> float:

@@ -51,3 +51,36 @@ def test_a_fault_the_job_did_not_recover_from_in_the_window_is_marked() -> None:
     lines = [_line(1, s, float(s)) for s in range(1, 7)] + [_line(2, s, 100.0 + s) for s in range(1, 3)]
     assert gb.lost_per_fault(lines, [(7.0, "notice")], t1=50.0) == {"notice": [None]}
     assert gb.lost_per_fault(lines, [(7.0, "notice")]) == {"notice": [6]}  # restarted from nothing
+
+
+def _event(name: str, t: float, **fields: object) -> dict:
+    return {"event": name, "t_wall": t, **fields}
+
+
+def test_agreed_step_to_first_step_starts_at_the_commit_of_the_agreed_step() -> None:
+    # notice at 10: the old group (pid 1) stops at step 6, committed at 11.0; the survivor's new worker (pid 2)
+    # steps at 11.8. The leaver's event (later) and a kill without planned events do not count.
+    lines = [_line(1, s, float(s)) for s in range(1, 7)] + [_line(2, s, 11.8 + (s - 7) * 0.1) for s in range(7, 12)]
+    lines += [_line(3, s, 31.0 + s - 12) for s in range(12, 15)]
+    events = [_event("planned_stop_posted", 10.1),
+              _event("planned_restart", 11.2, step=6, committed_at=11.0),
+              _event("planned_leave", 11.3, step=6, committed_at=11.05),
+              _event("failure_detected", 25.0)]
+    faults = [(10.0, "notice"), (20.0, "kill")]
+    got = gb.agreed_step_to_first_step(events, lines, faults)
+    assert got.keys() == {"notice"} and got["notice"] == [pytest.approx(0.8)]
+    # without committed_at (an older events file) the earliest planned event is the moment
+    old = [{k: v for k, v in e.items() if k != "committed_at"} for e in events]
+    assert gb.agreed_step_to_first_step(old, lines, faults)["notice"] == [pytest.approx(0.6)]
+    # a leave that saved nothing is no agreed step; a window closing before the first step drops the fault
+    unsaved = [_event("planned_leave", 11.3, step=None)]
+    assert gb.agreed_step_to_first_step(unsaved, lines, faults) == {}
+    assert gb.agreed_step_to_first_step(events, lines, faults, t1=11.5) == {}
+    # a resume that comes after the next fault (a rejoin injected meanwhile) still counts for the notice
+    assert gb.agreed_step_to_first_step(events, lines, [(10.0, "notice"), (11.5, "rejoin")]) == {"notice": [pytest.approx(0.8)]}
+
+
+def test_the_report_shows_median_worst_and_the_target() -> None:
+    assert gb._median_worst([]) == "-"
+    assert gb._median_worst([0.5, 0.7, 1.4]) == "0.70 / 1.40 s (n=3, missed)"
+    assert gb._median_worst([0.4, 0.6]) == "0.50 / 0.60 s (n=2, met)"

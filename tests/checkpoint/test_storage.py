@@ -105,6 +105,14 @@ def test_permanent_errors_are_not_retried(code) -> None:
     assert is_transient(OSError(errno.EIO, "io"))
 
 
+def test_botocore_errors_are_retried_though_botocore_is_looked_up_only_when_loaded() -> None:
+    """checkpoint.storage no longer imports botocore for every root (worker start-up cost); an S3 filesystem
+    loads it before it can raise, and from then on its errors are classified as before."""
+    exceptions = pytest.importorskip("botocore.exceptions", reason="the s3 extra is not installed")
+    assert is_transient(exceptions.EndpointConnectionError(endpoint_url="http://x"))
+    assert is_transient(exceptions.ClientError({"Error": {"Code": "SlowDown"}}, "PutObject"))
+
+
 def test_no_such_bucket_is_a_clear_storage_error(moto_endpoint) -> None:
     from tests.checkpoint.conftest import s3_options
 

@@ -15,7 +15,14 @@ import pytest
 from elastic.api import LaunchConfigError, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog, read_events
-from elastic.workers import DeathClock, ScriptEntrypoint, shim_command, terminate_processes, warm_entrypoint
+from elastic.workers import (
+    DeathClock,
+    ScriptEntrypoint,
+    shim_command,
+    terminate_processes,
+    wait_for_workers,
+    warm_entrypoint,
+)
 from tests.elastic.doubles import MemoryEventLog
 
 pytestmark = pytest.mark.timeout(60)
@@ -102,3 +109,32 @@ def test_death_clock_orders_deaths_and_terminate_kills_stuck_processes() -> None
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
+
+
+def _return_then_wait(queue: object, release: object) -> None:
+    queue.put("returned")  # type: ignore[attr-defined]  # like torch's _wrap: the return value, then a wait
+    release.wait(10)  # type: ignore[attr-defined]
+
+
+def test_wait_for_workers_wakes_on_a_return_value_or_an_exit_not_at_the_timeout() -> None:
+    """The agent waits on this while its workers head for an agreed step: it must act when they finish."""
+    ctx = multiprocessing.get_context("fork")
+    queue, release = ctx.SimpleQueue(), ctx.Event()
+    worker = ctx.Process(target=_return_then_wait, args=(queue, release))
+    worker.start()
+    try:
+        began = time.monotonic()
+        assert wait_for_workers([worker], {0: queue}, 30)
+        assert time.monotonic() - began < 10 and worker.is_alive(), "woken by the return value, before the exit"
+        assert queue.get() == "returned"
+        release.set()
+        assert wait_for_workers([worker], {0: queue}, 30), "woken by the exit"
+        worker.join(5)
+        began = time.monotonic()
+        assert not wait_for_workers([worker], {0: queue}, 0.2), "nothing left to happen: the timeout"
+        assert not wait_for_workers(None, None, 0.05)
+        assert time.monotonic() - began >= 0.2
+    finally:
+        if worker.is_alive():
+            worker.kill()
+        worker.join(5)

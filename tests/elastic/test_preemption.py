@@ -36,8 +36,10 @@ def test_single_process_stops_at_the_next_sync_step_and_acknowledges(tmp_path: P
             break
     assert stops == [8] and helper.notice == WorkerNotice("preempt", 123.0, "sigterm")
     assert box.acks() == {0: 8}
+    acked = box.committed_at()
+    assert acked is not None and abs(acked - time.time()) < 60, "the acknowledgement carries when it committed"
     box.clear()
-    assert box.helpers() == set() and box.acks() == {}
+    assert box.helpers() == set() and box.acks() == {} and box.committed_at() is None
 
 
 def test_sync_every_is_validated() -> None:
