@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,13 +11,6 @@ import torch
 
 from elastic.preemption import Mailbox, Preemption, WorkerNotice
 from tests.harness.dist import run_workers
-from tests.harness.dist import shutdown as shutdown_launcher
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _launcher() -> Iterator[None]:
-    yield
-    shutdown_launcher()
 
 
 def test_single_process_stops_at_the_next_sync_step_and_acknowledges(tmp_path: Path) -> None:
