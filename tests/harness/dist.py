@@ -41,6 +41,11 @@ def _context(start_method: str) -> Any:
     if _FORKSERVER is None:
         _FORKSERVER = mp.get_context("forkserver")
         _FORKSERVER.set_forkserver_preload(list(PRELOAD))
+        # Fork one no-op child now: the server imports PRELOAD first (seconds on a loaded machine), and that
+        # belongs to no caller's worker deadline.
+        warmup = _FORKSERVER.Process(target=int)
+        warmup.start()
+        warmup.join()
     return _FORKSERVER
 
 
