@@ -10,7 +10,9 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -41,6 +43,16 @@ def _reap_zombies() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _dist_forkserver() -> Iterator[None]:
+    """One forkserver (torch imported once) for every module that runs ``tests.harness.dist.run_workers``,
+    stopped at the end of the session so the leftover check below does not report it."""
+    yield
+    dist = sys.modules.get("tests.harness.dist")
+    if dist is not None:
+        dist.shutdown()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -13,15 +13,8 @@ from checkpoint.api import step_dir
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.storage import Storage
 from tests.harness.dist import run_workers
-from tests.harness.dist import shutdown as shutdown_launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _reap_launcher():
-    yield
-    shutdown_launcher()
 
 
 def full_values() -> dict[str, torch.Tensor]:

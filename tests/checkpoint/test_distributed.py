@@ -22,15 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.harness.dist import run_workers
-from tests.harness.dist import shutdown as shutdown_launcher
 
 pytestmark = [pytest.mark.slow]
-
-@pytest.fixture(scope="module", autouse=True)
-def _launcher():
-    yield
-    shutdown_launcher()
-
 
 GLOBAL_BATCH = 16
 SAVE_WORLD = 4

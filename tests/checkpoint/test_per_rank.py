@@ -35,15 +35,8 @@ from checkpoint.per_rank import per_rank_source
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
 from tests.harness.dist import run_workers
-from tests.harness.dist import shutdown as shutdown_launcher
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _reap_launcher():
-    yield
-    shutdown_launcher()
 
 
 # --------------------------------------------------------------------------- pure parts

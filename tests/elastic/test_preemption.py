@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,13 +13,6 @@ import torch
 
 from elastic.preemption import Mailbox, PlannedStopVoteError, Preemption, WorkerNotice
 from tests.harness.dist import run_workers
-from tests.harness.dist import shutdown as shutdown_launcher
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _launcher() -> Iterator[None]:
-    yield
-    shutdown_launcher()
 
 
 def test_single_process_stops_at_the_next_sync_step_and_acknowledges(tmp_path: Path) -> None:

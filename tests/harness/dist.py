@@ -7,7 +7,7 @@ traceback; on failure or timeout every worker is killed and reaped by PID.
 
 Start methods: ``"forkserver"`` (default) forks workers from a server that imported torch once (fast,
 and safe: the server never ran an OpenMP region); ``"spawn"`` starts each worker from scratch (the
-benchmarks, which must not inherit anything). Call ``shutdown()`` when done (e.g. a module fixture): it
+benchmarks, which must not inherit anything). Call ``shutdown()`` when done (the suite does at its end): it
 stops the forkserver and the resource tracker, which the suite would otherwise report as leftovers.
 """
 
@@ -21,8 +21,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-PRELOAD = ("torch", "torch.distributed", "checkpoint.state", "checkpoint.plan")
-"""Modules the forkserver imports once for every worker it forks."""
+PRELOAD = (
+    "torch", "torch.distributed", "checkpoint.state", "checkpoint.plan",
+    # Imported lazily by every save/load (DTensor checks), by DCP's state-dict helpers and by the first
+    # fully_shard call (torch._dynamo): seconds per worker, paid once here instead. pytest: the tests' worker
+    # functions live in test modules, which import it.
+    "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict",
+    "torch._dynamo", "checkpoint", "pytest",
+)
+"""Modules the forkserver imports once for every worker it forks (none starts a thread or an OpenMP region)."""
 
 _FORKSERVER: Any = None
 
@@ -34,6 +41,11 @@ def _context(start_method: str) -> Any:
     if _FORKSERVER is None:
         _FORKSERVER = mp.get_context("forkserver")
         _FORKSERVER.set_forkserver_preload(list(PRELOAD))
+        # Fork one no-op child now: the server imports PRELOAD first (seconds on a loaded machine), and that
+        # belongs to no caller's worker deadline.
+        warmup = _FORKSERVER.Process(target=int)
+        warmup.start()
+        warmup.join()
     return _FORKSERVER
 
 
