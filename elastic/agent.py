@@ -84,7 +84,7 @@ from elastic.rendezvous.api import (
     OutageBoundHandler,
     RendezvousOutageError,
 )
-from elastic.torch_internals import check_agent_internals, worker_processes
+from elastic.torch_internals import check_agent_internals, worker_processes, worker_return_values
 from elastic.workers import (
     DeathClock,
     PdeathsigEntrypoint,
@@ -303,8 +303,10 @@ class SpotrunAgent(LocalElasticAgent):
         error = exc if isinstance(exc, RendezvousOutageError) else RendezvousOutageError(
             f"rendezvous at {outage_endpoint(self._worker_group.spec.rdzv_handler)} failing for {failing_for:.1f} s, "
             f"more than its bound of {self._rdzv_outage.bound:g} s (last error: {_first_line(exc)}); giving up")
-        logger.error("%s rendezvous unavailable for %.1f s, past its bound; stopping the workers (committed "
-                     "checkpoints are kept)", self._ctx(), failing_for)
+        # The handler's own RendezvousOutageError carries the measured duration; this clock started later.
+        logger.error("%s %s; stopping the workers (committed checkpoints are kept)", self._ctx(),
+                     _first_line(error) if error is exc else f"rendezvous unavailable for {failing_for:.1f} s, "
+                     "past its bound")
         self._stop_workers(self._worker_group)
         self._worker_group.state = WorkerState.FAILED
         self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name, error=_first_line(error))
@@ -563,7 +565,7 @@ class SpotrunAgent(LocalElasticAgent):
         pcontext = self._pcontext
         processes = worker_processes(pcontext) if pcontext is not None else None
         began = time.monotonic()
-        if wait_for_workers(processes, getattr(pcontext, "_ret_vals", None), timeout):
+        if wait_for_workers(processes, worker_return_values(pcontext), timeout):
             # never spin: a worker that returned stays "ready" until torch's next poll has read it
             time.sleep(max(0.0, min(timeout, 0.01) - (time.monotonic() - began)))
 
@@ -864,8 +866,8 @@ def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signa
     the event is unsafe (torch: it deadlocks if a process died inside ``wait()``), so a worker whose return
     value is already queued, i.e. that has nothing left to do, is SIGKILLed at once instead."""
     processes = worker_processes(pcontext)
-    ret_vals = getattr(pcontext, "_ret_vals", None)
-    if not processes or not isinstance(ret_vals, dict):
+    ret_vals = worker_return_values(pcontext)
+    if not processes or ret_vals is None:
         return
     from multiprocessing.connection import wait as wait_for_sentinels
 

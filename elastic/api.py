@@ -122,9 +122,15 @@ class StandaloneEtcdError(SpotrunError):
 class PlannedLeaveExit(SpotrunError):
     """This agent left the group for its notice and exits with ``--planned-leave-exit-code`` (not a failure)."""
 
-    def __init__(self, exit_code: int) -> None:
-        super().__init__(f"left the group for a preemption notice; exiting with status {exit_code}")
+    def __init__(self, exit_code: int, run_id: str | None = None) -> None:
+        where = f"[run={run_id}] " if run_id else ""
+        super().__init__(f"{where}left the group for a preemption notice; exiting with status {exit_code}")
         self.exit_code = exit_code
+
+
+class PlannedStopVoteError(SpotrunError):
+    """The workers' vote on the stop step failed (``elastic.preemption``): a peer rank did not reach it within
+    the timeout, or left."""
 
 
 class TorchInternalsError(SpotrunError, AssertionError):

@@ -257,7 +257,7 @@ def launch(
             # @record on main() copies the root-cause worker's error file into the launcher's, like torchrun.
             raise ChildFailedError(name=entrypoint_name, failures=result.failures)
         if agent.exit_status:
-            raise PlannedLeaveExit(agent.exit_status)
+            raise PlannedLeaveExit(agent.exit_status, run_id=config.run_id)
         return result.return_values
     except (ChildFailedError, PlannedLeaveExit):
         raise

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from elastic.api import SpotrunError
+from elastic.api import PlannedStopVoteError  # re-exported: raised by Preemption.save_and_stop
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +57,6 @@ DEFAULT_SYNC_EVERY = 8
 #: fail runs the training tolerates (rank 0 evaluating for minutes between two sync steps), a longer one
 #: only delays the error when a peer is gone without its connection closing.
 DEFAULT_VOTE_TIMEOUT = timedelta(minutes=30)
-
-
-class PlannedStopVoteError(SpotrunError):
-    """The vote on the stop step failed: a peer rank did not reach it within the timeout, or left."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,29 +99,39 @@ class Mailbox:
     def helpers(self) -> set[int]:
         return {int(n.split("-", 1)[1]) for n in os.listdir(self.path) if n.startswith("helper-")}
 
-    def acks(self) -> dict[int, int]:
-        """local rank -> step it committed and stopped at."""
-        out: dict[int, int] = {}
+    def _read_acks(self) -> dict[int, dict[str, Any]]:
+        """local rank -> its acknowledgement record (unreadable or malformed files are skipped)."""
+        out: dict[int, dict[str, Any]] = {}
         for name in os.listdir(self.path):
             if name.startswith("ack-") and name.endswith(".json"):
                 try:
                     with open(os.path.join(self.path, name)) as handle:
-                        out[int(name[4:-5])] = int(json.load(handle)["step"])
-                except (OSError, ValueError, KeyError):
+                        record = json.load(handle)
+                    if isinstance(record, dict):
+                        out[int(name[4:-5])] = record
+                except (OSError, ValueError):
                     continue
+        return out
+
+    def acks(self) -> dict[int, int]:
+        """local rank -> step it committed and stopped at."""
+        out: dict[int, int] = {}
+        for rank, record in self._read_acks().items():
+            try:
+                out[rank] = int(record["step"])
+            except (KeyError, TypeError, ValueError):
+                continue
         return out
 
     def committed_at(self) -> float | None:
         """Wall-clock time by which every worker that acknowledged had its step committed (the latest
         acknowledgement: each is written right after its commit), or None without a timed acknowledgement."""
         times: list[float] = []
-        for name in os.listdir(self.path):
-            if name.startswith("ack-") and name.endswith(".json"):
-                try:
-                    with open(os.path.join(self.path, name)) as handle:
-                        times.append(float(json.load(handle)["time"]))
-                except (OSError, ValueError, KeyError, TypeError):
-                    continue
+        for record in self._read_acks().values():
+            try:
+                times.append(float(record["time"]))
+            except (KeyError, TypeError, ValueError):
+                continue
         return max(times) if times else None
 
     def remove(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing.process
-from typing import Final
+from typing import Any, Final
 
 import torch
 from torch.distributed.elastic.multiprocessing import PContext
@@ -70,3 +70,15 @@ def worker_processes(pcontext: PContext) -> list[multiprocessing.process.BasePro
     require(isinstance(processes, list), "MultiprocessContext._pc.processes",
             f"a started context has _pc={type(pc).__name__} with processes={type(processes).__name__}, not a list")
     return processes
+
+
+def worker_return_values(pcontext: PContext | None) -> dict[int, Any] | None:
+    """``MultiprocessContext._ret_vals`` (local rank -> the queue a worker's return value arrives on); None
+    for a ``SubprocessContext`` or no context. Read by the agent to wake when workers return and to release
+    workers that already returned (see ``elastic.agent``)."""
+    if not isinstance(pcontext, MultiprocessContext):
+        return None
+    ret_vals = getattr(pcontext, "_ret_vals", None)
+    require(isinstance(ret_vals, dict), "MultiprocessContext._ret_vals",
+            f"a started context has _ret_vals={type(ret_vals).__name__}, not a dict")
+    return ret_vals
