@@ -165,10 +165,11 @@ def test_a_closed_run_with_live_agents_is_not_cleared_until_they_leave(
     assert not fut.done()
     with pytest.raises(RendezvousClosedError):  # the old agents still see their job closed
         old[1].next_rendezvous()
-    for handler in old:
-        handler.leave()
+    old[0].leave()
+    old[1]._simulate_crash()  # the last old agent vanishes (SIGKILL): nobody of the ended job deletes its keys
     info = fut.result(timeout=LOSS_BOUND_S + 10)
     assert (newcomer.round, info.world_size) == (1, 1)
+    assert "cleared the keys of the ended job" in caplog.text, "the newcomer cleared the ended run itself"
 
 
 # ------------------------------------------------------------------ IPv6
