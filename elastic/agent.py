@@ -27,9 +27,10 @@ tests/elastic/test_torch_internals.py (when torch changes):
 * shutdown without traps: a worker that already returned is not waited for, and an agent whose workers
   finished does not sit in the exit barrier for a peer that left (it re-forms instead of reporting success).
 
-Stale state (pytorch#135712): with the etcd-v3 backend ``use_agent_store`` is False and each round has its
-own store scope, so workers of a new round never see the previous round's keys even when a membership-change
-round keeps ``TORCHELASTIC_RESTART_COUNT`` unchanged (covered by tests/elastic/test_agent.py).
+Stale state (pytorch#135712): with the etcd-v3 backend the workers' TCPStore is a new server per round
+(hosted by the round's rank-0 agent, ``rendezvous.worker_store``), so workers of a new round never see the
+previous round's keys even when a membership-change round keeps ``TORCHELASTIC_RESTART_COUNT`` unchanged
+(covered by tests/elastic/test_agent.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
 
     P/ctl/nodes/{node}         registration, attached to the node's lease (vanishes <= lease_ttl after death)
     P/ctl/join/{round}/{node}  "I want to be in round N", attached to the node's lease
-    P/ctl/round                the committed round record (JSON: number, participants, master addr/port)
+    P/ctl/round                the committed round record (JSON: number, participants, master addr/port:
+                               the workers' TCPStore, hosted by the round's rank-0 agent: ``worker_store``)
     P/ctl/closed               present once the job ended (set_closed/shutdown), until its last agent left
     P/ctl/notice/{node}        the node's preemption deadline (JSON), attached to its lease (publish_notice)
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
@@ -55,8 +56,6 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
-from torch.distributed.elastic.utils.distributed import get_free_port
-
 from .api import (
     BACKEND_NAME,
     EtcdRendezvousConfig,
@@ -78,6 +77,7 @@ from .etcd_client import (
 )
 from .state import Action, Decision, RoundRecord, Snapshot, decide, membership
 from .store import EtcdV3Store
+from .worker_store import WorkerStoreHost, agent_hosts_store
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._node_id = node_id or _default_node_id()
         self._clock = clock
         self._addr = config.local_addr or socket.getfqdn()
+        self._worker_store = WorkerStoreHost(self._addr, enabled=agent_hosts_store())
 
         prefix = config.run_prefix
         self._ctl = prefix + "ctl/"
@@ -211,8 +212,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        """False: workers bootstrap their own TCPStore on the rank-0 node (MASTER_ADDR/PORT)."""
-        return False
+        """True, as torchrun's c10d backend: the round's rank-0 agent hosts the workers' TCPStore
+        (``worker_store``); False with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (rank 0's worker hosts it)."""
+        return self._worker_store.enabled
 
     def get_run_id(self) -> str:
         return self._config.run_id
@@ -396,6 +398,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._cond:
             reap = reap or self._mirror.closed
         self._stop_threads()
+        self._worker_store.close()  # our workers are stopped by now (the agent leaves after them)
         conn, lease = self._conn, self._lease_id
         if conn is not None and lease is not None:
             try:
@@ -497,6 +500,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         assert rank is not None
         self._my_round = record
         self._joining = None
+        self._worker_store.round_completed(record.number, record.master_port, rank)
         store = EtcdV3Store(self._require_conn(), f"{self._store_prefix}{record.number}/", STORE_TIMEOUT)
         log.info(
             "%sround %d complete in %.3f s: rank %d of %d, master %s:%d",
@@ -570,7 +574,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             "number": target,
             "participants": list(participants),
             "master_addr": self._addr,
-            "master_port": get_free_port(),
+            "master_port": self._worker_store.port_for(target),
             "committed_by": self._node_id,
             "time": time.time(),
         }

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class RoundRecord:
-    """A committed round: who is in it (rank = index) and where the workers' TCPStore will be."""
+    """A committed round: who is in it (rank = index) and where the workers' TCPStore is."""
 
     number: int
     """Round number, 1 for the first round; increases by one per round."""
@@ -33,10 +33,11 @@ class RoundRecord:
     """Node ids in rank order."""
 
     master_addr: str = ""
-    """Address of the rank-0 node (hosts the workers' TCPStore: MASTER_ADDR)."""
+    """Address of the rank-0 node (its agent hosts the workers' TCPStore: MASTER_ADDR)."""
 
     master_port: int = 0
-    """A port that was free on the rank-0 node at commit time (MASTER_PORT)."""
+    """MASTER_PORT: the workers' TCPStore that the rank-0 agent opened for this round before committing it (or,
+    with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, a port that was free there for rank 0's worker to host it)."""
 
     def __post_init__(self) -> None:
         if self.number < 1:

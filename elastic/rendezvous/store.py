@@ -6,8 +6,8 @@ including rank 0). Blocking reads (``get``/``wait``) watch the key from the revi
 so they wake on the write instead of polling.
 
 This store serves torch's agent (``_assign_worker_ranks``: set/get/multi_get/multi_set; exit barrier:
-``store_util.barrier``: add/set/wait with timeouts). Workers use their own TCPStore (MASTER_ADDR/PORT),
-as ``use_agent_store`` is False.
+``store_util.barrier``: add/set/wait with timeouts). Workers use a TCPStore at MASTER_ADDR/PORT that the
+round's rank-0 agent hosts (``worker_store.WorkerStoreHost``), not this one.
 """
 
 from __future__ import annotations

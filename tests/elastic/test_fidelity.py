@@ -20,13 +20,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SCRIPT = Path(__file__).with_name("fidelity_worker.py")
 STDIN_TEXT = "fidelity-stdin-line\n"
-#: Variables that legitimately differ between the two launches: ports and run ids are per run, the
-#: rendezvous backends differ (c10d vs etcd-v3, so the agent store is used only by torchrun's), and the
+#: Variables that legitimately differ between the two launches: ports and run ids are per run, and the
 #: error file lives in each launcher's own temporary log directory. SPOTRUN_NOTICE_DIR is spotrun's one
 #: addition: the preemption mailbox that elastic.preemption reads (torchrun has no notices); the README lists it
-#: among what a script can see.
+#: among what a script can see. (TORCHELASTIC_USE_AGENT_STORE is the same: both agents host the workers' store.)
 VOLATILE_ENV = {"MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
-                "TORCHELASTIC_USE_AGENT_STORE", "SPOTRUN_NOTICE_DIR"}
+                "SPOTRUN_NOTICE_DIR"}
 NPROC = {"observe": 2, "fail": 5}
 
 

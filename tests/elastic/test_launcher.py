@@ -49,9 +49,9 @@ def test_worker_environment_matches_torchrun(tmp_path: Path) -> None:
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT",
                 "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
         assert {k: a[k] for k in same} == {k: b[k] for k in same}
-        # Differences by design: the etcd-v3 rendezvous has no agent store, so workers host their own
-        # (fresh per round, no stale keys), and the run id / ports / log paths are per launch.
-        assert a["TORCHELASTIC_USE_AGENT_STORE"] == "False" and b["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        # Like torchrun's c10d backend, the round's rank-0 agent hosts the workers' store (a new server per
+        # round: no stale keys); the run id / ports / log paths are per launch.
+        assert a["TORCHELASTIC_USE_AGENT_STORE"] == b["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert int(a["MASTER_PORT"]) > 0 and a["MASTER_ADDR"]
         assert a["TORCHELASTIC_ERROR_FILE"].endswith(f"/{rank}/error.json")
         assert a["TORCHELASTIC_ERROR_FILE"].startswith(str(tmp_path / "logs"))

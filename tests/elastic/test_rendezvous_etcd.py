@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import pytest
+from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
 from elastic.etcd_server import EmbeddedEtcd
@@ -55,6 +58,20 @@ def assert_consistent(infos: list[RendezvousInfo], world_size: int) -> None:
     assert next(iter(masters))[1] > 0
 
 
+def workers_store(info: RendezvousInfo) -> TCPStore:
+    """A worker's client of the round's store: rank 0's agent already serves it (no connect retry)."""
+    started = time.monotonic()
+    store = TCPStore(info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port, None, False,
+                     timedelta(seconds=5))
+    assert time.monotonic() - started < 0.2, "the workers' store must be listening when the round completes"
+    return store
+
+
+def refuses(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
 # ------------------------------------------------------------------ forming rounds
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("n", [2, 3])
@@ -65,7 +82,7 @@ def test_handlers_form_a_round(etcd_server: EmbeddedEtcd, handlers, pool, n: int
     assert_consistent(infos, n)
     assert time.monotonic() - began < 5.0
     assert all(h.round == 1 for h in hs)
-    assert all(h.get_backend() == "etcd-v3" and not h.use_agent_store for h in hs)
+    assert all(h.get_backend() == "etcd-v3" and h.use_agent_store for h in hs)
     assert not any(h.membership_changed() for h in hs)
     assert all(h.num_nodes_waiting() == 0 for h in hs)
 
@@ -139,7 +156,10 @@ def test_sigkilled_agent_process_is_detected(etcd_server: EmbeddedEtcd, handlers
 @pytest.mark.timeout(60)
 def test_new_node_below_max_triggers_waiting_then_larger_round(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
     hs = [handlers(make_config(etcd_server.endpoint, min_nodes=2, max_nodes=3)) for _ in range(2)]
-    assert_consistent(rendezvous_all(pool, hs), 2)
+    first = rendezvous_all(pool, hs)
+    assert_consistent(first, 2)
+    workers_store(first[0]).set("round1", "stale")
+    old_port = first[0].bootstrap_store_info.master_port
 
     newcomer = handlers(make_config(etcd_server.endpoint, min_nodes=2, max_nodes=3))
     pending: Future[RendezvousInfo] = pool.submit(newcomer.next_rendezvous)
@@ -150,6 +170,19 @@ def test_new_node_below_max_triggers_waiting_then_larger_round(etcd_server: Embe
     infos = rendezvous_all(pool, hs) + [pending.result(timeout=20)]
     assert_consistent(infos, 3)
     assert pending.result().rank == 2, "the newcomer is ranked after the existing nodes"
+    # A new round's workers start from an empty store (pytorch#135712) and the old round's server is gone.
+    assert not workers_store(infos[0]).check(["round1"])
+    assert refuses(old_port)
+
+
+@pytest.mark.timeout(30)
+def test_opting_out_of_the_agent_store_like_torchrun(etcd_server: EmbeddedEtcd, handlers, pool, monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    hs = [handlers(make_config(etcd_server.endpoint, min_nodes=2, max_nodes=2)) for _ in range(2)]
+    infos = rendezvous_all(pool, hs)
+    assert_consistent(infos, 2)
+    assert not any(h.use_agent_store for h in hs)
+    assert refuses(infos[0].bootstrap_store_info.master_port), "rank 0's worker hosts it: nobody listens yet"
 
 
 @pytest.mark.timeout(60)
