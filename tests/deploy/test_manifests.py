@@ -150,6 +150,10 @@ def test_indexed_job_follows_the_api_servers_rules() -> None:
     ignored = [r["onExitCodes"] for r in spec["podFailurePolicy"]["rules"]
                if r["action"] == "Ignore" and "onExitCodes" in r]
     assert [(r["containerName"], r["operator"], r["values"]) for r in ignored] == [(container["name"], "In", [code])]
+    # Any agent that exits 0 finished the run: one succeeded index completes the Job (and ends a late pod that
+    # would otherwise wait for peers that are gone), and no exit code the policy ignores is 0.
+    assert spec["successPolicy"] == {"rules": [{"succeededCount": 1}]}
+    assert 0 not in [v for r in ignored for v in r["values"]]
     # A headless Service whose selector matches the Job's pods, named like the pods' subdomain.
     service = m.find(path, "Service")
     assert service["spec"]["clusterIP"] == "None"
