@@ -119,11 +119,17 @@ def decide_on_failure(*, remaining_restarts: int, peer_lost: bool) -> FailureAct
     return FailureAction.GIVE_UP
 
 
-def should_refund(*, charged: bool, previous_group_world_size: int | None, new_group_world_size: int) -> bool:
-    """A charged restart is refunded when the round it led to has a different node count: the failure
-    coincided with a peer leaving (workers crash in a collective before the dead peer's lease expires,
-    so the loss is only visible in the next round) or joining."""
-    return charged and previous_group_world_size is not None and previous_group_world_size != new_group_world_size
+def should_refund(*, charged: bool, previous_group_world_size: int | None, new_group_world_size: int,
+                  previous_members: frozenset[str] | None = None, new_members: frozenset[str] | None = None) -> bool:
+    """A charged restart is refunded when the round it led to has a different node count, or (when the backend
+    names the round's nodes) lacks a node of the previous round: the failure coincided with a peer leaving
+    (workers crash in a collective before the dead peer's lease expires, so the loss is only visible in the
+    next round; a replacement that arrived meanwhile keeps the count but not the membership) or joining."""
+    if not charged or previous_group_world_size is None:
+        return False
+    if previous_group_world_size != new_group_world_size:
+        return True
+    return previous_members is not None and new_members is not None and not previous_members <= new_members
 
 
 class SpotrunAgent(LocalElasticAgent):
@@ -333,6 +339,7 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self._emit(RecoveryEvent.RENDEZVOUS_STARTED)
+        previous_members = self._round_members()
         super()._rendezvous(worker_group)
         self._round += 1
         assert worker_group.group_world_size is not None, "torch's _rendezvous sets the group world size"
@@ -340,15 +347,23 @@ class SpotrunAgent(LocalElasticAgent):
             charged=self._charged_restart_pending,
             previous_group_world_size=self._previous_group_world_size,
             new_group_world_size=worker_group.group_world_size,
+            previous_members=previous_members,
+            new_members=self._round_members(),
         ):
             # CHANGE: the failure we charged was really a peer leaving or joining; give the restart back.
             self._remaining_restarts += 1
-            logger.info("%s membership changed %s -> %s nodes; restart not counted", self._ctx(),
+            logger.info("%s membership changed (%s -> %s nodes); restart not counted", self._ctx(),
                         self._previous_group_world_size, worker_group.group_world_size)
         self._charged_restart_pending = False
         self._previous_group_world_size = worker_group.group_world_size
         self._emit(RecoveryEvent.RENDEZVOUS_COMPLETED, master_addr=worker_group.master_addr,
                    master_port=worker_group.master_port)
+
+    def _round_members(self) -> frozenset[str] | None:
+        """Node ids of the last completed round, when the backend tells (None before the first round)."""
+        if self._membership is None or not self._membership.participants:
+            return None
+        return frozenset(self._membership.participants)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         reason = fall_back_to_plain_workers(worker_group.spec)

@@ -78,6 +78,10 @@ class MembershipAwareHandler(Protocol):
     def round(self) -> int | None:
         """Number of the last round this node completed (None before the first); no I/O."""
 
+    @property
+    def participants(self) -> tuple[str, ...]:
+        """Node ids of the last round this node completed, in rank order (empty before the first); no I/O."""
+
     def membership_changed(self) -> bool:
         """Non-blocking: True when the current round cannot go on as is (a participant lost, re-joined
         or a waiting node would get a slot); False before the first round."""

@@ -56,6 +56,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
+
 from .api import (
     BACKEND_NAME,
     EtcdRendezvousConfig,
@@ -227,6 +228,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def round(self) -> int | None:
         record = self._my_round
         return record.number if record is not None else None
+
+    @property
+    def participants(self) -> tuple[str, ...]:
+        record = self._my_round
+        return record.participants if record is not None else ()
 
     @property
     def config(self) -> EtcdRendezvousConfig:

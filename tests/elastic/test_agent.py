@@ -45,6 +45,14 @@ def test_should_refund_only_charged_restarts_that_changed_the_group() -> None:
     assert not should_refund(charged=True, previous_group_world_size=2, new_group_world_size=2)
     assert not should_refund(charged=False, previous_group_world_size=2, new_group_world_size=1)
     assert not should_refund(charged=True, previous_group_world_size=None, new_group_world_size=1)
+    # A SIGKILLed peer replaced before the next round: same count, not the same nodes.
+    ab, ac = frozenset({"a", "b"}), frozenset({"a", "c"})
+    assert should_refund(charged=True, previous_group_world_size=2, new_group_world_size=2,
+                         previous_members=ab, new_members=ac)
+    assert not should_refund(charged=True, previous_group_world_size=2, new_group_world_size=2,
+                             previous_members=ab, new_members=ab), "a genuine crash: same nodes, charged"
+    assert not should_refund(charged=False, previous_group_world_size=2, new_group_world_size=2,
+                             previous_members=ab, new_members=ac)
 
 
 def test_peer_loss_window_covers_the_lease_ttl() -> None:

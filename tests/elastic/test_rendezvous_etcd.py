@@ -170,6 +170,9 @@ def test_new_node_below_max_triggers_waiting_then_larger_round(etcd_server: Embe
     infos = rendezvous_all(pool, hs) + [pending.result(timeout=20)]
     assert_consistent(infos, 3)
     assert pending.result().rank == 2, "the newcomer is ranked after the existing nodes"
+    order = newcomer.participants
+    assert set(order) == {h.node_id for h in [*hs, newcomer]} and order[2] == newcomer.node_id
+    assert all(h.participants == order for h in hs)
     # A new round's workers start from an empty store (pytorch#135712) and the old round's server is gone.
     assert not workers_store(infos[0]).check(["round1"])
     assert refuses(old_port)
