@@ -105,8 +105,7 @@ class Mailbox:
         for name in os.listdir(self.path):
             if name.startswith("ack-") and name.endswith(".json"):
                 try:
-                    with open(os.path.join(self.path, name)) as handle:
-                        record = json.load(handle)
+                    record = _load_json(os.path.join(self.path, name))
                     if isinstance(record, dict):
                         out[int(name[4:-5])] = record
                 except (OSError, ValueError):
@@ -146,8 +145,9 @@ class Mailbox:
         if not os.path.exists(self.notice_path):  # the common case, without raising an exception
             return None
         try:
-            with open(self.notice_path) as handle:
-                data = json.load(handle)
+            data = _load_json(self.notice_path)
+            if not isinstance(data, dict):
+                raise ValueError(f"{self.notice_path}: not a JSON object")
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
@@ -159,6 +159,16 @@ class Mailbox:
 
     def acknowledge(self, local_rank: int, step: int) -> None:
         _write_atomic(os.path.join(self.path, f"ack-{local_rank}.json"), {"step": step, "time": time.time()})
+
+
+def _load_json(path: str) -> Any:
+    """One mailbox file, parsed; a file nested too deeply for the parser (a hostile or corrupt one) is a
+    ``ValueError`` like any other malformed file, not a ``RecursionError`` escaping into the agent's loop."""
+    with open(path) as handle:
+        try:
+            return json.load(handle)
+        except RecursionError as exc:
+            raise ValueError(f"{path}: JSON nested too deeply") from exc
 
 
 def _write_atomic(path: str, data: dict[str, Any]) -> None:

@@ -34,6 +34,17 @@ def test_single_process_stops_at_the_next_sync_step_and_acknowledges(tmp_path: P
     assert box.helpers() == set() and box.acks() == {} and box.committed_at() is None
 
 
+def test_a_deeply_nested_mailbox_file_is_skipped_not_a_traceback(tmp_path: Path) -> None:
+    box = Mailbox(str(tmp_path))
+    box.acknowledge(0, 7)
+    hostile = "[" * 200_000 + "]" * 200_000  # json.load raises RecursionError on this, not ValueError
+    (tmp_path / "ack-1.json").write_text(hostile)
+    assert box.acks() == {0: 7}, "the hostile acknowledgement is ignored, the good one still counts"
+    assert box.committed_at() is not None
+    (tmp_path / "notice.json").write_text(hostile)
+    assert box.read_notice() == WorkerNotice("preempt", None, "unreadable notice"), "still a notice, not a crash"
+
+
 def test_sync_every_is_validated() -> None:
     with pytest.raises(ValueError, match="sync_every"):
         Preemption(sync_every=0, mailbox_dir="/nonexistent")
