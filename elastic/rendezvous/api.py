@@ -32,6 +32,7 @@ __all__ = [
     "BACKEND_NAME",
     "ConnectableHandler",
     "EtcdRendezvousConfig",
+    "LeaseHandler",
     "MembershipAwareHandler",
     "OutageBoundHandler",
     "RendezvousClosedError",
@@ -129,6 +130,17 @@ class OutageBoundHandler(Protocol):
     @property
     def endpoint(self) -> str:
         """Where the backend is, as the user wrote it (for error messages)."""
+
+
+@runtime_checkable
+class LeaseHandler(Protocol):
+    """A handler whose members stay registered until a lease expires (etcd-v3): a peer that died without a
+    word is still a member for up to ``lease_ttl`` s. The launcher stretches the agent's wait for a lost peer
+    over it (``elastic.launcher.peer_loss_window``); handlers without leases keep ``--peer-loss-grace``."""
+
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds a dead peer stays a member."""
 
 
 # Keys torch's launcher or other torch backends put into --rdzv-conf. We accept them so an existing

@@ -239,6 +239,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def endpoint(self) -> str:
         return self._config.endpoint_str
 
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds a dead peer stays a member (``LeaseHandler``)."""
+        return float(self._config.lease_ttl)
+
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; block until it is committed with this node in it (see class doc)."""
         self._ensure_registered()

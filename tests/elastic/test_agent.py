@@ -12,7 +12,9 @@ import pytest
 
 from elastic.agent import FailureAction, decide_on_failure, should_refund
 from elastic.events import read_events
-from elastic.launcher import LEASE_EXPIRY_MARGIN, peer_loss_window
+from elastic.launcher import LEASE_EXPIRY_MARGIN, lease_ttl_of, peer_loss_window
+from elastic.rendezvous.api import EtcdRendezvousConfig
+from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
 from tests.harness.procs import (
     EXAMPLES,
     SPOTRUN,
@@ -54,6 +56,17 @@ def test_peer_loss_window_covers_the_lease_ttl() -> None:
     assert peer_loss_window(5.0, 10.0) == 10.0 + LEASE_EXPIRY_MARGIN
     assert peer_loss_window(0.0, 10.0) == 0.0, "0 keeps the wait off"
     assert peer_loss_window(5.0, None) == 5.0, "backends without leases keep the grace"
+
+
+def test_lease_ttl_comes_from_the_lease_handler_protocol() -> None:
+    config = EtcdRendezvousConfig(run_id="r", endpoints=(("127.0.0.1", 1),), min_nodes=1, max_nodes=2, lease_ttl=7)
+    assert lease_ttl_of(EtcdV3RendezvousHandler(config, node_id="n")) == 7.0  # no I/O before next_rendezvous
+
+    class OtherLeasedBackend:  # any backend declaring the capability, not only etcd-v3's class
+        lease_ttl = 4
+
+    assert lease_ttl_of(OtherLeasedBackend()) == 4.0  # type: ignore[arg-type]
+    assert lease_ttl_of(object()) is None  # type: ignore[arg-type]  # e.g. torch's c10d: no leases
 
 
 # --- processes ---------------------------------------------------------------------------------------------
