@@ -715,8 +715,9 @@ class SpotrunAgent(LocalElasticAgent):
                                    sorted(self._notices.lost_peers()))
                     return False
                 self._stop_waiting_for(0.1)
-        except RendezvousError:
-            logger.warning("%s exit barrier failed", self._ctx(), exc_info=True)
+        except RendezvousError as exc:
+            logger.warning("%s exit barrier failed (%s); the workers finished, reporting success", self._ctx(),
+                           _first_line(exc), exc_info=logger.isEnabledFor(logging.DEBUG))
             return True
         logger.error("%s peers did not finish within %.0f s", self._ctx(), self._exit_barrier_timeout)
         return True
