@@ -44,6 +44,8 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousTLSError",
     "RendezvousTimeoutError",
+    "RendezvousWatchError",
+    "is_permanent",
 ]
 
 BACKEND_NAME: Final = "etcd-v3"
@@ -61,6 +63,24 @@ class RendezvousConfigError(RendezvousError, ValueError):
 
 class RendezvousOutageError(RendezvousConnectionError):
     """The backend stayed unreachable past its bound (``etcd_timeout``): fatal, the handler will not recover."""
+
+
+class RendezvousWatchError(RendezvousConnectionError):
+    """The handler's watch of the rendezvous failed for good (etcd refuses it even with a fresh token, or an
+    unexpected error): the handler no longer sees the membership and will not recover."""
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """True when no later call of the handler can succeed, so waiting out an outage bound is pointless.
+
+    Transient: ``RendezvousConnectionError`` (etcd restarting, a leader election), ``RendezvousTimeoutError``
+    (a wait that ran out) and errors outside the ``RendezvousError`` tree (torch's c10d handlers let store
+    errors through). Permanent: the rest of the tree (``RendezvousStateError``: a corrupt key;
+    ``RendezvousClosedError``; ``RendezvousConfigError``), and the two connection errors a handler raises
+    only once it gave up for good (``RendezvousOutageError``, ``RendezvousWatchError``)."""
+    if isinstance(exc, (RendezvousOutageError, RendezvousWatchError)):
+        return True
+    return isinstance(exc, RendezvousError) and not isinstance(exc, (RendezvousConnectionError, RendezvousTimeoutError))
 
 
 @runtime_checkable

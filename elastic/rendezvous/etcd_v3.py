@@ -66,6 +66,7 @@ from .api import (
     RendezvousOutageError,
     RendezvousStateError,
     RendezvousTimeoutError,
+    RendezvousWatchError,
 )
 from .etcd_client import (
     EtcdConnection,
@@ -806,9 +807,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             retrying(self._watch_once)
         except Exception as exc:  # the thread must report, not die silently
             if not self._stop.is_set():
-                log.exception("%sthe rendezvous watch failed", self._ctx())
+                # Our own errors carry a clear message; an unexpected one (a bug) keeps its traceback.
+                log.error("%sthe rendezvous watch failed: %s", self._ctx(), exc, exc_info=not isinstance(exc, RendezvousError))
                 with self._cond:
-                    self._fatal = RendezvousConnectionError(f"{self._ctx()}the etcd watch failed: {exc}")
+                    self._fatal = RendezvousWatchError(f"{self._ctx()}the etcd watch failed: {exc}")
                     self._cond.notify_all()
 
     def _watch_once(self) -> None:

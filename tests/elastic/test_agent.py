@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import etcd3
 import pytest
 
 from elastic.agent import FailureAction, decide_on_failure, should_refund
@@ -181,6 +182,25 @@ def test_job_survives_a_short_etcd_outage(tmp_path: Path, etcd_server) -> None:
         assert all(agent.proc.poll() is None for agent in agents)
         failures = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "failure_detected"]
         assert not failures, f"an etcd outage must not restart the workers: {failures}"
+
+        # A corrupt key is no outage: the job ends at once with one clear line, not after etcd_timeout (30 s).
+        _put_key(etcd_server.endpoint, "/spotrun/rdzv/outage/ctl/notice/intruder", "not json")
+        corrupted = time.monotonic()
+        assert [agent.wait(20) for agent in agents] == [1, 1]
+        assert time.monotonic() - corrupted < 20
+        for agent in agents:
+            errors = [line for line in agent.output().splitlines() if line.startswith("spotrun: error:")]
+            assert len(errors) == 1 and "corrupt rendezvous key '/spotrun/rdzv/outage/ctl/notice/intruder'" in errors[0]
+            assert "Traceback" not in agent.output()
+
+
+def _put_key(endpoint: str, key: str, value: str) -> None:
+    host, port = endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port), timeout=5)
+    try:
+        client.put(key, value)
+    finally:
+        client.close()
 
 
 @pytest.mark.slow
