@@ -29,11 +29,17 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
 from elastic.agent import SpotrunAgent
-from elastic.api import DEFAULT_RDZV_BACKEND, LaunchConfigError, PlannedLeaveExit, RendezvousUnavailableError
+from elastic.api import (
+    DEFAULT_RDZV_BACKEND,
+    ENV_NOTICE_DIR,
+    LaunchConfigError,
+    PlannedLeaveExit,
+    RendezvousUnavailableError,
+)
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
 from elastic.notice import NoticePoller, make_sources
-from elastic.preemption import ENV_NOTICE_DIR, Mailbox
+from elastic.preemption import Mailbox
 from elastic.rendezvous.api import ConnectableHandler, LeaseHandler, MembershipAwareHandler
 from elastic.warm import note_agent_import_env
 from elastic.workers import start_warm_forkserver, warm_entrypoint

@@ -43,12 +43,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from elastic.api import ENV_NOTICE_DIR as ENV_NOTICE_DIR  # re-exported: first defined here
 from elastic.api import PlannedStopVoteError  # re-exported: raised by Preemption.save_and_stop
 
 logger = logging.getLogger(__name__)
-
-#: Directory of the agent<->worker mailbox (set by spotrun for its workers; absent under torchrun).
-ENV_NOTICE_DIR = "SPOTRUN_NOTICE_DIR"
 
 NOTICE_FILE = "notice.json"
 DEFAULT_SYNC_EVERY = 8
