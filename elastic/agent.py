@@ -366,6 +366,8 @@ class SpotrunAgent(LocalElasticAgent):
                            self._ctx(), reason)
         if self._mailbox is not None:
             self._mailbox.clear()  # helpers and acks of the previous group must not count for this one
+            # For workers whose environment a wrapper rebuilt without SPOTRUN_NOTICE_DIR (elastic.preemption).
+            self._mailbox.publish_link(worker_group.spec.rdzv_handler.get_run_id(), worker_group.group_rank or 0)
         self._posted = None
         self._peer_deadlines = {}
         if self._hang_watch is not None:
