@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,13 +83,14 @@ def test_all_local_workers_must_acknowledge_the_same_step() -> None:
 
 def _agent(tmp_path: Path, name: str, endpoint: str, run_id: str, *, steps: int, nnodes: str = "1:2",
            nproc: int = 1, step_time: float = 0.05, ckpt_every: int = 1000, extra: tuple[str, ...] = (),
-           rdzv: tuple[str, ...] | None = None, env: dict[str, str] | None = None) -> Launcher:
+           rdzv: tuple[str, ...] | None = None, env: dict[str, str] | None = None,
+           wrapper: tuple[str, ...] = ()) -> Launcher:
     rdzv = rdzv if rdzv is not None else ("--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", RDZV_CONF)
     return Launcher(
         [*SPOTRUN, "--nnodes", nnodes, "--nproc-per-node", str(nproc), *rdzv, "--max-restarts", "0", "--stop-grace", "1",
          "--monitor-interval", "0.1", "--log-dir", str(tmp_path / f"logs-{name}"),
          "--events-file", str(tmp_path / "events.jsonl"), *extra,
-         TRAIN, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(ckpt_every),
+         *wrapper, TRAIN, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(ckpt_every),
          "--step-time", str(step_time), "--preempt-sync-every", "2", "--log-every", "1000",
          "--progress-file", str(tmp_path / "progress.jsonl")],
         tmp_path / f"{name}.log",
@@ -142,8 +144,11 @@ def test_sigterm_to_one_agent_loses_no_step(tmp_path: Path, etcd_server) -> None
     exit_code = ("--planned-leave-exit-code", "75")
     tmp = tmp_path / "tmp"  # where the agents make their workers' mailboxes
     tmp.mkdir()
+    # b's worker runs under a wrapper that drops SPOTRUN_NOTICE_DIR (like accelerate launch or srun rebuilding
+    # the environment): it must still find its agent's mailbox (by run id and group rank) to save for the leave.
+    wrapper = ("--no-python", "env", "-u", "SPOTRUN_NOTICE_DIR", sys.executable, "-u")
     agents = [_agent(tmp_path, name, etcd_server.endpoint, "leave", steps=100, extra=exit_code,
-                     env=make_env(TMPDIR=str(tmp))) for name in ("a", "b")]
+                     env=make_env(TMPDIR=str(tmp)), wrapper=wrapper if name == "b" else ()) for name in ("a", "b")]
     a, b = agents
     with _running(agents):
         wait_for(lambda: _training_at(tmp_path, 2, 2), 120, "two agents to train at world size 2")
