@@ -84,6 +84,7 @@ from elastic.rendezvous.api import (
     NoticeAwareHandler,
     OutageBoundHandler,
     RendezvousOutageError,
+    is_permanent,
 )
 from elastic.torch_internals import check_agent_internals, worker_processes, worker_return_values
 from elastic.workers import (
@@ -148,7 +149,9 @@ class SpotrunAgent(LocalElasticAgent):
         shutdown_timeout: int = 30,
         tie_workers_to_agent: bool = True,
         mailbox: Mailbox | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock`` (monotonic seconds) times the rendezvous outage bound (injected: tests drive it)."""
         if tie_workers_to_agent:
             # CHANGE: workers die with the agent (torch's start_new_session leaves orphans on agent SIGKILL).
             spec = _tie_entrypoint_to_agent(spec)
@@ -165,6 +168,7 @@ class SpotrunAgent(LocalElasticAgent):
         self._settings = settings
         self._events = events
         self._membership = membership_aware(spec.rdzv_handler)
+        self._clock = clock
         self._rdzv_outage = OutageClock(bound=outage_bound(spec.rdzv_handler))
         self._round = 0
         self._charged_restart_pending = False
@@ -288,7 +292,7 @@ class SpotrunAgent(LocalElasticAgent):
         return changed
 
     def _rendezvous_ok(self) -> None:
-        seen = self._rdzv_outage.observe(True, time.monotonic())
+        seen = self._rdzv_outage.observe(True, self._clock())
         if seen.verdict is OutageVerdict.RECOVERED:
             logger.warning("%s the rendezvous answers again after %.1f s", self._ctx(), seen.failing_for)
 
@@ -296,9 +300,11 @@ class SpotrunAgent(LocalElasticAgent):
         """CHANGE: torch lets a rendezvous error while monitoring kill the agent at once. The workers do not
         need the backend while training, so an etcd restart must not end a healthy job; but one that stays
         away past the handler's bound must: nobody would notice a lost peer, and the job could end with exit
-        0 after the rest of the group is gone. Warns at the start of an outage and every few seconds."""
-        seen = self._rdzv_outage.observe(False, time.monotonic())
-        fatal = isinstance(exc, RendezvousOutageError) or seen.verdict is OutageVerdict.FATAL
+        0 after the rest of the group is gone. Warns at the start of an outage and every few seconds. A
+        permanent error (a corrupt key, a failed watch: ``rendezvous.api.is_permanent``) ends the job at once
+        with its own message: no later call could succeed, waiting out the bound would only hide it."""
+        seen = self._rdzv_outage.observe(False, self._clock())
+        fatal = is_permanent(exc) or seen.verdict is OutageVerdict.FATAL
         if fatal and self._worker_group.state is not WorkerState.SUCCEEDED:  # in the exit barrier: done anyway
             self._end_for_outage(exc, seen.failing_for)
         if seen.verdict is OutageVerdict.WARN:
@@ -306,11 +312,13 @@ class SpotrunAgent(LocalElasticAgent):
                            _first_line(exc), seen.fatal_in, exc_info=logger.isEnabledFor(logging.DEBUG))
 
     def _end_for_outage(self, exc: BaseException, failing_for: float) -> NoReturn:
-        """Stop the workers and raise a ``RendezvousOutageError`` (the CLI prints it as one line, exit 1)."""
-        error = exc if isinstance(exc, RendezvousOutageError) else RendezvousOutageError(
+        """Stop the workers and raise a permanent error as is, else a ``RendezvousOutageError`` (the CLI prints
+        it as one line, exit 1)."""
+        error = exc if is_permanent(exc) else RendezvousOutageError(
             f"rendezvous at {outage_endpoint(self._worker_group.spec.rdzv_handler)} failing for {failing_for:.1f} s, "
             f"more than its bound of {self._rdzv_outage.bound:g} s (last error: {_first_line(exc)}); giving up")
-        # The handler's own RendezvousOutageError carries the measured duration; this clock started later.
+        # A permanent error says what is wrong (the handler's own RendezvousOutageError carries the measured
+        # duration; this clock started later).
         logger.error("%s %s; stopping the workers (committed checkpoints are kept)", self._ctx(),
                      _first_line(error) if error is exc else f"rendezvous unavailable for {failing_for:.1f} s, "
                      "past its bound")
@@ -374,6 +382,8 @@ class SpotrunAgent(LocalElasticAgent):
                            self._ctx(), reason)
         if self._mailbox is not None:
             self._mailbox.clear()  # helpers and acks of the previous group must not count for this one
+            # For workers whose environment a wrapper rebuilt without SPOTRUN_NOTICE_DIR (elastic.preemption).
+            self._mailbox.publish_link(worker_group.spec.rdzv_handler.get_run_id(), worker_group.group_rank or 0)
         self._posted = None
         self._peer_deadlines = {}
         if self._hang_watch is not None:
@@ -731,8 +741,9 @@ class SpotrunAgent(LocalElasticAgent):
                                    sorted(self._notices.lost_peers()))
                     return False
                 self._stop_waiting_for(0.1)
-        except RendezvousError:
-            logger.warning("%s exit barrier failed", self._ctx(), exc_info=True)
+        except RendezvousError as exc:
+            logger.warning("%s exit barrier failed (%s); the workers finished, reporting success", self._ctx(),
+                           _first_line(exc), exc_info=logger.isEnabledFor(logging.DEBUG))
             return True
         logger.error("%s peers did not finish within %.0f s", self._ctx(), self._exit_barrier_timeout)
         return True

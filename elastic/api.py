@@ -31,6 +31,26 @@ ENV_HANG_STARTUP_TIMEOUT = "SPOTRUN_HANG_STARTUP_TIMEOUT"
 #: 1 (default) watches every worker's progress and restarts the group when one hangs; 0 turns it off.
 ENV_HANG_DETECTION = "SPOTRUN_HANG_DETECTION"
 
+# Planned changes (elastic.notice, elastic.planned, elastic.preemption)
+#: Comma-separated metadata sources to poll: ``aws``, ``aws-rebalance``, ``gcp``, ``azure`` (``--preempt-notice``).
+ENV_PREEMPT_NOTICE = "SPOTRUN_PREEMPT_NOTICE"
+#: Seconds a SIGTERM (or a notice without its own deadline) leaves before the node is gone (``--preempt-grace``).
+ENV_PREEMPT_GRACE = "SPOTRUN_PREEMPT_GRACE"
+#: An extra notice signal, ``NAME[@SECONDS]`` like Slurm's ``--signal`` (``--preempt-signal``).
+ENV_PREEMPT_SIGNAL = "SPOTRUN_PREEMPT_SIGNAL"
+#: Seconds between two polls of the metadata services (``--preempt-poll-interval``).
+ENV_PREEMPT_POLL_INTERVAL = "SPOTRUN_PREEMPT_POLL_INTERVAL"
+#: Base URLs of the metadata services (tests point them at local servers).
+ENV_AWS_METADATA_URL = "SPOTRUN_AWS_METADATA_URL"
+ENV_GCP_METADATA_URL = "SPOTRUN_GCP_METADATA_URL"
+ENV_AZURE_METADATA_URL = "SPOTRUN_AZURE_METADATA_URL"
+#: Seconds the workers get to commit an agreed step when a node joins (``--resize-timeout``).
+ENV_RESIZE_TIMEOUT = "SPOTRUN_RESIZE_TIMEOUT"
+#: Exit status of an agent that left the group for its notice (``--planned-leave-exit-code``, default 0).
+ENV_PLANNED_LEAVE_EXIT_CODE = "SPOTRUN_PLANNED_LEAVE_EXIT_CODE"
+#: Directory of the agent<->worker mailbox (set by spotrun for its workers; absent under torchrun).
+ENV_NOTICE_DIR = "SPOTRUN_NOTICE_DIR"
+
 #: Rendezvous backend spotrun uses when ``--rdzv-backend`` is not given (torchrun's is ``static``).
 DEFAULT_RDZV_BACKEND = "etcd-v3"
 

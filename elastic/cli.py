@@ -70,6 +70,12 @@ from elastic.api import (
     ENV_HANG_STARTUP_TIMEOUT,
     ENV_HANG_TIMEOUT,
     ENV_PEER_LOSS_GRACE,
+    ENV_PLANNED_LEAVE_EXIT_CODE,
+    ENV_PREEMPT_GRACE,
+    ENV_PREEMPT_NOTICE,
+    ENV_PREEMPT_POLL_INTERVAL,
+    ENV_PREEMPT_SIGNAL,
+    ENV_RESIZE_TIMEOUT,
     ENV_STOP_GRACE,
     ENV_WARM_WORKERS,
     LaunchConfigError,
@@ -93,14 +99,7 @@ from elastic.config import (
     parse_nnodes,
     parse_rdzv_conf,
 )
-from elastic.notice import (
-    ENV_PREEMPT_GRACE,
-    ENV_PREEMPT_NOTICE,
-    ENV_PREEMPT_POLL_INTERVAL,
-    ENV_PREEMPT_SIGNAL,
-    parse_sources,
-)
-from elastic.planned import ENV_PLANNED_LEAVE_EXIT_CODE, ENV_RESIZE_TIMEOUT
+from elastic.notice import parse_sources
 
 logger = logging.getLogger(__name__)
 

@@ -12,13 +12,17 @@ from elastic.api import (
     ENV_HANG_STARTUP_TIMEOUT,
     ENV_HANG_TIMEOUT,
     ENV_PEER_LOSS_GRACE,
+    ENV_PLANNED_LEAVE_EXIT_CODE,
+    ENV_PREEMPT_GRACE,
+    ENV_PREEMPT_NOTICE,
+    ENV_PREEMPT_POLL_INTERVAL,
+    ENV_PREEMPT_SIGNAL,
+    ENV_RESIZE_TIMEOUT,
     ENV_STOP_GRACE,
     ENV_WARM_WORKERS,
     LaunchConfigError,
 )
 from elastic.hang import HangPolicy
-from elastic.notice import ENV_PREEMPT_GRACE, ENV_PREEMPT_NOTICE, ENV_PREEMPT_POLL_INTERVAL, ENV_PREEMPT_SIGNAL
-from elastic.planned import ENV_PLANNED_LEAVE_EXIT_CODE, ENV_RESIZE_TIMEOUT
 
 
 @dataclass(kw_only=True, slots=True)

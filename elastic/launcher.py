@@ -29,12 +29,18 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
 from elastic.agent import SpotrunAgent
-from elastic.api import DEFAULT_RDZV_BACKEND, LaunchConfigError, PlannedLeaveExit, RendezvousUnavailableError
+from elastic.api import (
+    DEFAULT_RDZV_BACKEND,
+    ENV_NOTICE_DIR,
+    LaunchConfigError,
+    PlannedLeaveExit,
+    RendezvousUnavailableError,
+)
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
 from elastic.notice import NoticePoller, make_sources
-from elastic.preemption import ENV_NOTICE_DIR, Mailbox
-from elastic.rendezvous.api import ConnectableHandler, MembershipAwareHandler
+from elastic.preemption import Mailbox
+from elastic.rendezvous.api import ConnectableHandler, LeaseHandler, MembershipAwareHandler
 from elastic.warm import note_agent_import_env
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
@@ -122,11 +128,7 @@ def _effective_settings(config: LaunchConfig, settings: AgentSettings, lease_ttl
 
 def lease_ttl_of(handler: RendezvousHandler) -> float | None:
     """How long a dead peer stays a member (etcd-v3's lease TTL); None for backends without leases."""
-    try:
-        from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
-    except ImportError:  # the backend is not installed: no handler of it can exist
-        return None
-    return float(handler.config.lease_ttl) if isinstance(handler, EtcdV3RendezvousHandler) else None
+    return float(handler.lease_ttl) if isinstance(handler, LeaseHandler) else None
 
 
 def _preimport_log_formatter_dependencies() -> None:

@@ -32,22 +32,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+# The environment names live in elastic.api with the others; re-exported here, where they were first defined.
+from elastic.api import ENV_AWS_METADATA_URL as ENV_AWS_METADATA_URL
+from elastic.api import ENV_AZURE_METADATA_URL as ENV_AZURE_METADATA_URL
+from elastic.api import ENV_GCP_METADATA_URL as ENV_GCP_METADATA_URL
+from elastic.api import ENV_PREEMPT_GRACE as ENV_PREEMPT_GRACE
+from elastic.api import ENV_PREEMPT_NOTICE as ENV_PREEMPT_NOTICE
+from elastic.api import ENV_PREEMPT_POLL_INTERVAL as ENV_PREEMPT_POLL_INTERVAL
+from elastic.api import ENV_PREEMPT_SIGNAL as ENV_PREEMPT_SIGNAL
 from elastic.api import LaunchConfigError
 
 logger = logging.getLogger(__name__)
-
-#: Comma-separated metadata sources to poll: ``aws``, ``aws-rebalance``, ``gcp``, ``azure`` (``--preempt-notice``).
-ENV_PREEMPT_NOTICE = "SPOTRUN_PREEMPT_NOTICE"
-#: Seconds a SIGTERM (or a notice without its own deadline) leaves before the node is gone (``--preempt-grace``).
-ENV_PREEMPT_GRACE = "SPOTRUN_PREEMPT_GRACE"
-#: An extra notice signal, ``NAME[@SECONDS]`` like Slurm's ``--signal`` (``--preempt-signal``).
-ENV_PREEMPT_SIGNAL = "SPOTRUN_PREEMPT_SIGNAL"
-#: Seconds between two polls of the metadata services (``--preempt-poll-interval``).
-ENV_PREEMPT_POLL_INTERVAL = "SPOTRUN_PREEMPT_POLL_INTERVAL"
-#: Base URLs of the metadata services (tests point them at local servers).
-ENV_AWS_METADATA_URL = "SPOTRUN_AWS_METADATA_URL"
-ENV_GCP_METADATA_URL = "SPOTRUN_GCP_METADATA_URL"
-ENV_AZURE_METADATA_URL = "SPOTRUN_AZURE_METADATA_URL"
 
 AWS_DEFAULT_URL = "http://169.254.169.254"
 GCP_DEFAULT_URL = "http://metadata.google.internal"

@@ -17,13 +17,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# The environment names live in elastic.api with the others; re-exported here, where they were first defined.
+from elastic.api import ENV_PLANNED_LEAVE_EXIT_CODE as ENV_PLANNED_LEAVE_EXIT_CODE
+from elastic.api import ENV_RESIZE_TIMEOUT as ENV_RESIZE_TIMEOUT
 from elastic.notice import Notice
 from elastic.preemption import WorkerNotice
-
-#: Seconds the workers get to commit an agreed step when a node joins (``--resize-timeout``).
-ENV_RESIZE_TIMEOUT = "SPOTRUN_RESIZE_TIMEOUT"
-#: Exit status of an agent that left the group for its notice (``--planned-leave-exit-code``, default 0).
-ENV_PLANNED_LEAVE_EXIT_CODE = "SPOTRUN_PLANNED_LEAVE_EXIT_CODE"
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,9 @@
             break
 
 How the agent talks to its workers (the *mailbox*, a private directory the agent creates and names in
-``SPOTRUN_NOTICE_DIR``):
+``SPOTRUN_NOTICE_DIR``; a worker whose environment a wrapper rebuilt without it, e.g. ``accelerate launch`` or
+``srun`` inside spotrun, finds it like the hang-detection files, through a link named after
+``TORCHELASTIC_RUN_ID`` and ``GROUP_RANK`` that the agent publishes at every worker start, see :func:`find_mailbox`):
 
 * ``notice.json``  written (atomically) by the agent when its node got a preemption notice, a peer's
   notice arrived through etcd, or the group is about to change size (a node joins): ``{"reason",
@@ -17,6 +19,9 @@ How the agent talks to its workers (the *mailbox*, a private directory the agent
   will stop by themselves at an agreed step, and waits for them instead of killing them.
 * ``ack-{local_rank}.json``  written after the agreed step is committed: ``{"step"}``. Workers that all
   acknowledged and exited 0 ended for a planned change, not because training finished.
+* ``.agent.lock``  held (``flock``) by the agent for its whole life: the kernel releases it when the agent dies,
+  even by SIGKILL, so the next agent on the host removes the orphaned mailbox (:func:`remove_orphaned_mailboxes`)
+  and a worker never follows a link to a dead agent's mailbox.
 
 Agreement (every rank stops at the same step): notices reach nodes at different times, so the local view
 alone would split the group. Every ``sync_every`` steps (the same step numbers on every rank, so the calls
@@ -33,24 +38,32 @@ agent is stopped) into the same local notice, so the same loop saves the agreed 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import signal
+import stat
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from elastic.api import ENV_NOTICE_DIR as ENV_NOTICE_DIR  # re-exported: first defined here
 from elastic.api import PlannedStopVoteError  # re-exported: raised by Preemption.save_and_stop
+from elastic.progress import run_scoped_path
 
 logger = logging.getLogger(__name__)
 
-#: Directory of the agent<->worker mailbox (set by spotrun for its workers; absent under torchrun).
-ENV_NOTICE_DIR = "SPOTRUN_NOTICE_DIR"
-
 NOTICE_FILE = "notice.json"
+MAILBOX_PREFIX = "spotrun-mailbox-"
+LOCK_FILE = ".agent.lock"
+"""Held by the agent while it lives; names starting with a dot are not messages (``clear`` keeps them)."""
+LINK_KIND = "notice-dir"
+"""``spotrun-notice-dir-{uid}-{run}-{group_rank}`` beside the progress files: a link to the agent's mailbox."""
 DEFAULT_SYNC_EVERY = 8
 #: How long a rank waits in the vote for its peers. The same as torch's default for gloo groups (what the
 #: training's own CPU collectives wait) and the checkpointer's ``collective_timeout``: a shorter bound would
@@ -74,10 +87,17 @@ class Mailbox:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._lock_fd: int | None = None
+        self._link: str | None = None
 
     @classmethod
-    def create(cls) -> Mailbox:
-        return cls(tempfile.mkdtemp(prefix="spotrun-mailbox-"))
+    def create(cls, root: str | None = None) -> Mailbox:
+        """A fresh mailbox for this agent, locked for its life; orphans of dead agents are removed first."""
+        root = root or tempfile.gettempdir()
+        remove_orphaned_mailboxes(root)
+        box = cls(tempfile.mkdtemp(prefix=MAILBOX_PREFIX, dir=root))
+        box._lock_fd = _hold_lock(box.path)
+        return box
 
     @property
     def notice_path(self) -> str:
@@ -91,6 +111,8 @@ class Mailbox:
     def clear(self) -> None:
         """Empty the mailbox before a new worker group starts (its notice and acks were for the old one)."""
         for name in os.listdir(self.path):
+            if name.startswith("."):
+                continue  # the agent's lock, not a message
             try:
                 os.unlink(os.path.join(self.path, name))
             except FileNotFoundError:
@@ -105,8 +127,7 @@ class Mailbox:
         for name in os.listdir(self.path):
             if name.startswith("ack-") and name.endswith(".json"):
                 try:
-                    with open(os.path.join(self.path, name)) as handle:
-                        record = json.load(handle)
+                    record = _load_json(os.path.join(self.path, name))
                     if isinstance(record, dict):
                         out[int(name[4:-5])] = record
                 except (OSError, ValueError):
@@ -134,8 +155,42 @@ class Mailbox:
                 continue
         return max(times) if times else None
 
+    def publish_link(self, run_id: str, group_rank: int) -> None:
+        """Point ``spotrun-notice-dir-{uid}-{run_id}-{group_rank}`` at this mailbox (atomically), for workers
+        whose environment lost ``SPOTRUN_NOTICE_DIR``; called at every worker start (the group rank can change
+        between rounds). A failure only costs those workers the mailbox: they fall back to SIGTERM."""
+        link = run_scoped_path(LINK_KIND, run_id, group_rank)
+        if link == self._link:
+            return
+        self._drop_link()
+        tmp = f"{link}.tmp{os.getpid()}"
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            os.symlink(self.path, tmp)
+            os.replace(tmp, link)
+        except OSError as exc:
+            logger.warning("cannot link the workers' mailbox at %s (%s); workers without %s in their environment "
+                           "treat SIGTERM as the notice", link, exc, ENV_NOTICE_DIR)
+            return
+        self._link = link
+
+    def _drop_link(self) -> None:
+        link, self._link = self._link, None
+        if link is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.readlink(link) == self.path:  # another agent of the run may own the name by now
+                os.unlink(link)
+
     def remove(self) -> None:
+        self._drop_link()
         self.clear()
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.path, LOCK_FILE))
+            os.close(self._lock_fd)
+            self._lock_fd = None
         try:
             os.rmdir(self.path)
         except OSError:
@@ -146,8 +201,9 @@ class Mailbox:
         if not os.path.exists(self.notice_path):  # the common case, without raising an exception
             return None
         try:
-            with open(self.notice_path) as handle:
-                data = json.load(handle)
+            data = _load_json(self.notice_path)
+            if not isinstance(data, dict):
+                raise ValueError(f"{self.notice_path}: not a JSON object")
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
@@ -159,6 +215,118 @@ class Mailbox:
 
     def acknowledge(self, local_rank: int, step: int) -> None:
         _write_atomic(os.path.join(self.path, f"ack-{local_rank}.json"), {"step": step, "time": time.time()})
+
+
+def _hold_lock(path: str) -> int:
+    """Create and lock the mailbox's lock file. Locked before it gets its name: a sweeper that sees the
+    name can never take the lock of a live agent."""
+    tmp = os.path.join(path, f"{LOCK_FILE}.{os.getpid()}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(tmp, os.path.join(path, LOCK_FILE))
+    return fd
+
+
+def _lock_if_orphaned(path: str) -> int | None:
+    """The lock of a mailbox whose agent is gone (a descriptor now holding it), or None: its agent lives, or
+    the directory has no lock (being created, or made by an older spotrun: left alone)."""
+    try:
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _agent_alive(path: str) -> bool:
+    """The mailbox has a lock and its agent holds it."""
+    fd = _lock_if_orphaned(path)
+    if fd is not None:
+        os.close(fd)
+        return False
+    return os.path.exists(os.path.join(path, LOCK_FILE))
+
+
+def remove_orphaned_mailboxes(root: str) -> int:
+    """Remove this user's mailboxes under ``root`` whose agent died without cleaning up (SIGKILL, or killed
+    after a SIGTERM grace ran out), and dangling links to them; returns how many mailboxes were removed."""
+    removed = 0
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not name.startswith(MAILBOX_PREFIX):
+            continue
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        fd = _lock_if_orphaned(path)
+        if fd is None:
+            continue
+        try:
+            for entry in os.listdir(path):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(path, entry))
+            os.rmdir(path)
+            removed += 1
+        except OSError as exc:
+            logger.debug("cannot remove orphaned mailbox %s: %s", path, exc)
+        finally:
+            os.close(fd)
+    _remove_dangling_links()
+    if removed:
+        logger.info("removed %d orphaned worker mailbox(es) of dead agents under %s", removed, root)
+    return removed
+
+
+def _remove_dangling_links() -> None:
+    """This user's mailbox links whose mailbox is gone (their agent was killed)."""
+    stem = run_scoped_path(LINK_KIND, "")  # ".../spotrun-notice-dir-{uid}-"
+    folder, prefix = os.path.dirname(stem), os.path.basename(stem)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if name.startswith(prefix) and os.path.islink(path) and not os.path.exists(path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
+def find_mailbox(environ: Mapping[str, str] | None = None) -> str | None:
+    """The mailbox of this worker's agent: ``SPOTRUN_NOTICE_DIR``, else the link the agent published for
+    ``TORCHELASTIC_RUN_ID``/``GROUP_RANK`` (what torch sets for every worker, kept by wrappers that rebuild
+    the rest of the environment), if it is ours and its agent is alive. None under stock torchrun."""
+    env = os.environ if environ is None else environ
+    path = env.get(ENV_NOTICE_DIR)
+    if path:
+        return path
+    run_id, group_rank = env.get("TORCHELASTIC_RUN_ID"), env.get("GROUP_RANK")
+    if not run_id or group_rank is None:
+        return None
+    link = run_scoped_path(LINK_KIND, run_id, group_rank)
+    try:
+        if os.lstat(link).st_uid != os.getuid():
+            return None  # /dev/shm is shared: never follow another user's link
+        target = os.path.realpath(link)
+        if os.stat(target).st_uid != os.getuid():
+            return None
+    except OSError:
+        return None
+    return target if _agent_alive(target) else None
+
+
+def _load_json(path: str) -> Any:
+    """One mailbox file, parsed; a file nested too deeply for the parser (a hostile or corrupt one) is a
+    ``ValueError`` like any other malformed file, not a ``RecursionError`` escaping into the agent's loop."""
+    with open(path) as handle:
+        try:
+            return json.load(handle)
+        except RecursionError as exc:
+            raise ValueError(f"{path}: JSON nested too deeply") from exc
 
 
 def _write_atomic(path: str, data: dict[str, Any]) -> None:
@@ -190,7 +358,7 @@ class Preemption:
         self.sync_every = sync_every
         self.timeout = timeout
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        path = mailbox_dir if mailbox_dir is not None else os.environ.get(ENV_NOTICE_DIR)
+        path = mailbox_dir if mailbox_dir is not None else find_mailbox()
         self.mailbox = Mailbox(path) if path else None
         self.stop_step: int | None = None
         self.notice: WorkerNotice | None = None

@@ -50,10 +50,17 @@ def _root() -> str:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
+def run_scoped_path(kind: str, run_id: str, *ranks: int | str, root: str | None = None) -> str:
+    """A per-user file name an agent and its workers both derive from what torch gives every worker
+    (``TORCHELASTIC_RUN_ID``, ``GROUP_RANK``, ``LOCAL_RANK``): no environment variable of ours needed."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:80]
+    name = "-".join(["spotrun", kind, str(os.getuid()), safe, *(str(rank) for rank in ranks)])
+    return os.path.join(root or _root(), name)
+
+
 def progress_path(run_id: str, group_rank: int | str, local_rank: int | str, root: str | None = None) -> str:
     """Where the worker ``local_rank`` of node ``group_rank`` of run ``run_id`` keeps its beat counter."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:80]
-    return os.path.join(root or _root(), f"spotrun-progress-{os.getuid()}-{safe}-{group_rank}-{local_rank}")
+    return run_scoped_path("progress", run_id, group_rank, local_rank, root=root)
 
 
 def dump_path(progress_file: str) -> str:

@@ -32,6 +32,7 @@ __all__ = [
     "BACKEND_NAME",
     "ConnectableHandler",
     "EtcdRendezvousConfig",
+    "LeaseHandler",
     "MembershipAwareHandler",
     "OutageBoundHandler",
     "RendezvousClosedError",
@@ -43,6 +44,8 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousTLSError",
     "RendezvousTimeoutError",
+    "RendezvousWatchError",
+    "is_permanent",
 ]
 
 BACKEND_NAME: Final = "etcd-v3"
@@ -60,6 +63,24 @@ class RendezvousConfigError(RendezvousError, ValueError):
 
 class RendezvousOutageError(RendezvousConnectionError):
     """The backend stayed unreachable past its bound (``etcd_timeout``): fatal, the handler will not recover."""
+
+
+class RendezvousWatchError(RendezvousConnectionError):
+    """The handler's watch of the rendezvous failed for good (etcd refuses it even with a fresh token, or an
+    unexpected error): the handler no longer sees the membership and will not recover."""
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """True when no later call of the handler can succeed, so waiting out an outage bound is pointless.
+
+    Transient: ``RendezvousConnectionError`` (etcd restarting, a leader election), ``RendezvousTimeoutError``
+    (a wait that ran out) and errors outside the ``RendezvousError`` tree (torch's c10d handlers let store
+    errors through). Permanent: the rest of the tree (``RendezvousStateError``: a corrupt key;
+    ``RendezvousClosedError``; ``RendezvousConfigError``), and the two connection errors a handler raises
+    only once it gave up for good (``RendezvousOutageError``, ``RendezvousWatchError``)."""
+    if isinstance(exc, (RendezvousOutageError, RendezvousWatchError)):
+        return True
+    return isinstance(exc, RendezvousError) and not isinstance(exc, (RendezvousConnectionError, RendezvousTimeoutError))
 
 
 @runtime_checkable
@@ -133,6 +154,17 @@ class OutageBoundHandler(Protocol):
     @property
     def endpoint(self) -> str:
         """Where the backend is, as the user wrote it (for error messages)."""
+
+
+@runtime_checkable
+class LeaseHandler(Protocol):
+    """A handler whose members stay registered until a lease expires (etcd-v3): a peer that died without a
+    word is still a member for up to ``lease_ttl`` s. The launcher stretches the agent's wait for a lost peer
+    over it (``elastic.launcher.peer_loss_window``); handlers without leases keep ``--peer-loss-grace``."""
+
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds a dead peer stays a member."""
 
 
 # Keys torch's launcher or other torch backends put into --rdzv-conf. We accept them so an existing

@@ -66,6 +66,7 @@ from .api import (
     RendezvousOutageError,
     RendezvousStateError,
     RendezvousTimeoutError,
+    RendezvousWatchError,
 )
 from .etcd_client import (
     EtcdConnection,
@@ -246,6 +247,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     @property
     def endpoint(self) -> str:
         return self._config.endpoint_str
+
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds a dead peer stays a member (``LeaseHandler``)."""
+        return float(self._config.lease_ttl)
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round; block until it is committed with this node in it (see class doc)."""
@@ -429,19 +435,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         wins. Once a newcomer has cleared the run for a new job there is no closed key: nothing is deleted.
         Left behind only when the last agent cannot reach etcd, or an agent crashed within ``lease_ttl`` of
         the end (its key outlives the others): a newcomer with the run id clears those keys as before."""
-        tx = conn.client.transactions
         prefix = self._config.run_prefix
-        compare = [
-            tx.version(self._closed_key) > 0,
-            tx.version(self._nodes_prefix, range_end=prefix_end(self._nodes_prefix)) == 0,
-        ]
-        success = [tx.delete(prefix, range_end=prefix_end(prefix))]
         try:
-            ok, _ = conn.call(
-                "delete the ended run's keys",
-                lambda: conn.client.transaction(compare=compare, success=success, failure=[]),
-                within=min(2.0, self._config.etcd_timeout),
-            )
+            ok = self._delete_ended_run(conn, None, within=min(2.0, self._config.etcd_timeout))
         except RendezvousError as exc:
             log.warning("%scould not delete the ended run's keys (the next job with this run id will): %s", self._ctx(), exc)
             return
@@ -672,16 +668,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             else:  # another newcomer cleared it, or a node registered: wait for that change, then look again
                 self._wait_revision_after(seen, deadline)
 
-    def _delete_ended_run(self, conn: EtcdConnection, closed_mod: int) -> bool:
+    def _delete_ended_run(self, conn: EtcdConnection, closed_mod: int | None, *, within: float | None = None) -> bool:
+        """Delete every key of the run in one transaction, if it is still closed (by the marker of revision
+        ``closed_mod``; None: any) and no node is registered. False when the compare failed."""
         tx = conn.client.transactions
         prefix = self._config.run_prefix
-        compare = [
-            tx.mod(self._closed_key) == closed_mod,
-            tx.version(self._nodes_prefix, range_end=prefix_end(self._nodes_prefix)) == 0,
-        ]
+        closed = tx.version(self._closed_key) > 0 if closed_mod is None else tx.mod(self._closed_key) == closed_mod
+        compare = [closed, tx.version(self._nodes_prefix, range_end=prefix_end(self._nodes_prefix)) == 0]
         success = [tx.delete(prefix, range_end=prefix_end(prefix))]
         ok, _ = conn.call(
-            "clear the ended run's keys", lambda: conn.client.transaction(compare=compare, success=success, failure=[])
+            "delete the ended run's keys",
+            lambda: conn.client.transaction(compare=compare, success=success, failure=[]),
+            within=within,
         )
         return bool(ok)
 
@@ -811,9 +809,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             retrying(self._watch_once)
         except Exception as exc:  # the thread must report, not die silently
             if not self._stop.is_set():
-                log.exception("%sthe rendezvous watch failed", self._ctx())
+                # Our own errors carry a clear message; an unexpected one (a bug) keeps its traceback.
+                log.error("%sthe rendezvous watch failed: %s", self._ctx(), exc, exc_info=not isinstance(exc, RendezvousError))
                 with self._cond:
-                    self._fatal = RendezvousConnectionError(f"{self._ctx()}the etcd watch failed: {exc}")
+                    self._fatal = RendezvousWatchError(f"{self._ctx()}the etcd watch failed: {exc}")
                     self._cond.notify_all()
 
     def _watch_once(self) -> None:

@@ -8,11 +8,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import etcd3
 import pytest
 
 from elastic.agent import FailureAction, decide_on_failure, should_refund
 from elastic.events import read_events
-from elastic.launcher import LEASE_EXPIRY_MARGIN, peer_loss_window
+from elastic.launcher import LEASE_EXPIRY_MARGIN, lease_ttl_of, peer_loss_window
+from elastic.rendezvous.api import EtcdRendezvousConfig
+from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
 from tests.harness.procs import (
     EXAMPLES,
     SPOTRUN,
@@ -62,6 +65,17 @@ def test_peer_loss_window_covers_the_lease_ttl() -> None:
     assert peer_loss_window(5.0, 10.0) == 10.0 + LEASE_EXPIRY_MARGIN
     assert peer_loss_window(0.0, 10.0) == 0.0, "0 keeps the wait off"
     assert peer_loss_window(5.0, None) == 5.0, "backends without leases keep the grace"
+
+
+def test_lease_ttl_comes_from_the_lease_handler_protocol() -> None:
+    config = EtcdRendezvousConfig(run_id="r", endpoints=(("127.0.0.1", 1),), min_nodes=1, max_nodes=2, lease_ttl=7)
+    assert lease_ttl_of(EtcdV3RendezvousHandler(config, node_id="n")) == 7.0  # no I/O before next_rendezvous
+
+    class OtherLeasedBackend:  # any backend declaring the capability, not only etcd-v3's class
+        lease_ttl = 4
+
+    assert lease_ttl_of(OtherLeasedBackend()) == 4.0  # type: ignore[arg-type]
+    assert lease_ttl_of(object()) is None  # type: ignore[arg-type]  # e.g. torch's c10d: no leases
 
 
 # --- processes ---------------------------------------------------------------------------------------------
@@ -176,6 +190,25 @@ def test_job_survives_a_short_etcd_outage(tmp_path: Path, etcd_server) -> None:
         assert all(agent.proc.poll() is None for agent in agents)
         failures = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "failure_detected"]
         assert not failures, f"an etcd outage must not restart the workers: {failures}"
+
+        # A corrupt key is no outage: the job ends at once with one clear line, not after etcd_timeout (30 s).
+        _put_key(etcd_server.endpoint, "/spotrun/rdzv/outage/ctl/notice/intruder", "not json")
+        corrupted = time.monotonic()
+        assert [agent.wait(20) for agent in agents] == [1, 1]
+        assert time.monotonic() - corrupted < 20
+        for agent in agents:
+            errors = [line for line in agent.output().splitlines() if line.startswith("spotrun: error:")]
+            assert len(errors) == 1 and "corrupt rendezvous key '/spotrun/rdzv/outage/ctl/notice/intruder'" in errors[0]
+            assert "Traceback" not in agent.output()
+
+
+def _put_key(endpoint: str, key: str, value: str) -> None:
+    host, port = endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port), timeout=5)
+    try:
+        client.put(key, value)
+    finally:
+        client.close()
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,14 @@ from elastic.rendezvous.api import (
     EtcdRendezvousConfig,
     MembershipAwareHandler,
     OutageBoundHandler,
+    RendezvousClosedError,
+    RendezvousConfigError,
     RendezvousConnectionError,
     RendezvousOutageError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+    RendezvousWatchError,
+    is_permanent,
 )
 from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
 from tests.elastic.doubles import MemoryEventLog
@@ -117,11 +124,11 @@ class RenamedHandler(PollingHandler):
         pass
 
 
-def make_agent(handler: RendezvousHandler, tmp_path: Path) -> SpotrunAgent:
+def make_agent(handler: RendezvousHandler, tmp_path: Path, clock: Callable[[], float] = time.monotonic) -> SpotrunAgent:
     spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint="/bin/true", args=(), rdzv_handler=handler,
                       max_restarts=0, monitor_interval=0.01)
     return SpotrunAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path)), settings=AgentSettings(),
-                        events=MemoryEventLog(), tie_workers_to_agent=False)
+                        events=MemoryEventLog(), tie_workers_to_agent=False, clock=clock)
 
 
 def test_the_etcd_v3_handler_is_membership_aware() -> None:
@@ -196,10 +203,13 @@ class BoundedHandler(AwareHandler):
 
 
 def test_rendezvous_failing_past_its_bound_stops_the_workers_and_fails_the_job(tmp_path: Path) -> None:
+    now = [100.0]
     handler = BoundedHandler(error=RendezvousConnectionError("etcd refused to read"))
-    agent = make_agent(handler, tmp_path)
+    agent = make_agent(handler, tmp_path, clock=lambda: now[0])
     assert not agent._membership_changed()  # the outage starts: transient
-    agent._rdzv_outage.since = time.monotonic() - 3.5  # ... and has lasted 3.5 s
+    now[0] += 2.9
+    assert not agent._membership_changed()  # still within the bound of 3 s
+    now[0] += 0.6  # ... and has lasted 3.5 s
     with pytest.raises(RendezvousOutageError, match=r"etcd-0:2379,etcd-1:2379 failing for 3\.\d s, more than its "
                                                     r"bound of 3 s \(last error: etcd refused to read\)"):
         agent._wait_for_membership_change(0.01)
@@ -217,6 +227,32 @@ def test_a_handler_that_declares_its_outage_fatal_ends_the_job_at_once(tmp_path:
     with pytest.raises(RendezvousOutageError) as raised:
         agent._membership_changed()
     assert raised.value is error
+
+
+@pytest.mark.parametrize("error", [
+    RendezvousStateError("[run=job node=a round=2] corrupt rendezvous key '/spotrun/rdzv/job/ctl/round' in etcd: x"),
+    RendezvousWatchError("[run=job node=a round=2] the etcd watch failed: permission denied"),
+    RendezvousClosedError("the rendezvous of run 'job' is closed"),
+])
+def test_a_permanent_rendezvous_error_ends_the_job_at_once_with_its_message(tmp_path: Path, error: Exception) -> None:
+    """No later call can succeed: the job must not wait out etcd_timeout (the clock never moves here)."""
+    agent = make_agent(BoundedHandler(error=error), tmp_path, clock=lambda: 5.0)
+    with pytest.raises(type(error)) as raised:
+        agent._wait_for_membership_change(0.01)
+    assert raised.value is error
+    finished = [r for r in agent._events.records if r["event"] == "run_finished"]  # type: ignore[attr-defined]
+    assert finished[-1]["state"] == "FAILED" and finished[-1]["error"] == str(error)
+
+
+def test_which_rendezvous_errors_are_permanent() -> None:
+    assert not is_permanent(RendezvousConnectionError("etcd restarting"))
+    assert not is_permanent(RendezvousTimeoutError("a wait ran out"))
+    assert not is_permanent(RuntimeError("a c10d store error outside the tree"))
+    assert is_permanent(RendezvousOutageError("unreachable past etcd_timeout"))
+    assert is_permanent(RendezvousWatchError("the watch failed"))
+    assert is_permanent(RendezvousStateError("corrupt key"))
+    assert is_permanent(RendezvousClosedError("closed"))
+    assert is_permanent(RendezvousConfigError("bad conf"))
 
 
 @pytest.mark.parametrize("error", [TypeError("membership_changed() takes 0 arguments"), AttributeError("_mirror")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from elastic.agent import PlannedTick, SpotrunAgent
 from elastic.config import AgentSettings
 from elastic.preemption import Mailbox
-from elastic.rendezvous.api import NoticeAwareHandler
+from elastic.rendezvous.api import NoticeAwareHandler, RendezvousStateError
 from tests.elastic.doubles import MemoryEventLog
 from tests.elastic.test_agent_membership import AwareHandler
 
@@ -68,6 +69,19 @@ def test_exit_barrier_passes_when_every_peer_arrives(tmp_path: Path) -> None:
     agent, _, _ = _agent(tmp_path, NoticeHandler())
     agent._store.add("spotrun/exit_barrier/arrived", 1)  # the other agent got there first
     assert agent._exit_barrier_unless_peers_left() is True
+
+
+def test_a_rendezvous_error_in_the_exit_barrier_is_one_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(NoticeHandler):
+        def lost_peers(self) -> set[str]:
+            raise RendezvousStateError("corrupt rendezvous key '/x' in etcd\ndetails")
+
+    agent, _, _ = _agent(tmp_path, Broken())
+    with caplog.at_level(logging.WARNING, logger="elastic.agent"):
+        assert agent._exit_barrier_unless_peers_left() is True, "the workers finished: success, as torch reports"
+    (record,) = [r for r in caplog.records if "exit barrier failed" in r.getMessage()]
+    assert not record.exc_info and "corrupt rendezvous key" in record.getMessage(), "no traceback"
+    assert "\n" not in record.getMessage()
 
 
 def test_sigterm_is_a_notice_only_when_the_workers_can_save(tmp_path: Path) -> None:

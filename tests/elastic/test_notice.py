@@ -220,3 +220,18 @@ def test_cli_flags_and_env_fallbacks_build_validated_settings(monkeypatch: pytes
     monkeypatch.setenv("SPOTRUN_PREEMPT_GRACE", "soon")
     with pytest.raises(LaunchConfigError, match="SPOTRUN_PREEMPT_GRACE"):
         settings_from_args(args)
+
+
+def test_the_planned_change_env_names_live_in_elastic_api_and_the_old_imports_still_work() -> None:
+    import elastic.api as api
+    import elastic.notice as notice
+    import elastic.planned as planned
+    import elastic.preemption as preemption
+
+    moved = {notice: ["ENV_PREEMPT_NOTICE", "ENV_PREEMPT_GRACE", "ENV_PREEMPT_SIGNAL", "ENV_PREEMPT_POLL_INTERVAL",
+                      "ENV_AWS_METADATA_URL", "ENV_GCP_METADATA_URL", "ENV_AZURE_METADATA_URL"],
+             planned: ["ENV_RESIZE_TIMEOUT", "ENV_PLANNED_LEAVE_EXIT_CODE"], preemption: ["ENV_NOTICE_DIR"]}
+    for module, names in moved.items():
+        for name in names:
+            value = getattr(api, name)
+            assert getattr(module, name) == value and value == "SPOTRUN_" + name[len("ENV_"):], name  # public: never renamed

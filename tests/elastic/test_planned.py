@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,16 @@ from elastic.events import read_events
 from elastic.notice import Notice
 from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
 from elastic.preemption import WorkerNotice
-from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, descendants, pid_alive, read_jsonl, wait_for
+from tests.harness.procs import (
+    EXAMPLES,
+    SPOTRUN,
+    Launcher,
+    descendants,
+    make_env,
+    pid_alive,
+    read_jsonl,
+    wait_for,
+)
 
 TRAIN = str(EXAMPLES / "train_ddp.py")
 RDZV_CONF = "lease_ttl=2,last_call_timeout=0.3,join_timeout=60"
@@ -73,16 +83,18 @@ def test_all_local_workers_must_acknowledge_the_same_step() -> None:
 
 def _agent(tmp_path: Path, name: str, endpoint: str, run_id: str, *, steps: int, nnodes: str = "1:2",
            nproc: int = 1, step_time: float = 0.05, ckpt_every: int = 1000, extra: tuple[str, ...] = (),
-           rdzv: tuple[str, ...] | None = None) -> Launcher:
+           rdzv: tuple[str, ...] | None = None, env: dict[str, str] | None = None,
+           wrapper: tuple[str, ...] = ()) -> Launcher:
     rdzv = rdzv if rdzv is not None else ("--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", RDZV_CONF)
     return Launcher(
         [*SPOTRUN, "--nnodes", nnodes, "--nproc-per-node", str(nproc), *rdzv, "--max-restarts", "0", "--stop-grace", "1",
          "--monitor-interval", "0.1", "--log-dir", str(tmp_path / f"logs-{name}"),
          "--events-file", str(tmp_path / "events.jsonl"), *extra,
-         TRAIN, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(ckpt_every),
+         *wrapper, TRAIN, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(ckpt_every),
          "--step-time", str(step_time), "--preempt-sync-every", "2", "--log-every", "1000",
          "--progress-file", str(tmp_path / "progress.jsonl")],
         tmp_path / f"{name}.log",
+        env,
     )
 
 
@@ -130,8 +142,13 @@ def test_sigterm_to_one_agent_loses_no_step(tmp_path: Path, etcd_server) -> None
     # Both with --planned-leave-exit-code 75 (a Kubernetes Indexed Job recreates the leaver's pod); the survivor
     # that finishes the run still exits 0.
     exit_code = ("--planned-leave-exit-code", "75")
-    agents = [_agent(tmp_path, "a", etcd_server.endpoint, "leave", steps=100, extra=exit_code),
-              _agent(tmp_path, "b", etcd_server.endpoint, "leave", steps=100, extra=exit_code)]
+    tmp = tmp_path / "tmp"  # where the agents make their workers' mailboxes
+    tmp.mkdir()
+    # b's worker runs under a wrapper that drops SPOTRUN_NOTICE_DIR (like accelerate launch or srun rebuilding
+    # the environment): it must still find its agent's mailbox (by run id and group rank) to save for the leave.
+    wrapper = ("--no-python", "env", "-u", "SPOTRUN_NOTICE_DIR", sys.executable, "-u")
+    agents = [_agent(tmp_path, name, etcd_server.endpoint, "leave", steps=100, extra=exit_code,
+                     env=make_env(TMPDIR=str(tmp)), wrapper=wrapper if name == "b" else ()) for name in ("a", "b")]
     a, b = agents
     with _running(agents):
         wait_for(lambda: _training_at(tmp_path, 2, 2), 120, "two agents to train at world size 2")
@@ -143,6 +160,7 @@ def test_sigterm_to_one_agent_loses_no_step(tmp_path: Path, etcd_server) -> None
         assert a.wait(60) == 0, "the survivor finishes the run at world size 1"
         finished = {e["node"]: e for e in _events(tmp_path, "run_finished")}
         assert finished[leave[0]["node"]].get("exit_code") == 75, finished
+        assert not list(tmp.glob("spotrun-mailbox-*")), "a planned leave and a normal end both remove the mailbox"
     _assert_resumed_exactly(_progress(tmp_path), agreed, 2, 1)
     restarts = _events(tmp_path, "planned_restart")
     # a first planned resize when the second agent arrived after the first had started alone is fine

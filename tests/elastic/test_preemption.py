@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from elastic.preemption import Mailbox, PlannedStopVoteError, Preemption, WorkerNotice
+from elastic.preemption import (
+    LINK_KIND,
+    Mailbox,
+    PlannedStopVoteError,
+    Preemption,
+    WorkerNotice,
+    find_mailbox,
+    remove_orphaned_mailboxes,
+)
+from elastic.progress import run_scoped_path
 from tests.harness.dist import run_workers
+from tests.harness.procs import REPO, make_env
 
 
 def test_single_process_stops_at_the_next_sync_step_and_acknowledges(tmp_path: Path) -> None:
@@ -32,6 +45,67 @@ def test_single_process_stops_at_the_next_sync_step_and_acknowledges(tmp_path: P
     assert acked is not None and abs(acked - time.time()) < 60, "the acknowledgement carries when it committed"
     box.clear()
     assert box.helpers() == set() and box.acks() == {} and box.committed_at() is None
+
+
+def test_a_deeply_nested_mailbox_file_is_skipped_not_a_traceback(tmp_path: Path) -> None:
+    box = Mailbox(str(tmp_path))
+    box.acknowledge(0, 7)
+    hostile = "[" * 200_000 + "]" * 200_000  # json.load raises RecursionError on this, not ValueError
+    (tmp_path / "ack-1.json").write_text(hostile)
+    assert box.acks() == {0: 7}, "the hostile acknowledgement is ignored, the good one still counts"
+    assert box.committed_at() is not None
+    (tmp_path / "notice.json").write_text(hostile)
+    assert box.read_notice() == WorkerNotice("preempt", None, "unreadable notice"), "still a notice, not a crash"
+
+
+def test_a_worker_without_the_env_var_finds_its_agents_mailbox_by_run_id_and_group_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wrapper (accelerate launch, srun) rebuilt the worker's environment: torch's variables survive, ours not."""
+    run_id = f"job-{uuid.uuid4().hex[:8]}"
+    box = Mailbox.create(root=str(tmp_path))
+    try:
+        box.publish_link(run_id, 1)  # what the agent does at each worker start
+        monkeypatch.delenv("SPOTRUN_NOTICE_DIR", raising=False)
+        env = {"TORCHELASTIC_RUN_ID": run_id, "GROUP_RANK": "1"}
+        assert find_mailbox(env) == os.path.realpath(box.path)
+        assert find_mailbox({**env, "GROUP_RANK": "0"}) is None, "another node's group rank: not ours"
+        assert find_mailbox({**env, "SPOTRUN_NOTICE_DIR": "/given"}) == "/given", "the variable still wins"
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        Preemption(sync_every=2)
+        assert box.helpers() == {0}, "the helper registered with its agent, so the agent will wait for it"
+        box.publish_link(run_id, 0)  # the next round gave this node group rank 0: the old name is dropped
+        assert find_mailbox(env) is None and find_mailbox({**env, "GROUP_RANK": "0"}) == os.path.realpath(box.path)
+    finally:
+        box.remove()
+    assert not os.path.exists(box.path) and not os.path.lexists(run_scoped_path(LINK_KIND, run_id, 0))
+    assert find_mailbox({"TORCHELASTIC_RUN_ID": run_id, "GROUP_RANK": "0"}) is None
+
+
+def test_the_mailbox_of_a_killed_agent_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    """SIGKILL (or a SIGTERM grace that ran out) skips the agent's cleanup: its lock dies with it."""
+    script = ("import sys, time; from elastic.preemption import Mailbox; box = Mailbox.create(sys.argv[1]); "
+              "box.publish_link(sys.argv[2], 0); box.acknowledge(0, 3); print(box.path, flush=True); time.sleep(60)")
+    run_id = f"killed-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), run_id], cwd=REPO, env=make_env(),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        dead = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        legacy = tmp_path / "spotrun-mailbox-legacy"  # no lock (an older spotrun): whose it is, nobody knows
+        legacy.mkdir()
+        live = Mailbox.create(root=str(tmp_path))
+        assert os.path.isdir(dead), "a live agent's mailbox is never taken"
+        assert find_mailbox({"TORCHELASTIC_RUN_ID": run_id, "GROUP_RANK": "0"}) == os.path.realpath(dead)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert find_mailbox({"TORCHELASTIC_RUN_ID": run_id, "GROUP_RANK": "0"}) is None, "never a dead agent's mailbox"
+    assert remove_orphaned_mailboxes(str(tmp_path)) == 1
+    assert not os.path.exists(dead) and not os.path.lexists(run_scoped_path(LINK_KIND, run_id, 0))
+    assert os.path.isdir(live.path) and legacy.is_dir()
+    live.remove()
+    assert not os.path.exists(live.path)
 
 
 def test_sync_every_is_validated() -> None:
