@@ -15,6 +15,12 @@ optimizer), then times:
 * load: spotrun ``Checkpointer(root)`` + ``load(state)`` + ``close()`` / the example's ``DCPCheckpoints.load``
   (``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` + the extra entries' ``load_state_dict``).
 
+``--baseline DIR`` adds a third arm: the same spotrun load with the ``checkpoint`` package found in DIR (an
+older commit), so before/after and the DCP anchor come from one interleaved run::
+
+    git archive <commit> checkpoint | tar -x -C /tmp/before
+    .venv/bin/python bench/ckpt_small_load.py --reps 15 --baseline /tmp/before
+
 Every child reports a digest of the loaded model and optimizer state; the run fails unless each equals the
 saved one. Figures are median [min-max] over ``--reps`` (no warm-up rep: every rep is a fresh process).
 """
@@ -133,51 +139,80 @@ def fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:.1f} [{min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f}] ms"
 
 
-def run(reps: int, base: str | None = None) -> dict[str, dict[str, list[float]]]:
-    """Save once, then ``reps`` fresh-process loads per arm; prints the table and returns the samples."""
+def _child_run(arm: str, root: str, pythonpath: str, want: str) -> dict[str, Any]:
+    """One fresh child process for ``arm`` with ``checkpoint`` imported from ``pythonpath``; its figures."""
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", arm, "--root", root],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"{arm} child failed ({proc.returncode}):\n{proc.stderr}")
+    got: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    if got["digest"] != want:
+        raise SystemExit(f"{arm}: the loaded state differs from the saved one")
+    return got
+
+
+def run(reps: int, base: str | None = None, baseline: str | None = None) -> dict[str, dict[str, list[float]]]:
+    """Save once, then ``reps`` fresh-process loads per arm; prints the table and returns the samples.
+
+    ``baseline``: a directory holding another version of the ``checkpoint`` package (e.g. a ``git archive``
+    of an older commit), measured as one more arm of the same interleaved run (before/after)."""
     root = tempfile.mkdtemp(prefix="ckpt-small-load-", dir=base)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    here = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    # (label, child arm, PYTHONPATH of the child)
+    arms = [("spotrun", "spotrun", here), ("dcp", "dcp", here)]
+    if baseline is not None:
+        arms.append(("spotrun (baseline)", "spotrun", os.pathsep.join([os.path.abspath(baseline), here])))
+    out: dict[str, dict[str, list[float]]] = {a[0]: {"import_s": [], "import_cpu_s": [], "load_s": []} for a in arms}
     try:
         want = save_both(root)
         nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
-        out: dict[str, dict[str, list[float]]] = {a: {"import_s": [], "import_cpu_s": [], "load_s": []} for a in ARMS}
         load_before = os.getloadavg()
         for rep in range(reps):
-            for arm in ARMS if rep % 2 == 0 else ARMS[::-1]:
-                proc = subprocess.run(
-                    [sys.executable, os.path.abspath(__file__), "--child", arm, "--root", root],
-                    env=env, capture_output=True, text=True, timeout=300, check=False,
-                )
-                if proc.returncode != 0:
-                    raise SystemExit(f"{arm} child failed ({proc.returncode}):\n{proc.stderr}")
-                got = json.loads(proc.stdout.strip().splitlines()[-1])
-                if got["digest"] != want:
-                    raise SystemExit(f"{arm}: the loaded state differs from the saved one")
-                for k in out[arm]:
-                    out[arm][k].append(got[k])
+            for label, arm, path in arms if rep % 2 == 0 else arms[::-1]:
+                got = _child_run(arm, root, path, want)
+                for k in out[label]:
+                    out[label][k].append(got[k])
         load_after = os.getloadavg()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\ntrain_gpt.py {' '.join(EXAMPLE_ARGS)}: model + AdamW + trainer + data, both checkpoints "
           f"{nbytes / 1024:.0f} KiB on disk; {reps} fresh processes per arm, interleaved; "
           f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")
-    print("| arm | import (wall) | import (CPU) | load (wall) |")
+    print("| arm | import checkpoint (wall) | import (CPU) | load (wall) |")
     print("|---|---|---|---|")
-    print(f"| spotrun Checkpointer(root).load(state) | {fmt(out['spotrun']['import_s'])} | "
-          f"{fmt(out['spotrun']['import_cpu_s'])} | {fmt(out['spotrun']['load_s'])} |")
-    print(f"| example's DCP anchor (get_state_dict + dcp.load + set_state_dict) | (preloaded) | (preloaded) | "
-          f"{fmt(out['dcp']['load_s'])} |")
-    ratio = statistics.median(out["spotrun"]["load_s"]) / statistics.median(out["dcp"]["load_s"])
-    paired = [a / b for a, b in zip(out["spotrun"]["load_s"], out["dcp"]["load_s"])]
-    print(f"\n- spotrun load / DCP load: {ratio:.2f} (ratio of medians); per-rep paired "
-          f"{statistics.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}]")
+    for label, arm, _ in arms:
+        r = out[label]
+        if arm == "dcp":
+            print(f"| example's DCP anchor (get_state_dict + dcp.load + set_state_dict) | (preloaded) | (preloaded) | "
+                  f"{fmt(r['load_s'])} |")
+        else:
+            name = f"{label}: Checkpointer(root).load(state)"
+            print(f"| {name} | {fmt(r['import_s'])} | {fmt(r['import_cpu_s'])} | {fmt(r['load_s'])} |")
+    print()
+    for label, _, _ in arms:
+        if label != "dcp":
+            _print_ratio(f"{label} load / DCP load", out[label]["load_s"], out["dcp"]["load_s"])
+    if baseline is not None:
+        _print_ratio("spotrun (baseline) load / spotrun load", out["spotrun (baseline)"]["load_s"], out["spotrun"]["load_s"])
     return out
+
+
+def _print_ratio(what: str, a: list[float], b: list[float]) -> None:
+    paired = [x / y for x, y in zip(a, b)]
+    print(f"- {what}: {statistics.median(a) / statistics.median(b):.2f} (ratio of medians); per-rep paired "
+          f"{statistics.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}]")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=15, help="fresh-process loads per arm")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="also measure the checkpoint package found in DIR (e.g. `git archive <commit> checkpoint "
+                             "| tar -x -C DIR`) in the same run: before/after")
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -186,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.reps < 1:
         parser.error("--reps must be >= 1")
-    run(args.reps, args.dir)
+    if args.baseline is not None and not os.path.isdir(os.path.join(args.baseline, "checkpoint")):
+        parser.error(f"--baseline {args.baseline}: no checkpoint package there")
+    run(args.reps, args.dir, args.baseline)
 
 
 if __name__ == "__main__":
