@@ -139,9 +139,11 @@ def fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:.1f} [{min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f}] ms"
 
 
-def _child_run(arm: str, root: str, pythonpath: str, want: str) -> dict[str, Any]:
+def _child_run(arm: str, root: str, pythonpath: str, want: str, omp_threads: int) -> dict[str, Any]:
     """One fresh child process for ``arm`` with ``checkpoint`` imported from ``pythonpath``; its figures."""
     env = {**os.environ, "PYTHONPATH": pythonpath}
+    if omp_threads:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", arm, "--root", root],
         env=env, capture_output=True, text=True, timeout=300, check=False,
@@ -154,7 +156,9 @@ def _child_run(arm: str, root: str, pythonpath: str, want: str) -> dict[str, Any
     return got
 
 
-def run(reps: int, base: str | None = None, baseline: str | None = None) -> dict[str, dict[str, list[float]]]:
+def run(
+    reps: int, base: str | None = None, baseline: str | None = None, omp_threads: int = 1
+) -> dict[str, dict[str, list[float]]]:
     """Save once, then ``reps`` fresh-process loads per arm; prints the table and returns the samples.
 
     ``baseline``: a directory holding another version of the ``checkpoint`` package (e.g. a ``git archive``
@@ -172,14 +176,15 @@ def run(reps: int, base: str | None = None, baseline: str | None = None) -> dict
         load_before = os.getloadavg()
         for rep in range(reps):
             for label, arm, path in arms if rep % 2 == 0 else arms[::-1]:
-                got = _child_run(arm, root, path, want)
+                got = _child_run(arm, root, path, want, omp_threads)
                 for k in out[label]:
                     out[label][k].append(got[k])
         load_after = os.getloadavg()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\ntrain_gpt.py {' '.join(EXAMPLE_ARGS)}: model + AdamW + trainer + data, both checkpoints "
-          f"{nbytes / 1024:.0f} KiB on disk; {reps} fresh processes per arm, interleaved; "
+          f"{nbytes / 1024:.0f} KiB on disk; {reps} fresh processes per arm, interleaved, "
+          f"OMP_NUM_THREADS={omp_threads or os.environ.get('OMP_NUM_THREADS', 'unset')}; "
           f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")
     print("| arm | import checkpoint (wall) | import (CPU) | load (wall) |")
     print("|---|---|---|---|")
@@ -213,17 +218,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", default=None, metavar="DIR",
                         help="also measure the checkpoint package found in DIR (e.g. `git archive <commit> checkpoint "
                              "| tar -x -C DIR`) in the same run: before/after")
+    parser.add_argument("--omp-threads", type=int, default=1,
+                        help="OMP_NUM_THREADS of the children: 1 as torchrun/spotrun set it for --nproc-per-node > 1 "
+                             "(0: inherit). With 2 threads on a busy machine the optimizer's first step (both arms "
+                             "run one to create its state) stalls for tens of ms in OpenMP barriers")
     parser.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.root)))
         return
-    if args.reps < 1:
-        parser.error("--reps must be >= 1")
+    if args.reps < 1 or args.omp_threads < 0:
+        parser.error("--reps must be >= 1 and --omp-threads >= 0")
     if args.baseline is not None and not os.path.isdir(os.path.join(args.baseline, "checkpoint")):
         parser.error(f"--baseline {args.baseline}: no checkpoint package there")
-    run(args.reps, args.dir, args.baseline)
+    run(args.reps, args.dir, args.baseline, args.omp_threads)
 
 
 if __name__ == "__main__":
