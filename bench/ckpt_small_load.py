@@ -7,9 +7,9 @@ Run (``bench/ckpt_bench.py --scenario small-load`` forwards here)::
 The state is ``examples/train_gpt.py``'s at ``--context 32 --d-model 32 --corpus-chars 16384 --global-batch 8``
 (model, AdamW after a few steps, trainer counter, elastic data cursor; a few hundred KB), saved once by the spotrun
 Checkpointer and once by the example's DCP anchor (``DCPCheckpoints``: ``get_state_dict`` + ``dcp.save``). Each
-rep starts a fresh Python process per arm (arms interleaved, order alternating) that imports torch and
-``torch.distributed.checkpoint`` (a warm worker has them preloaded), builds the example's fresh state (empty
-optimizer), then times:
+rep starts a fresh Python process per arm (arms interleaved, order alternating) that imports what spotrun's
+warm forkserver preloads (``elastic.workers.DEFAULT_PRELOAD``: torch, ``torch.distributed.checkpoint`` and its
+``state_dict``...), builds the example's fresh state (empty optimizer), then times:
 
 * import: ``import checkpoint`` (spotrun) / nothing more to import (DCP is already imported);
 * load: spotrun ``Checkpointer(root)`` + ``load(state)`` + ``close()`` / the example's ``DCPCheckpoints.load``
@@ -114,8 +114,12 @@ def save_both(root: str, steps: int = 3) -> str:
 
 def child(arm: str, root: str) -> dict[str, Any]:
     """One fresh worker's load (see the module docstring); the figures as a dict."""
-    import torch  # preloaded, as in a warm worker
-    import torch.distributed.checkpoint  # noqa: F401
+    import importlib
+
+    from elastic.workers import DEFAULT_PRELOAD
+
+    for module in DEFAULT_PRELOAD:  # what spotrun's warm forkserver has imported before a worker starts
+        importlib.import_module(module)
 
     train_gpt, _, state = _example_state()
     cpu0, t0 = time.process_time(), time.perf_counter()

@@ -229,7 +229,6 @@ def verified_range(
     return data, start
 
 
-@torch.no_grad()
 def apply_read(
     storage: Storage,
     step_rel: str,
@@ -241,19 +240,9 @@ def apply_read(
 ) -> int:
     """Execute one ReadRequest into the destination piece ``dst`` (its bytes from ``fetch`` if given, else
     read from storage); returns bytes read."""
-    return _apply_read(storage, step_rel, req, dst, block_bytes, verify, fetch)
-
-
-def _apply_read(
-    storage: Storage,
-    step_rel: str,
-    req: ReadRequest,
-    dst: torch.Tensor,
-    block_bytes: int,
-    verify: bool,
-    fetch: Fetch | None,
-) -> int:
-    """``apply_read`` under the caller's ``torch.no_grad()`` (entering it per read costs more than a small read)."""
+    if torch.is_grad_enabled():  # a caller running many small reads disables it once: entering it costs more
+        with torch.no_grad():
+            return apply_read(storage, step_rel, req, dst, block_bytes, verify, fetch)
     index = tuple(slice(a, b) for a, b in req.dst_slices)
     target = dst[index] if index else dst
     if fetch is None and _can_read_direct(req, target, block_bytes, verify):
@@ -359,7 +348,7 @@ def read_requests(
     if spans is not None:
         fetch = SpanReader(storage, step_rel, spans).fetch
         with torch.no_grad():
-            return sum(_apply_read(storage, step_rel, r, destinations(r.dst), block_bytes, verify, fetch) for r in requests)
+            return sum(apply_read(storage, step_rel, r, destinations(r.dst), block_bytes, verify, fetch) for r in requests)
     if threads <= 1 or len(requests) <= 1:
         return sum(apply_read(storage, step_rel, r, destinations(r.dst), block_bytes, verify) for r in requests)
     from concurrent.futures import ThreadPoolExecutor

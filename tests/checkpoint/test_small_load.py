@@ -170,13 +170,13 @@ def test_small_load_stays_on_the_calling_thread_with_the_same_result(
     with Checkpointer(str(tmp_path)) as ckpt:
         ckpt.save(3, saved)
     threads: list[str] = []
-    real_apply_read = shard_mod._apply_read  # both paths' one read: inline, or under apply_read in the pool
+    real_apply_read = shard_mod.apply_read
 
     def recording_apply_read(*args: Any, **kwargs: Any) -> int:
         threads.append(threading.current_thread().name)
         return real_apply_read(*args, **kwargs)
 
-    monkeypatch.setattr(shard_mod, "_apply_read", recording_apply_read)
+    monkeypatch.setattr(shard_mod, "apply_read", recording_apply_read)
     config = CheckpointConfig(read_threads=4, verify_on_load=verify)
     small = make_state(99)
     with Checkpointer(str(tmp_path), config) as ckpt:
