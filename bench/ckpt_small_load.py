@@ -13,7 +13,9 @@ warm forkserver preloads (``elastic.workers.DEFAULT_PRELOAD``: torch, ``torch.di
 
 * import: ``import checkpoint`` (spotrun) / nothing more to import (DCP is already imported);
 * load: spotrun ``Checkpointer(root)`` + ``load(state)`` + ``close()`` / the example's ``DCPCheckpoints.load``
-  (``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` + the extra entries' ``load_state_dict``).
+  (``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` + the extra entries' ``load_state_dict``), wall and
+  CPU time of the process (on a shared machine the CPU time is the steadier figure: wall adds the waits for
+  a core).
 
 ``--baseline DIR`` adds a third arm: the same spotrun load with the ``checkpoint`` package found in DIR (an
 older commit), so before/after and the DCP anchor come from one interleaved run::
@@ -126,17 +128,18 @@ def child(arm: str, root: str) -> dict[str, Any]:
     if arm == "spotrun":
         from checkpoint import Checkpointer
     import_s, import_cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     if arm == "spotrun":
         with Checkpointer(f"{root}/spot") as ckpt:
             loaded = ckpt.load(state)
     else:
         extra = {"trainer": state["trainer"], "data": state["data"]}
         loaded = train_gpt.DCPCheckpoints(f"{root}/dcp", state["model"], state["optim"]).load(extra)
-    load_s = time.perf_counter() - t0
+    load_s, load_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if loaded is None:
         raise SystemExit(f"{arm}: nothing loaded from {root}")
-    return {"import_s": import_s, "import_cpu_s": import_cpu, "load_s": load_s, "digest": _digest(state)}
+    return {"import_s": import_s, "import_cpu_s": import_cpu, "load_s": load_s, "load_cpu_s": load_cpu,
+            "digest": _digest(state)}
 
 
 def fmt(xs: list[float]) -> str:
@@ -173,7 +176,9 @@ def run(
     arms = [("spotrun", "spotrun", here), ("dcp", "dcp", here)]
     if baseline is not None:
         arms.append(("spotrun (baseline)", "spotrun", os.pathsep.join([os.path.abspath(baseline), here])))
-    out: dict[str, dict[str, list[float]]] = {a[0]: {"import_s": [], "import_cpu_s": [], "load_s": []} for a in arms}
+    out: dict[str, dict[str, list[float]]] = {
+        a[0]: {"import_s": [], "import_cpu_s": [], "load_s": [], "load_cpu_s": []} for a in arms
+    }
     try:
         want = save_both(root)
         nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
@@ -190,22 +195,25 @@ def run(
           f"{nbytes / 1024:.0f} KiB on disk; {reps} fresh processes per arm, interleaved, "
           f"OMP_NUM_THREADS={omp_threads or os.environ.get('OMP_NUM_THREADS', 'unset')}; "
           f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")
-    print("| arm | import checkpoint (wall) | import (CPU) | load (wall) |")
-    print("|---|---|---|---|")
+    print("| arm | import checkpoint (wall) | import (CPU) | load (wall) | load (CPU, this process) |")
+    print("|---|---|---|---|---|")
     for label, arm, _ in arms:
         r = out[label]
         if arm == "dcp":
             print(f"| example's DCP anchor (get_state_dict + dcp.load + set_state_dict) | (preloaded) | (preloaded) | "
-                  f"{fmt(r['load_s'])} |")
+                  f"{fmt(r['load_s'])} | {fmt(r['load_cpu_s'])} |")
         else:
             name = f"{label}: Checkpointer(root).load(state)"
-            print(f"| {name} | {fmt(r['import_s'])} | {fmt(r['import_cpu_s'])} | {fmt(r['load_s'])} |")
+            print(f"| {name} | {fmt(r['import_s'])} | {fmt(r['import_cpu_s'])} | {fmt(r['load_s'])} | "
+                  f"{fmt(r['load_cpu_s'])} |")
     print()
     for label, _, _ in arms:
         if label != "dcp":
             _print_ratio(f"{label} load / DCP load", out[label]["load_s"], out["dcp"]["load_s"])
     if baseline is not None:
-        _print_ratio("spotrun (baseline) load / spotrun load", out["spotrun (baseline)"]["load_s"], out["spotrun"]["load_s"])
+        before, after = out["spotrun (baseline)"], out["spotrun"]
+        _print_ratio("spotrun (baseline) load / spotrun load, wall", before["load_s"], after["load_s"])
+        _print_ratio("spotrun (baseline) load / spotrun load, CPU", before["load_cpu_s"], after["load_cpu_s"])
     return out
 
 
