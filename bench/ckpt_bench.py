@@ -24,6 +24,11 @@ Multi-rank parts (gloo, one process per rank; see ``bench/ckpt_reshard_bench.py`
 
 ``--skip-single`` leaves out the 1-rank tables.
 
+A small checkpoint's load in fresh processes (``examples/train_gpt.py``'s state at its small size, spotrun vs
+the example's ``dcp.load`` anchor; see ``bench/ckpt_small_load.py``)::
+
+    .venv/bin/python bench/ckpt_bench.py --scenario small-load --reps 15
+
 Prints Markdown tables. Timings on a shared machine are noisy: the load average is printed with them.
 """
 
@@ -340,9 +345,17 @@ def main() -> None:
     parser.add_argument("--reshard", action="store_true", help="also measure 4->4 and 4->3 resharded loads (4, then 3 gloo processes)")
     parser.add_argument("--ranks", type=int, default=1, help=">= 2: also measure replicated saves at this many gloo ranks")
     parser.add_argument("--skip-single", action="store_true", help="leave out the 1-rank tables")
+    parser.add_argument("--scenario", choices=("default", "small-load"), default="default",
+                        help="small-load: only the fresh-process load of a small checkpoint vs dcp.load "
+                             "(bench/ckpt_small_load.py; --reps processes per arm)")
     args = parser.parse_args()
     if min(args.size_mib) < 1 or args.reps < 1 or args.ranks < 1 or args.loop_threads < 1:
         parser.error("--size-mib, --reps, --ranks and --loop-threads must be >= 1")
+    if args.scenario == "small-load":
+        import ckpt_small_load  # a sibling of this script (its directory is on sys.path)
+
+        ckpt_small_load.run(args.reps, args.dir)
+        return
     base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")
     os.makedirs(base, exist_ok=True)
     try:

@@ -51,6 +51,7 @@ from checkpoint.collective import open_collectives
 from checkpoint.commit import commit_step, merge_records, rank_objects_payload
 from checkpoint.config import CheckpointConfig
 from checkpoint.discover import (
+    latest_good_manifest,
     latest_good_step,
     read_objects,
     validate_step,
@@ -113,6 +114,9 @@ class Checkpointer:
         the sequence of collectives, so this Checkpointer refuses further saves and loads."""
         self.last_stage_seconds = 0.0
         """Wall time the last ``save`` blocked the caller (flatten + vote + staging copy)."""
+        self._validated: Manifest | None = None
+        """The manifest this rank validated while choosing the step to load (rank 0 in ``_agree_on_step``
+        and the fallback's older step), taken by ``_load_step`` so a load validates its step once."""
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.storage.display()!r}, rank={self.rank}/{self.world_size})"
@@ -308,7 +312,7 @@ class Checkpointer:
             step_named=step is not None,
             attempt=lambda at: self._load_step(state, at),
             worst=lambda mine: LoadOutcome(self._fg.max(mine)),
-            older_step=lambda below: self._fg.rank0_decides(lambda: latest_good_step(self.storage, below=below)),
+            older_step=lambda below: self._fg.rank0_decides(lambda: self._choose_good(below)),
             where=self.storage.display(),
             rank=self.rank,
         )
@@ -322,10 +326,11 @@ class Checkpointer:
         entries are not included. CheckpointNotFoundError when there is no committed step.
         """
         self._check_open()
-        chosen = self.latest() if step is None else step
+        self._validated = None
+        chosen = self._choose_good() if step is None else step
         if chosen is None:
             raise CheckpointNotFoundError(f"no committed checkpoint at {self.storage.display()}")
-        manifest = validate_step(self.storage, chosen)
+        manifest = self._validated_manifest(chosen)
         shared = read_objects(self.storage, manifest)
         tensors = {fqn: (rec.shape, torch_dtype(rec.dtype)) for fqn, rec in manifest.tensors.items()}
         state = blank_state(shared, tensors)
@@ -333,7 +338,7 @@ class Checkpointer:
         return chosen, state
 
     def _load_step(self, state: Mapping[str, Any], chosen: int) -> None:
-        manifest = validate_step(self.storage, chosen)
+        manifest = self._validated_manifest(chosen)
         self._read_into(state, manifest, read_objects(self.storage, manifest))
 
     def _read_into(self, state: Mapping[str, Any], manifest: Manifest, shared: dict[str, JSON]) -> None:
@@ -374,9 +379,23 @@ class Checkpointer:
 
     def _agree_on_step(self, step: int | None) -> int | None:
         """Rank 0 picks the step (so all ranks load the same one even if a commit lands meanwhile)."""
+        self._validated = None  # never one left over from an earlier, failed load
         if step is not None:
             return step
-        return self._fg.rank0_decides(self.latest)
+        return self._fg.rank0_decides(self._choose_good)
+
+    def _choose_good(self, below: int | None = None) -> int | None:
+        """``latest_good_step`` (below ``below``), keeping the manifest it validated for ``_load_step``."""
+        self._validated = latest_good_manifest(self.storage, below=below)
+        return None if self._validated is None else self._validated.step
+
+    def _validated_manifest(self, step: int) -> Manifest:
+        """The manifest of ``step`` after ``validate_step``'s checks: the one this rank validated while
+        choosing the step (taken once: a later load validates again), else validated now."""
+        manifest, self._validated = self._validated, None
+        if manifest is not None and manifest.step == step:
+            return manifest
+        return validate_step(self.storage, step)
 
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:

@@ -62,7 +62,8 @@ class CheckpointConfig:
     read_threads: int | None = None
     """Parallel ranged reads per rank on load. None: for local/POSIX storage one per CPU core (reads from
     the page cache are CPU-bound, so more threads than cores do not help), for remote storage
-    ``writer_threads`` (reads wait on the network)."""
+    ``writer_threads`` (reads wait on the network). A load whose reads span less than
+    ``shard.SMALL_LOAD_BYTES`` (4 MiB) reads each file once on the calling thread instead."""
 
     writer: Literal["thread", "process"] = "thread"
     """Who writes the shards: a background ``"thread"`` of the training process, or a long-lived

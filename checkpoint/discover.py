@@ -251,13 +251,21 @@ def validate_step(storage: Storage, step: int) -> Manifest:
 def latest_good_step(storage: Storage, *, listing: StepListing | None = None, below: int | None = None) -> int | None:
     """Newest committed step (older than ``below`` if given) that passes ``validate_step``; corrupt ones
     are skipped with a warning."""
+    manifest = latest_good_manifest(storage, listing=listing, below=below)
+    return None if manifest is None else manifest.step
+
+
+def latest_good_manifest(
+    storage: Storage, *, listing: StepListing | None = None, below: int | None = None
+) -> Manifest | None:
+    """``latest_good_step``'s choice as the manifest ``validate_step`` returned for it (a loader that goes on
+    to read that step reuses it instead of validating the step twice)."""
     listing = listing or list_steps(storage)
     for step in reversed(listing.committed):
         if below is not None and step >= below:
             continue
         try:
-            validate_step(storage, step)
-            return step
+            return validate_step(storage, step)
         except CorruptCheckpointError as exc:
             logger.warning("skipping corrupt checkpoint step %d: %s", step, exc)
         except CheckpointNotFoundError as exc:  # deleted between the listing and now
@@ -281,7 +289,7 @@ def resolve_step(storage: Storage, step: int | None) -> Manifest:
         return validate_step(storage, step)
     listing = list_steps(storage)
     require_checkpoint(storage, listing)
-    good = latest_good_step(storage, listing=listing)
+    good = latest_good_manifest(storage, listing=listing)
     if good is None:
         raise CorruptCheckpointError(f"every committed step at {storage.display()} is corrupt: {listing.committed}")
-    return validate_step(storage, good)
+    return good

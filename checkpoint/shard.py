@@ -200,18 +200,28 @@ def _verifier(storage: Storage, path: str, req: ReadRequest, start: int, end: in
     )
 
 
-def verified_range(
-    storage: Storage, step_rel: str, req: ReadRequest, block_bytes: int, verify: bool
-) -> tuple[bytes | bytearray, int]:
-    """Read ``req.read_range`` of ``step_rel/req.file`` (widened to whole checksum blocks when verifying);
-    return (bytes, absolute start)."""
-    path = f"{step_rel}/{req.file}"
+def widened_range(req: ReadRequest, block_bytes: int, verify: bool) -> tuple[int, int]:
+    """The bytes a load reads for ``req``: its ``read_range``, widened to whole checksum blocks when verifying."""
     start, end = req.read_range
-    cstart, cend = req.chunk_byte_range
     if verify:
+        cstart, cend = req.chunk_byte_range
         start = cstart + (start - cstart) // block_bytes * block_bytes
         end = min(cstart + -(-(end - cstart) // block_bytes) * block_bytes, cend)
-    data = storage.read_range(path, start, end)
+    return start, end
+
+
+Fetch = Callable[[str, int, int], "bytes | bytearray | memoryview"]
+"""``fetch(file, start, end)``: bytes ``[start, end)`` of a shard file of the step (fewer if it is shorter)."""
+
+
+def verified_range(
+    storage: Storage, step_rel: str, req: ReadRequest, block_bytes: int, verify: bool, fetch: Fetch | None = None
+) -> tuple[bytes | bytearray | memoryview, int]:
+    """Read ``req.read_range`` of ``step_rel/req.file`` (widened to whole checksum blocks when verifying),
+    through ``fetch`` if given; return (bytes, absolute start)."""
+    path = f"{step_rel}/{req.file}"
+    start, end = widened_range(req, block_bytes, verify)
+    data = fetch(req.file, start, end) if fetch is not None else storage.read_range(path, start, end)
     if len(data) != end - start:
         raise truncated(storage.display(path), req.file, req.fqn, start, end, len(data))
     if verify:
@@ -219,7 +229,6 @@ def verified_range(
     return data, start
 
 
-@torch.no_grad()
 def apply_read(
     storage: Storage,
     step_rel: str,
@@ -227,13 +236,18 @@ def apply_read(
     dst: torch.Tensor,
     block_bytes: int,
     verify: bool,
+    fetch: Fetch | None = None,
 ) -> int:
-    """Execute one ReadRequest into the destination piece ``dst``; returns bytes read."""
+    """Execute one ReadRequest into the destination piece ``dst`` (its bytes from ``fetch`` if given, else
+    read from storage); returns bytes read."""
+    if torch.is_grad_enabled():  # a caller running many small reads disables it once: entering it costs more
+        with torch.no_grad():
+            return apply_read(storage, step_rel, req, dst, block_bytes, verify, fetch)
     index = tuple(slice(a, b) for a, b in req.dst_slices)
     target = dst[index] if index else dst
-    if _can_read_direct(req, target, block_bytes, verify):
+    if fetch is None and _can_read_direct(req, target, block_bytes, verify):
         return _read_direct(storage, f"{step_rel}/{req.file}", req, target, block_bytes, verify)
-    data, start = verified_range(storage, step_rel, req, block_bytes, verify)
+    data, start = verified_range(storage, step_rel, req, block_bytes, verify, fetch)
     raw = bytes_as_tensor(data, "U8")
     lo, hi = req.read_range
     src = chunk_view(raw[lo - start : hi - start], req.dtype, req.chunk_lengths, req.chunk_byte_range[0], req.read_range, req.src_slices)
@@ -279,6 +293,46 @@ def _read_direct(
     return got
 
 
+SMALL_LOAD_BYTES = 4 << 20
+"""A load whose reads span less than this in total (summed over files) reads each file's span once, on the
+calling thread, and serves every request from it (``small_load_spans``): for a small checkpoint (a few
+hundred KB in ~100 tensors) a storage call per tensor and a thread pool to run them cost far more than
+the bytes (bench/ckpt_small_load.py). Larger loads keep one ranged read per request in the pool."""
+
+
+def small_load_spans(
+    requests: Sequence[ReadRequest], block_bytes: int, verify: bool, limit: int | None = None
+) -> dict[str, tuple[int, int]] | None:
+    """Per file, the byte range ``[lo, hi)`` covering every read of ``requests`` in it, when these spans
+    total less than ``limit`` (default ``SMALL_LOAD_BYTES``) and there is more than one request; None
+    otherwise (read one by one)."""
+    limit = SMALL_LOAD_BYTES if limit is None else limit
+    if len(requests) <= 1:
+        return None
+    spans: dict[str, tuple[int, int]] = {}
+    for req in requests:
+        start, end = widened_range(req, block_bytes, verify)
+        lo, hi = spans.get(req.file, (start, end))
+        spans[req.file] = (min(lo, start), max(hi, end))
+    return spans if sum(hi - lo for lo, hi in spans.values()) < limit else None
+
+
+class SpanReader:
+    """Serves ``fetch(file, start, end)`` from one read of each file's span (``small_load_spans``), made the
+    first time the file is asked for: storage errors (missing, unreadable, not a regular file) surface at
+    the same request as with one read per request, and a short file gives the same short slices."""
+
+    def __init__(self, storage: Storage, step_rel: str, spans: dict[str, tuple[int, int]]) -> None:
+        self.storage, self.step_rel, self.spans = storage, step_rel, spans
+        self.buffers: dict[str, memoryview] = {}
+
+    def fetch(self, file: str, start: int, end: int) -> memoryview:
+        lo, hi = self.spans[file]
+        if file not in self.buffers:
+            self.buffers[file] = memoryview(self.storage.read_range(f"{self.step_rel}/{file}", lo, hi))
+        return self.buffers[file][start - lo : end - lo]
+
+
 def read_requests(
     storage: Storage,
     step_rel: str,
@@ -288,7 +342,13 @@ def read_requests(
     verify: bool,
     threads: int,
 ) -> int:
-    """Run ranged reads in parallel threads; each copies into its destination. Returns bytes read."""
+    """Run ranged reads in parallel threads, each copying into its destination; a small load reads each
+    file once on this thread instead (``SMALL_LOAD_BYTES``). Returns bytes read."""
+    spans = small_load_spans(requests, block_bytes, verify)
+    if spans is not None:
+        fetch = SpanReader(storage, step_rel, spans).fetch
+        with torch.no_grad():
+            return sum(apply_read(storage, step_rel, r, destinations(r.dst), block_bytes, verify, fetch) for r in requests)
     if threads <= 1 or len(requests) <= 1:
         return sum(apply_read(storage, step_rel, r, destinations(r.dst), block_bytes, verify) for r in requests)
     from concurrent.futures import ThreadPoolExecutor

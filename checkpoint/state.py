@@ -103,6 +103,10 @@ class FlatState:
     its rule is ``skip`` and an error otherwise."""
     per_rank: dict[str, str] = field(default_factory=dict)
     """The live state's per-rank keys and their ``on_resize`` rule."""
+    state_dicts: dict[str, Any] = field(default_factory=dict)
+    """Per stateful top-level key, what its ``state_dict()`` returned during ``flatten``: ``apply`` takes it
+    as the live value to rebuild into instead of asking again, which for an optimizer is a whole
+    ``get_optimizer_state_dict`` (its tensors alias the live state, so it already holds what was read)."""
 
 
 class PerRank:
@@ -445,7 +449,9 @@ def flatten(state: Mapping[str, Any], *, as_shared: Iterable[str] = ()) -> FlatS
     shared = set(as_shared)
     budget = _InlineBudget()
     for key, adapter in _adapters(state).items():
-        value = adapter.state_dict() if _is_stateful(adapter) else adapter
+        value = adapter
+        if _is_stateful(adapter):
+            value = flat.state_dicts[key] = adapter.state_dict()
         try:
             if key in per_rank and key not in shared:
                 flat.rank_objects[key] = _walk(value, key, flat.items, seen, budget)
@@ -629,8 +635,8 @@ def apply(state: Mapping[str, Any], flat: FlatState) -> None:
         else:
             skel = flat.objects[key]
         if _is_stateful(adapter):
-            value = _rebuild(skel, adapter.state_dict(), key, loaded)
-            adapter.load_state_dict(value)
+            live = flat.state_dicts[key] if key in flat.state_dicts else adapter.state_dict()
+            adapter.load_state_dict(_rebuild(skel, live, key, loaded))
         elif isinstance(adapter, torch.Tensor):
             value = _rebuild(skel, adapter, key, loaded)
             if not isinstance(value, torch.Tensor):
