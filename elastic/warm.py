@@ -17,9 +17,10 @@ modules a fresh interpreter would not have.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 #: Prefixes of environment variables that torch, its BLAS/OpenMP runtimes, the dynamic loader or the
@@ -112,6 +113,37 @@ def warm_fallback_reason(
     if options:
         return f"the agent runs with interpreter options a fresh worker would not have: {' '.join(options)}"
     return None
+
+
+def shadowed_preloads(names: Iterable[str], search_dirs: Iterable[str],
+                      origin_of: Callable[[str], str | None]) -> list[str]:
+    """Top-level modules the forkserver imported that a fresh ``python -u`` worker would import from elsewhere:
+    ``NAME.py``, ``NAME/__init__.py`` or an extension ``NAME.*.so`` in a directory that comes before
+    site-packages on its ``sys.path`` (the script's directory, PYTHONPATH), and not the file ``origin_of(NAME)``
+    (where the forkserver's copy comes from). A warm worker would silently get the preloaded module instead
+    of the user's own ``elastic.py`` or ``fsspec/`` vendored next to the script."""
+    shadowed = []
+    for name in names:
+        origin = origin_of(name)
+        for found in _module_files(name, search_dirs):
+            if origin is None or os.path.realpath(found) != os.path.realpath(origin):
+                shadowed.append(f"{name} ({found})")
+                break
+    return shadowed
+
+
+def _module_files(name: str, search_dirs: Iterable[str]) -> Iterator[str]:
+    for directory in search_dirs:
+        package = os.path.join(directory or ".", name, "__init__.py")
+        if os.path.isfile(package):
+            yield package
+        module = os.path.join(directory or ".", name + ".py")
+        if os.path.isfile(module):
+            yield module
+        with contextlib.suppress(OSError):
+            for entry in os.listdir(directory or "."):
+                if entry.startswith(name + ".") and entry.endswith((".so", ".pyd")):
+                    yield os.path.join(directory or ".", entry)
 
 
 def worker_environ(agent: Mapping[str, str], forkserver: Mapping[str, str], inherited: Mapping[str, str]) -> dict[str, str]:

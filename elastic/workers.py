@@ -170,6 +170,29 @@ def warm_entrypoint(cmd: Any, cmd_args: list[str], python: str = sys.executable)
     return ScriptEntrypoint(rest[0], module=module, python=cmd, options=options), rest[1:]
 
 
+def _shadow_reason(script: ScriptEntrypoint) -> str | None:
+    """Why a warm worker of ``script`` would import one of the preloaded packages from the wrong place."""
+    import importlib.util
+
+    from elastic.warm import shadowed_preloads
+
+    def origin_of(name: str) -> str | None:
+        module = sys.modules.get(name)
+        if module is not None:
+            return getattr(module, "__file__", None)
+        spec = importlib.util.find_spec(name)
+        return spec.origin if spec is not None else None
+
+    first = os.getcwd() if script.module else os.path.dirname(os.path.realpath(script.target))
+    search = [first, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    tops = sorted({name.split(".")[0] for name in DEFAULT_PRELOAD})
+    shadowed = shadowed_preloads(tops, search, origin_of)
+    if not shadowed:
+        return None
+    return (f"the script would import its own {', '.join(shadowed)}, but the warm forkserver already imported "
+            f"that name from spotrun's environment")
+
+
 def fall_back_to_plain_workers(spec: Any) -> str | None:
     """If ``spec`` starts warm script workers and a warm worker started now could be told apart from
     torchrun's, rewrite ``spec`` to the plain (PDEATHSIG-shimmed) ``python -u`` command for good and return
@@ -180,7 +203,7 @@ def fall_back_to_plain_workers(spec: Any) -> str | None:
     script = entry.fn if isinstance(entry, PdeathsigEntrypoint) else entry
     if not isinstance(script, ScriptEntrypoint):
         return None
-    reason = warm_fallback_reason(forkserver_environ(), os.environ)
+    reason = warm_fallback_reason(forkserver_environ(), os.environ) or _shadow_reason(script)
     if reason is None:
         return None
     command, args = script.cold_command(tuple(spec.args))
@@ -289,6 +312,10 @@ DEFAULT_PRELOAD = (
     # torch's checkpoint package, which spotrun's Checkpointer (and DCP users) import at every (re)start:
     # ~0.2 s of CPU in each new worker on the resume path of a planned change; torch's own, like _dynamo.
     "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+    # The third-party half of spotrun's Checkpointer import (~50-60 ms of CPU per new worker: fsspec ~2/3,
+    # tenacity ~1/5). spotrun's own `checkpoint` package is not preloaded: a script's own top-level
+    # `checkpoint` module is a common name, and would make every such job fall back to plain workers.
+    "fsspec", "fsspec.implementations.local", "tenacity",
 )
 
 

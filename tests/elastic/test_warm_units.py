@@ -85,3 +85,33 @@ def test_fall_back_rewrites_the_spec_to_torchruns_command_once(monkeypatch: pyte
 def test_cold_command_of_a_module_entrypoint() -> None:
     entry = ScriptEntrypoint("pkg.train", module=True, python="/py", options=("-u",))
     assert entry.cold_command(("x",)) == ("/py", ("-u", "-m", "pkg.train", "x"))
+
+
+def test_shadowed_preloads_names_a_script_directory_module(tmp_path) -> None:
+    loaded = tmp_path / "site" / "elastic" / "__init__.py"
+    loaded.parent.mkdir(parents=True)
+    loaded.write_text("")
+    origins = {"elastic": str(loaded), "fsspec": "/site/fsspec/__init__.py", "torch": None}
+    script_dir = tmp_path / "job"
+    script_dir.mkdir()
+    assert warm.shadowed_preloads(["elastic", "fsspec"], [str(script_dir)], origins.get) == []
+    (script_dir / "elastic.py").write_text("")  # the user's own module, next to the script
+    (script_dir / "fsspec").mkdir()  # a data directory, not a package: not imported by `import fsspec`
+    assert warm.shadowed_preloads(["elastic", "fsspec"], [str(script_dir)], origins.get) == [
+        f"elastic ({script_dir / 'elastic.py'})"]
+    # The preloaded package itself on the path (a repo root on PYTHONPATH) is not a shadow.
+    assert warm.shadowed_preloads(["elastic"], [str(loaded.parent.parent)], origins.get) == []
+    (script_dir / "torch.cpython-311-x86_64-linux-gnu.so").write_text("")
+    assert [s.split(" ")[0] for s in warm.shadowed_preloads(["torch"], [str(script_dir)], origins.get)] == ["torch"]
+
+
+def test_a_script_with_its_own_elastic_module_falls_back_to_plain_workers(tmp_path, monkeypatch) -> None:
+    (tmp_path / "elastic.py").write_text("NAME = 'mine'\n")
+    script = tmp_path / "train.py"
+    script.write_text("import elastic\n")
+    spec = SimpleNamespace(entrypoint=ScriptEntrypoint(str(script)), args=())
+    monkeypatch.setattr(warm, "_forkserver_environ", None)
+    warm.note_forkserver_environ(dict(os.environ), dict(os.environ))
+    reason = fall_back_to_plain_workers(spec)
+    assert reason is not None and f"elastic ({tmp_path / 'elastic.py'})" in reason
+    assert spec.entrypoint == sys.executable and spec.args[-1] == str(script)
