@@ -10,6 +10,8 @@ split it 22/21/21). Normal mode: every tensor of the final checkpoint and every 
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,12 +70,34 @@ def _losses(progress: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(progress) if r["rank"] == 0}
 
 
-def _elastic_run(tmp: Path, *extra: str) -> tuple[dict[str, torch.Tensor], dict[int, float], list[Any]]:
+def _elastic_run(tmp: Path, *extra: str, first_from: Path | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[int, float], list[Any]]:
+    """The 2 -> 1 -> 3 sequence. ``first_from``: the directory of an uninterrupted run at the first segment's
+    world size that committed the first segment's last step; its checkpoint and progress lines up to that
+    step stand for the first segment (the same run from the same seed: training it again only costs time)."""
     ckpt, progress = tmp / "elastic-ckpt", tmp / "elastic.jsonl"
-    for workers, steps in SEGMENTS:
+    segments = SEGMENTS
+    if first_from is not None:
+        _reuse_first_segment(first_from, ckpt, progress)
+        segments = SEGMENTS[1:]
+    for workers, steps in segments:
         _train(workers, steps, ckpt, progress, *extra)
     worlds = sorted({(r["step"], r["world_size"]) for r in read_jsonl(progress) if r["rank"] == 0})
     return _final_state(ckpt), _losses(progress), worlds
+
+
+def _reuse_first_segment(ref: Path, ckpt: Path, progress: Path) -> None:
+    """Start ``ckpt`` with the reference's committed step SEGMENTS[0][1] only, and ``progress`` with its lines
+    up to that step: what a run stopped at that step would have left (a periodic save is the same commit)."""
+    from checkpoint.api import COMMIT_FILE, step_dir
+
+    stop = SEGMENTS[0][1]
+    src = ref / "ref-ckpt" / step_dir(stop)
+    assert (src / COMMIT_FILE).exists(), f"the reference did not commit step {stop}"
+    ckpt.mkdir()
+    shutil.copytree(src, ckpt / step_dir(stop))
+    lines = [line for line in (ref / "ref.jsonl").read_text().splitlines() if json.loads(line)["step"] <= stop]
+    progress.write_text("".join(f"{line}\n" for line in lines))
 
 
 def _expected_worlds() -> list[tuple[int, int]]:
@@ -85,9 +109,12 @@ def _expected_worlds() -> list[tuple[int, int]]:
 
 
 def test_two_one_three_workers_within_1e5_of_uninterrupted(tmp_path: Path) -> None:
-    _train(2, SEGMENTS[-1][1], tmp_path / "ref-ckpt", tmp_path / "ref.jsonl")
+    # The reference has the first segment's world size: it also commits that segment's last step, which
+    # the elastic run starts from instead of training it again.
+    _train(SEGMENTS[0][0], SEGMENTS[-1][1], tmp_path / "ref-ckpt", tmp_path / "ref.jsonl",
+           "--ckpt-every", str(SEGMENTS[0][1]))
     ref_state, ref_losses = _final_state(tmp_path / "ref-ckpt"), _losses(tmp_path / "ref.jsonl")
-    state, losses, worlds = _elastic_run(tmp_path)
+    state, losses, worlds = _elastic_run(tmp_path, first_from=tmp_path)
     assert worlds == _expected_worlds()
     assert sorted(losses) == sorted(ref_losses) == list(range(1, SEGMENTS[-1][1] + 1))
     for step, loss in ref_losses.items():
