@@ -153,8 +153,10 @@ def test_sigterm_to_one_agent_loses_no_step(tmp_path: Path, etcd_server) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_scale_up_loses_no_step(tmp_path: Path, etcd_server) -> None:
+@pytest.mark.timeout(300)
+def test_scale_up_loses_no_step_and_sigterm_to_every_agent_saves_for_a_restart(tmp_path: Path, etcd_server) -> None:
+    """One run for two cases: a second agent joins a training one (a planned resize: no step lost), then every
+    agent gets a SIGTERM (all save at one agreed step and exit 0) and a restarted node resumes there."""
     agents = [_agent(tmp_path, "a", etcd_server.endpoint, "grow", steps=5000)]
     with _running(agents):
         wait_for(lambda: _training_at(tmp_path, 1, 1), 120, "one agent to train")
@@ -164,27 +166,16 @@ def test_scale_up_loses_no_step(tmp_path: Path, etcd_server) -> None:
         assert [e["reason"] for e in restarts] == ["resize"], restarts
         for agent in agents:  # end the run the way a scheduler would: both get a notice
             agent.signal(signal.SIGTERM)
-        assert [agent.wait(60) for agent in agents] == [0, 0]
-    _assert_resumed_exactly(_progress(tmp_path), restarts[0]["step"], 1, 2)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_sigterm_to_every_agent_saves_and_a_restart_resumes_there(tmp_path: Path, etcd_server) -> None:
-    agents = [_agent(tmp_path, "a", etcd_server.endpoint, "all", steps=400),
-              _agent(tmp_path, "b", etcd_server.endpoint, "all", steps=400)]
-    with _running(agents):
-        wait_for(lambda: _training_at(tmp_path, 2, 2), 120, "two agents to train")
-        for agent in agents:
-            agent.signal(signal.SIGTERM)
         assert [agent.wait(30) for agent in agents] == [0, 0], "every preempted agent exits 0"
         leaves = _events(tmp_path, "planned_leave")
         assert len(leaves) == 2 and len({e["step"] for e in leaves}) == 1 and all(e["saved"] for e in leaves)
         agreed = leaves[0]["step"]
         began = time.time()
-        agents.append(_agent(tmp_path, "c", etcd_server.endpoint, "all", steps=agreed + 6, nnodes="1"))
+        agents.append(_agent(tmp_path, "c", etcd_server.endpoint, "grow", steps=agreed + 6, nnodes="1"))
         assert agents[-1].wait(60) == 0
-    resumed = [p["step"] for p in _progress(tmp_path) if p["t_wall"] > began]
+    progress = _progress(tmp_path)
+    _assert_resumed_exactly([p for p in progress if p["t_wall"] <= began], restarts[0]["step"], 1, 2)
+    resumed = [p["step"] for p in progress if p["t_wall"] > began]
     assert min(resumed) == agreed + 1 and max(resumed) == agreed + 6
 
 
