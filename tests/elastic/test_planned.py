@@ -223,7 +223,7 @@ def _final_state(ckpt_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-STEPS = 112
+STEPS = 80
 CKPT_EVERY = 16
 
 
