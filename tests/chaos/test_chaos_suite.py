@@ -69,12 +69,13 @@ HANG_TIMEOUT = 2.0
 
 
 @pytest.mark.parametrize("faults", [
-    (Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=15),),
-    # A hang and a crash in one run (one job start for two cases): SIGSTOP (never SIGCONT: a frozen process),
-    # found by the hang watch, named, killed and restarted; then a seeded worker SIGKILLed.
+    # A hang and two crashes in one run (one job start for three cases): SIGSTOP (never SIGCONT: a frozen
+    # process), found by the hang watch, named, killed and restarted; then worker 1 SIGKILLed, resumed from the
+    # same checkpoint as the hang; then a seeded worker SIGKILLed after the next checkpoint.
     (Fault(kind=FaultKind.STOP_WORKER, target="worker:1", at_step=12),
+     Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=15),
      Fault(kind=FaultKind.KILL_WORKER, target="worker:any", at_step=24)),
-], ids=["kill", "stop-then-kill"])
+], ids=["stop-kill-kill"])
 def test_survivable_fault_ends_with_the_reference_weights(tmp_path: Path, etcd_server, reference,
                                                           faults: tuple[Fault, ...]) -> None:
     job = Job(tmp_path, etcd_server.endpoint, "survive", hang_timeout=HANG_TIMEOUT)
