@@ -36,6 +36,11 @@ Reported, per launcher, over the window from the first step at full size to ``--
   ``t_wall`` (a little later: the agent noticed its workers had exited). It excludes the time to reach the
   agreed step (up to ``--preempt-sync-every`` steps plus the save), which the fault -> stage rows include.
 
+Every worker of both launchers runs with ``OMP_NUM_THREADS=--omp-threads`` (1): the simulated nodes share
+one host's cores, and with torch's default (one OpenMP thread per core in each of the N workers) any busy
+process makes a step stall in OpenMP barriers; a restarted worker's first step, which runs while the old
+processes exit, paid 0.3-0.6 s for it on 2 cores (a real node's workers have its cores to themselves).
+
 Timings depend on the host; on a loaded machine they are indicative only. Measure on a quiet machine.
 """
 
@@ -231,7 +236,7 @@ class Run:
 
     def start_agent(self) -> Launcher:
         agent = Launcher(self.argv(), self.workdir / f"agent{len(self.agents)}.log",
-                         env=make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING")))
+                         env=make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"), **omp_env(self.args.omp_threads)))
         self.agents.append(agent)
         return agent
 
@@ -241,6 +246,11 @@ class Run:
 
     def live(self) -> list[Launcher]:
         return [a for a in self.agents if a.proc.poll() is None]
+
+
+def omp_env(threads: int) -> dict[str, str]:
+    """OMP_NUM_THREADS for every agent (and so every worker) of both launchers; 0 leaves it unset."""
+    return {"OMP_NUM_THREADS": str(threads)} if threads > 0 else {}
 
 
 def pick_victim(run: Run) -> Launcher | None:
@@ -322,7 +332,8 @@ def _median_worst(values: list[float]) -> str:
 def print_report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     kinds = list(results)
     print(f"\n### Goodput, {args.duration:.0f} s window, a fault every {args.fault_every:.0f} s, seed {args.seed}, "
-          f"checkpoint every {args.ckpt_every} steps, step time +{args.step_time} s, load {os.getloadavg()[0]:.1f}\n")
+          f"checkpoint every {args.ckpt_every} steps, step time +{args.step_time} s, "
+          f"OMP_NUM_THREADS={args.omp_threads or 'unset'}, load {os.getloadavg()[0]:.1f}\n")
     print("| | " + " | ".join(kinds) + " |")
     print("|---|" + "---|" * len(kinds))
     print("| effective training time ratio | " + " | ".join(f"{results[k]['ratio']:.3f}" for k in kinds) + " |")
@@ -365,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--launchers", default="spotrun,torchrun")
+    p.add_argument("--omp-threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of every worker, both launchers (default 1: the simulated nodes share this "
+                        "host's cores; with torch's default each of N workers runs as many OpenMP threads as the "
+                        "host has cores and a step stalls in OpenMP barriers whenever another process is busy). "
+                        "0 leaves it unset (torchrun sets 1 itself only with --nproc-per-node > 1)")
     p.add_argument("--workdir", default=None, help="keep logs, progress and events here (default: temporary)")
     args = p.parse_args(argv)
     rejoin = args.rejoin_after if args.rejoin_after is not None else args.fault_every / 3
