@@ -84,6 +84,7 @@ from elastic.rendezvous.api import (
     NoticeAwareHandler,
     OutageBoundHandler,
     RendezvousOutageError,
+    RoundMembersHandler,
     is_permanent,
 )
 from elastic.torch_internals import check_agent_internals, worker_processes, worker_return_values
@@ -360,8 +361,10 @@ class SpotrunAgent(LocalElasticAgent):
         ):
             # CHANGE: the failure we charged was really a peer leaving or joining; give the restart back.
             self._remaining_restarts += 1
-            logger.info("%s membership changed (%s -> %s nodes); restart not counted", self._ctx(),
-                        self._previous_group_world_size, worker_group.group_world_size)
+            gone = sorted(previous_members - (self._round_members() or frozenset())) if previous_members else []
+            logger.info("%s membership changed (%s -> %s nodes%s); restart not counted", self._ctx(),
+                        self._previous_group_world_size, worker_group.group_world_size,
+                        f", {', '.join(gone)} gone" if gone else "")
         self._charged_restart_pending = False
         self._previous_group_world_size = worker_group.group_world_size
         self._emit(RecoveryEvent.RENDEZVOUS_COMPLETED, master_addr=worker_group.master_addr,
@@ -369,9 +372,10 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _round_members(self) -> frozenset[str] | None:
         """Node ids of the last completed round, when the backend tells (None before the first round)."""
-        if self._membership is None or not self._membership.participants:
+        handler = self._worker_group.spec.rdzv_handler
+        if not isinstance(handler, RoundMembersHandler) or not handler.participants:
             return None
-        return frozenset(self._membership.participants)
+        return frozenset(handler.participants)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         reason = fall_back_to_plain_workers(worker_group.spec)

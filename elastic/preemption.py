@@ -54,7 +54,7 @@ from typing import Any
 
 from elastic.api import ENV_NOTICE_DIR as ENV_NOTICE_DIR  # re-exported: first defined here
 from elastic.api import PlannedStopVoteError  # re-exported: raised by Preemption.save_and_stop
-from elastic.progress import run_scoped_path
+from elastic.progress import run_scoped_path, run_scoped_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ def remove_orphaned_mailboxes(root: str) -> int:
 
 def _remove_dangling_links() -> None:
     """This user's mailbox links whose mailbox is gone (their agent was killed)."""
-    stem = run_scoped_path(LINK_KIND, "")  # ".../spotrun-notice-dir-{uid}-"
+    stem = run_scoped_prefix(LINK_KIND)  # ".../spotrun-notice-dir-{uid}-"
     folder, prefix = os.path.dirname(stem), os.path.basename(stem)
     with contextlib.suppress(OSError):
         for name in os.listdir(folder):

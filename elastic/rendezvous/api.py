@@ -33,6 +33,7 @@ __all__ = [
     "ConnectableHandler",
     "EtcdRendezvousConfig",
     "LeaseHandler",
+    "RoundMembersHandler",
     "MembershipAwareHandler",
     "OutageBoundHandler",
     "RendezvousClosedError",
@@ -99,10 +100,6 @@ class MembershipAwareHandler(Protocol):
     def round(self) -> int | None:
         """Number of the last round this node completed (None before the first); no I/O."""
 
-    @property
-    def participants(self) -> tuple[str, ...]:
-        """Node ids of the last round this node completed, in rank order (empty before the first); no I/O."""
-
     def membership_changed(self) -> bool:
         """Non-blocking: True when the current round cannot go on as is (a participant lost, re-joined
         or a waiting node would get a slot); False before the first round."""
@@ -154,6 +151,17 @@ class OutageBoundHandler(Protocol):
     @property
     def endpoint(self) -> str:
         """Where the backend is, as the user wrote it (for error messages)."""
+
+
+@runtime_checkable
+class RoundMembersHandler(Protocol):
+    """A handler that names the nodes of the round it completed (etcd-v3 does): the agent refunds a charged
+    restart when the next round lacks one of them (a dead peer already replaced keeps the count, not the
+    nodes). Apart from ``MembershipAwareHandler`` so that handlers written to that protocol keep passing it."""
+
+    @property
+    def participants(self) -> tuple[str, ...]:
+        """Node ids of the last round this node completed, in rank order (empty before the first); no I/O."""
 
 
 @runtime_checkable

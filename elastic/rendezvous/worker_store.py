@@ -27,13 +27,16 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 from torch.distributed.elastic.utils.distributed import get_free_port
 
+from .api import RendezvousConfigError
+
 log = logging.getLogger(__name__)
 
 ENV_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """torchrun's switch (its dynamic rendezvous reads it too): "1" -> workers host their own store."""
 
-WORKER_STORE_TIMEOUT = timedelta(seconds=300)
-"""Timeout of the server's own client (unused by the workers, which pass their ``init_process_group`` timeout)."""
+WORKER_STORE_TIMEOUT = timedelta(seconds=10)
+"""Timeout of the server's own client, which connects to this agent's own address at start (the workers pass
+their ``init_process_group`` timeout): an address this host cannot reach fails the commit in seconds."""
 
 
 def agent_hosts_store() -> bool:
@@ -71,8 +74,14 @@ class WorkerStoreHost:
         if self._hosted is not None and self._hosted.round == round_number:
             return self._hosted.port
         self.close()
-        # wait_for_workers=False: the server must not block for clients; workers connect when they start.
-        store = TCPStore(self._addr, 0, None, True, WORKER_STORE_TIMEOUT, wait_for_workers=False)
+        try:
+            # wait_for_workers=False: the server must not block for clients; workers connect when they start.
+            store = TCPStore(self._addr, 0, None, True, WORKER_STORE_TIMEOUT, wait_for_workers=False)
+        except (RuntimeError, OSError) as exc:  # torch's DistNetworkError/DistStoreError are RuntimeErrors
+            raise RendezvousConfigError(
+                f"cannot host the workers' store of round {round_number} at {self._addr} (this agent's address, "
+                f"--local-addr or the host name; the workers connect to it as MASTER_ADDR): {exc}"
+            ) from exc
         self._hosted = _Hosted(round_number, store)
         log.debug("hosting the workers' store of round %d on %s:%d", round_number, self._addr, self._hosted.port)
         return self._hosted.port

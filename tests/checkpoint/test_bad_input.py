@@ -25,6 +25,15 @@ pytestmark = pytest.mark.timeout(60)
 SHARD = "shard-00000-of-00001.safetensors"
 
 
+@pytest.fixture(autouse=True, params=["span-reads", "per-request-reads"])
+def read_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every damage case on both load paths: these checkpoints are small, so by default they take the small-load
+    path (one read per file); with the threshold at 0 they take the per-request ranged reads of big loads."""
+    if request.param == "per-request-reads":
+        monkeypatch.setattr("checkpoint.shard.SMALL_LOAD_BYTES", 0)
+    return str(request.param)
+
+
 def state() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     return {"w": torch.randn(64, 32), "b": torch.randn(32), "i": torch.arange(5)}

@@ -22,6 +22,7 @@ import checkpoint.shard as shard_mod
 from checkpoint.api import COMMIT_FILE, MANIFEST_FILE, ReadRequest, step_dir
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.config import CheckpointConfig
+from checkpoint.storage import Storage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -190,3 +191,29 @@ def test_small_load_stays_on_the_calling_thread_with_the_same_result(
     assert threads and all(name.startswith("ckpt-read") for name in threads)
     assert_same(small, saved)
     assert_same(pooled, saved)
+
+
+def test_remote_small_load_fetches_the_files_spans_in_parallel() -> None:
+    """On remote storage the spans are read up front in the pool (one round trip per file, not one after
+    another); each fetch is then served from them, the same bytes as the files'."""
+    import uuid
+
+    storage = Storage(f"memory://spans-{uuid.uuid4().hex}")
+    files = {f"shard-{i}.safetensors": bytes(range(i, i + 64)) for i in range(3)}
+    for name, data in files.items():
+        storage.write_bytes(f"step/{name}", data)
+    assert not storage.is_local
+    reader = shard_mod.SpanReader(storage, "step", {name: (8, 40) for name in files})
+    threads: list[str] = []
+    real = reader._read_span
+
+    def recording(file: str) -> memoryview:
+        threads.append(threading.current_thread().name)
+        return real(file)
+
+    reader._read_span = recording  # type: ignore[method-assign]  # records where each span is read
+    reader.prefetch(4)
+    assert len(threads) == 3 and all(name.startswith("ckpt-read") for name in threads)
+    for name, data in files.items():
+        assert bytes(reader.fetch(name, 10, 20)) == data[10:20]
+    assert len(threads) == 3, "fetch serves from the prefetched spans"

@@ -86,10 +86,6 @@ class AwareHandler(PollingHandler):
     def round(self) -> int | None:
         return 7
 
-    @property
-    def participants(self) -> tuple[str, ...]:
-        return ("a", "b")
-
     def membership_changed(self) -> bool:
         if self.error is not None:
             raise self.error
