@@ -43,6 +43,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import stat
 import tempfile
@@ -82,6 +83,8 @@ class WorkerNotice:
     source: str = ""
 
 
+_HELPER_FILE = re.compile(r"helper-(\d+)")
+
 class Mailbox:
     """The files of one agent's mailbox; both the agent and its workers use this class (one protocol)."""
 
@@ -119,7 +122,8 @@ class Mailbox:
                 pass
 
     def helpers(self) -> set[int]:
-        return {int(n.split("-", 1)[1]) for n in os.listdir(self.path) if n.startswith("helper-")}
+        # Only finished files: a worker's atomic write first creates "helper-N.tmpPID" beside its target.
+        return {int(m.group(1)) for n in os.listdir(self.path) if (m := _HELPER_FILE.fullmatch(n))}
 
     def _read_acks(self) -> dict[int, dict[str, Any]]:
         """local rank -> its acknowledgement record (unreadable or malformed files are skipped)."""

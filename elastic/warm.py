@@ -201,6 +201,40 @@ class WarmLaunch:
         self.agent_path = list(sys.path)
         self.agent_argv0 = sys.argv[0] if sys.argv else ""
         self.stdin: Any = _share_stdin()
+        self.ignored_signals = ignored_signals()
+
+
+def ignored_signals() -> frozenset[int]:
+    """Signals this process ignores now: an ``exec`` keeps them ignored (every caught one goes back to its
+    default action), so they are what a worker torch starts at this moment inherits."""
+    import signal
+
+    out = set()
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                out.add(int(sig))
+    return frozenset(out)
+
+
+def reset_signal_dispositions(ignored: frozenset[int]) -> None:
+    """Every signal as ``python -u`` exec'd from the agent would start with: what the agent ignored stays
+    ignored, every other signal has its default action, then CPython's own start-up choices (SIGINT raises
+    KeyboardInterrupt unless ignored; SIGPIPE and SIGXFSZ ignored). A forked child would keep the forkserver's,
+    which it inherited when the agent started it, before torch's agent replaced its handlers: under ``nohup``
+    or as a shell's background job a warm worker kept SIGHUP/SIGQUIT ignored where torchrun's has them default."""
+    import signal
+
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        target: Any = signal.SIG_IGN if int(sig) in ignored else signal.SIG_DFL
+        if sig in (signal.SIGPIPE, signal.SIGXFSZ):
+            target = signal.SIG_IGN
+        elif sig == signal.SIGINT and target is signal.SIG_DFL:
+            target = signal.default_int_handler
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, target)
 
 
 def _share_stdin() -> Any:
@@ -224,6 +258,7 @@ def become_fresh_interpreter(launch: WarmLaunch, target: str, *, module: bool) -
     except OSError:
         pass
     _reset_multiprocessing()
+    reset_signal_dispositions(getattr(launch, "ignored_signals", frozenset()))
     _reseed_inherited_random_state()
     env = worker_environ(launch.agent_environ, launch.forkserver_environ, dict(os.environ))
     os.environ.clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,6 +51,11 @@ class Run:
         return [int(path.read_text()) for path in self.out.glob("loaderpid*") if path.read_text()]
 
 
+def _ignore_hangup_and_quit() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
 def _start(launcher: str, mode: str, root: Path) -> tuple[subprocess.Popen, Path, tuple]:
     out = root / f"{launcher}-{mode}"
     out.mkdir()
@@ -61,8 +67,10 @@ def _start(launcher: str, mode: str, root: Path) -> tuple[subprocess.Popen, Path
     stdin = open(root / "stdin.txt")  # noqa: SIM115 (closed with the run)
     stdout = open(out / "launcher.stdout", "wb")  # noqa: SIM115 (closed with the run)
     stderr = open(out / "launcher.stderr", "wb")  # noqa: SIM115 (closed with the run)
+    # Both launchers start with SIGHUP and SIGQUIT ignored, as under `nohup` or as a shell's background job
+    # (CI runs that way): what each worker inherits from its launcher is part of what is compared.
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_ignore_hangup_and_quit)
     return proc, out, (stdin, stdout, stderr)
 
 

@@ -174,3 +174,13 @@ def test_every_rank_agrees_on_the_step_and_commits_it(tmp_path: Path) -> None:
 def test_timeout_is_validated() -> None:
     with pytest.raises(ValueError, match="timeout must be a positive datetime.timedelta"):
         Preemption(mailbox_dir="/nonexistent", timeout=30)  # type: ignore[arg-type]
+
+
+def test_a_helper_file_being_written_is_not_read(tmp_path) -> None:
+    """A worker's atomic write creates ``helper-N.tmpPID`` before renaming it: the agent must not parse it
+    (it did, and the agent died on int('1.tmp16786') in a CI run)."""
+    box = Mailbox(str(tmp_path))
+    (tmp_path / "helper-0").write_text("{}")
+    (tmp_path / "helper-1.tmp16786").write_text("{")
+    (tmp_path / "helper-x").write_text("{}")
+    assert box.helpers() == {0}
