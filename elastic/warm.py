@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 #: Prefixes of environment variables that torch, its BLAS/OpenMP runtimes, the dynamic loader or the
@@ -122,28 +122,41 @@ def shadowed_preloads(names: Iterable[str], search_dirs: Iterable[str],
     site-packages on its ``sys.path`` (the script's directory, PYTHONPATH), and not the file ``origin_of(NAME)``
     (where the forkserver's copy comes from). A warm worker would silently get the preloaded module instead
     of the user's own ``elastic.py`` or ``fsspec/`` vendored next to the script."""
+    pending = list(names)
+    found: dict[str, str] = {}
+    for directory in search_dirs:  # each directory listed once, whatever the number of names
+        try:
+            entries = os.listdir(directory or ".")
+        except OSError:
+            continue
+        for name in list(pending):
+            path = _module_file(directory or ".", name, entries)
+            if path is not None:  # the first directory that has the name is where `import` takes it from
+                found[name] = path
+                pending.remove(name)
     shadowed = []
-    for name in names:
+    for name, path in found.items():
         origin = origin_of(name)
-        for found in _module_files(name, search_dirs):
-            if origin is None or os.path.realpath(found) != os.path.realpath(origin):
-                shadowed.append(f"{name} ({found})")
-                break
+        if origin is None or os.path.realpath(path) != os.path.realpath(origin):
+            shadowed.append(f"{name} ({path})")
     return shadowed
 
 
-def _module_files(name: str, search_dirs: Iterable[str]) -> Iterator[str]:
-    for directory in search_dirs:
-        package = os.path.join(directory or ".", name, "__init__.py")
-        if os.path.isfile(package):
-            yield package
-        module = os.path.join(directory or ".", name + ".py")
-        if os.path.isfile(module):
-            yield module
-        with contextlib.suppress(OSError):
-            for entry in os.listdir(directory or "."):
-                if entry.startswith(name + ".") and entry.endswith((".so", ".pyd")):
-                    yield os.path.join(directory or ".", entry)
+def _module_file(directory: str, name: str, entries: list[str]) -> str | None:
+    """The file ``import name`` would load from ``directory``, in importlib's order: a package, then an
+    extension module, then a source module (a directory without ``__init__.py`` is no match)."""
+    package = os.path.join(directory, name, "__init__.py")
+    if name in entries and os.path.isfile(package):
+        return package
+    for entry in entries:
+        if entry.startswith(name + ".") and entry.endswith((".so", ".pyd")):
+            return os.path.join(directory, entry)
+    return os.path.join(directory, name + ".py") if name + ".py" in entries else None
+
+
+def script_directory(target: str, *, module: bool) -> str:
+    """``sys.path[0]`` of ``python -u [-m] target``: the script's directory, or the cwd for ``-m``."""
+    return os.getcwd() if module else os.path.dirname(os.path.realpath(target))
 
 
 def worker_environ(agent: Mapping[str, str], forkserver: Mapping[str, str], inherited: Mapping[str, str]) -> dict[str, str]:
@@ -258,13 +271,13 @@ def become_fresh_interpreter(launch: WarmLaunch, target: str, *, module: bool) -
     except OSError:
         pass
     _reset_multiprocessing()
-    reset_signal_dispositions(getattr(launch, "ignored_signals", frozenset()))
+    reset_signal_dispositions(launch.ignored_signals)
     _reseed_inherited_random_state()
     env = worker_environ(launch.agent_environ, launch.forkserver_environ, dict(os.environ))
     os.environ.clear()
     os.environ.update(env)
     _restore_stdio(launch.stdin)
-    first = os.getcwd() if module else os.path.dirname(os.path.realpath(target))
+    first = script_directory(target, module=module)
     sys.path[:] = fresh_sys_path(launch.agent_path, launch.agent_argv0, os.getcwd(), first,
                                  bool(getattr(sys.flags, "safe_path", False)))
 

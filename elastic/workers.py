@@ -174,7 +174,7 @@ def _shadow_reason(script: ScriptEntrypoint) -> str | None:
     """Why a warm worker of ``script`` would import one of the preloaded packages from the wrong place."""
     import importlib.util
 
-    from elastic.warm import shadowed_preloads
+    from elastic.warm import script_directory, shadowed_preloads
 
     def origin_of(name: str) -> str | None:
         module = sys.modules.get(name)
@@ -183,8 +183,7 @@ def _shadow_reason(script: ScriptEntrypoint) -> str | None:
         spec = importlib.util.find_spec(name)
         return spec.origin if spec is not None else None
 
-    first = os.getcwd() if script.module else os.path.dirname(os.path.realpath(script.target))
-    search = [first, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    search = [script_directory(script.target, module=script.module), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     tops = sorted({name.split(".")[0] for name in DEFAULT_PRELOAD})
     shadowed = shadowed_preloads(tops, search, origin_of)
     if not shadowed:
