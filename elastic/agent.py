@@ -350,6 +350,7 @@ class SpotrunAgent(LocalElasticAgent):
         self._emit(RecoveryEvent.RENDEZVOUS_STARTED)
         previous_members = self._round_members()
         super()._rendezvous(worker_group)
+        new_members = self._round_members()
         self._round += 1
         assert worker_group.group_world_size is not None, "torch's _rendezvous sets the group world size"
         if should_refund(
@@ -357,11 +358,11 @@ class SpotrunAgent(LocalElasticAgent):
             previous_group_world_size=self._previous_group_world_size,
             new_group_world_size=worker_group.group_world_size,
             previous_members=previous_members,
-            new_members=self._round_members(),
+            new_members=new_members,
         ):
             # CHANGE: the failure we charged was really a peer leaving or joining; give the restart back.
             self._remaining_restarts += 1
-            gone = sorted(previous_members - (self._round_members() or frozenset())) if previous_members else []
+            gone = sorted(previous_members - (new_members or frozenset())) if previous_members else []
             logger.info("%s membership changed (%s -> %s nodes%s); restart not counted", self._ctx(),
                         self._previous_group_world_size, worker_group.group_world_size,
                         f", {', '.join(gone)} gone" if gone else "")
