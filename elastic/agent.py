@@ -100,6 +100,9 @@ from elastic.workers import (
 
 logger = logging.getLogger(__name__)
 
+ACK_POLL_INTERVAL = 0.01
+"""Seconds between two looks at the mailbox's acknowledgements while this node's workers save for its notice."""
+
 
 class FailureAction(enum.Enum):
     """What to do after the local worker group failed."""
@@ -503,6 +506,9 @@ class SpotrunAgent(LocalElasticAgent):
 
             self._publish_own_notice()
 
+            if state == WorkerState.HEALTHY and (step := self._leaving_step()) is not None:
+                # CHANGE: this node's workers committed the agreed step and are on their way out: leave now.
+                return self._leave_after_acknowledgement(step)
             if state == WorkerState.SUCCEEDED:
                 # CHANGE: workers that acknowledged a step stopped for a planned change: the job is not over.
                 step = self._acknowledged_step()
@@ -589,16 +595,32 @@ class SpotrunAgent(LocalElasticAgent):
             return None
         return all_acknowledged(self._mailbox.acks(), self._worker_group.spec.local_world_size)
 
-    def _wait_for_planned_stop(self, timeout: float) -> None:
-        """Up to ``timeout`` s, returning as soon as a local worker returns or exits: a planned change
-        resumes from the committed step without waiting for the next monitor tick. A peer that vanishes
-        meanwhile is seen at the next tick, as before."""
+    def _wait_for_planned_stop(self, timeout: float, *, poll_acks: bool = True) -> None:
+        """Up to ``timeout`` s, returning as soon as a local worker returns or exits, or (this node leaving)
+        every local worker acknowledged the agreed step: a planned change resumes from the committed step
+        without waiting for the next monitor tick. A peer that vanishes meanwhile is seen at the next tick."""
         pcontext = self._pcontext
         processes = worker_processes(pcontext) if pcontext is not None else None
+        returns = worker_return_values(pcontext)
         began = time.monotonic()
-        if wait_for_workers(processes, worker_return_values(pcontext), timeout):
-            # never spin: a worker that returned stays "ready" until torch's next poll has read it
-            time.sleep(max(0.0, min(timeout, 0.01) - (time.monotonic() - began)))
+        # A leaving node also polls its mailbox for the acknowledgements (a directory listing, every
+        # ACK_POLL_INTERVAL): the peers' rendezvous waits for this node's lease, not for its workers' exit.
+        leaving = poll_acks and self._own_notice is not None and self._mailbox is not None
+        step = ACK_POLL_INTERVAL if leaving else timeout
+        while True:
+            remaining = timeout - (time.monotonic() - began)
+            if remaining <= 0 or (leaving and self._acknowledged_step() is not None):
+                return
+            if wait_for_workers(processes, returns, min(step, remaining)):
+                # never spin: a worker that returned stays "ready" until torch's next poll has read it
+                time.sleep(max(0.0, min(timeout, 0.01) - (time.monotonic() - began)))
+                return
+
+    def _leaving_step(self) -> int | None:
+        """The step this node's workers all committed and acknowledged for its own notice, else None."""
+        if self._own_notice is None or self._posted is None:
+            return None
+        return self._acknowledged_step()
 
     def _committed_at(self) -> float | None:
         """When the local workers had committed the agreed step (for the events: the start of a planned
@@ -707,6 +729,27 @@ class SpotrunAgent(LocalElasticAgent):
         self._leave(step=step, why=None if step is not None else "the workers exited without acknowledging a step")
         # Workers that use the helper and exit 0 without stopping at an agreed step finished the run.
         return self._left_result(workers_finished=step is None)
+
+    def _leave_after_acknowledgement(self, step: int) -> RunResult:
+        """Every local worker committed ``step`` for this node's notice and is exiting: revoke the lease first,
+        so the peers re-form while the workers tear down (process groups, interpreter exit: 0.1-0.3 s that
+        nothing of this node is needed for any more), then wait for them, bounded by the notice's deadline.
+
+        Workers that fail after their acknowledgement still fail the agent (as before): the committed step
+        is recorded in the ``planned_leave`` event either way."""
+        self._leave(step=step, why=None)
+        notice = self._own_notice
+        until = notice.deadline - self._settings.stop_grace if notice is not None else time.time()
+        result = self._monitor_workers(self._worker_group)
+        while result.state == WorkerState.HEALTHY and (remaining := until - time.time()) > 0:
+            self._wait_for_planned_stop(min(remaining, self._worker_group.spec.monitor_interval), poll_acks=False)
+            result = self._monitor_workers(self._worker_group)
+        self._stop_workers(self._worker_group)  # past the deadline: those still running go now
+        if result.state == WorkerState.FAILED:
+            logger.warning("%s workers failed after committing step %d for the planned leave", self._ctx(), step)
+            self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
+            return result
+        return self._left_result(workers_finished=False)
 
     def _left_result(self, *, workers_finished: bool) -> RunResult:
         """Success for every local worker (torch records one event per worker from the return values); the

@@ -171,3 +171,52 @@ def test_a_notice_during_a_restart_waits_for_helpers_that_were_used_before(tmp_p
     box.register_helper(0)
     assert agent._planned_tick() is PlannedTick.WAITING
     assert box.read_notice().reason == "preempt"
+
+
+def test_a_leaving_node_revokes_its_lease_before_its_acknowledged_workers_exit(tmp_path: Path) -> None:
+    """The peers' rendezvous waits for this node's lease: once every local worker committed the agreed step
+    and acknowledged it, the node leaves at once and only then waits for its workers' teardown."""
+    from torch.distributed.elastic.agent.server.api import RunResult
+
+    from elastic.notice import Notice
+
+    handler = NoticeHandler()
+    agent, box, events = _agent(tmp_path, handler)
+    box.register_helper(0)
+    agent.receive_notice(Notice("sigterm", time.time() + 60, "SIGTERM"))
+    assert agent._planned_tick() is PlannedTick.WAITING
+    assert agent._leaving_step() is None, "nothing acknowledged yet"
+    box.acknowledge(0, 12)
+    assert agent._leaving_step() == 12
+    seen: list[tuple[int, str]] = []  # (leaves so far, worker state) at each look at the workers
+
+    def monitor(group: Any) -> RunResult:
+        state = WorkerState.HEALTHY if len(seen) < 3 else WorkerState.SUCCEEDED  # tearing down, then gone
+        seen.append((handler.left, state.name))
+        return RunResult(state=state)
+
+    agent._monitor_workers = monitor  # type: ignore[method-assign]
+    agent._stop_workers = lambda group: events.records.append({"event": "workers_stopped"})  # type: ignore[method-assign]
+    result = agent._leave_after_acknowledgement(12)
+    assert seen[0] == (1, "HEALTHY"), "the lease was revoked while the workers were still running"
+    assert result.state == WorkerState.SUCCEEDED and agent.exit_status == 0
+    names = [e["event"] for e in events.records]
+    assert names[-3:] == ["planned_leave", "workers_stopped", "run_finished"], names
+    leave = [e for e in events.records if e["event"] == "planned_leave"][0]
+    assert leave["step"] == 12 and leave["saved"] is True
+
+
+def test_workers_that_fail_after_their_acknowledgement_still_fail_the_leaving_agent(tmp_path: Path) -> None:
+    from torch.distributed.elastic.agent.server.api import RunResult
+
+    from elastic.notice import Notice
+
+    agent, box, events = _agent(tmp_path, NoticeHandler())
+    box.register_helper(0)
+    agent.receive_notice(Notice("sigterm", time.time() + 60, "SIGTERM"))
+    agent._planned_tick()
+    box.acknowledge(0, 4)
+    agent._monitor_workers = lambda group: RunResult(state=WorkerState.FAILED)  # type: ignore[method-assign]
+    agent._stop_workers = lambda group: None  # type: ignore[method-assign]
+    assert agent._leave_after_acknowledgement(4).state == WorkerState.FAILED
+    assert [e["state"] for e in events.records if e["event"] == "run_finished"] == ["FAILED"]
