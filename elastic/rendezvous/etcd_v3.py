@@ -398,19 +398,24 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return set(mine.participants) - set(self._mirror.nodes) | set(self._lost.get(mine.number, ()))
 
     def leave(self) -> None:
-        """Revoke the lease (peers notice at once) and release threads and the connection; job stays open."""
-        self._release(reap=False)
+        """Revoke the lease (peers notice at once) and release threads and the connection; job stays open.
 
-    def _release(self, *, reap: bool) -> None:
+        The workers' store (when this node hosts it) stays up until ``shutdown()`` or the agent's exit: a
+        node that leaves for its notice revokes its lease as soon as its workers committed the agreed step,
+        while they (and the peers' workers) may still be tearing down their process groups."""
+        self._release(reap=False, close_worker_store=False)
+
+    def _release(self, *, reap: bool, close_worker_store: bool = True) -> None:
         """``leave()``; when the job ended (``reap``: closed by this call, or seen closed: a signalled agent
         leaves without closing) the last agent to go also deletes the run's keys."""
+        if close_worker_store:
+            self._worker_store.close()  # our workers are stopped by now (shutdown comes after them)
         if self._released:
             return
         self._released = True
         with self._cond:
             reap = reap or self._mirror.closed
         self._stop_threads()
-        self._worker_store.close()  # our workers are stopped by now (the agent leaves after them)
         conn, lease = self._conn, self._lease_id
         if conn is not None and lease is not None:
             try:

@@ -398,6 +398,20 @@ def test_stale_commit_is_rejected_and_old_stores_are_dropped(etcd_server: Embedd
     assert not info1.store.check(["k"])
 
 
+@pytest.mark.timeout(30)
+def test_a_node_that_leaves_keeps_serving_its_workers_store_until_shutdown(etcd_server: EmbeddedEtcd, handlers) -> None:
+    """A node leaving for its notice revokes its lease while its workers still tear down their process groups:
+    the store they bootstrapped from stays up until the agent shuts down (or exits)."""
+    h = handlers(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=1), node_id="leaver")
+    info = h.next_rendezvous()
+    client = workers_store(info)
+    client.set("k", "v")
+    h.leave()
+    assert client.get("k") == b"v", "the workers' store must outlive the lease"
+    h.shutdown()
+    assert refuses(info.bootstrap_store_info.master_port), "closed at shutdown"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_published_notice_reaches_peers_and_vanishes_with_the_node(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
