@@ -315,7 +315,8 @@ def _is_aux_name(name: str) -> bool:
 
 def _remove_if_orphaned(path: str) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: another user may have put a FIFO under a name of ours (/dev/shm is shared); never block on it.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:

@@ -172,6 +172,8 @@ def test_the_progress_files_of_a_killed_agent_are_removed_by_the_next_ones_sweep
     legacy = progress_path("legacy", 0, 0, root)  # an older spotrun's file, without a lock: never taken
     with open(legacy, "wb") as handle:
         handle.write(MAGIC.to_bytes(8, "little") + bytes(56))
+    fifo = progress_path("fifo", 0, 0, root)  # not a file of ours (anyone can make such a name in /dev/shm)
+    os.mkfifo(fifo)
     proc = subprocess.Popen([sys.executable, "-c", script, root], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -187,7 +189,7 @@ def test_the_progress_files_of_a_killed_agent_are_removed_by_the_next_ones_sweep
         assert os.path.exists(progress_path("alive", 0, 0, root)) and os.path.exists(legacy)
     finally:
         live.close()
-    assert sorted(os.listdir(root)) == [os.path.basename(legacy)]
+    assert sorted(os.listdir(root)) == sorted(os.path.basename(p) for p in (fifo, legacy))
 
 
 def test_heartbeat_is_a_noop_outside_spotrun() -> None:
