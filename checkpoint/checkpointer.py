@@ -344,7 +344,7 @@ class Checkpointer:
     def _read_into(self, state: Mapping[str, Any], manifest: Manifest, shared: dict[str, JSON]) -> None:
         started = time.perf_counter()
         chosen = manifest.step
-        flat = flatten(state, as_shared=saved_as_shared(manifest, state, shared, rank=self.rank))
+        flat = flatten(state, as_shared=saved_as_shared(manifest, state, shared, rank=self.rank), keep_state_dicts=True)
         requests = plan_reads(manifest, flat.items)
         destinations = {item.key: item.tensor for item in flat.items}
         nbytes = read_requests(

@@ -104,9 +104,10 @@ class FlatState:
     per_rank: dict[str, str] = field(default_factory=dict)
     """The live state's per-rank keys and their ``on_resize`` rule."""
     state_dicts: dict[str, Any] = field(default_factory=dict)
-    """Per stateful top-level key, what its ``state_dict()`` returned during ``flatten``: ``apply`` takes it
-    as the live value to rebuild into instead of asking again, which for an optimizer is a whole
-    ``get_optimizer_state_dict`` (its tensors alias the live state, so it already holds what was read)."""
+    """Per stateful top-level key, what its ``state_dict()`` returned during ``flatten(keep_state_dicts=True)``
+    (a load; empty on save, where nothing reads it): ``apply`` takes it as the live value to rebuild into
+    instead of asking again, which for an optimizer is a whole ``get_optimizer_state_dict`` (its tensors alias
+    the live state, so it already holds what was read)."""
 
 
 class PerRank:
@@ -435,10 +436,11 @@ def _walk(
     )
 
 
-def flatten(state: Mapping[str, Any], *, as_shared: Iterable[str] = ()) -> FlatState:
+def flatten(state: Mapping[str, Any], *, as_shared: Iterable[str] = (), keep_state_dicts: bool = False) -> FlatState:
     """Flatten ``state`` into this rank's tensor pieces and a JSON skeleton per top-level key.
 
-    Called on the live state it also yields the destination pieces for a load (see the module docstring).
+    Called on the live state it also yields the destination pieces for a load (see the module docstring);
+    a load passes ``keep_state_dicts`` so that ``apply`` reuses each ``state_dict()`` (``FlatState.state_dicts``).
     May initialise an optimizer's empty state with a zero-lr step, as DCP's ``get_optimizer_state_dict`` does.
     Per-rank entries go to ``rank_objects`` with their tensors inline, except the keys in ``as_shared``
     (loading a checkpoint that saved them as shared state, before they were per-rank).
@@ -451,7 +453,9 @@ def flatten(state: Mapping[str, Any], *, as_shared: Iterable[str] = ()) -> FlatS
     for key, adapter in _adapters(state).items():
         value = adapter
         if _is_stateful(adapter):
-            value = flat.state_dicts[key] = adapter.state_dict()
+            value = adapter.state_dict()
+            if keep_state_dicts:
+                flat.state_dicts[key] = value
         try:
             if key in per_rank and key not in shared:
                 flat.rank_objects[key] = _walk(value, key, flat.items, seen, budget)

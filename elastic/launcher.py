@@ -40,6 +40,7 @@ from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
 from elastic.notice import NoticePoller, make_sources
 from elastic.preemption import Mailbox
+from elastic.progress import remove_orphaned_progress_files
 from elastic.rendezvous.api import ConnectableHandler, LeaseHandler, MembershipAwareHandler
 from elastic.warm import note_agent_import_env
 from elastic.workers import start_warm_forkserver, warm_entrypoint
@@ -225,6 +226,7 @@ def launch(
     )
     # The workers' mailbox (elastic.preemption): set before the forkserver starts, warm workers inherit it.
     mailbox = Mailbox.create()
+    remove_orphaned_progress_files()  # hang detection's files of agents killed on this host (as the mailboxes)
     os.environ[ENV_NOTICE_DIR] = mailbox.path
     # LaunchConfig.__post_init__ fills both in (DefaultLogsSpecs; $TORCHELASTIC_SHUTDOWN_TIMEOUT or 30 s).
     assert config.logs_specs is not None and config.shutdown_timeout is not None

@@ -14,11 +14,17 @@ open file descriptor. No thread is started and no environment variable is added:
 ``TORCHELASTIC_RUN_ID``, ``GROUP_RANK`` and ``LOCAL_RANK``, which torch sets for every worker.
 
 Agent side: :class:`ProgressBoard` creates the files before the workers start, samples them together with
-the main thread's CPU ticks and run state from ``/proc``, asks for stack dumps and removes the files.
+the main thread's CPU ticks and run state from ``/proc``, asks for stack dumps and removes the files. The
+agent holds an ``flock`` on each of its files (taken before the file gets its name) for as long as it uses
+it: the kernel drops it when the agent dies, even by SIGKILL, so the next agent on the host removes the files
+a killed agent left behind (:func:`remove_orphaned_progress_files`), as ``elastic.preemption`` does for the
+mailboxes. Workers only ``open`` and ``mmap`` the file: the advisory lock does not concern them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -26,6 +32,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import tempfile
@@ -38,9 +45,14 @@ from elastic.hang import ProgressSample
 logger = logging.getLogger(__name__)
 
 SIZE: Final = 64
-"""Bytes per progress file: little-endian u64 words (magic, beats, worker pid, main thread id)."""
+"""Bytes per progress file: little-endian u64 words (magic, beats, worker pid, main thread id, agent pid)."""
 MAGIC: Final = 0x3147525054505053  # b"SPPTPRG1"
-_MAGIC, _BEATS, _PID, _MAIN_THREAD = 0, 8, 16, 24
+_MAGIC, _BEATS, _PID, _MAIN_THREAD, _AGENT = 0, 8, 16, 24, 32
+"""``_AGENT``: pid of the agent that holds the file's lock; 0 in files of a spotrun from before the lock,
+which the sweep leaves alone (their agent's death cannot be proven)."""
+PROGRESS_KIND: Final = "progress"
+SWEEP_LIMIT: Final = 256
+"""Most candidate files one sweep looks at (bounded work at agent start); the next agent goes on."""
 
 DUMP_SIGNAL: Final = signal.SIGRTMIN + 6
 """Signal on which an instrumented worker writes all its threads' Python stacks to its dump file."""
@@ -68,7 +80,7 @@ def run_scoped_prefix(kind: str, root: str | None = None) -> str:
 
 def progress_path(run_id: str, group_rank: int | str, local_rank: int | str, root: str | None = None) -> str:
     """Where the worker ``local_rank`` of node ``group_rank`` of run ``run_id`` keeps its beat counter."""
-    return run_scoped_path("progress", run_id, group_rank, local_rank, root=root)
+    return run_scoped_path(PROGRESS_KIND, run_id, group_rank, local_rank, root=root)
 
 
 def dump_path(progress_file: str) -> str:
@@ -178,27 +190,21 @@ class ProgressBoard:
         self._maps: dict[int, mmap.mmap] = {}
         self._paths: dict[int, str] = {}
         self._inodes: dict[str, int] = {}
+        self._locks: dict[str, int] = {}
+        """path -> descriptor holding the file's flock (see the module docstring)."""
 
     def reset(self, group_rank: int, local_ranks: Iterable[int]) -> None:
         """Fresh zeroed files for workers about to start (a new inode: old workers cannot write into it)."""
         self.close()
         for local_rank in local_ranks:
             path = progress_path(self._run_id, group_rank, local_rank, self._root)
-            for stale in (path, dump_path(path)):
-                try:
-                    os.unlink(stale)
-                except FileNotFoundError:
-                    pass
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, SIZE)
-                mm = mmap.mmap(fd, SIZE)
-            finally:
-                os.close(fd)
-            struct.pack_into("<Q", mm, _MAGIC, MAGIC)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(dump_path(path))
+            fd, mm = _create_locked(path)
             self._maps[local_rank] = mm
             self._paths[local_rank] = path
-            self._inodes[path] = os.stat(path).st_ino
+            self._inodes[path] = os.fstat(fd).st_ino
+            self._locks[path] = fd
 
     def sample(self, local_rank: int, pid: int) -> ProgressSample | None:
         """Beats, main-thread activity and stopped state of one worker; None when its process is gone."""
@@ -255,9 +261,85 @@ class ProgressBoard:
                     os.unlink(name)
                 except FileNotFoundError:
                     pass
+        for fd in self._locks.values():  # after the unlinks: a sweep never sees a live agent's file unlocked
+            os.close(fd)
         self._maps.clear()
         self._paths.clear()
         self._inodes.clear()
+        self._locks.clear()
+
+
+def _create_locked(path: str) -> tuple[int, mmap.mmap]:
+    """A zeroed progress file at ``path`` (replacing a stale one), locked before it gets its name so that a
+    sweep that sees the name can never take the lock of a live agent; returns (lock descriptor, mapping)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, SIZE)
+        mm = mmap.mmap(fd, SIZE)
+        struct.pack_into("<Q", mm, _AGENT, os.getpid())
+        struct.pack_into("<Q", mm, _MAGIC, MAGIC)
+        os.rename(tmp, path)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return fd, mm
+
+
+def remove_orphaned_progress_files(root: str | None = None, *, limit: int = SWEEP_LIMIT) -> int:
+    """Remove this user's progress files (and their stack dumps) under ``root`` whose agent died without
+    removing them (SIGKILL, or killed after a SIGTERM grace ran out); returns how many were removed.
+
+    A file counts as orphaned only when it carries an agent pid (made by a spotrun that locks it) and its
+    lock is free: a live agent holds it from before the name exists until after it unlinks the name. Looks at
+    most at ``limit`` candidates. Half-created ``.tmpPID`` files are never touched (unlocked for an instant)."""
+    stem = run_scoped_prefix(PROGRESS_KIND, root)  # ".../spotrun-progress-{uid}-"
+    folder, prefix = os.path.dirname(stem), os.path.basename(stem)
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(prefix) and not _is_aux_name(n)]
+    except OSError:
+        return 0
+    removed = sum(_remove_if_orphaned(os.path.join(folder, name)) for name in names[:limit])
+    if removed:
+        logger.info("removed %d progress file(s) of dead agents under %s", removed, folder)
+    return removed
+
+
+def _is_aux_name(name: str) -> bool:
+    """A stack dump (removed with its progress file) or a file being created (``.tmpPID``)."""
+    return name.endswith(".stack") or re.search(r"\.tmp\d+$", name) is not None
+
+
+def _remove_if_orphaned(path: str) -> bool:
+    try:
+        # O_NONBLOCK: another user may have put a FIFO under a name of ours (/dev/shm is shared); never block on it.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size < SIZE:
+            return False  # /dev/shm is shared: never another user's file, nor something else by that name
+        if struct.unpack("<Q", os.pread(fd, 8, _AGENT))[0] == 0:
+            return False  # no lock to prove its agent dead
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its agent lives
+        if os.stat(path, follow_symlinks=False).st_ino != info.st_ino:
+            return False  # replaced since we opened it (a new agent of that run): not ours to judge
+        for name in (path, dump_path(path)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+        return True
+    except OSError as exc:
+        logger.debug("cannot check progress file %s: %s", path, exc)
+        return False
+    finally:
+        os.close(fd)
 
 
 def _collect_dumps(asked: dict[int, str], timeout: float) -> dict[int, str]:

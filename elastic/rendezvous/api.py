@@ -66,9 +66,12 @@ class RendezvousOutageError(RendezvousConnectionError):
     """The backend stayed unreachable past its bound (``etcd_timeout``): fatal, the handler will not recover."""
 
 
-class RendezvousWatchError(RendezvousConnectionError):
-    """The handler's watch of the rendezvous failed for good (etcd refuses it even with a fresh token, or an
-    unexpected error): the handler no longer sees the membership and will not recover."""
+class RendezvousWatchError(RendezvousError):
+    """The handler's watch of the rendezvous failed for good while etcd answered (it refuses the watch even
+    with a fresh token, or an unexpected error): the handler no longer sees the membership and will not recover.
+
+    Not a ``RendezvousConnectionError``: etcd is reachable, so ``shutdown`` still marks the job closed (an etcd
+    that stayed away past ``etcd_timeout`` while the watch retried is a ``RendezvousOutageError`` instead)."""
 
 
 def is_permanent(exc: BaseException) -> bool:
@@ -77,9 +80,9 @@ def is_permanent(exc: BaseException) -> bool:
     Transient: ``RendezvousConnectionError`` (etcd restarting, a leader election), ``RendezvousTimeoutError``
     (a wait that ran out) and errors outside the ``RendezvousError`` tree (torch's c10d handlers let store
     errors through). Permanent: the rest of the tree (``RendezvousStateError``: a corrupt key;
-    ``RendezvousClosedError``; ``RendezvousConfigError``), and the two connection errors a handler raises
-    only once it gave up for good (``RendezvousOutageError``, ``RendezvousWatchError``)."""
-    if isinstance(exc, (RendezvousOutageError, RendezvousWatchError)):
+    ``RendezvousClosedError``; ``RendezvousConfigError``; ``RendezvousWatchError``: a refused watch), and the
+    one connection error a handler raises only once it gave up for good (``RendezvousOutageError``)."""
+    if isinstance(exc, RendezvousOutageError):
         return True
     return isinstance(exc, RendezvousError) and not isinstance(exc, (RendezvousConnectionError, RendezvousTimeoutError))
 

@@ -101,6 +101,27 @@ def _is_lease_not_found(exc: BaseException | None) -> bool:
     )
 
 
+def watch_failure(exc: BaseException, context: str) -> RendezvousError:
+    """The handler's fatal error once its watch gave up with ``exc``.
+
+    A connection error caused by a transient one is ``EtcdConnection.call`` giving up on an etcd that stayed
+    unreachable for its bound (the watch reloads and renews its token through it): an outage, as the lease
+    thread would report it. Anything else (etcd refused the watch, an unexpected error) happened while etcd
+    answered: a failed watch, after which ``shutdown`` still marks the job closed."""
+    if isinstance(exc, RendezvousOutageError) or (
+        isinstance(exc, RendezvousConnectionError) and exc.__cause__ is not None and is_transient(exc.__cause__)
+    ):
+        return RendezvousOutageError(f"{context}the etcd watch gave up: {exc}")
+    return RendezvousWatchError(f"{context}the etcd watch failed: {exc}")
+
+
+def unreachable_at_shutdown(*, connect_failed: bool, fatal: RendezvousError | None) -> bool:
+    """True when ``shutdown`` must not try to mark the job closed: etcd was already unreachable for
+    ``etcd_timeout`` (or never reached), so ``close_timeout`` more would only double the wait. A failed watch
+    (``RendezvousWatchError``) or a corrupt key does not say etcd is away: closing is still tried."""
+    return connect_failed or isinstance(fatal, RendezvousConnectionError)
+
+
 def _default_node_id() -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname().split(".")[0]) or "host"
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -341,8 +362,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """torch semantics: close the rendezvous (the job is over), then release this node. Idempotent."""
         ok = closed_here = True
-        if self._connect_failed or isinstance(self._fatal, RendezvousConnectionError):
-            # etcd was already unreachable for etcd_timeout: trying close_timeout more only doubles the wait.
+        if unreachable_at_shutdown(connect_failed=self._connect_failed, fatal=self._fatal):
             log.warning("%snot marking the rendezvous closed: etcd is unreachable", self._ctx())
             ok = closed_here = False
         elif not self._released:
@@ -817,7 +837,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 # Our own errors carry a clear message; an unexpected one (a bug) keeps its traceback.
                 log.error("%sthe rendezvous watch failed: %s", self._ctx(), exc, exc_info=not isinstance(exc, RendezvousError))
                 with self._cond:
-                    self._fatal = RendezvousWatchError(f"{self._ctx()}the etcd watch failed: {exc}")
+                    if self._fatal is None:  # the first cause (an outage the lease thread measured) explains the rest
+                        self._fatal = watch_failure(exc, self._ctx())
                     self._cond.notify_all()
 
     def _watch_once(self) -> None:

@@ -232,3 +232,36 @@ def test_load_after_backward_still_finds_optimizer_state_and_keeps_grads():
     assert [torch.equal(g, p.grad) for g, p in zip(grads, model2.parameters())] == [True] * len(grads)
     for p1, p2 in zip(model.parameters(), model2.parameters()):
         assert torch.equal(optim.state[p1]["exp_avg"], optim2.state[p2]["exp_avg"])
+
+
+class CountingCounter(Counter):
+    """A Counter that counts how often its state is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def state_dict(self) -> dict:
+        self.asked += 1
+        return super().state_dict()
+
+
+def test_state_dicts_are_kept_on_load_only_and_reused_by_apply():
+    """Save never reads ``state_dicts`` (kept, they would pin each state_dict() as long as the FlatState); a
+    load's ``apply`` rebuilds into the one ``flatten`` got instead of asking the object a second time."""
+    import uuid
+
+    from checkpoint.checkpointer import Checkpointer
+
+    src, dst = CountingCounter(), CountingCounter()
+    src.step, src.ema = 7, torch.arange(3.0)
+    saved = flatten({"c": src})
+    assert saved.state_dicts == {} and src.asked == 1
+    assert list(flatten({"c": src}, keep_state_dicts=True).state_dicts) == ["c"]
+    with Checkpointer(f"memory://state-dicts-{uuid.uuid4().hex}") as ckpt:
+        ckpt.save(1, {"c": src})
+        ckpt.wait()
+        dst.asked = 0
+        assert ckpt.load({"c": dst}) == 1
+    assert dst.asked == 1, "the load asks the live object for its state once"
+    assert dst.step == 7 and torch.equal(dst.ema, torch.arange(3.0))

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from etcd3.exceptions import ConnectionFailedError
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
@@ -33,7 +34,7 @@ from elastic.rendezvous.api import (
     RendezvousWatchError,
     is_permanent,
 )
-from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
+from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler, unreachable_at_shutdown, watch_failure
 from tests.elastic.doubles import MemoryEventLog
 
 pytestmark = pytest.mark.timeout(60)
@@ -249,6 +250,31 @@ def test_which_rendezvous_errors_are_permanent() -> None:
     assert is_permanent(RendezvousStateError("corrupt key"))
     assert is_permanent(RendezvousClosedError("closed"))
     assert is_permanent(RendezvousConfigError("bad conf"))
+
+
+def test_a_refused_watch_is_its_own_kind_and_shutdown_still_closes_the_job() -> None:
+    """etcd answered but refused the watch: not an outage, so ``shutdown`` tries to mark the job closed."""
+    refused = RendezvousConnectionError("etcd refuses to let user 'u' watch '/p/ctl/' (permission denied), "
+                                        "even with a fresh token")
+    failed = watch_failure(refused, "[run=job node=a] ")
+    assert type(failed) is RendezvousWatchError and not isinstance(failed, RendezvousConnectionError)
+    assert str(failed) == f"[run=job node=a] the etcd watch failed: {refused}"
+    assert is_permanent(failed)
+    assert not unreachable_at_shutdown(connect_failed=False, fatal=failed)
+    assert type(watch_failure(KeyError("a bug in the watch"), "")) is RendezvousWatchError
+
+
+def test_a_watch_that_gave_up_on_an_unreachable_etcd_is_an_outage() -> None:
+    """``EtcdConnection.call`` gave up retrying a transient error (the watch reloads through it): etcd is away,
+    so ``shutdown`` does not spend close_timeout more on it."""
+    gone = RendezvousConnectionError("etcd at etcd-0:2379 unreachable for 30 s while trying to load the state")
+    gone.__cause__ = ConnectionFailedError()
+    outage = watch_failure(gone, "")
+    assert isinstance(outage, RendezvousOutageError) and "unreachable for 30 s" in str(outage)
+    assert unreachable_at_shutdown(connect_failed=False, fatal=outage)
+    assert unreachable_at_shutdown(connect_failed=True, fatal=None)
+    assert not unreachable_at_shutdown(connect_failed=False, fatal=None)
+    assert not unreachable_at_shutdown(connect_failed=False, fatal=RendezvousStateError("corrupt key"))
 
 
 @pytest.mark.parametrize("error", [TypeError("membership_changed() takes 0 arguments"), AttributeError("_mirror")])

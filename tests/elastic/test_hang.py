@@ -21,7 +21,7 @@ from elastic.hang import (
     observe,
     waiting_on_peers,
 )
-from elastic.progress import ProgressBoard
+from elastic.progress import MAGIC, ProgressBoard, dump_path, progress_path, remove_orphaned_progress_files
 from tests.harness.procs import REPO, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -157,6 +157,39 @@ def test_board_sees_optimizer_steps_heartbeats_and_dumps_a_stuck_workers_stack(t
         proc.wait()
         board.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_the_progress_files_of_a_killed_agent_are_removed_by_the_next_ones_sweep(tmp_path: Path) -> None:
+    """SIGKILL skips the board's close(): the files' locks die with the agent, a live agent's files stay."""
+    root = str(tmp_path)
+    script = ("import sys, time; from elastic.progress import ProgressBoard, dump_path, progress_path; "
+              "ProgressBoard('killed', root=sys.argv[1]).reset(0, [0, 1]); "
+              "open(dump_path(progress_path('killed', 0, 0, sys.argv[1])), 'w').close(); "
+              "print('ready', flush=True); time.sleep(60)")
+    dead = [progress_path("killed", 0, rank, root) for rank in (0, 1)]
+    live = ProgressBoard("alive", root=root)
+    live.reset(0, [0])
+    legacy = progress_path("legacy", 0, 0, root)  # an older spotrun's file, without a lock: never taken
+    with open(legacy, "wb") as handle:
+        handle.write(MAGIC.to_bytes(8, "little") + bytes(56))
+    fifo = progress_path("fifo", 0, 0, root)  # not a file of ours (anyone can make such a name in /dev/shm)
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-c", script, root], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert remove_orphaned_progress_files(root) == 0, "a live agent's files are never taken"
+        assert all(os.path.exists(p) for p in dead)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    try:
+        assert remove_orphaned_progress_files(root) == 2
+        assert not any(os.path.exists(p) for p in dead) and not os.path.exists(dump_path(dead[0]))
+        assert os.path.exists(progress_path("alive", 0, 0, root)) and os.path.exists(legacy)
+    finally:
+        live.close()
+    assert sorted(os.listdir(root)) == sorted(os.path.basename(p) for p in (fifo, legacy))
 
 
 def test_heartbeat_is_a_noop_outside_spotrun() -> None:
