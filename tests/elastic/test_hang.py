@@ -147,8 +147,9 @@ def test_board_sees_optimizer_steps_heartbeats_and_dumps_a_stuck_workers_stack(t
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         sample = board.sample(0, proc.pid)
         assert sample is not None and sample.beats == 4 and not sample.stopped
-        dumps = board.stacks({0: proc.pid})
-        assert "line 11 in <module>" in dumps[0], dumps
+        # "ready" is printed just before the sleep: a dump can still catch the worker on the print line.
+        dumps = wait_for(lambda: (d := board.stacks({0: proc.pid})) and "line 11 in <module>" in d[0] and d, 5,
+                         "a stack dump of the worker in its sleep (line 11)")
         assert not waiting_on_peers(dumps[0], board.main_thread_id(0))
         os.kill(proc.pid, signal.SIGSTOP)
         wait_for(lambda: (s := board.sample(0, proc.pid)) is not None and s.stopped, 5, "T state")
