@@ -96,7 +96,7 @@ def test_standalone_cleans_up_etcd_and_workers_on_sigterm(tmp_path: Path) -> Non
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     agent = Launcher([*SPOTRUN, "--standalone", "--nproc-per-node", "2", "--stop-grace", "1",
-                      "--shutdown-timeout", "2", FAULT, "--steps", "0", "--out", str(out)],
+                      "--shutdown-timeout", "2", FAULT, "--steps", "0", "--no-collective", "--out", str(out)],
                      tmp_path / "agent.log", env=make_env(TMPDIR=str(tmpdir)))
     try:
         wait_for(lambda: len({p["rank"] for p in read_jsonl(out / "progress.jsonl")}) == 2, 60, "both workers to step")
@@ -108,6 +108,8 @@ def test_standalone_cleans_up_etcd_and_workers_on_sigterm(tmp_path: Path) -> Non
         agent.close()
     output = agent.output()
     assert code == 1, "torchrun's exit code for a signalled launcher (no Preemption helper: an immediate stop)"
+    # --no-collective: a rank whose peer got the SIGTERM first would print gloo's "connection reset" traceback
+    # (the worker's own stderr, as under torchrun): this asserts that the *agent* prints none.
     assert "spotrun: stopped by SIGTERM" in output and "Traceback" not in output, output[-3000:]
     wait_for(lambda: not [pid for pid in children if pid_alive(pid)], 10,
              f"workers and etcd to be gone: {[children[p][1][:120] for p in children if pid_alive(p)]}")
