@@ -130,9 +130,9 @@ class Checkpointer:
 
     @property
     def recent_save_seconds(self) -> tuple[float, ...]:
-        """Seconds from ``save()`` to the commit (flatten, vote, stage, write, commit; not the wait for a
-        previous save still in flight, nor retention) of the last few saves this process committed, oldest
-        first; empty before the first."""
+        """Seconds from ``save()`` to the commit (vote, stage, write, commit; not the flatten, whose first call
+        in a process pays a one-time import, nor the wait for a previous save still in flight, nor
+        retention) of the last few saves this process committed, oldest first; empty before the first."""
         return self._save_seconds
 
     @property
@@ -161,6 +161,9 @@ class Checkpointer:
             flat, rank_payload, state_error = FlatState(), None, exc
         else:
             state_error = None
+        # Timed for save_seconds_estimate from here: the first flatten of a process imports
+        # torch.distributed.tensor (seconds, once), which no later save pays.
+        timed_from = time.perf_counter()
         signature = tuple((i.key, i.dtype, tuple(i.global_shape), i.replicated) for i in flat.items)
         busy = self._future is not None and not self._future.done()
         # every rank takes the same branch: busy / new items / refused anywhere
@@ -176,7 +179,7 @@ class Checkpointer:
             )
         waited = time.perf_counter()
         self.wait()  # waits if busy; re-raises the previous save's error either way
-        started += time.perf_counter() - waited  # the previous save's time is not this one's
+        timed_from += time.perf_counter() - waited  # the previous save's time is not this one's
         if any_changed:
             self._replan(flat)
             self._signature = signature
@@ -186,7 +189,7 @@ class Checkpointer:
         logger.debug("[rank %d step %d] staged in %.3fs", self.rank, step, self.last_stage_seconds)
         self._in_flight = step
         self._future = self._executor.submit(
-            self._write_and_commit, step, list(self._layouts), buffers, objects, rank_payload, started
+            self._write_and_commit, step, list(self._layouts), buffers, objects, rank_payload, timed_from
         )
         if not self.config.async_mode:
             self.wait()
@@ -244,7 +247,7 @@ class Checkpointer:
         started: float | None = None,
     ) -> int:
         """Background: write this rank's shards, then commit on rank 0; every rank learns the outcome.
-        ``started`` (``perf_counter`` at ``save()``) times a committed save for ``save_seconds_estimate``."""
+        ``started`` (``perf_counter`` in ``save()``) times a committed save for ``save_seconds_estimate``."""
         rel = step_dir(step)
         local_error: BaseException | None = None
         try:
