@@ -138,9 +138,13 @@ class Checkpointer:
     @property
     def save_seconds_estimate(self) -> float | None:
         """How long the next save should take to commit on this rank: the slowest of
-        ``recent_save_seconds``, or None before the first committed save (used by
-        ``elastic.preemption.Preemption`` to skip a planned save that cannot commit before the deadline)."""
-        return max(self._save_seconds) if self._save_seconds else None
+        ``recent_save_seconds``, twice that while a save is in flight (the next one waits for it first), or
+        None before the first committed save (used by ``elastic.preemption.Preemption`` to skip a planned
+        save that cannot commit before the deadline)."""
+        if not self._save_seconds:
+            return None
+        busy = self._future is not None and not self._future.done()
+        return max(self._save_seconds) * (2 if busy else 1)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any]) -> None:

@@ -422,7 +422,7 @@ def decide_planned_save(step: int, reports: list[Any], *, margin: float = DEFAUL
     left = min(lefts)
     if needed <= left:
         return SaveDecision(True)
-    return SaveDecision(False, f"save of step {step} needs ~{needed:.1f} s (slowest recent save "
+    return SaveDecision(False, f"save of step {step} needs ~{needed:.1f} s (estimate "
                                f"{max(estimates):.2f} s x {margin:g} + {SAVE_SLACK_SECONDS:g} s), "
                                f"{max(left, 0.0):.1f} s left before the deadline (less the stop grace)")
 

@@ -263,8 +263,12 @@ def test_save_seconds_estimate_is_the_slowest_recent_committed_save(backend, mon
         with pytest.raises(CheckpointError, match="already committed"):
             ckpt.wait()
         assert ckpt.save_seconds_estimate == slow
+        release = gate_shard_writes(monkeypatch)
         ckpt.save(10, state)
+        assert ckpt.save_seconds_estimate == 2 * slow, "a save in flight: the next one waits for it first"
+        release.set()
         ckpt.wait()
+        monkeypatch.undo()
         assert len(ckpt.recent_save_seconds) == SAVE_TIMES_KEPT, "only the last few"
         assert ckpt.save_seconds_estimate is not None and ckpt.save_seconds_estimate < slow, "the slow one aged out"
 
