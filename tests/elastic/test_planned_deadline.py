@@ -122,6 +122,14 @@ def test_save_margin_is_validated(tmp_path: Path) -> None:
 # --- the worker's helper and the agent, one mailbox ----------------------------------------------------------
 
 
+def _agent_and_worker(tmp_path: Path) -> tuple[NoticeHandler, Any, Mailbox, Any, Preemption, dict[str, Any]]:
+    """An agent (1 s stop grace) and its one worker's helper sharing a mailbox, and the worker's state."""
+    handler = NoticeHandler()
+    agent, box, events = _agent(tmp_path, handler, stop_grace=1.0)
+    helper = Preemption(sync_every=2, mailbox_dir=box.path)
+    return handler, agent, box, events, helper, {"w": torch.zeros(1024)}
+
+
 def _train_and_save_once(ckpt: Checkpointer, state: dict[str, Any]) -> None:
     state["w"] += 1
     ckpt.save(1, state)
@@ -136,10 +144,7 @@ def _stop_at_step_2(helper: Preemption, ckpt: Checkpointer, state: dict[str, Any
 
 
 def test_a_save_that_cannot_fit_is_skipped_and_the_leave_says_why(tmp_path: Path) -> None:
-    handler = NoticeHandler()
-    agent, box, events = _agent(tmp_path, handler, stop_grace=1.0)
-    helper = Preemption(sync_every=2, mailbox_dir=box.path)
-    state = {"w": torch.zeros(1024)}
+    handler, agent, box, events, helper, state = _agent_and_worker(tmp_path)
     with Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()) as ckpt:
         _train_and_save_once(ckpt, state)
         # save_by 0.2 s away: less than any estimate (SAVE_SLACK_SECONDS alone is 0.5 s)
@@ -164,10 +169,7 @@ def test_a_save_that_cannot_fit_is_skipped_and_the_leave_says_why(tmp_path: Path
 
 
 def test_a_save_that_fits_is_committed_and_recorded_as_saved(tmp_path: Path) -> None:
-    handler = NoticeHandler()
-    agent, box, events = _agent(tmp_path, handler, stop_grace=1.0)
-    helper = Preemption(sync_every=2, mailbox_dir=box.path)
-    state = {"w": torch.zeros(1024)}
+    handler, agent, box, events, helper, state = _agent_and_worker(tmp_path)
     with Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()) as ckpt:
         _train_and_save_once(ckpt, state)
         agent.receive_notice(Notice("aws", time.time() + 60, "spot instance-action terminate"))
@@ -192,12 +194,9 @@ def test_without_a_timed_save_the_planned_save_is_tried_even_with_little_time(tm
 def test_a_peer_notice_too_close_re_forms_without_claiming_the_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    handler = NoticeHandler()
-    agent, box, events = _agent(tmp_path, handler, stop_grace=1.0)
+    handler, agent, box, events, helper, state = _agent_and_worker(tmp_path)
     restarts: list[object] = []
     monkeypatch.setattr(agent, "_restart_workers", restarts.append)  # the rendezvous is not under test here
-    helper = Preemption(sync_every=2, mailbox_dir=box.path)
-    state = {"w": torch.zeros(1024)}
     with Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()) as ckpt:
         _train_and_save_once(ckpt, state)
         handler.peers = {"b": {"deadline": time.time() + 1.2, "source": "aws"}}
