@@ -62,7 +62,7 @@ import signal
 import stat
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -410,7 +410,8 @@ class SaveDecision:
     """Why not, with the numbers (empty when saving)."""
 
 
-def decide_planned_save(step: int, reports: list[Any], *, margin: float = DEFAULT_SAVE_MARGIN) -> SaveDecision:
+def decide_planned_save(step: int, reports: Sequence[Sequence[float | None]], *,
+                        margin: float = DEFAULT_SAVE_MARGIN) -> SaveDecision:
     """Start the planned save of ``step``, or not, from every rank's ``[estimate, seconds_left]`` (either None:
     unknown). The slowest estimate must fit, times ``margin`` plus :data:`SAVE_SLACK_SECONDS`, in the least
     time left; without an estimate or without a bound the save is tried (nothing better to go on)."""
