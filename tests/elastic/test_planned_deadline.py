@@ -59,7 +59,7 @@ def test_the_margin_and_the_slack_are_applied() -> None:
 
 
 def test_the_slowest_rank_and_the_least_time_left_decide_for_every_rank() -> None:
-    reports = [[0.5, 30.0], [4.0, None], [None, 5.0]]  # rank 1: slow storage, rank 2: the preempted node
+    reports: list[list[float | None]] = [[0.5, 30.0], [4.0, None], [None, 5.0]]  # rank 1: slow storage, rank 2: the preempted node
     decision = decide_planned_save(3, reports, margin=1.5)
     assert not decision.save and "needs ~6.5 s" in decision.why and "5.0 s left" in decision.why
     assert decide_planned_save(3, list(reversed(reports)), margin=1.5) == decision, "order does not matter"
