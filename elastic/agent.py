@@ -70,6 +70,7 @@ from elastic.planned import (
     GroupView,
     PlannedStep,
     Stopped,
+    all_acknowledged,
     all_stopped,
     leave_exit_code,
     unplanned_loss,
@@ -585,6 +586,12 @@ class SpotrunAgent(LocalElasticAgent):
             return len(self._mailbox.helpers()) >= self._worker_group.spec.local_world_size
         except OSError:
             return False
+
+    def _acknowledged_step(self) -> int | None:
+        """The step every local worker committed and acknowledged (None: not all did, or one skipped the save)."""
+        if self._mailbox is None:
+            return None
+        return all_acknowledged(self._mailbox.acks(), self._worker_group.spec.local_world_size)
 
     def _acknowledged_stop(self) -> Stopped | None:
         """Where every local worker stopped for the planned change, saved or not (None: they did not all)."""
