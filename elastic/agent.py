@@ -588,16 +588,9 @@ class SpotrunAgent(LocalElasticAgent):
             return False
 
     def _acknowledged_step(self) -> int | None:
-        """The step every local worker committed and acknowledged (None: not all did, or one skipped the save)."""
         if self._mailbox is None:
             return None
         return all_acknowledged(self._mailbox.acks(), self._worker_group.spec.local_world_size)
-
-    def _acknowledged_stop(self) -> Stopped | None:
-        """Where every local worker stopped for the planned change, saved or not (None: they did not all)."""
-        if self._mailbox is None:
-            return None
-        return all_stopped(self._mailbox.acks(), self._mailbox.unsaved(), self._worker_group.spec.local_world_size)
 
     def _wait_for_planned_stop(self, timeout: float) -> None:
         """Up to ``timeout`` s, returning as soon as a local worker returns or exits: a planned change
@@ -695,6 +688,12 @@ class SpotrunAgent(LocalElasticAgent):
         self._emit(RecoveryEvent.PLANNED_STOP_POSTED, reason=notice.reason, deadline=notice.deadline,
                    source=notice.source)
         return PlannedTick.WAITING
+
+    def _acknowledged_stop(self) -> Stopped | None:
+        """Where every local worker stopped for the planned change, saved or not (None: they did not all)."""
+        if self._mailbox is None:
+            return None
+        return all_stopped(self._mailbox.acks(), self._mailbox.unsaved(), self._worker_group.spec.local_world_size)
 
     def _leave(self, *, step: int | None, why: str | None, agreed_step: int | None = None) -> None:
         """Revoke the lease and record the leave; ``step`` is the committed step (None: nothing saved, then
