@@ -31,7 +31,7 @@ import zlib
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any
+from typing import Any, Final
 
 from checkpoint.api import (
     COMMIT_FILE,
@@ -68,6 +68,10 @@ from checkpoint.storage import StorageSpec, lower_thread_priority
 from checkpoint.writer import open_writer, plan_files
 
 logger = logging.getLogger(__name__)
+
+SAVE_TIMES_KEPT: Final = 4
+"""How many recent committed saves ``Checkpointer.save_seconds_estimate`` looks at (the slowest wins: storage
+speed varies, and a planned save that is cut off costs more than one skipped for a pessimistic guess)."""
 
 
 class Checkpointer:
@@ -114,12 +118,33 @@ class Checkpointer:
         the sequence of collectives, so this Checkpointer refuses further saves and loads."""
         self.last_stage_seconds = 0.0
         """Wall time the last ``save`` blocked the caller (flatten + vote + staging copy)."""
+        self._save_seconds: tuple[float, ...] = ()
+        """Save-to-commit seconds of the last ``SAVE_TIMES_KEPT`` committed saves, oldest first. Replaced whole
+        (never mutated) by the writer thread, so the training thread reads it without a lock."""
         self._validated: Manifest | None = None
         """The manifest this rank validated while choosing the step to load (rank 0 in ``_agree_on_step``
         and the fallback's older step), taken by ``_load_step`` so a load validates its step once."""
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.storage.display()!r}, rank={self.rank}/{self.world_size})"
+
+    @property
+    def recent_save_seconds(self) -> tuple[float, ...]:
+        """Seconds from ``save()`` to the commit (vote, stage, write, commit; not the flatten, whose first call
+        in a process pays a one-time import, nor the wait for a previous save still in flight, nor
+        retention) of the last few saves this process committed, oldest first; empty before the first."""
+        return self._save_seconds
+
+    @property
+    def save_seconds_estimate(self) -> float | None:
+        """How long the next save should take to commit on this rank: the slowest of
+        ``recent_save_seconds``, twice that while a save is in flight (the next one waits for it first), or
+        None before the first committed save (used by ``elastic.preemption.Preemption`` to skip a planned
+        save that cannot commit before the deadline)."""
+        if not self._save_seconds:
+            return None
+        busy = self._future is not None and not self._future.done()
+        return max(self._save_seconds) * (2 if busy else 1)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any]) -> None:
@@ -140,6 +165,9 @@ class Checkpointer:
             flat, rank_payload, state_error = FlatState(), None, exc
         else:
             state_error = None
+        # Timed for save_seconds_estimate from here: the first flatten of a process imports
+        # torch.distributed.tensor (seconds, once), which no later save pays.
+        timed_from = time.perf_counter()
         signature = tuple((i.key, i.dtype, tuple(i.global_shape), i.replicated) for i in flat.items)
         busy = self._future is not None and not self._future.done()
         # every rank takes the same branch: busy / new items / refused anywhere
@@ -153,7 +181,9 @@ class Checkpointer:
                 f"rank {self.rank}: save of step {self._in_flight} is still writing; step {step} was not saved "
                 f'(use when_busy="wait" to block instead)'
             )
+        waited = time.perf_counter()
         self.wait()  # waits if busy; re-raises the previous save's error either way
+        timed_from += time.perf_counter() - waited  # the previous save's time is not this one's
         if any_changed:
             self._replan(flat)
             self._signature = signature
@@ -163,7 +193,7 @@ class Checkpointer:
         logger.debug("[rank %d step %d] staged in %.3fs", self.rank, step, self.last_stage_seconds)
         self._in_flight = step
         self._future = self._executor.submit(
-            self._write_and_commit, step, list(self._layouts), buffers, objects, rank_payload
+            self._write_and_commit, step, list(self._layouts), buffers, objects, rank_payload, timed_from
         )
         if not self.config.async_mode:
             self.wait()
@@ -218,8 +248,10 @@ class Checkpointer:
         buffers: list[memoryview],
         objects: dict[str, JSON] | None,
         rank_payload: tuple[str, bytes, list[str]] | None = None,
+        started: float | None = None,
     ) -> int:
-        """Background: write this rank's shards, then commit on rank 0; every rank learns the outcome."""
+        """Background: write this rank's shards, then commit on rank 0; every rank learns the outcome.
+        ``started`` (``perf_counter`` in ``save()``) times a committed save for ``save_seconds_estimate``."""
         rel = step_dir(step)
         local_error: BaseException | None = None
         try:
@@ -260,6 +292,8 @@ class Checkpointer:
                 commit_error = exc
                 outcome = str(exc)
         outcome = self._collective("outcome broadcast", step, self._bg.broadcast, outcome)
+        if outcome is None and local_error is None and started is not None:
+            self._record_save_seconds(time.perf_counter() - started)
         if self.rank == 0 and outcome is None:
             apply_retention(self.storage, step, keep_last=self.config.keep_last, keep_every=self.config.keep_every)
             # after the broadcast: other ranks need not wait for deletions
@@ -270,6 +304,9 @@ class Checkpointer:
         if outcome is not None:
             raise CheckpointError(outcome)
         return step
+
+    def _record_save_seconds(self, seconds: float) -> None:
+        self._save_seconds = (*self._save_seconds, seconds)[-SAVE_TIMES_KEPT:]
 
     def _collective(self, what: str, step: int, fn: Any, *args: Any) -> Any:
         """Run one background collective; a failure (peer gone, ``collective_timeout``) becomes a

@@ -69,11 +69,14 @@ from elastic.outage import OutageClock, OutageVerdict
 from elastic.planned import (
     GroupView,
     PlannedStep,
+    Stopped,
     all_acknowledged,
+    all_stopped,
     leave_exit_code,
     unplanned_loss,
     wait_for_helpers,
     while_posted,
+    with_save_by,
     worker_notice,
 )
 from elastic.preemption import Mailbox, WorkerNotice
@@ -511,11 +514,11 @@ class SpotrunAgent(LocalElasticAgent):
                 return self._leave_after_acknowledgement(step)
             if state == WorkerState.SUCCEEDED:
                 # CHANGE: workers that acknowledged a step stopped for a planned change: the job is not over.
-                step = self._acknowledged_step()
-                if self._own_notice is not None and (step is not None or self._posted is not None):
-                    return self._leave_for_notice(step)
-                if step is not None:
-                    self._restart_for_planned_change(step)
+                stopped = self._acknowledged_stop()
+                if self._own_notice is not None and (stopped is not None or self._posted is not None):
+                    return self._leave_for_notice(stopped)
+                if stopped is not None:
+                    self._restart_for_planned_change(stopped)
                     continue
                 logger.info("%s worker group finished; waiting for other agents", self._ctx())
                 if not self._exit_barrier_unless_peers_left():
@@ -699,6 +702,7 @@ class SpotrunAgent(LocalElasticAgent):
                             self._helpers_seen else "the workers did not start their Preemption helper in time")
                 return PlannedTick.LEFT
             return PlannedTick.NONE
+        notice = with_save_by(notice, self._settings.stop_grace)  # the workers skip a save that cannot fit
         self._mailbox.post(notice)
         self._posted = notice
         logger.warning("%s planned stop posted to the workers: %s (deadline in %s s)", self._ctx(), notice.reason,
@@ -707,7 +711,15 @@ class SpotrunAgent(LocalElasticAgent):
                    source=notice.source)
         return PlannedTick.WAITING
 
-    def _leave(self, *, step: int | None, why: str | None) -> None:
+    def _acknowledged_stop(self) -> Stopped | None:
+        """Where every local worker stopped for the planned change, saved or not (None: they did not all)."""
+        if self._mailbox is None:
+            return None
+        return all_stopped(self._mailbox.acks(), self._mailbox.unsaved(), self._worker_group.spec.local_world_size)
+
+    def _leave(self, *, step: int | None, why: str | None, agreed_step: int | None = None) -> None:
+        """Revoke the lease and record the leave; ``step`` is the committed step (None: nothing saved, then
+        ``agreed_step`` is where workers that skipped the save stopped)."""
         notice = self._own_notice
         if self._membership is not None:
             try:
@@ -715,20 +727,26 @@ class SpotrunAgent(LocalElasticAgent):
             except RendezvousError:
                 logger.warning("%s leaving the rendezvous failed; peers notice when the lease expires", self._ctx())
         late = notice is not None and time.time() > notice.deadline
-        logger.warning("%s left the group for the preemption notice (step %s committed%s)", self._ctx(), step,
+        logger.warning("%s left the group for the preemption notice (%s%s)", self._ctx(),
+                       f"step {step} committed" if step is not None else f"nothing saved: {why}",
                        ", after the deadline" if late else "")
         self._begin_recovery(RecoveryCause.PLANNED_LEAVE)
         self._emit(RecoveryEvent.PLANNED_LEAVE, step=step, saved=step is not None, why=why, late=late,
+                   agreed_step=agreed_step if agreed_step is not None else step,
                    committed_at=self._committed_at() if step is not None else None,
                    source=notice.source if notice else None, deadline=notice.deadline if notice else None)
 
-    def _leave_for_notice(self, step: int | None) -> RunResult:
-        """The workers committed ``step`` and exited 0: revoke the lease (peers re-form now) and exit 0 (or
+    def _leave_for_notice(self, stopped: Stopped | None) -> RunResult:
+        """The workers stopped at the agreed step (committed, or skipped: it could not commit before the
+        deadline) and exited 0: revoke the lease (peers re-form now) and exit 0 (or
         ``--planned-leave-exit-code``)."""
         self._stop_workers(self._worker_group)
-        self._leave(step=step, why=None if step is not None else "the workers exited without acknowledging a step")
+        if stopped is None:
+            self._leave(step=None, why="the workers exited without acknowledging a step")
+        else:
+            self._leave(step=stopped.committed, why=stopped.why, agreed_step=stopped.step)
         # Workers that use the helper and exit 0 without stopping at an agreed step finished the run.
-        return self._left_result(workers_finished=step is None)
+        return self._left_result(workers_finished=stopped is None)
 
     def _leave_after_acknowledgement(self, step: int) -> RunResult:
         """Every local worker committed ``step`` for this node's notice and is exiting: revoke the lease first,
@@ -760,14 +778,22 @@ class SpotrunAgent(LocalElasticAgent):
         return RunResult(state=WorkerState.SUCCEEDED,
                          return_values={w.global_rank: None for w in self._worker_group.workers})
 
-    def _restart_for_planned_change(self, step: int) -> None:
-        """Our workers committed ``step`` for a peer's notice or a joining node: re-form now (the rendezvous
-        waits for the leaver's lease to go and for the joiner) and resume from ``step``; not counted."""
+    def _restart_for_planned_change(self, stopped: Stopped) -> None:
+        """Our workers stopped at the agreed step for a peer's notice or a joining node: re-form now (the
+        rendezvous waits for the leaver's lease to go and for the joiner) and resume from it, or, when they
+        skipped its save (no time before the deadline), from the last committed step; not counted."""
         reason = self._posted.reason if self._posted is not None else "unknown"
-        logger.info("%s workers committed step %d for a planned change (%s); re-forming the group", self._ctx(),
-                    step, reason)
+        if stopped.saved:
+            logger.info("%s workers committed step %d for a planned change (%s); re-forming the group",
+                        self._ctx(), stopped.step, reason)
+        else:
+            logger.warning("%s workers stopped at step %d for a planned change (%s) without saving it (%s); "
+                           "re-forming the group from the last committed step", self._ctx(), stopped.step, reason,
+                           stopped.why)
         self._begin_recovery(RecoveryCause.SCALE_UP if reason == "resize" else RecoveryCause.PLANNED_LEAVE)
-        self._emit(RecoveryEvent.PLANNED_RESTART, step=step, reason=reason, committed_at=self._committed_at())
+        self._emit(RecoveryEvent.PLANNED_RESTART, step=stopped.committed, reason=reason,
+                   committed_at=self._committed_at() if stopped.saved else None, saved=stopped.saved,
+                   why=stopped.why, agreed_step=stopped.step)
         self._restart_workers(self._worker_group)
 
     def _exit_barrier_unless_peers_left(self) -> bool:

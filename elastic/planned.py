@@ -9,11 +9,17 @@ for controllers that recreate only failed pods, see :func:`leave_exit_code`), an
 once at the new size and resume from that step: zero steps lost. These restarts are not charged against
 ``--max-restarts``.
 
+The notice tells the workers when the agent will stop waiting (``save_by``, :func:`with_save_by`); a save
+that cannot commit by then is not started (``elastic.preemption.decide_planned_save``): the workers
+acknowledge the agreed step as not saved, and the agent leaves or re-forms at once, recording why
+(:func:`all_stopped`); the new group resumes from the last committed step.
+
 What is decided here is a function of plain data (:class:`GroupView`); the agent does the I/O.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -48,6 +54,13 @@ def worker_notice(view: GroupView, resize_timeout: float) -> WorkerNotice | None
     if view.membership_changed and not view.lost:
         return WorkerNotice("resize", view.now + resize_timeout, "a node is waiting to join")
     return None
+
+
+def with_save_by(notice: WorkerNotice, stop_grace: float) -> WorkerNotice:
+    """The notice as posted: ``save_by`` is when :func:`while_posted` gives up on the workers, so they can
+    skip a save that would not commit by then (None without a deadline: no bound)."""
+    save_by = None if notice.deadline is None else notice.deadline - stop_grace
+    return dataclasses.replace(notice, save_by=save_by)
 
 
 def unplanned_loss(view: GroupView) -> frozenset[str]:
@@ -100,3 +113,34 @@ def all_acknowledged(acks: dict[int, int], local_world_size: int) -> int | None:
     if len(acks) < local_world_size or len(steps) != 1:
         return None
     return steps.pop()
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """Where the local workers stopped for a planned change."""
+
+    step: int
+    """The agreed step."""
+    saved: bool
+    why: str | None = None
+    """Why it was not saved (None when saved)."""
+
+    @property
+    def committed(self) -> int | None:
+        """The step to report as committed: None when it was not saved (the group resumes from the last
+        committed step, which the agent does not know)."""
+        return self.step if self.saved else None
+
+
+def all_stopped(saved: dict[int, int], unsaved: dict[int, tuple[int, str]], local_world_size: int) -> Stopped | None:
+    """Every local worker acknowledged one agreed step, saved (``saved``: local rank -> step) or not
+    (``unsaved``: local rank -> (step, why)); None if one has not (or they disagree). One unsaved
+    acknowledgement makes the step unsaved: the ranks decide together, but a step is committed only if all
+    say so."""
+    steps = {*saved.values(), *(step for step, _ in unsaved.values())}
+    if len(saved.keys() | unsaved.keys()) < local_world_size or len(steps) != 1:
+        return None
+    step = steps.pop()
+    if not unsaved:
+        return Stopped(step, saved=True)
+    return Stopped(step, saved=False, why=unsaved[min(unsaved)][1])

@@ -14,11 +14,14 @@ How the agent talks to its workers (the *mailbox*, a private directory the agent
 
 * ``notice.json``  written (atomically) by the agent when its node got a preemption notice, a peer's
   notice arrived through etcd, or the group is about to change size (a node joins): ``{"reason",
-  "deadline", "source"}``. Workers only ``stat`` it: a poll costs a few microseconds.
+  "deadline", "source", "save_by"}`` (``save_by``: when the agent gives up waiting, the deadline minus its
+  stop grace; absent in older notices). Workers only ``stat`` it: a poll costs a few microseconds.
 * ``helper-{local_rank}``  written by :class:`Preemption` at construction: the agent then knows its workers
   will stop by themselves at an agreed step, and waits for them instead of killing them.
-* ``ack-{local_rank}.json``  written after the agreed step is committed: ``{"step"}``. Workers that all
-  acknowledged and exited 0 ended for a planned change, not because training finished.
+* ``ack-{local_rank}.json``  written after the agreed step is committed: ``{"step", "time"}``; or, when the
+  save could not commit before ``save_by`` and was not started, ``{"step", "time", "saved": false, "why"}``
+  (a record without ``saved`` is a committed one). Workers that all acknowledged and exited 0 ended for a
+  planned change, not because training finished.
 * ``.agent.lock``  held (``flock``) by the agent for its whole life: the kernel releases it when the agent dies,
   even by SIGKILL, so the next agent on the host removes the orphaned mailbox (:func:`remove_orphaned_mailboxes`)
   and a worker never follows a link to a dead agent's mailbox.
@@ -32,6 +35,16 @@ costs ~0.1 ms on a LAN; at the default ``sync_every=8`` that is negligible, and 
 most 8 steps late (deadlines are 30-120 s, steps well under a second). Between sync steps the call is an
 integer modulo: no I/O, no collective.
 
+Deadline-aware save: at the agreed step every rank reports how long its last saves took
+(``Checkpointer.save_seconds_estimate``) and how long is left before ``save_by``, in one all-gather on the
+same group; every rank then decides from the same numbers (:func:`decide_planned_save`): the slowest
+estimate times ``save_margin`` (plus :data:`SAVE_SLACK_SECONDS`) against the least time left. When it does
+not fit, no rank starts the save (none waits in the checkpointer's collectives for one that skipped): each
+acknowledges the step as not saved, with the numbers in ``why``, and leaves the loop at once, so the node is
+gone before its deadline instead of being killed mid-save, and the peers re-form without waiting out the
+grace; the new group resumes from the last committed step. No estimate (no save yet in this process) or no
+``save_by``: the save is tried, as before.
+
 Under stock torchrun (no mailbox) the helper turns SIGTERM to the worker (what torchrun forwards when its
 agent is stopped) into the same local notice, so the same loop saves the agreed step there too.
 """
@@ -42,13 +55,14 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import signal
 import stat
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -71,6 +85,11 @@ DEFAULT_SYNC_EVERY = 8
 #: fail runs the training tolerates (rank 0 evaluating for minutes between two sync steps), a longer one
 #: only delays the error when a peer is gone without its connection closing.
 DEFAULT_VOTE_TIMEOUT = timedelta(minutes=30)
+DEFAULT_SAVE_MARGIN = 1.5
+"""A planned save is started only when the slowest recent save times this fits before ``save_by``: storage
+and the host are slower at preemption time (the node is draining) than during steady training."""
+SAVE_SLACK_SECONDS = 0.5
+"""Added to every estimate: the acknowledgement, the workers' exit and the agent's tick after the commit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +100,8 @@ class WorkerNotice:
     """``preempt`` (this node goes away), ``peer_preempt`` (another node does), ``resize`` (a node joins)."""
     deadline: float | None
     source: str = ""
+    save_by: float | None = None
+    """Wall-clock time the agent stops waiting for the save (``deadline - stop_grace``); None: no bound."""
 
 
 _HELPER_FILE = re.compile(r"helper-(\d+)")
@@ -109,7 +130,8 @@ class Mailbox:
     # --- agent side
     def post(self, notice: WorkerNotice) -> None:
         _write_atomic(os.path.join(self.path, NOTICE_FILE),
-                      {"reason": notice.reason, "deadline": notice.deadline, "source": notice.source})
+                      {"reason": notice.reason, "deadline": notice.deadline, "source": notice.source,
+                       "save_by": notice.save_by})
 
     def clear(self) -> None:
         """Empty the mailbox before a new worker group starts (its notice and acks were for the old one)."""
@@ -139,20 +161,37 @@ class Mailbox:
         return out
 
     def acks(self) -> dict[int, int]:
-        """local rank -> step it committed and stopped at."""
+        """local rank -> step it committed and stopped at (acknowledgements of unsaved steps excluded: see
+        :meth:`unsaved`)."""
         out: dict[int, int] = {}
         for rank, record in self._read_acks().items():
             try:
-                out[rank] = int(record["step"])
+                if _saved(record):
+                    out[rank] = int(record["step"])
+            except (KeyError, TypeError, ValueError):
+                continue
+        return out
+
+    def unsaved(self) -> dict[int, tuple[int, str]]:
+        """local rank -> (step it stopped at without saving, why): the save could not commit before
+        ``save_by``."""
+        out: dict[int, tuple[int, str]] = {}
+        for rank, record in self._read_acks().items():
+            try:
+                if not _saved(record):
+                    out[rank] = (int(record["step"]), str(record.get("why") or "not saved"))
             except (KeyError, TypeError, ValueError):
                 continue
         return out
 
     def committed_at(self) -> float | None:
         """Wall-clock time by which every worker that acknowledged had its step committed (the latest
-        acknowledgement: each is written right after its commit), or None without a timed acknowledgement."""
+        acknowledgement: each is written right after its commit), or None without a timed acknowledgement
+        of a committed step."""
         times: list[float] = []
         for record in self._read_acks().values():
+            if not _saved(record):
+                continue
             try:
                 times.append(float(record["time"]))
             except (KeyError, TypeError, ValueError):
@@ -212,13 +251,30 @@ class Mailbox:
             return None
         except (OSError, ValueError):
             return WorkerNotice("preempt", None, "unreadable notice")  # a half-seen notice is still a notice
-        return WorkerNotice(str(data.get("reason", "preempt")), data.get("deadline"), str(data.get("source", "")))
+        return WorkerNotice(str(data.get("reason", "preempt")), data.get("deadline"), str(data.get("source", "")),
+                            _seconds_or_none(data.get("save_by")))
 
     def register_helper(self, local_rank: int) -> None:
         _write_atomic(os.path.join(self.path, f"helper-{local_rank}"), {"pid": os.getpid()})
 
-    def acknowledge(self, local_rank: int, step: int) -> None:
-        _write_atomic(os.path.join(self.path, f"ack-{local_rank}.json"), {"step": step, "time": time.time()})
+    def acknowledge(self, local_rank: int, step: int, *, saved: bool = True, why: str | None = None) -> None:
+        record: dict[str, Any] = {"step": step, "time": time.time()}
+        if not saved:  # a committed step keeps the old record: older agents read it unchanged
+            record.update(saved=False, why=why or "not saved")
+        _write_atomic(os.path.join(self.path, f"ack-{local_rank}.json"), record)
+
+
+def _saved(record: dict[str, Any]) -> bool:
+    """An acknowledgement of a committed step (records written before ``saved`` existed all are)."""
+    return record.get("saved", True) is not False
+
+
+def _seconds_or_none(value: Any) -> float | None:
+    """A wall-clock time from a mailbox file, or None when absent or not a finite number (a bad ``save_by``
+    only costs the deadline check: the save is tried, as without one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def _hold_lock(path: str) -> int:
@@ -345,22 +401,64 @@ def is_sync_step(step: int, sync_every: int) -> bool:
     return step % sync_every == 0
 
 
+@dataclass(frozen=True, slots=True)
+class SaveDecision:
+    """Whether the ranks start the planned save (the same on every rank: made from the same numbers)."""
+
+    save: bool
+    why: str = ""
+    """Why not, with the numbers (empty when saving)."""
+
+
+def decide_planned_save(step: int, reports: Sequence[Sequence[float | None]], *,
+                        margin: float = DEFAULT_SAVE_MARGIN) -> SaveDecision:
+    """Start the planned save of ``step``, or not, from every rank's ``[estimate, seconds_left]`` (either None:
+    unknown). The slowest estimate must fit, times ``margin`` plus :data:`SAVE_SLACK_SECONDS`, in the least
+    time left; without an estimate or without a bound the save is tried (nothing better to go on)."""
+    estimates = [e for e, _ in reports if e is not None]
+    lefts = [left for _, left in reports if left is not None]
+    if not estimates or not lefts:
+        return SaveDecision(True)
+    needed = max(estimates) * margin + SAVE_SLACK_SECONDS
+    left = min(lefts)
+    if needed <= left:
+        return SaveDecision(True)
+    return SaveDecision(False, f"save of step {step} needs ~{needed:.1f} s (estimate "
+                               f"{max(estimates):.2f} s x {margin:g} + {SAVE_SLACK_SECONDS:g} s), "
+                               f"{max(left, 0.0):.1f} s left before the deadline (less the stop grace)")
+
+
+def _report(value: Any) -> float | None:
+    """A rank's number for the all-gather (JSON: a float or None)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 class Preemption:
     """Answers "stop here?" identically on every rank (see the module docstring for the protocol).
 
     Construct it on every rank after ``init_process_group`` (it creates a gloo group: collective).
-    ``timeout`` bounds each vote (see :data:`DEFAULT_VOTE_TIMEOUT`).
+    ``timeout`` bounds each vote (see :data:`DEFAULT_VOTE_TIMEOUT`); ``save_margin`` multiplies the save-time
+    estimate when deciding whether the planned save fits before the agent's ``save_by``
+    (see :data:`DEFAULT_SAVE_MARGIN`).
     """
 
     def __init__(self, *, sync_every: int = DEFAULT_SYNC_EVERY, process_group: Any = None,
-                 mailbox_dir: str | None = None, timeout: timedelta = DEFAULT_VOTE_TIMEOUT) -> None:
+                 mailbox_dir: str | None = None, timeout: timedelta = DEFAULT_VOTE_TIMEOUT,
+                 save_margin: float = DEFAULT_SAVE_MARGIN) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1 (steps between notice checks), got {sync_every!r}")
         if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
             raise ValueError(f"timeout must be a positive datetime.timedelta (how long a vote waits for the "
                              f"peers), got {timeout!r}")
+        if isinstance(save_margin, bool) or not isinstance(save_margin, int | float) or not (
+                math.isfinite(save_margin) and save_margin >= 1):
+            raise ValueError(f"save_margin must be a number >= 1 (how many times the slowest recent save a "
+                             f"planned save is allowed before the deadline), got {save_margin!r}")
         self.sync_every = sync_every
         self.timeout = timeout
+        self.save_margin = float(save_margin)
+        self.skipped: SaveDecision | None = None
+        """Set when the agreed step's save was not started (it could not commit before ``save_by``)."""
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         path = mailbox_dir if mailbox_dir is not None else find_mailbox()
         self.mailbox = Mailbox(path) if path else None
@@ -405,26 +503,49 @@ class Preemption:
         return True
 
     def _any_rank(self, step: int, flag: bool) -> bool:
+        (anyone,) = self._collective(step, self._vote.any, flag)
+        return anyone
+
+    def _collective(self, step: int, fn: Any, *args: Any) -> Any:
         try:
-            (anyone,) = self._vote.any(flag)
+            return fn(*args)
         except RuntimeError as exc:  # gloo's timeout and closed-connection errors (DistBackendError)
             raise PlannedStopVoteError(
                 f"[rank {os.environ.get('RANK', '0')} step {step}] the planned-stop vote failed: a peer rank did "
                 f"not reach step {step} within {self.timeout.total_seconds():.0f} s, or left: {exc}"
             ) from exc
-        return anyone
 
-    def acknowledge(self, step: int) -> None:
-        """Tell the agent this worker committed ``step`` and is leaving for the planned change."""
+    def _decide_save(self, ckpt: Any, step: int) -> SaveDecision:
+        """The same decision on every rank: one all-gather of (estimate, seconds left) on the vote's group."""
+        # Any object with save/wait is accepted; the estimate is optional (None: try the save).
+        estimate = _report(getattr(ckpt, "save_seconds_estimate", None))
+        save_by = self.notice.save_by if self.notice is not None else None
+        left = None if save_by is None else save_by - time.time()
+        reports = self._collective(step, self._vote.all_gather, [estimate, left])
+        return decide_planned_save(step, reports, margin=self.save_margin)
+
+    def acknowledge(self, step: int, *, saved: bool = True, why: str | None = None) -> None:
+        """Tell the agent this worker committed ``step`` (or, ``saved=False``, stopped at it without a save,
+        because of ``why``) and is leaving for the planned change."""
         if self.mailbox is not None:
-            self.mailbox.acknowledge(self.local_rank, step)
+            self.mailbox.acknowledge(self.local_rank, step, saved=saved, why=why)
 
     def save_and_stop(self, ckpt: Any, step: int, state: Any) -> bool:
         """If this is the agreed step: save ``state`` as ``step`` with ``ckpt`` (a ``Checkpointer``), wait for
-        the commit, acknowledge, and return True (leave the training loop). Otherwise False (microseconds)."""
+        the commit, acknowledge, and return True (leave the training loop). Otherwise False (microseconds).
+
+        When the save cannot commit before the agent's ``save_by`` (see the module docstring), no rank starts
+        it: the step is acknowledged as not saved (``skipped`` says why) and True is returned all the same."""
         if not self.should_stop(step):
             return False
         if ckpt is not None:
+            decision = self._decide_save(ckpt, step)
+            if not decision.save:
+                self.skipped = decision
+                logger.warning("[rank %s] step %d not saved for the planned change: %s",
+                               os.environ.get("RANK", "0"), step, decision.why)
+                self.acknowledge(step, saved=False, why=decision.why)
+                return True
             began = time.monotonic()
             ckpt.save(step, state)
             ckpt.wait()

@@ -241,6 +241,38 @@ def test_when_busy_refuse(backend, monkeypatch) -> None:
         assert list_steps(ckpt.storage).committed == [1, 3]
 
 
+def test_save_seconds_estimate_is_the_slowest_recent_committed_save(backend, monkeypatch) -> None:
+    """What a planned save is measured against (elastic.preemption): save() to commit, failures not counted."""
+    from checkpoint.checkpointer import SAVE_TIMES_KEPT
+
+    state = make_state(15)
+    with Checkpointer(backend.uri, backend.config()) as ckpt:
+        assert ckpt.save_seconds_estimate is None and ckpt.recent_save_seconds == (), "no guess before a save"
+        release = gate_shard_writes(monkeypatch)
+        ckpt.save(1, state)
+        threading.Timer(0.6, release.set).start()  # a slow write: the commit comes >= 0.6 s after save()
+        ckpt.wait()
+        monkeypatch.undo()
+        slow = ckpt.save_seconds_estimate
+        assert slow is not None and slow >= 0.6, "the write time counts, not only the staging copy"
+        for step in range(2, 2 + SAVE_TIMES_KEPT - 1):
+            ckpt.save(step, state)
+            ckpt.wait()
+        assert len(ckpt.recent_save_seconds) == SAVE_TIMES_KEPT and ckpt.save_seconds_estimate == slow
+        ckpt.save(2, state)  # already committed: fails, and is not timed
+        with pytest.raises(CheckpointError, match="already committed"):
+            ckpt.wait()
+        assert ckpt.save_seconds_estimate == slow
+        release = gate_shard_writes(monkeypatch)
+        ckpt.save(10, state)
+        assert ckpt.save_seconds_estimate == 2 * slow, "a save in flight: the next one waits for it first"
+        release.set()
+        ckpt.wait()
+        monkeypatch.undo()
+        assert len(ckpt.recent_save_seconds) == SAVE_TIMES_KEPT, "only the last few"
+        assert ckpt.save_seconds_estimate is not None and ckpt.save_seconds_estimate < slow, "the slow one aged out"
+
+
 def test_sync_mode_commits_before_returning(backend) -> None:
     with Checkpointer(backend.uri, backend.config(async_mode=False)) as ckpt:
         ckpt.save(1, make_state(14))

@@ -10,6 +10,7 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -126,9 +127,11 @@ def test_sigterm_is_the_notice_without_a_mailbox(monkeypatch: pytest.MonkeyPatch
         signal.signal(signal.SIGTERM, previous)
 
 
-def _two_ranks(rank: int, world: int, root: str) -> tuple[int, int | None, int | None, list[float], str]:
+def _two_ranks(rank: int, world: int, root: str) -> tuple[int, int | None, int | None, list[float], str, Any]:
     """Rank 1's agent posts a notice at step 5; rank 0's never does: both must stop at the same step and
-    commit it once. Then a vote rank 1 never joins: rank 0 fails within the vote's timeout, naming it."""
+    commit it once. Then rank 1's agent posts a notice whose ``save_by`` is already past: neither rank
+    starts the save (rank 0, which has time, follows rank 1's answer). Then a vote rank 1 never joins: rank 0
+    fails within the vote's timeout, naming it."""
     import torch.distributed as dist
 
     from checkpoint import CheckpointConfig, Checkpointer
@@ -148,7 +151,13 @@ def _two_ranks(rank: int, world: int, root: str) -> tuple[int, int | None, int |
                 box.post(WorkerNotice("preempt", None, "test"))
             if helper.save_and_stop(ckpt, step, state):
                 break
-        latest = ckpt.latest()
+        latest, acked = ckpt.latest(), box.acks().get(0)
+        again = Preemption(sync_every=1, mailbox_dir=box.path)
+        if rank == 1:
+            box.post(WorkerNotice("preempt", time.time() + 1, "test", save_by=time.time()))
+        weights += 1
+        assert again.save_and_stop(ckpt, step + 1, state), "both ranks stop at the next step"
+        skipped = [ckpt.latest(), box.unsaved().get(0, (None, ""))[0], again.skipped is not None]
     lonely = Preemption(sync_every=1, mailbox_dir=box.path, timeout=timedelta(seconds=1))
     vote_error = ""
     if rank == 0:
@@ -157,7 +166,7 @@ def _two_ranks(rank: int, world: int, root: str) -> tuple[int, int | None, int |
             lonely.should_stop(7)
         vote_error = f"{type(caught.value).__name__} after {time.monotonic() - began:.1f} s"
     dist.barrier()  # rank 1 waits here (the training's group) until rank 0's vote timed out
-    return step, latest, box.acks().get(0), weights.tolist(), vote_error
+    return step, latest, acked, weights.tolist(), vote_error, skipped
 
 
 @pytest.mark.slow
@@ -167,6 +176,7 @@ def test_every_rank_agrees_on_the_step_and_commits_it(tmp_path: Path) -> None:
     assert [r[0] for r in results] == [6, 6], "both ranks stop at the first sync step after the notice"
     assert [r[1] for r in results] == [6, 6], "and that step is committed"
     assert [r[2] for r in results] == [6, 6], "and each rank acknowledged it to its agent"
+    assert [r[5] for r in results] == [[6, 7, True], [6, 7, True]], "step 7 not saved on any rank, acknowledged so"
     error, seconds = results[0][4].split(" after ")
     assert error == "PlannedStopVoteError" and float(seconds.split()[0]) < 10, "a vote is bounded by its timeout"
 
