@@ -509,9 +509,9 @@ class SpotrunAgent(LocalElasticAgent):
 
             self._publish_own_notice()
 
-            if state == WorkerState.HEALTHY and (step := self._leaving_step()) is not None:
-                # CHANGE: this node's workers committed the agreed step and are on their way out: leave now.
-                return self._leave_after_acknowledgement(step)
+            if state == WorkerState.HEALTHY and (leaving := self._leaving_stop()) is not None:
+                # CHANGE: this node's workers stopped at the agreed step and are on their way out: leave now.
+                return self._leave_after_acknowledgement(leaving)
             if state == WorkerState.SUCCEEDED:
                 # CHANGE: workers that acknowledged a step stopped for a planned change: the job is not over.
                 stopped = self._acknowledged_stop()
@@ -612,18 +612,18 @@ class SpotrunAgent(LocalElasticAgent):
         step = ACK_POLL_INTERVAL if leaving else timeout
         while True:
             remaining = timeout - (time.monotonic() - began)
-            if remaining <= 0 or (leaving and self._acknowledged_step() is not None):
+            if remaining <= 0 or (leaving and self._acknowledged_stop() is not None):
                 return
             if wait_for_workers(processes, returns, min(step, remaining)):
                 # never spin: a worker that returned stays "ready" until torch's next poll has read it
                 time.sleep(max(0.0, min(timeout, 0.01) - (time.monotonic() - began)))
                 return
 
-    def _leaving_step(self) -> int | None:
-        """The step this node's workers all committed and acknowledged for its own notice, else None."""
+    def _leaving_stop(self) -> Stopped | None:
+        """Where this node's workers all stopped (committed, or skipped the save) for its own notice, else None."""
         if self._own_notice is None or self._posted is None:
             return None
-        return self._acknowledged_step()
+        return self._acknowledged_stop()
 
     def _committed_at(self) -> float | None:
         """When the local workers had committed the agreed step (for the events: the start of a planned
@@ -748,14 +748,15 @@ class SpotrunAgent(LocalElasticAgent):
         # Workers that use the helper and exit 0 without stopping at an agreed step finished the run.
         return self._left_result(workers_finished=stopped is None)
 
-    def _leave_after_acknowledgement(self, step: int) -> RunResult:
-        """Every local worker committed ``step`` for this node's notice and is exiting: revoke the lease first,
-        so the peers re-form while the workers tear down (process groups, interpreter exit: 0.1-0.3 s that
-        nothing of this node is needed for any more), then wait for them, bounded by the notice's deadline.
+    def _leave_after_acknowledgement(self, stopped: Stopped) -> RunResult:
+        """Every local worker stopped at the agreed step for this node's notice (committed it, or skipped a
+        save that could not commit in time) and is exiting: revoke the lease first, so the peers re-form while
+        the workers tear down (process groups, interpreter exit: 0.1-0.3 s that nothing of this node is needed
+        for any more), then wait for them, bounded by the notice's deadline.
 
-        Workers that fail after their acknowledgement still fail the agent (as before): the committed step
-        is recorded in the ``planned_leave`` event either way."""
-        self._leave(step=step, why=None)
+        Workers that fail after their acknowledgement still fail the agent (as before): the ``planned_leave``
+        event records the stop either way."""
+        self._leave(step=stopped.committed, why=stopped.why, agreed_step=stopped.step)
         notice = self._own_notice
         until = notice.deadline - self._settings.stop_grace if notice is not None else time.time()
         result = self._monitor_workers(self._worker_group)
@@ -764,7 +765,8 @@ class SpotrunAgent(LocalElasticAgent):
             result = self._monitor_workers(self._worker_group)
         self._stop_workers(self._worker_group)  # past the deadline: those still running go now
         if result.state == WorkerState.FAILED:
-            logger.warning("%s workers failed after committing step %d for the planned leave", self._ctx(), step)
+            logger.warning("%s workers failed after stopping at step %d for the planned leave", self._ctx(),
+                           stopped.step)
             self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
             return result
         return self._left_result(workers_finished=False)

@@ -185,9 +185,10 @@ def test_a_leaving_node_revokes_its_lease_before_its_acknowledged_workers_exit(t
     box.register_helper(0)
     agent.receive_notice(Notice("sigterm", time.time() + 60, "SIGTERM"))
     assert agent._planned_tick() is PlannedTick.WAITING
-    assert agent._leaving_step() is None, "nothing acknowledged yet"
+    assert agent._leaving_stop() is None, "nothing acknowledged yet"
     box.acknowledge(0, 12)
-    assert agent._leaving_step() == 12
+    stopped = agent._leaving_stop()
+    assert stopped is not None and stopped.committed == 12
     seen: list[tuple[int, str]] = []  # (leaves so far, worker state) at each look at the workers
 
     def monitor(group: Any) -> RunResult:
@@ -197,7 +198,7 @@ def test_a_leaving_node_revokes_its_lease_before_its_acknowledged_workers_exit(t
 
     agent._monitor_workers = monitor  # type: ignore[method-assign]
     agent._stop_workers = lambda group: events.records.append({"event": "workers_stopped"})  # type: ignore[method-assign]
-    result = agent._leave_after_acknowledgement(12)
+    result = agent._leave_after_acknowledgement(stopped)
     assert seen[0] == (1, "HEALTHY"), "the lease was revoked while the workers were still running"
     assert result.state == WorkerState.SUCCEEDED and agent.exit_status == 0
     names = [e["event"] for e in events.records]
@@ -215,8 +216,12 @@ def test_workers_that_fail_after_their_acknowledgement_still_fail_the_leaving_ag
     box.register_helper(0)
     agent.receive_notice(Notice("sigterm", time.time() + 60, "SIGTERM"))
     agent._planned_tick()
-    box.acknowledge(0, 4)
+    box.acknowledge(0, 4, saved=False, why="no time")
+    stopped = agent._leaving_stop()
+    assert stopped is not None and stopped.committed is None and stopped.step == 4, "an unsaved stop leaves early too"
     agent._monitor_workers = lambda group: RunResult(state=WorkerState.FAILED)  # type: ignore[method-assign]
     agent._stop_workers = lambda group: None  # type: ignore[method-assign]
-    assert agent._leave_after_acknowledgement(4).state == WorkerState.FAILED
+    assert agent._leave_after_acknowledgement(stopped).state == WorkerState.FAILED
+    (leave,) = [e for e in events.records if e["event"] == "planned_leave"]
+    assert leave["saved"] is False and leave["agreed_step"] == 4 and leave["why"] == "no time"
     assert [e["state"] for e in events.records if e["event"] == "run_finished"] == ["FAILED"]
