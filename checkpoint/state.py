@@ -13,7 +13,8 @@ and returns a :class:`FlatState`:
   as ``{"__bytes__": base64}``. Tuples are stored as lists and come back as tuples where the live value
   has a tuple; int dict keys come back as ints where the live dict has them.
 
-Load is ``flat = flatten(live)`` (the destination pieces), fill every ``flat.items[i].tensor`` from the
+Load is ``flat = flatten(live, keep_state_dicts=True)`` (the destination pieces; keeping each entry's
+``state_dict()`` lets ``apply`` reuse it instead of asking the object again), fill every ``flat.items[i].tensor`` from the
 checkpoint, replace ``flat.objects`` with the checkpoint's objects, then ``apply(live, flat)``, which rebuilds
 each value from the loaded skeleton and pushes it back (``set_model_state_dict``,
 ``set_optimizer_state_dict``, ``load_state_dict``, in-place copy for plain tensors, assignment for JSON

@@ -70,7 +70,6 @@ from elastic.planned import (
     GroupView,
     PlannedStep,
     Stopped,
-    all_acknowledged,
     all_stopped,
     leave_exit_code,
     unplanned_loss,
@@ -592,11 +591,6 @@ class SpotrunAgent(LocalElasticAgent):
             return len(self._mailbox.helpers()) >= self._worker_group.spec.local_world_size
         except OSError:
             return False
-
-    def _acknowledged_step(self) -> int | None:
-        if self._mailbox is None:
-            return None
-        return all_acknowledged(self._mailbox.acks(), self._worker_group.spec.local_world_size)
 
     def _wait_for_planned_stop(self, timeout: float, *, poll_acks: bool = True) -> None:
         """Up to ``timeout`` s, returning as soon as a local worker returns or exits, or (this node leaving)

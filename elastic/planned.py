@@ -106,15 +106,6 @@ def leave_exit_code(*, workers_finished: bool, configured: int) -> int:
     return 0 if workers_finished else configured
 
 
-def all_acknowledged(acks: dict[int, int], local_world_size: int) -> int | None:
-    """The step every local worker committed and stopped at, or None if one has not acknowledged (or they
-    disagree, which the agreement protocol rules out)."""
-    steps = set(acks.values())
-    if len(acks) < local_world_size or len(steps) != 1:
-        return None
-    return steps.pop()
-
-
 @dataclass(frozen=True, slots=True)
 class Stopped:
     """Where the local workers stopped for a planned change."""
@@ -137,6 +128,9 @@ def all_stopped(saved: dict[int, int], unsaved: dict[int, tuple[int, str]], loca
     (``unsaved``: local rank -> (step, why)); None if one has not (or they disagree). One unsaved
     acknowledgement makes the step unsaved: the ranks decide together, but a step is committed only if all
     say so."""
+    ranks = range(local_world_size)  # a stray ack-99.json must not stand in for a rank that is still saving
+    saved = {rank: step for rank, step in saved.items() if rank in ranks}
+    unsaved = {rank: record for rank, record in unsaved.items() if rank in ranks}
     steps = {*saved.values(), *(step for step, _ in unsaved.values())}
     if len(saved.keys() | unsaved.keys()) < local_world_size or len(steps) != 1:
         return None

@@ -105,6 +105,7 @@ class WorkerNotice:
 
 
 _HELPER_FILE = re.compile(r"helper-(\d+)")
+_ACK_FILE = re.compile(r"ack-(\d+)\.json")
 
 class Mailbox:
     """The files of one agent's mailbox; both the agent and its workers use this class (one protocol)."""
@@ -147,55 +148,36 @@ class Mailbox:
         # Only finished files: a worker's atomic write first creates "helper-N.tmpPID" beside its target.
         return {int(m.group(1)) for n in os.listdir(self.path) if (m := _HELPER_FILE.fullmatch(n))}
 
-    def _read_acks(self) -> dict[int, dict[str, Any]]:
-        """local rank -> its acknowledgement record (unreadable or malformed files are skipped)."""
-        out: dict[int, dict[str, Any]] = {}
+    def _read_acks(self) -> dict[int, _Ack]:
+        """local rank -> its acknowledgement (unreadable or malformed files are skipped: workers write them,
+        and nothing they write may crash the agent, which polls this every 10 ms while its node leaves)."""
+        out: dict[int, _Ack] = {}
         for name in os.listdir(self.path):
-            if name.startswith("ack-") and name.endswith(".json"):
-                try:
-                    record = _load_json(os.path.join(self.path, name))
-                    if isinstance(record, dict):
-                        out[int(name[4:-5])] = record
-                except (OSError, ValueError):
-                    continue
+            if (match := _ACK_FILE.fullmatch(name)) is None:
+                continue  # also a worker's half-written "ack-N.json.tmpPID"
+            try:
+                ack = _parse_ack(_load_json(os.path.join(self.path, name)))
+            except (OSError, ValueError):
+                continue
+            if ack is not None:
+                out[int(match.group(1))] = ack
         return out
 
     def acks(self) -> dict[int, int]:
         """local rank -> step it committed and stopped at (acknowledgements of unsaved steps excluded: see
         :meth:`unsaved`)."""
-        out: dict[int, int] = {}
-        for rank, record in self._read_acks().items():
-            try:
-                if _saved(record):
-                    out[rank] = int(record["step"])
-            except (KeyError, TypeError, ValueError):
-                continue
-        return out
+        return {rank: ack.step for rank, ack in self._read_acks().items() if ack.saved}
 
     def unsaved(self) -> dict[int, tuple[int, str]]:
         """local rank -> (step it stopped at without saving, why): the save could not commit before
         ``save_by``."""
-        out: dict[int, tuple[int, str]] = {}
-        for rank, record in self._read_acks().items():
-            try:
-                if not _saved(record):
-                    out[rank] = (int(record["step"]), str(record.get("why") or "not saved"))
-            except (KeyError, TypeError, ValueError):
-                continue
-        return out
+        return {rank: (ack.step, ack.why) for rank, ack in self._read_acks().items() if not ack.saved}
 
     def committed_at(self) -> float | None:
         """Wall-clock time by which every worker that acknowledged had its step committed (the latest
         acknowledgement: each is written right after its commit), or None without a timed acknowledgement
         of a committed step."""
-        times: list[float] = []
-        for record in self._read_acks().values():
-            if not _saved(record):
-                continue
-            try:
-                times.append(float(record["time"]))
-            except (KeyError, TypeError, ValueError):
-                continue
+        times = [ack.time for ack in self._read_acks().values() if ack.saved and ack.time is not None]
         return max(times) if times else None
 
     def publish_link(self, run_id: str, group_rank: int) -> None:
@@ -262,6 +244,29 @@ class Mailbox:
         if not saved:  # a committed step keeps the old record: older agents read it unchanged
             record.update(saved=False, why=why or "not saved")
         _write_atomic(os.path.join(self.path, f"ack-{local_rank}.json"), record)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ack:
+    """One worker's acknowledgement, validated."""
+
+    step: int
+    time: float | None
+    saved: bool
+    why: str
+
+
+def _parse_ack(record: Any) -> _Ack | None:
+    """An ``ack-N.json`` record, or None when it is not one (wrong types, a bool or non-finite number, ...)."""
+    if not isinstance(record, dict):
+        return None
+    step, when = record.get("step"), record.get("time")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+        when = None
+    saved = _saved(record)
+    return _Ack(step, None if when is None else float(when), saved, "" if saved else str(record.get("why") or "not saved"))
 
 
 def _saved(record: dict[str, Any]) -> bool:

@@ -29,6 +29,7 @@ import hashlib
 import logging
 import mmap
 import os
+import random
 import re
 import shutil
 import signal
@@ -273,7 +274,12 @@ def _create_locked(path: str) -> tuple[int, mmap.mmap]:
     """A zeroed progress file at ``path`` (replacing a stale one), locked before it gets its name so that a
     sweep that sees the name can never take the lock of a live agent; returns (lock descriptor, mapping)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # our own leftover; another user's name here makes the O_EXCL below fail instead
+    # O_EXCL | O_NOFOLLOW: the name is guessable in a shared /dev/shm, and a symlink planted there must not make
+    # the agent truncate and write into the link's target (nor a FIFO block it).
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    mm: mmap.mmap | None = None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, SIZE)
@@ -282,6 +288,8 @@ def _create_locked(path: str) -> tuple[int, mmap.mmap]:
         struct.pack_into("<Q", mm, _MAGIC, MAGIC)
         os.rename(tmp, path)
     except BaseException:
+        if mm is not None:
+            mm.close()
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -302,7 +310,11 @@ def remove_orphaned_progress_files(root: str | None = None, *, limit: int = SWEE
         names = [n for n in os.listdir(folder) if n.startswith(prefix) and not _is_aux_name(n)]
     except OSError:
         return 0
-    removed = sum(_remove_if_orphaned(os.path.join(folder, name)) for name in names[:limit])
+    # A random sample when there are more: live and older-format files are never removed, so a fixed order
+    # could keep every sweep on the same first ``limit`` names.
+    if len(names) > limit:
+        names = random.sample(names, limit)
+    removed = sum(_remove_if_orphaned(os.path.join(folder, name)) for name in names)
     if removed:
         logger.info("removed %d progress file(s) of dead agents under %s", removed, folder)
     return removed
@@ -331,6 +343,9 @@ def _remove_if_orphaned(path: str) -> bool:
             return False  # its agent lives
         if os.stat(path, follow_symlinks=False).st_ino != info.st_ino:
             return False  # replaced since we opened it (a new agent of that run): not ours to judge
+        # Left: a new agent of the same run and ranks on this host renaming its file onto this name between
+        # the check above and the unlink below (a third agent sweeping at that instant) loses that file: a
+        # worker that had not attached yet then cannot, and is judged by its /proc activity alone.
         for name in (path, dump_path(path)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)

@@ -82,8 +82,12 @@ def make_corpus(chars: int, seed: int) -> str:
     Learnable structure (words, agreement of the grammar) at a few KB, so a 2-layer model's loss visibly falls
     within a few hundred CPU steps."""
     # Python's generator, not torch's: every new worker builds the corpus before its first step, and ~1700
-    # one-element torch.randint calls cost ~10 ms of that (random.Random: ~1 ms, same determinism).
-    pick = random.Random(seed).choice
+    # one-element torch.randint calls cost ~10 ms of that (~1 ms here). Indexing by random() (whose stream
+    # Python guarantees across versions, unlike choice()) keeps nodes on different Pythons on one corpus.
+    rng = random.Random(seed)
+
+    def pick(options: tuple[str, ...]) -> str:
+        return options[int(rng.random() * len(options))]
 
     parts: list[str] = []
     size = 0

@@ -787,6 +787,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 mirror.committed, mirror.committed_mod = record, mod_revision
                 for stale in [n for n in mirror.joins if n <= record.number]:
                     del mirror.joins[stale]
+                for gone in [n for n in mirror.notices if n not in mirror.nodes]:  # kept for the last round only
+                    del mirror.notices[gone]
             elif rel == "closed":
                 mirror.closed_mod = mod_revision
                 mirror.closed = True
@@ -807,6 +809,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 log.warning("%sparticipant %s of round %d lost its lease", self._ctx(), node, committed.number)
         elif rel == "round":  # an ended run was cleared for reuse: numbering starts again
             mirror.committed, mirror.committed_mod = None, 0
+            for gone in [n for n in mirror.notices if n not in mirror.nodes]:
+                del mirror.notices[gone]
         elif rel.startswith("join/"):
             number, _, node = rel[len("join/") :].partition("/")
             joins = mirror.joins.get(int(number))
@@ -816,7 +820,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             mirror.closed_mod = 0
             mirror.closed = False
         elif rel.startswith("notice/"):
-            mirror.notices.pop(rel[len("notice/") :], None)
+            node = rel[len("notice/") :]
+            committed = mirror.committed
+            # The notice goes with its node's lease. A participant of the current round that left for it keeps
+            # it here until the next round: a node leaving for its notice revokes its lease ~10 ms after its
+            # workers acknowledged the agreed step, possibly before a peer's agent looked at the notices, and
+            # without it that peer would take the planned leave for a crash.
+            if committed is None or node not in committed.participants:
+                mirror.notices.pop(node, None)
 
     def _sleep_unless_stopped(self, seconds: float) -> None:
         """The watch loop's retry backoff: cut short by shutdown."""

@@ -9,8 +9,9 @@ ever connects too early; and the port is bound, not merely "free at commit time"
 with any other process on the host is gone).
 
 One server per round, bound before the commit (its port goes into the round record) and closed when a
-later round completes or the agent leaves: by then this round's workers have been stopped, so a new round
-always starts from an empty store (no stale keys even when ``TORCHELASTIC_RESTART_COUNT`` does not change
+later round completes or the agent shuts down (a node that ``leave()``s for its notice keeps it until it exits:
+its workers, and the peers', may still be tearing down their process groups). A later round's workers never
+see it: a new round always starts from an empty store (no stale keys even when ``TORCHELASTIC_RESTART_COUNT`` does not change
 across a planned round) - the same guarantee as before (pytorch#135712).
 
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torchrun's opt-out of its shared store) restores the old

@@ -160,6 +160,22 @@ def test_board_sees_optimizer_steps_heartbeats_and_dumps_a_stuck_workers_stack(t
     assert not list(tmp_path.iterdir())
 
 
+def test_a_symlink_planted_at_the_boards_temporary_name_is_not_followed(tmp_path: Path) -> None:
+    """/dev/shm is shared and the names are guessable: a link at ``<path>.tmp<pid>`` must not make the agent
+    truncate and write into its target."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 100)
+    path = progress_path("job", 0, 0, str(tmp_path))
+    os.symlink(victim, f"{path}.tmp{os.getpid()}")
+    board = ProgressBoard("job", root=str(tmp_path))
+    board.reset(group_rank=0, local_ranks=[0])
+    try:
+        assert victim.read_bytes() == b"precious" * 100, "the link's target was written"
+        assert not os.path.islink(path) and os.path.getsize(path) == 64
+    finally:
+        board.close()
+
+
 def test_the_progress_files_of_a_killed_agent_are_removed_by_the_next_ones_sweep(tmp_path: Path) -> None:
     """SIGKILL skips the board's close(): the files' locks die with the agent, a live agent's files stay."""
     root = str(tmp_path)

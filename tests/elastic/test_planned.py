@@ -17,7 +17,7 @@ import torch
 from elastic import planned
 from elastic.events import read_events
 from elastic.notice import Notice
-from elastic.planned import GroupView, PlannedStep, all_acknowledged, unplanned_loss, while_posted, worker_notice
+from elastic.planned import GroupView, PlannedStep, Stopped, all_stopped, unplanned_loss, while_posted, worker_notice
 from elastic.preemption import WorkerNotice
 from tests.harness.procs import (
     EXAMPLES,
@@ -73,9 +73,10 @@ def test_only_workers_that_used_the_helper_are_waited_for_and_only_while_time_is
 
 
 def test_all_local_workers_must_acknowledge_the_same_step() -> None:
-    assert all_acknowledged({0: 12, 1: 12}, 2) == 12
-    assert all_acknowledged({0: 12}, 2) is None
-    assert all_acknowledged({0: 12, 1: 16}, 2) is None
+    assert all_stopped({0: 12, 1: 12}, {}, 2) == Stopped(12, saved=True)
+    assert all_stopped({0: 12}, {}, 2) is None
+    assert all_stopped({0: 12, 1: 16}, {}, 2) is None
+    assert all_stopped({0: 12, 99: 12}, {}, 2) is None, "a stray ack-99.json is not rank 1's acknowledgement"
 
 
 # --- real agents ---------------------------------------------------------------------------------------------

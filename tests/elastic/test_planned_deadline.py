@@ -215,7 +215,7 @@ def test_a_peer_notice_too_close_re_forms_without_claiming_the_step(
 def test_the_agent_counts_only_saved_acknowledgements_as_a_committed_step(tmp_path: Path) -> None:
     _, agent, box, _, _, _ = _agent_and_worker(tmp_path)
     box.acknowledge(0, 8, saved=False, why="no time")
-    assert agent._acknowledged_step() is None, "an unsaved step is not a committed one"
+    assert agent._acknowledged_stop().committed is None, "an unsaved step is not a committed one"
     assert agent._acknowledged_stop() == Stopped(8, saved=False, why="no time")
     box.acknowledge(0, 8)
-    assert agent._acknowledged_step() == 8 and agent._acknowledged_stop() == Stopped(8, saved=True)
+    assert agent._acknowledged_stop() == Stopped(8, saved=True)

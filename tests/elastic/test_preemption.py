@@ -109,6 +109,23 @@ def test_the_mailbox_of_a_killed_agent_is_removed_by_the_next_one(tmp_path: Path
     assert not os.path.exists(live.path)
 
 
+@pytest.mark.parametrize("name, body", [
+    ("ack-1.json", '{"step": 1e400, "time": 1.0}'),  # inf: int() raised OverflowError, uncaught
+    ("ack-1.json", '{"step": true, "time": 1.0}'),
+    ("ack-1.json", '{"step": -3, "time": 1.0}'),
+    ("ack-1.json", '{"step": "7", "time": 1.0}'),
+    ("ack-+1.json", '{"step": 7, "time": 1.0}'),  # int("+1") and int("1_0") parse: not names we write
+    ("ack-1_0.json", '{"step": 7, "time": 1.0}'),
+])
+def test_a_malformed_acknowledgement_is_skipped(tmp_path: Path, name: str, body: str) -> None:
+    """The agent polls the acknowledgements every 10 ms while its node leaves: none may crash it."""
+    box = Mailbox(str(tmp_path))
+    box.acknowledge(0, 7)
+    (tmp_path / name).write_text(body)
+    assert box.acks() == {0: 7} and box.unsaved() == {}
+    assert box.committed_at() is not None
+
+
 def test_sync_every_is_validated() -> None:
     with pytest.raises(ValueError, match="sync_every"):
         Preemption(sync_every=0, mailbox_dir="/nonexistent")

@@ -414,7 +414,7 @@ def test_a_node_that_leaves_keeps_serving_its_workers_store_until_shutdown(etcd_
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_a_published_notice_reaches_peers_and_vanishes_with_the_node(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+def test_a_published_notice_reaches_peers_and_outlives_the_leaver_for_its_round(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
     config = make_config(etcd_server.endpoint, run_id="notice", min_nodes=2, max_nodes=2)
     a, b = handlers(config, "a"), handlers(config, "b")
     rendezvous_all(pool, [a, b])
@@ -427,9 +427,11 @@ def test_a_published_notice_reaches_peers_and_vanishes_with_the_node(etcd_server
     a.leave()
     assert b.wait_membership_change(LOSS_BOUND_S), "a revoked lease is seen at once"
     assert b.lost_peers() == {"a"}
-    while b.peer_notices() and time.monotonic() < deadline:
-        b.wait_membership_change(0.05)
-    assert b.peer_notices() == {}, "the notice is attached to the leaver's lease"
+    # The key went with a's lease, but b keeps a's notice for the rest of the round: a node leaving for its
+    # notice revokes its lease right after its workers' acknowledgement, possibly before b's agent looked.
+    assert b.peer_notices() == {"a": {"source": "sigterm", "deadline": 123.5, "node": "a"}}
+    rendezvous_all(pool, [b, handlers(config, "c")])  # the next round, without a
+    assert b.peer_notices() == {}, "gone with the round the leaver belonged to"
 
 
 def test_an_address_this_host_cannot_serve_is_a_clear_config_error() -> None:
