@@ -709,7 +709,7 @@ class SpotrunAgent(LocalElasticAgent):
         """Where every local worker stopped for the planned change, saved or not (None: they did not all)."""
         if self._mailbox is None:
             return None
-        return all_stopped(self._mailbox.acks(), self._mailbox.unsaved(), self._worker_group.spec.local_world_size)
+        return all_stopped(*self._mailbox.stops(), self._worker_group.spec.local_world_size)
 
     def _leave(self, *, step: int | None, why: str | None, agreed_step: int | None = None) -> None:
         """Revoke the lease and record the leave; ``step`` is the committed step (None: nothing saved, then

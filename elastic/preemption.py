@@ -166,12 +166,18 @@ class Mailbox:
     def acks(self) -> dict[int, int]:
         """local rank -> step it committed and stopped at (acknowledgements of unsaved steps excluded: see
         :meth:`unsaved`)."""
-        return {rank: ack.step for rank, ack in self._read_acks().items() if ack.saved}
+        return self.stops()[0]
 
     def unsaved(self) -> dict[int, tuple[int, str]]:
         """local rank -> (step it stopped at without saving, why): the save could not commit before
         ``save_by``."""
-        return {rank: (ack.step, ack.why) for rank, ack in self._read_acks().items() if not ack.saved}
+        return self.stops()[1]
+
+    def stops(self) -> tuple[dict[int, int], dict[int, tuple[int, str]]]:
+        """``(acks(), unsaved())`` from one read of the files (the agent polls this every 10 ms while leaving)."""
+        read = self._read_acks()
+        return ({rank: ack.step for rank, ack in read.items() if ack.saved},
+                {rank: (ack.step, ack.why) for rank, ack in read.items() if not ack.saved})
 
     def committed_at(self) -> float | None:
         """Wall-clock time by which every worker that acknowledged had its step committed (the latest
