@@ -14,15 +14,22 @@ Two python3-etcd3 quirks are handled here: a failed endpoint is blacklisted for 
 Three more things python3-etcd3 does not do: it authenticates once, in its constructor, so its token dies
 after etcd's ``--auth-token-ttl`` (300 s by default) of disuse and every later call fails with
 ``UNAUTHENTICATED: invalid auth token``; ``call`` re-authenticates and retries (``renew_token``, also used by
-the watch and lease threads). A TLS handshake failure looks like any UNAVAILABLE error; ``is_tls_failure``
-tells it apart so a wrong CA or a missing client certificate fails at once as ``RendezvousTLSError``
-instead of being retried for ``etcd_timeout``. Retry warnings are rate-limited to one per
+the watch and lease threads). A TLS handshake failure looks like any UNAVAILABLE error; ``classify`` tells
+the kinds apart from grpc's status code and the words of grpc's own TLS layer (never a bare "handshake": a TCP
+connect to an unreachable host says "tcp handshaker shutdown"), so a wrong CA or a missing client certificate
+fails at once as ``RendezvousTLSError`` instead of being retried for ``etcd_timeout``, while a partition is
+retried like any outage. The two failures grpc cannot name (a plaintext client of a TLS etcd sees "Socket
+closed", a TLS client of a plaintext etcd "Handshake read failed") are settled by asking the server itself
+(``probe_protocol``). Retry warnings are rate-limited to one per
 ``WARN_EVERY_S`` per call (the rest go to DEBUG), so an unreachable endpoint does not print dozens.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -72,8 +79,24 @@ PER_CALL_TIMEOUT = 5.0
 WARN_EVERY_S = 5.0
 """Fewest seconds between two WARNING lines about the retries of one etcd call."""
 
-# grpc reports a failed handshake as UNAVAILABLE with OpenSSL's words in the details.
-_TLS_MARKERS = ("ssl", "handshake", "certificate", "tls", "wrong_version_number")
+# grpc reports a failed TLS handshake as UNAVAILABLE, with its TLS layer's (TSI) and OpenSSL's words in the
+# details, e.g. "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: ...: CERTIFICATE_VERIFY_FAILED".
+# Only words that no TCP-level failure contains: "tcp handshaker shutdown" (a connect that timed out or a
+# dropped link) must stay an outage.
+_TLS_MARKERS = (
+    "tls handshake failed",
+    "tsi_protocol_failure",
+    "ssl_error_ssl",
+    "certificate_verify_failed",
+    "bad_certificate",
+    "certificate_required",
+    "wrong_version_number",
+)
+# A security mismatch grpc reports in words that a transient failure may use too: settled by a probe.
+_PLAINTEXT_CLIENT_OF_TLS = "socket closed"
+"""A plaintext client of a TLS etcd: the server closes the connection after the client's HTTP/2 preface."""
+_TLS_CLIENT_OF_PLAINTEXT = "handshake read failed"
+"""A TLS client of a plaintext etcd: the server closes the connection after the ClientHello."""
 
 # etcd's answers to an expired token (simple tokens die after --auth-token-ttl of disuse) or a token minted
 # before an auth change; both are cured by authenticating again.
@@ -115,13 +138,38 @@ def is_auth_refusal(cancel_reason: str) -> bool:
     return "permission denied" in reason or any(marker in reason for marker in _TOKEN_MARKERS)
 
 
+class Failure(enum.Enum):
+    """What a failed etcd RPC means for the caller."""
+
+    TLS = "tls"
+    """The TLS handshake failed (certificates, CA): permanent, the configuration must change."""
+    MAYBE_TLS_MISMATCH = "maybe-tls-mismatch"
+    """Plaintext against TLS or the reverse, or an ordinary broken connection: ``probe_protocol`` decides."""
+    TRANSIENT = "transient"
+    """etcd unreachable, restarting, electing a leader, overloaded: retry within etcd_timeout."""
+    PERMANENT = "permanent"
+    """etcd answered and refused (permission, bad request, not found): retrying cannot help."""
+
+
+def classify(code: grpc.StatusCode | None, details: str) -> Failure:
+    """Classify one grpc failure by its status code first, then, for UNAVAILABLE only, by the unambiguous
+    words of grpc's TLS layer. Pure: unit-tested with the exact details of each kind of failure."""
+    if code not in _TRANSIENT_CODES:
+        return Failure.PERMANENT
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return Failure.TRANSIENT
+    words = details.lower()
+    if any(marker in words for marker in _TLS_MARKERS):
+        return Failure.TLS
+    if _PLAINTEXT_CLIENT_OF_TLS in words or _TLS_CLIENT_OF_PLAINTEXT in words:
+        return Failure.MAYBE_TLS_MISMATCH
+    return Failure.TRANSIENT
+
+
 def is_tls_failure(exc: BaseException | None) -> bool:
     """The connection failed in the TLS handshake: retrying cannot help, the certificates must change."""
     exc = grpc_error(exc)
-    if exc is None or _grpc_code(exc) != grpc.StatusCode.UNAVAILABLE:
-        return False
-    details = _grpc_details(exc).lower()
-    return any(marker in details for marker in _TLS_MARKERS)
+    return exc is not None and classify(_grpc_code(exc), _grpc_details(exc)) is Failure.TLS
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -129,12 +177,66 @@ def is_transient(exc: BaseException) -> bool:
     if is_tls_failure(exc):
         return False
     if isinstance(exc, grpc.RpcError):
-        code = exc.code() if hasattr(exc, "code") else None
-        return code in _TRANSIENT_CODES
+        return classify(_grpc_code(exc), _grpc_details(exc)) in (Failure.TRANSIENT, Failure.MAYBE_TLS_MISMATCH)
     if isinstance(exc, Etcd3Exception):
         return True  # ConnectionFailed/Timeout/InternalServerError/NoServerAvailable
     # python3-etcd3 raises ValueError('Trying to use a failed node') while an endpoint is blacklisted.
     return isinstance(exc, ValueError) and "failed node" in str(exc)
+
+
+PROBE_TIMEOUT = 1.0
+"""Seconds ``probe_protocol`` waits to connect and for the server's first answer."""
+
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+_H2_SETTINGS = 0x04
+
+
+def probe_protocol(host: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | None:
+    """What the server at ``host:port`` speaks, asked directly: ``"tls"`` when it completes a TLS handshake or
+    answers one with a TLS alert, ``"plaintext"`` when it answers an HTTP/2 preface with a SETTINGS frame (as
+    etcd does without TLS), None when it cannot be told (unreachable, closed on both, or slow). Only a positive
+    answer counts: a server that merely closed the connection (a restarting etcd) never settles anything."""
+    if _answers_tls(host, port, timeout):
+        return "tls"
+    if _answers_h2c(host, port, timeout):
+        return "plaintext"
+    return None
+
+
+def _answers_tls(host: str, port: int, timeout: float) -> bool:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # asks what the server speaks, not whether to trust it
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw, context.wrap_socket(raw):
+            return True
+    except ssl.SSLError as exc:
+        # A TLS server that wants a client certificate (TLS 1.2) ends the handshake with an alert: TLS all the same.
+        return "alert" in str(exc).lower() and not isinstance(exc, ssl.SSLEOFError)
+    except OSError:
+        return False
+
+
+def _answers_h2c(host: str, port: int, timeout: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(_H2_PREFACE)
+            header = b""
+            while len(header) < 9:
+                chunk = sock.recv(9 - len(header))
+                if not chunk:
+                    return False
+                header += chunk
+            return header[3] == _H2_SETTINGS
+    except OSError:
+        return False
+
+
+def tls_mismatch(config: EtcdRendezvousConfig, spoken: str | None) -> bool:
+    """The client's TLS setting contradicts what the server was found to speak (pure)."""
+    if spoken is None:
+        return False
+    return (spoken == "tls") != (config.cacert is not None)
 
 
 def prefix_end(prefix: str) -> bytes:
@@ -157,6 +259,8 @@ class EtcdConnection:
         self._sleep = sleep
         self.per_call_timeout = min(PER_CALL_TIMEOUT, config.etcd_timeout)
         self._auth_lock = threading.Lock()
+        self._protocol_agrees = False
+        """A probe found the server speaking what we speak: "Socket closed" & co. are outages from then on."""
         self.client = self.call("connect", self._make_client)
 
     def _make_client(self) -> etcd3.MultiEndpointEtcd3Client:
@@ -214,11 +318,30 @@ class EtcdConnection:
                 return fn()
             except grpc.RpcError as exc:
                 if not is_token_expired(exc):
+                    self._check_protocol(exc)
                     raise
                 self.renew_token(exc)
                 raise _TokenRenewed(describe(exc)) from exc
+            except Etcd3Exception as exc:  # python3-etcd3's stand-in for UNAVAILABLE & co.
+                self._check_protocol(exc)
+                raise
 
         return attempt
+
+    def _check_protocol(self, exc: BaseException) -> None:
+        """Raise ``RendezvousTLSError`` when a failure that may be a TLS mismatch is one (asked of the server)."""
+        behind = grpc_error(exc)
+        if self._protocol_agrees or behind is None:
+            return
+        if classify(_grpc_code(behind), _grpc_details(behind)) is not Failure.MAYBE_TLS_MISMATCH:
+            return
+        for host, port in self.config.endpoints:
+            spoken = probe_protocol(host, port)
+            if tls_mismatch(self.config, spoken):
+                raise RendezvousTLSError(mismatch_advice(self.config, self._context(), host, port, spoken))
+            if spoken is not None:
+                self._protocol_agrees = True
+                return
 
     # ------------------------------------------------------------------ calls
     def call(self, what: str, fn: Callable[[], T], *, within: float | None = None) -> T:
@@ -241,16 +364,10 @@ class EtcdConnection:
             return retrying(self._renewing_token(fn))
         except RetryError as exc:
             cause = exc.last_attempt.exception()
-            # A plaintext client talking to a TLS etcd only ever sees the socket closed.
-            tls_hint = (
-                " If etcd serves TLS, pass cacert (and cert/key) in --rdzv-conf."
-                if self.config.cacert is None and "socket closed" in describe(cause).lower()
-                else ""
-            )
             raise RendezvousConnectionError(
                 f"{self._context()}etcd at {self.config.endpoint_str} unreachable for {limit:.0f} s "
                 f"while trying to {what}: {describe(cause)}. Check that etcd is running and "
-                f"reachable, or raise etcd_timeout in --rdzv-conf.{tls_hint}"
+                f"reachable, or raise etcd_timeout in --rdzv-conf."
             ) from cause
         except (grpc.RpcError, Etcd3Exception, ValueError) as exc:
             if is_tls_failure(exc):
@@ -362,6 +479,16 @@ def tls_advice(config: EtcdRendezvousConfig, context: str, exc: BaseException | 
     else:
         hint = "check that cacert signed etcd's certificate and that etcd trusts the CA of cert"
     return f"{context}TLS handshake with etcd at {config.endpoint_str} failed: {describe(exc)}. Hint: {hint}"
+
+
+def mismatch_advice(config: EtcdRendezvousConfig, context: str, host: str, port: int, spoken: str | None) -> str:
+    """A client and an etcd that disagree on TLS: which side speaks what, and what to pass."""
+    where = f"{host}:{port}"
+    if spoken == "tls":
+        return (f"{context}etcd at {where} speaks TLS but the rendezvous connects without it. Hint: pass cacert "
+                "(and cert/key if etcd checks client certificates) in --rdzv-conf")
+    return (f"{context}etcd at {where} speaks plaintext but the rendezvous connects with TLS (cacert is set). "
+            "Hint: remove cacert/cert/key from --rdzv-conf, or start etcd with TLS (--cert-file/--key-file)")
 
 
 def describe(exc: BaseException | None) -> str:

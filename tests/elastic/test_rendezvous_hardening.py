@@ -19,7 +19,7 @@ from elastic.rendezvous.api import (
     RendezvousTLSError,
     parse_endpoints,
 )
-from elastic.rendezvous.etcd_client import WARN_EVERY_S
+from elastic.rendezvous.etcd_client import WARN_EVERY_S, probe_protocol
 from tests.elastic.etcd_security import PASSWORD, USER, Certs, enable_auth, etcdctl_path, make_certs
 from tests.elastic.test_rendezvous_etcd import LOSS_BOUND_S, make_config, rendezvous_all
 from tests.harness.procs import wait_for
@@ -228,6 +228,35 @@ def test_tls_failures_are_named_at_once(tls_etcd: EmbeddedEtcd, certs: Certs, ha
     began = time.monotonic()
     handler.shutdown()  # nothing to close: must not retry for close_timeout either
     assert time.monotonic() - began < 3.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["plaintext client, TLS etcd", "TLS client, plaintext etcd"])
+def test_a_tls_mismatch_is_named_at_once(
+    tls_etcd: EmbeddedEtcd, etcd_server: EmbeddedEtcd, certs: Certs, handlers, case: str
+) -> None:
+    """grpc says only "Socket closed" / "Handshake read failed" for these: the server is asked what it speaks."""
+    if case == "plaintext client, TLS etcd":
+        endpoint, tls, match = tls_etcd.endpoint, {}, "speaks TLS but the rendezvous connects without it"
+    else:
+        endpoint, tls, match = etcd_server.endpoint, {"cacert": certs.ca}, "speaks plaintext but the rendezvous connects with TLS"
+    handler = handlers(_config(endpoint, etcd_timeout=20, **tls))
+    began = time.monotonic()
+    with pytest.raises(RendezvousTLSError, match=match):
+        handler.next_rendezvous()
+    assert time.monotonic() - began < 3.0, "a TLS mismatch must not be retried for etcd_timeout (20 s)"
+
+
+def test_probe_tells_what_a_server_speaks(tls_etcd: EmbeddedEtcd, etcd_server: EmbeddedEtcd) -> None:
+    def host_port(server: EmbeddedEtcd) -> tuple[str, int]:
+        host, port = server.endpoint.rsplit(":", 1)
+        return host, int(port)
+
+    assert probe_protocol(*host_port(tls_etcd)) == "tls"  # demands client certificates: answers with an alert
+    assert probe_protocol(*host_port(etcd_server)) == "plaintext"
+    with socket.socket() as sock:  # nobody listens: nothing is settled
+        sock.bind(("127.0.0.1", 0))
+        assert probe_protocol("127.0.0.1", sock.getsockname()[1]) is None
 
 
 # ------------------------------------------------------------------ unreachable
