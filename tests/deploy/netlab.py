@@ -106,6 +106,24 @@ class NetLab:
             self._write_hosts_file(key, host)
         return self
 
+    def cut(self, key: str) -> None:
+        """Cut host ``key``'s link the way a partition does: every packet dropped both ways (a blackhole qdisc on
+        its interface and on its switch port), no RST, no FIN, the interfaces stay up. ``restore`` undoes it."""
+        netns, port = self._link(key)
+        _ip("netns", "exec", netns, "tc", "qdisc", "add", "dev", "eth0", "root", "blackhole")
+        _ip("netns", "exec", f"{self.tag}-sw", "tc", "qdisc", "add", "dev", port, "root", "blackhole")
+
+    def restore(self, key: str) -> None:
+        netns, port = self._link(key)
+        _ip("netns", "exec", netns, "tc", "qdisc", "del", "dev", "eth0", "root")
+        _ip("netns", "exec", f"{self.tag}-sw", "tc", "qdisc", "del", "dev", port, "root")
+
+    def _link(self, key: str) -> tuple[str, str]:
+        host = self.hosts[key]
+        if host.netns is None:
+            raise RuntimeError("a link can only be cut between network namespaces (the lab runs on loopback)")
+        return host.netns, f"p{list(self.hosts).index(key)}"
+
     def _create_netns(self, name: str) -> None:
         _ip("netns", "add", name)
         self._namespaces.append(name)
