@@ -530,11 +530,16 @@ class SpotrunAgent(LocalElasticAgent):
                 return run_result
             if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
                 if self._own_notice is not None and self._posted is not None:
-                    # The workers failed while saving for this node's notice: the node still goes away.
+                    # CHANGE (overlapping faults): the workers failed while heading for this node's agreed
+                    # step, most often because a peer crashed at the same moment (their collective broke). The
+                    # node still goes away for its notice, as a preemption: it exits with the planned-leave
+                    # code (a failure here would count against a Kubernetes Job's backoff limit and keep Slurm
+                    # from requeueing), recording saved: false and why. It does not wait to join the
+                    # survivors' re-formed round to save there: its deadline is short and the survivors restore
+                    # without it (README, "Overlapping faults").
                     self._stop_workers(self._worker_group)
-                    self._leave(step=None, why="the workers failed during the planned stop")
-                    self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
-                    return run_result
+                    self._leave(step=None, why=self._why_failed_during_stop(run_result))
+                    return self._left_result(workers_finished=False)
                 result = self._handle_failure(run_result)
                 if result is not None:
                     self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
@@ -729,6 +734,19 @@ class SpotrunAgent(LocalElasticAgent):
                    agreed_step=agreed_step if agreed_step is not None else step,
                    committed_at=self._committed_at() if step is not None else None,
                    source=notice.source if notice else None, deadline=notice.deadline if notice else None)
+
+    def _why_failed_during_stop(self, run_result: RunResult) -> str:
+        """The ``why`` of a leave whose workers failed before the agreed step: their exit codes, and the peers
+        already known lost (a crash that broke the collective)."""
+        failures = {rank: f.exitcode for rank, f in run_result.failures.items()}
+        lost: set[str] = set()
+        if self._notices is not None:
+            try:
+                lost = self._notices.lost_peers()
+            except RendezvousError:
+                pass
+        peers = f"; peer(s) {sorted(lost)} lost meanwhile" if lost else ""
+        return f"the workers failed during the planned stop (exit codes by rank {failures}){peers}"
 
     def _leave_for_notice(self, stopped: Stopped | None) -> RunResult:
         """The workers stopped at the agreed step (committed, or skipped: it could not commit before the

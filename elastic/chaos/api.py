@@ -88,6 +88,11 @@ class Fault:
     """Seconds after the injector started; exactly one of ``at_s`` and ``at_step``."""
     at_step: int | None = None
     """Inject once the job's progress file reports this step (needs ``--progress-file``)."""
+    after: int | None = None
+    """Inject ``after_s`` seconds after the schedule's fault number ``after`` (an earlier one) fired: a fault
+    inside another's recovery window (overlapping faults)."""
+    after_s: float = 0.0
+    """Delay of an ``after`` trigger, seconds."""
     duration_s: float | None = None
     """How long the fault lasts (stop, partition, etcd down, storage faults); None: permanent for storage
     faults and partitions, the default restart delay (1 s) for etcd members, forever for SIGSTOP."""
@@ -103,8 +108,14 @@ class Fault:
                 raise ChaosScheduleError(
                     f"unknown fault kind {self.kind!r}; use one of {', '.join(k.value for k in FaultKind)}"
                 ) from None
-        if (self.at_s is None) == (self.at_step is None):
-            raise ChaosScheduleError(f"{self.kind.value}: give exactly one trigger, at_s or at_step")
+        if sum(t is not None for t in (self.at_s, self.at_step, self.after)) != 1:
+            raise ChaosScheduleError(f"{self.kind.value}: give exactly one trigger, at_s, at_step or after")
+        if self.after is not None and (isinstance(self.after, bool) or not isinstance(self.after, int) or self.after < 0):
+            raise ChaosScheduleError(f"{self.kind.value}: after must be the index of an earlier fault, got {self.after!r}")
+        if not isinstance(self.after_s, (int, float)) or isinstance(self.after_s, bool) or not 0 <= self.after_s < 1e6:
+            raise ChaosScheduleError(f"{self.kind.value}: after_s must be a number of seconds >= 0, got {self.after_s!r}")
+        if self.after_s and self.after is None:
+            raise ChaosScheduleError(f"{self.kind.value}: after_s needs after (the fault it follows)")
         if self.at_s is not None and self.at_s < 0:
             raise ChaosScheduleError(f"{self.kind.value}: at_s must be >= 0, got {self.at_s}")
         if self.at_step is not None and self.at_step < 0:
@@ -141,9 +152,11 @@ class Fault:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind.value, "target": self.target}
-        for name in ("at_s", "at_step", "duration_s"):
+        for name in ("at_s", "at_step", "after", "duration_s"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.after is not None:
+            out["after_s"] = self.after_s
         if self.params:
             out["params"] = dict(self.params)
         return out
@@ -162,6 +175,11 @@ class Schedule:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ChaosScheduleError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "faults", tuple(self.faults))
+        for i, fault in enumerate(self.faults):
+            if fault.after is not None and fault.after >= i:
+                raise ChaosScheduleError(
+                    f"faults[{i}]: after={fault.after} must name an earlier fault of the schedule (0..{i - 1})"
+                )
 
     def to_json(self) -> dict[str, Any]:
         return {"seed": self.seed, "faults": [f.to_json() for f in self.faults]}

@@ -66,6 +66,8 @@ class Injector:
         self._rng = random.Random(schedule.seed)
         self._t0 = clock()
         self.fired: list[int] = []
+        self.fired_at: dict[int, float] = {}
+        """Elapsed seconds at which each fired fault fired (``after`` triggers count from it)."""
         self._undo: list[_Undo] = []
         self._seq = 0
         self._storage_faults: dict[int, dict[str, Any]] = {}
@@ -82,13 +84,19 @@ class Injector:
         self._t0 = self._clock()
 
     # ------------------------------------------------------------------ loop
-    def tick(self, step: int | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+    def tick(self, step: int | None = None, limit: int | None = None, *, followers_only: bool = False) -> list[dict[str, Any]]:
         """Fire what is due now (at most ``limit`` faults: the rest stay due) and end what has run its
-        course; returns the journal records written."""
+        course; returns the journal records written. ``followers_only``: fire only faults triggered ``after``
+        another (a caller that holds new faults back until the job recovered still lets a fault land inside
+        the recovery it was scheduled into)."""
         out = self.end_due()
         now = self.elapsed()
-        for index in due(self.schedule, self.fired, now, step)[:limit]:
+        ready = due(self.schedule, self.fired_at, now, step)
+        if followers_only:
+            ready = [i for i in ready if self.schedule.faults[i].after is not None]
+        for index in ready[:limit]:
             self.fired.append(index)
+            self.fired_at[index] = self.elapsed()
             out.append(self.fire(index))
         return out
 
@@ -106,7 +114,7 @@ class Injector:
         """Tick until ``done()`` (e.g. the job exited) or nothing is left to fire or undo."""
         while not done():
             self.tick(step())
-            if next_wake(self.schedule, self.fired, self.elapsed()) is None and not self._undo \
+            if next_wake(self.schedule, self.fired_at, self.elapsed()) is None and not self._undo \
                     and len(self.fired) == len(self.schedule.faults):
                 return
             self._sleep(poll_s)

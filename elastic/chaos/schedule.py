@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from elastic.chaos.api import ChaosScheduleError, Fault, FaultKind, Schedule
 
-_FAULT_KEYS = {"kind", "target", "at_s", "at_step", "duration_s", "params"}
+_FAULT_KEYS = {"kind", "target", "at_s", "at_step", "after", "after_s", "duration_s", "params"}
 
 
 def schedule_from_json(data: Any) -> Schedule:
@@ -83,21 +84,26 @@ def random_schedule(
     return Schedule(seed=seed, faults=faults)
 
 
-def due(schedule: Schedule, fired: Iterable[int], elapsed_s: float, step: int | None) -> list[int]:
+def due(schedule: Schedule, fired: Iterable[int] | Mapping[int, float], elapsed_s: float, step: int | None) -> list[int]:
     """Indices of faults not yet ``fired`` whose trigger is reached at ``elapsed_s`` seconds and training
-    ``step`` (None: no progress known, step triggers wait), in trigger order."""
-    done = set(fired)
+    ``step`` (None: no progress known, step triggers wait), in trigger order. ``fired`` maps each fired fault
+    to the ``elapsed_s`` it fired at (a plain iterable of indices: ``after`` triggers never come due)."""
+    fired_at = fired if isinstance(fired, Mapping) else dict.fromkeys(fired, math.inf)
     ready = []
     for i, fault in enumerate(schedule.faults):
-        if i in done:
+        if i in fired_at:
             continue
         if fault.at_s is not None and elapsed_s >= fault.at_s or fault.at_step is not None and step is not None and step >= fault.at_step:
+            ready.append(i)
+        elif fault.after is not None and fault.after in fired_at and elapsed_s >= fired_at[fault.after] + fault.after_s:
             ready.append(i)
     return ready
 
 
-def next_wake(schedule: Schedule, fired: Iterable[int], elapsed_s: float) -> float | None:
+def next_wake(schedule: Schedule, fired: Iterable[int] | Mapping[int, float], elapsed_s: float) -> float | None:
     """Seconds until the next time-triggered fault (None: none left; step triggers are polled)."""
-    done = set(fired)
-    times = [f.at_s for i, f in enumerate(schedule.faults) if i not in done and f.at_s is not None]
+    fired_at = fired if isinstance(fired, Mapping) else dict.fromkeys(fired, math.inf)
+    times = [f.at_s for i, f in enumerate(schedule.faults) if i not in fired_at and f.at_s is not None]
+    times += [fired_at[f.after] + f.after_s for i, f in enumerate(schedule.faults)
+              if i not in fired_at and f.after is not None and f.after in fired_at and fired_at[f.after] < math.inf]
     return max(0.0, min(times) - elapsed_s) if times else None

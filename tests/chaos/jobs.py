@@ -278,7 +278,9 @@ class Nodes(_RunFiles):
                         injector.reset_clock()
                         waiting_for_first_step = False
                 elif one_at_a_time and (to_replace or not self._healthy(progress)):
-                    injector.end_due()
+                    # Held back until the job recovered, except a fault scheduled into the recovery (after=).
+                    for record in injector.tick(step, followers_only=True):
+                        self._note_fault(record, step, to_replace)
                 else:
                     for record in injector.tick(step, limit=1 if one_at_a_time else None):
                         self._note_fault(record, step, to_replace)

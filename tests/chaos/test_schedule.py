@@ -41,6 +41,10 @@ def test_json_round_trip_and_default_targets(tmp_path: Path) -> None:
     ({"kind": "storage_error", "at_s": 1, "params": {"rate": 2}}, "rate must be in (0, 1]"),
     ({"kind": "storage_latency", "at_s": 1, "params": {"rate": 1}}, "accepted: ['seconds']"),
     ({"kind": "kill_worker", "at_s": 1, "when": 3}, "unknown keys ['when']"),
+    ({"kind": "kill_worker", "at_s": 1, "after": 0}, "exactly one trigger"),
+    ({"kind": "kill_worker", "at_s": 1, "after_s": 2}, "after_s needs after"),
+    ({"kind": "kill_worker", "after": 0}, "must name an earlier fault"),
+    ({"kind": "kill_worker", "after": -1}, "index of an earlier fault"),
 ])
 def test_bad_faults_say_what_is_wrong(fault: dict, message: str) -> None:
     with pytest.raises(ChaosScheduleError, match="faults\\[0\\]") as info:
@@ -77,3 +81,16 @@ def test_due_fires_by_time_and_by_step_once() -> None:
     assert due(schedule, [0], 3.0, 5) == [1]
     assert next_wake(schedule, [], 0.5) == 1.5
     assert next_wake(schedule, [0], 0.5) is None
+
+
+def test_a_follower_fires_after_its_anchor_inside_its_window() -> None:
+    """Overlapping faults: the second fault lands ``after_s`` after the first, whatever triggered the first."""
+    schedule = Schedule(seed=0, faults=(Fault(kind=FaultKind.KILL_AGENT, at_step=5),
+                                        Fault(kind=FaultKind.TERM_AGENT, after=0, after_s=1.5)))
+    assert due(schedule, {}, 10.0, 4) == []
+    assert due(schedule, {}, 10.0, 5) == [0]
+    assert due(schedule, {0: 10.0}, 11.0, 6) == []  # 1 s after its anchor: not yet
+    assert next_wake(schedule, {0: 10.0}, 11.0) == 0.5
+    assert due(schedule, {0: 10.0}, 11.5, 6) == [1]
+    assert due(schedule, [0], 99.0, 6) == []  # no firing times known: a follower never comes due
+    assert schedule_from_json(schedule.to_json()) == schedule
