@@ -39,3 +39,30 @@ def test_targets() -> None:
     assert any("hang found" in m for m in missed) and any("node loss found" in m for m in missed)
     table = readme_table(injected, good, {"stop_worker": 1})
     assert "| stop_worker | 1 | 1 | 1 | 3 / 3 |" in table and "| kill_etcd_leader | 1 | 0 | 0 | 0 |" in table
+
+
+def test_overlap_pairs_each_recovering_fault_with_a_seeded_follower_inside_its_window() -> None:
+    from bench.chaos_soak import FOLLOW_AFTER_S, FOLLOWERS, RESTARTING
+
+    schedule = soak_schedule(2, duration=1800, gap=12, overlap=True)
+    assert schedule == soak_schedule(2, duration=1800, gap=12, overlap=True)
+    followers = [(i, f) for i, f in enumerate(schedule.faults) if f.after is not None]
+    primaries = [f for f in schedule.faults if f.after is None]
+    assert len(followers) == sum(1 for f in primaries if f.kind.value in RESTARTING)
+    assert len(schedule.faults) >= 100
+    for i, f in followers:
+        assert f.after == i - 1 and schedule.faults[i - 1].kind.value in RESTARTING
+        assert f.kind in FOLLOWERS and FOLLOW_AFTER_S[0] <= f.after_s <= FOLLOW_AFTER_S[1]
+
+
+def test_overlap_targets_let_a_pair_share_one_recovery() -> None:
+    first, second = _rec("kill_agent", "peer_lost", 6.0), Recovery(NO_RECOVERY, Fault("kill_worker", 101.0), 101.0)
+    lone = Recovery(NO_RECOVERY, Fault("kill_agent", 500.0), 500.0)
+    injected = [{"kind": "kill_agent"}, {"kind": "kill_worker"}]
+    ok = {"identical": True, "final_ok": True, "corrupt": [], "alive": [], "codes_ok": True}
+    assert check_targets(injected, [first, second], overlap=True, **ok) == []  # type: ignore[arg-type]
+    assert check_targets(injected, [first, second], **ok)  # type: ignore[arg-type]  # not without --overlap
+    missed = check_targets(injected, [first, second, lone], overlap=True, **ok)  # type: ignore[arg-type]
+    assert len(missed) == 1 and "no recovery" in missed[0], missed
+    leaked = check_targets(injected, [first, second], overlap=True, leaked=["/spotrun/rdzv/soak/x"], **ok)  # type: ignore[arg-type]
+    assert leaked == ["etcd keys left: ['/spotrun/rdzv/soak/x']"]
