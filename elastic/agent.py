@@ -301,6 +301,7 @@ class SpotrunAgent(LocalElasticAgent):
         seen = self._rdzv_outage.observe(True, self._clock())
         if seen.verdict is OutageVerdict.RECOVERED:
             logger.warning("%s the rendezvous answers again after %.1f s", self._ctx(), seen.failing_for)
+            self._emit(RecoveryEvent.ETCD_OUTAGE, seconds=round(seen.failing_for, 3), fatal=False)
 
     def _rendezvous_failed(self, what: str, exc: BaseException) -> None:
         """CHANGE: torch lets a rendezvous error while monitoring kill the agent at once. The workers do not
@@ -330,6 +331,8 @@ class SpotrunAgent(LocalElasticAgent):
                      "past its bound")
         self._stop_workers(self._worker_group)
         self._worker_group.state = WorkerState.FAILED
+        if not is_permanent(exc):
+            self._emit(RecoveryEvent.ETCD_OUTAGE, seconds=round(failing_for, 3), fatal=True)
         self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name, error=_first_line(error))
         if error is exc:
             raise error

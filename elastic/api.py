@@ -51,6 +51,9 @@ ENV_PLANNED_LEAVE_EXIT_CODE = "SPOTRUN_PLANNED_LEAVE_EXIT_CODE"
 #: Directory of the agent<->worker mailbox (set by spotrun for its workers; absent under torchrun).
 ENV_NOTICE_DIR = "SPOTRUN_NOTICE_DIR"
 
+#: TCP port of the agent's Prometheus exporter (``--metrics-port``; unset: no exporter).
+ENV_METRICS_PORT = "SPOTRUN_METRICS_PORT"
+
 #: Rendezvous backend spotrun uses when ``--rdzv-backend`` is not given (torchrun's is ``static``).
 DEFAULT_RDZV_BACKEND = "etcd-v3"
 
@@ -79,6 +82,8 @@ class RecoveryEvent(str, enum.Enum):
     ``planned_leave``), not counted as a restart."""
     HANG_DETECTED = "hang_detected"
     """Local workers made no progress past their budget (``hung``: global rank -> reason); they are killed."""
+    ETCD_OUTAGE = "etcd_outage"
+    """The rendezvous answered again after failing for ``seconds`` (or, ``fatal``: true, the job ends for it)."""
 
 
 class FailureCause(str, enum.Enum):

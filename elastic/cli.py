@@ -38,9 +38,16 @@ Differences from torchrun:
   ``--hang-startup-timeout S``   the budget for start-up, first steps and checkpoint load (env
                                  ``SPOTRUN_HANG_STARTUP_TIMEOUT``, default 600).
   ``--[no-]hang-detection``      (env ``SPOTRUN_HANG_DETECTION``, default on).
+  ``--metrics-port PORT``        Prometheus metrics at ``/metrics`` (env ``SPOTRUN_METRICS_PORT``; default off;
+                                 ``elastic.metrics``).
   ``--events-file PATH``         structured recovery events (env ``SPOTRUN_EVENTS_FILE``; default
                                  ``<log-dir>/events.jsonl``, or in torch's temporary log directory
                                  ``/tmp/torchelastic_*/events.jsonl`` when no ``--log-dir`` is given).
+
+Subcommands (before any flag): ``spotrun status ...`` (``elastic.status``: the job as etcd sees it) and
+``spotrun report EVENTS...`` (``elastic.report``: timeline and cost of the faults); also installed as
+``spotrun-status`` and ``spotrun-report``. A file named ``status`` or ``report`` in the working directory is
+still run as the training script, as torchrun would.
 
 Exit status: 0 on success (also after leaving the group for a preemption notice, unless
 ``--planned-leave-exit-code`` says otherwise); 1 when workers fail (with torchrun's root-cause summary); 2 for a bad command
@@ -56,7 +63,7 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -69,6 +76,7 @@ from elastic.api import (
     ENV_HANG_DETECTION,
     ENV_HANG_STARTUP_TIMEOUT,
     ENV_HANG_TIMEOUT,
+    ENV_METRICS_PORT,
     ENV_PEER_LOSS_GRACE,
     ENV_PLANNED_LEAVE_EXIT_CODE,
     ENV_PREEMPT_GRACE,
@@ -86,6 +94,7 @@ from elastic.api import (
 from elastic.config import (
     AgentSettings,
     default_events_file,
+    default_metrics_port,
     default_peer_loss_grace,
     default_planned_leave_exit_code,
     default_preempt_grace,
@@ -165,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{ENV_HANG_DETECTION}, default on).")
     group.add_argument("--events-file", "--events_file", type=str, default=None,
                        help=f"JSON-lines recovery event log (env {ENV_EVENTS_FILE}; default <log root>/events.jsonl).")
+    group.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
+                       help=f"Serve Prometheus metrics (restarts, recovery stages, notices, ...) on this TCP port at "
+                            f"/metrics (env {ENV_METRICS_PORT}; default: off).")
     _no_abbreviations(parser, group)
     return parser
 
@@ -200,6 +212,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         else args.planned_leave_exit_code,
         hang=hang_policy(enabled=args.hang_detection, timeout=args.hang_timeout,
                          startup_timeout=args.hang_startup_timeout),
+        metrics_port=default_metrics_port() if args.metrics_port is None else args.metrics_port,
     )
 
 
@@ -306,12 +319,42 @@ def _main(argv: Sequence[str] | None) -> None:
                                   "resumes from the last committed checkpoint)\n")
 
 
+SUBCOMMANDS = {"status": "spotrun-status", "report": "spotrun-report"}
+"""``spotrun NAME ...`` -> the tool it runs (also installed under the entry point named here)."""
+
+
+def subcommand(argv: Sequence[str], is_file: Callable[[str], bool] = os.path.isfile) -> tuple[str | None, str | None]:
+    """(subcommand to run, or None; a note to print once, or None) for ``spotrun ARGV``.
+
+    CHANGE: torchrun takes the training script as its first positional argument, so ``spotrun status`` could be
+    a script named ``status`` in the working directory: then it stays one (run as torchrun would) and the note
+    says how to reach the subcommand."""
+    if not argv or argv[0] not in SUBCOMMANDS:
+        return None, None
+    if is_file(argv[0]):
+        return None, (f"spotrun: running ./{argv[0]} as the training script (a file of that name is here); "
+                      f"for the subcommand run `{SUBCOMMANDS[argv[0]]}`")
+    return argv[0], None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point (``spotrun``)."""
     if not logging.getLogger().handlers:
         # The CLI is an application, so it may configure logging; library modules never do.
         logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _main(list(sys.argv[1:]) if argv is None else list(argv))
+    args = list(sys.argv[1:]) if argv is None else list(argv)
+    name, note = subcommand(args)
+    if note is not None:
+        print(note, file=sys.stderr)
+    if name == "status":
+        from elastic import status
+
+        sys.exit(status.main(args[1:]))
+    if name == "report":
+        from elastic import report
+
+        sys.exit(report.main(args[1:]))
+    _main(args)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from elastic.api import (
     ENV_HANG_DETECTION,
     ENV_HANG_STARTUP_TIMEOUT,
     ENV_HANG_TIMEOUT,
+    ENV_METRICS_PORT,
     ENV_PEER_LOSS_GRACE,
     ENV_PLANNED_LEAVE_EXIT_CODE,
     ENV_PREEMPT_GRACE,
@@ -72,7 +73,14 @@ class AgentSettings:
     """Hang detection budgets (``--hang-timeout``, ``--hang-startup-timeout``); None turns it off
     (``--no-hang-detection``). The CLI turns it on by default (see ``elastic.hang``)."""
 
+    metrics_port: int | None = None
+    """TCP port of the Prometheus exporter (``elastic.metrics``); None: no exporter. 0 picks a free port."""
+
     def __post_init__(self) -> None:
+        port = self.metrics_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise LaunchConfigError(f"--metrics-port must be a TCP port from 0 to 65535, got {port!r}; "
+                                    f"e.g. --metrics-port 9400 (or leave it out: no exporter)")
         if self.hang is not None and not isinstance(self.hang, HangPolicy):
             raise LaunchConfigError(f"hang must be a HangPolicy or None, got {type(self.hang).__name__}")
         for name in ("preempt_grace", "resize_timeout"):
@@ -185,6 +193,12 @@ def hang_policy(*, enabled: bool | None, timeout: float | None, startup_timeout:
     startup = env_float(ENV_HANG_STARTUP_TIMEOUT, HangPolicy().startup_timeout) if startup_timeout is None \
         else startup_timeout
     return HangPolicy(timeout=timeout, startup_timeout=startup)
+
+
+def default_metrics_port() -> int | None:
+    """``SPOTRUN_METRICS_PORT`` when set, else None (no exporter)."""
+    raw = os.environ.get(ENV_METRICS_PORT, "").strip()
+    return env_int(ENV_METRICS_PORT, 0) if raw else _DEFAULTS.metrics_port
 
 
 def default_events_file() -> str | None:

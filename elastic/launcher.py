@@ -32,12 +32,14 @@ from elastic.agent import SpotrunAgent
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
     ENV_NOTICE_DIR,
+    EventSink,
     LaunchConfigError,
     PlannedLeaveExit,
     RendezvousUnavailableError,
 )
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
+from elastic.metrics import AgentMetrics, MetricsServer, MetricsSink, serve
 from elastic.notice import NoticePoller, make_sources
 from elastic.preemption import Mailbox
 from elastic.progress import remove_orphaned_progress_files
@@ -166,6 +168,19 @@ def _leave_rendezvous(handler: RendezvousHandler) -> None:
         logger.warning("leaving the rendezvous failed; peers will notice when the lease expires", exc_info=True)
 
 
+def _with_metrics(event_log: JsonlEventLog, port: int | None) -> tuple[EventSink, MetricsServer | None]:
+    """The agent's event sink: the log itself, or (``--metrics-port``) the log wrapped by the metrics that are
+    derived from its events, with their exporter started."""
+    if port is None:
+        return event_log, None
+    agent_metrics = AgentMetrics()
+    try:
+        exporter = serve(agent_metrics, port)
+    except OSError as exc:
+        raise LaunchConfigError(f"--metrics-port {port}: cannot listen there ({exc}); pick a free port") from exc
+    return MetricsSink(event_log, agent_metrics), exporter
+
+
 def events_path(config: LaunchConfig, settings: AgentSettings) -> str:
     """``--events-file``, else ``<log root>/events.jsonl`` (``--log-dir`` or torch's temp log dir)."""
     if settings.events_file:
@@ -224,6 +239,7 @@ def launch(
         config.run_id, config.rdzv_backend, config.rdzv_endpoint, config.min_nodes, config.max_nodes,
         config.nproc_per_node, event_log.path,
     )
+    events, exporter = _with_metrics(event_log, settings.metrics_port)
     # The workers' mailbox (elastic.preemption): set before the forkserver starts, warm workers inherit it.
     mailbox = Mailbox.create()
     remove_orphaned_progress_files()  # hang detection's files of agents killed on this host (as the mailboxes)
@@ -234,7 +250,7 @@ def launch(
         spec,
         config.logs_specs,
         settings=settings,
-        events=event_log,
+        events=events,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,
@@ -280,6 +296,8 @@ def launch(
         raise
     finally:
         poller.stop()
+        if exporter is not None:
+            exporter.close()
         mailbox.remove()
         agent.release()
         if shutdown_rdzv:

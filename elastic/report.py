@@ -1,7 +1,7 @@
-"""MTTR report: how long each recovery stage took, per fault type and recovery cause.
+"""``spotrun report``: a job's timeline and what its faults cost, from its ``events.jsonl`` files.
 
-    python bench/mttr_report.py --events run/events.jsonl [--journal run/journal.jsonl] \\
-        [--progress run/progress.jsonl] [--worker-log run/agent.log ...]
+    spotrun report run/events.jsonl [more.jsonl ...] [--journal run/journal.jsonl] \\
+        [--progress run/progress.jsonl] [--worker-log run/agent.log ...] [--html report.html]
 
 A recovery is what spotrun's events say it is: every event from the one that starts a recovery up to its
 ``workers_started`` carries its ``recovery_cause`` (failure, hang, peer_lost, planned_leave, scale_up;
@@ -18,12 +18,18 @@ journal's last injected fault before the detection (``spotrun-chaos --journal``;
 starts at the detection. Faults that caused no recovery (an etcd leader lost, a storage hiccup) are listed
 with 0 restarts. Steps lost: the newest step reported before the workers started again minus the step they
 resumed from. Per fault type and cause: median and worst.
+
+Totals (:func:`totals`): the job's span (first ``workers_started`` to the last event), the time each recovery
+cost (from its fault to its last stage seen, plus its redone steps at the median step time when progress is
+given) and the effective training time ratio, ``1 - lost / span``. The analysis is pure (lists of dicts in,
+dataclasses out); reading files and printing happen in :func:`main`; the HTML page is ``elastic.report_html``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import re
 import statistics
 import sys
@@ -31,8 +37,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.events import read_events
 
@@ -228,33 +232,354 @@ def resume_times(log_text: str) -> list[float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--events", action="append", required=True, help="events.jsonl (repeatable: one per agent dir)")
-    p.add_argument("--journal", default=None, help="chaos journal (spotrun-chaos --journal)")
-    p.add_argument("--progress", default=None, help="train_ddp.py --progress-file (first step, steps lost)")
-    p.add_argument("--worker-log", action="append", default=[], help="log with train_ddp.py's output (repeatable)")
-    args = p.parse_args(argv)
-    events = [e for path in args.events for e in read_events(path)]
-    journal = read_events(args.journal) if args.journal else []
-    progress = read_events(args.progress) if args.progress else None
-    resumes = ([t for log in args.worker_log for t in resume_times(Path(log).read_text(errors="replace"))]
-               if args.worker_log else None)
-    recs = recoveries(events, journal, progress, resumes)
-    if not recs:
-        print("no recovery in the events and no injected fault in the journal")
+# --- validation ------------------------------------------------------------------------------------------------
+
+
+def valid_records(records: Sequence[Any], *, need: Sequence[str] = ("t_wall",)) -> tuple[list[dict[str, Any]], int]:
+    """The records that are JSON objects with a finite number in each ``need`` field, and how many were not.
+
+    ``read_events`` already skips lines that are not JSON; this drops the ones a hand edit or another tool left
+    without a time, so one bad line costs one line of the report instead of a traceback. Pure."""
+    good: list[dict[str, Any]] = []
+    for record in records:
+        if isinstance(record, dict) and all(_is_number(record.get(name)) for name in need):
+            good.append(record)
+    return good, len(records) - len(good)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# --- timeline -------------------------------------------------------------------------------------------------
+
+SEGMENT_KINDS = ("training", "detection", "stop", "rendezvous", "start", "load", "first_step")
+"""What a node was doing in a timeline segment: training, or one stage of a recovery (the stage it is in is
+named after the event that ends it: ``stop`` lasts until ``workers_stopped``)."""
+
+_SEGMENT_END = {"workers_stopped": "stop", "rendezvous_completed": "rendezvous", "workers_started": "start"}
+MARKER_EVENTS = {"notice_received": "notice", "hang_detected": "hang", "planned_leave": "leave",
+                 "failure_detected": "failure", "run_finished": "end"}
+"""Events drawn as markers on their node's row (and faults from the chaos journal on every row)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A span of one node's time: ``kind`` is one of :data:`SEGMENT_KINDS`."""
+
+    node: str
+    kind: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """An instant on the timeline: an event of one node, or a fault (``node`` None: the whole job)."""
+
+    node: str | None
+    kind: str
+    t: float
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """Nodes (rows, in order of first appearance) x wall time: segments and markers, for text and HTML."""
+
+    nodes: tuple[str, ...]
+    segments: tuple[Segment, ...]
+    markers: tuple[Marker, ...]
+    t0: float
+    t1: float
+
+
+def timeline(events: Sequence[dict[str, Any]], faults: Sequence[Fault] = (),
+             recs: Sequence[Recovery] = ()) -> Timeline:
+    """Each node's time as training and recovery stages, with notices, hangs, leaves and faults marked. Pure.
+
+    A node trains from a ``workers_started`` until its next event that starts a recovery (one with a
+    ``recovery_cause``) or its ``run_finished``; then it is in ``stop``, ``rendezvous`` and ``start`` until the
+    matching events. The time from a job recovery's fault to the node's first event is ``detection``, and
+    after the restart ``load`` and ``first_step`` run until the recovery's checkpoint load and first step
+    (when the report was given the worker logs and progress)."""
+    ordered = sorted(events, key=lambda e: float(e["t_wall"]))
+    nodes: list[str] = []
+    segments: list[Segment] = []
+    markers: list[Marker] = []
+    state: dict[str, tuple[str, float]] = {}
+    for e in ordered:
+        node, name, t = str(e.get("node", "?")), str(e.get("event", "?")), float(e["t_wall"])
+        if node not in nodes:
+            nodes.append(node)
+        if name in MARKER_EVENTS:
+            markers.append(Marker(node, MARKER_EVENTS[name], t, _marker_label(e)))
+        current = state.get(node)
+        if name == "run_finished":
+            if current is not None:
+                segments.append(Segment(node, current[0], current[1], t))
+            state.pop(node, None)
+            continue
+        if name == "workers_started":
+            if current is not None and current[0] != "training":
+                segments.append(Segment(node, "start", current[1], t))
+            elif current is not None:
+                segments.append(Segment(node, current[0], current[1], t))
+            state[node] = ("training", t)
+            continue
+        if e.get("recovery_cause") and (current is None or current[0] == "training"):
+            if current is not None:
+                segments.append(Segment(node, "training", current[1], t))
+            state[node] = ("stop", t)
+            current = state[node]
+        if current is not None and current[0] != "training" and name in _SEGMENT_END:
+            kind = _SEGMENT_END[name]
+            segments.append(Segment(node, kind, current[1], t))
+            state[node] = ({"stop": "rendezvous", "rendezvous": "start"}.get(kind, kind), t)
+    t1 = max([float(e["t_wall"]) for e in ordered] + [f.t_wall for f in faults], default=0.0)
+    for node, (kind, since) in state.items():  # still going at the end of the file
+        if t1 > since:
+            segments.append(Segment(node, kind, since, t1))
+    segments.extend(_recovery_edges(segments, recs))
+    markers.extend(Marker(None, "fault", f.t_wall, f.kind) for f in faults)
+    t0 = min([float(e["t_wall"]) for e in ordered] + [f.t_wall for f in faults], default=0.0)
+    return Timeline(tuple(nodes), tuple(sorted(segments, key=lambda s: (s.start, s.node))),
+                    tuple(sorted(markers, key=lambda m: m.t)), t0, t1)
+
+
+def _recovery_edges(segments: Sequence[Segment], recs: Sequence[Recovery]) -> list[Segment]:
+    """Detection (fault -> a node's first recovery event) and load / first step after each restart: stretches
+    known for the job, cut out of each node's training."""
+    out: list[Segment] = []
+    for rec in recs:
+        if rec.cause == NO_RECOVERY:
+            continue
+        for seg in segments:
+            if seg.kind == "stop" and rec.fault is not None and rec.origin <= seg.start <= rec.origin + _stage_end(rec):
+                out.append(Segment(seg.node, "detection", rec.origin, seg.start))
+            started = rec.origin + (rec.stages.get("process_start") or 0.0)
+            if seg.kind == "training" and rec.origin <= seg.start <= started + 1e-9:
+                edge = seg.start
+                for stage, kind in (("checkpoint_load", "load"), ("first_step", "first_step")):
+                    at = rec.stages.get(stage)
+                    if at is not None and rec.origin + at > edge:
+                        end = min(rec.origin + at, seg.end)
+                        out.append(Segment(seg.node, kind, edge, end))
+                        edge = end
+    return out
+
+
+def _stage_end(rec: Recovery) -> float:
+    return max([v for v in rec.stages.values() if v is not None], default=0.0)
+
+
+def _marker_label(e: dict[str, Any]) -> str:
+    name = str(e.get("event"))
+    if name == "notice_received":
+        deadline, t = e.get("deadline"), float(e["t_wall"])
+        left = f", deadline in {float(deadline) - t:.0f} s" if _is_number(deadline) else ""
+        return f"notice ({e.get('source', '?')}{left})"
+    if name == "planned_leave":
+        return f"left at step {e.get('step')} (saved)" if e.get("saved") else f"left, not saved ({e.get('why')})"
+    if name == "failure_detected":
+        return f"failure: {e.get('cause', '?')}"
+    if name == "run_finished":
+        return f"finished: {e.get('state', '?')}"
+    return name.replace("_", " ")
+
+
+# --- totals ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """What the faults cost the job, in seconds of wall time."""
+
+    span: float
+    """From the first ``workers_started`` to the last event."""
+    lost: float
+    """Sum over recoveries of :func:`recovery_cost`."""
+    lost_by_cause: dict[str, float]
+    recoveries: int
+    steps_redone: int
+    step_time: float | None
+    """Median seconds between two consecutive steps in the progress file (None without one)."""
+
+    @property
+    def effective_ratio(self) -> float:
+        """Share of the span spent training forward (1.0 when nothing was lost or nothing ran)."""
+        return 1.0 if self.span <= 0 else max(0.0, 1.0 - self.lost / self.span)
+
+
+def step_time(progress: Sequence[dict[str, Any]] | None) -> float | None:
+    """Median seconds per step, from consecutive steps of one rank (the lowest) in the progress file. Pure."""
+    if not progress:
+        return None
+    ranks = [p.get("rank", 0) for p in progress]
+    first = min(ranks, key=lambda r: (str(type(r)), r))
+    rows = sorted((float(p["t_wall"]), int(p["step"])) for p in progress
+                  if p.get("rank", 0) == first and _is_number(p.get("step")))
+    gaps = [(t2 - t1) / (s2 - s1) for (t1, s1), (t2, s2) in zip(rows, rows[1:]) if s2 > s1 and t2 > t1]
+    return statistics.median(gaps) if gaps else None
+
+
+def recovery_cost(rec: Recovery, seconds_per_step: float | None) -> float:
+    """Seconds a recovery took from training: fault (or detection) to its last stage seen, plus the redone
+    steps' time. A fault that caused no recovery costs nothing."""
+    if rec.cause == NO_RECOVERY:
+        return 0.0
+    redo = (rec.steps_lost or 0) * (seconds_per_step or 0.0)
+    return _stage_end(rec) + redo
+
+
+def totals(events: Sequence[dict[str, Any]], recs: Sequence[Recovery],
+           progress: Sequence[dict[str, Any]] | None = None) -> Totals:
+    """The job's span, time lost per cause and the effective training time ratio. Pure."""
+    started = [float(e["t_wall"]) for e in events if e.get("event") == "workers_started"]
+    last = max((float(e["t_wall"]) for e in events), default=0.0)
+    span = last - min(started) if started else 0.0
+    per_step = step_time(progress)
+    by_cause: dict[str, float] = {}
+    for rec in recs:
+        if rec.cause != NO_RECOVERY:
+            by_cause[rec.cause] = by_cause.get(rec.cause, 0.0) + recovery_cost(rec, per_step)
+    return Totals(span=span, lost=sum(by_cause.values()), lost_by_cause=by_cause,
+                  recoveries=sum(1 for r in recs if r.cause != NO_RECOVERY),
+                  steps_redone=sum(r.steps_lost or 0 for r in recs), step_time=per_step)
+
+
+# --- text -----------------------------------------------------------------------------------------------------
+
+
+def _clock(t: float, t0: float) -> str:
+    return f"+{t - t0:8.2f}s"
+
+
+def render_recoveries(recs: Sequence[Recovery], per_step: float | None, t0: float) -> str:
+    """One line per recovery: when, fault and cause, cumulative stage seconds, steps redone, cost."""
+    names = {"detection": "detect", "stop": "stop", "rendezvous": "rdzv", "process_start": "start",
+             "checkpoint_load": "load", "first_step": "step"}
+    lines = []
+    for i, rec in enumerate(recs, 1):
+        head = f"#{i:<3} {_clock(rec.origin, t0)}  {rec.kind:<18} {rec.cause:<14}"
+        if rec.cause == NO_RECOVERY:
+            lines.append(f"{head} no restart")
+            continue
+        stages = "  ".join(f"{names[s]} {v:6.2f}" if (v := rec.stages.get(s)) is not None else f"{names[s]}    n/a"
+                           for s in STAGES)
+        redone = "n/a" if rec.steps_lost is None else str(rec.steps_lost)
+        lines.append(f"{head} {stages}  redone {redone:>4}  cost {recovery_cost(rec, per_step):6.2f}s")
+    return "\n".join(lines)
+
+
+def render_totals(tot: Totals) -> str:
+    lines = [f"span {tot.span:.1f} s, {tot.recoveries} recoveries, lost {tot.lost:.1f} s: "
+             f"effective training time {100 * tot.effective_ratio:.1f}%"]
+    for cause, seconds in sorted(tot.lost_by_cause.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {cause:<14} {seconds:8.2f} s lost ({100 * seconds / tot.span if tot.span else 0:.1f}% of the span)")
+    redo = f"{tot.steps_redone} steps redone" + (f" ({tot.step_time:.3f} s/step)" if tot.step_time else "")
+    lines.append(f"  {redo}")
+    return "\n".join(lines)
+
+
+def render_events(events: Sequence[dict[str, Any]], t0: float, limit: int = 200) -> str:
+    """The job's events in time order, one line each (the first ``limit``)."""
+    lines = []
+    for e in sorted(events, key=lambda e: float(e["t_wall"]))[:limit]:
+        cause = f" [{e['recovery_cause']}]" if e.get("recovery_cause") else ""
+        extra = f"  {_marker_label(e)}" if e.get("event") in MARKER_EVENTS else ""
+        lines.append(f"{_clock(float(e['t_wall']), t0)}  {str(e.get('node', '?')):<24} {e.get('event')}{cause}{extra}")
+    if len(events) > limit:
+        lines.append(f"... {len(events) - limit} more events")
+    return "\n".join(lines)
+
+
+# --- command line ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """Everything the report reads, validated: events, chaos journal, progress, resume times."""
+
+    events: list[dict[str, Any]]
+    journal: list[dict[str, Any]]
+    progress: list[dict[str, Any]] | None
+    resumes: list[float] | None
+    dropped: dict[str, int]
+    """file -> records skipped for lacking a time (said once each in the report)."""
+
+
+def load_inputs(events: Sequence[str], journal: str | None = None, progress: str | None = None,
+                worker_logs: Sequence[str] = ()) -> Inputs:
+    """Read and validate the report's files (a missing events file raises ``FileNotFoundError``)."""
+    dropped: dict[str, int] = {}
+    out: list[dict[str, Any]] = []
+    for path in events:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no events file at {path}")
+        good, bad = valid_records(read_events(path), need=("t_wall",))
+        out.extend(good)
+        if bad:
+            dropped[path] = bad
+    jrn: list[dict[str, Any]] = []
+    if journal:
+        jrn, bad = valid_records(read_events(journal))
+        if bad:
+            dropped[journal] = bad
+    prog: list[dict[str, Any]] | None = None
+    if progress:
+        prog, bad = valid_records(read_events(progress), need=("t_wall", "step"))
+        if bad:
+            dropped[progress] = bad
+    resumes = ([t for log in worker_logs for t in resume_times(Path(log).read_text(errors="replace"))]
+               if worker_logs else None)
+    return Inputs(out, jrn, prog, resumes, dropped)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spotrun report", description=__doc__.split("\n\n")[0])
+    p.add_argument("events", nargs="+", help="events.jsonl files (one per agent directory, or one shared file)")
+    p.add_argument("--journal", default=None, help="chaos journal (spotrun-chaos --journal): faults and their kinds")
+    p.add_argument("--progress", default=None, help="progress file with t_wall and step per line (first step, "
+                                                    "steps redone)")
+    p.add_argument("--worker-log", action="append", default=[], help="log with train_ddp.py's 'resumed from step' "
+                                                                     "lines (checkpoint load; repeatable)")
+    p.add_argument("--html", default=None, metavar="OUT", help="also write a self-contained HTML page here")
+    p.add_argument("--events-limit", type=int, default=60, help="events listed in the text timeline (default 60)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``spotrun report``: prints the report; 1 when there is nothing to report, 2 for unreadable input."""
+    args = build_parser().parse_args(argv)
+    try:
+        inputs = load_inputs(args.events, args.journal, args.progress, args.worker_log)
+    except OSError as exc:
+        print(f"spotrun report: error: {exc}", file=sys.stderr)
+        return 2
+    for path, count in inputs.dropped.items():
+        print(f"note: skipped {count} record(s) of {path} without a valid time")
+    if not inputs.events:
+        print("no events: nothing to report (is this a spotrun events.jsonl?)")
         return 1
-    print("seconds from the fault to each stage (cumulative), median / worst per fault type and recovery cause")
-    print(render(summarize(recs)))
-    missing = []
-    if resumes is None:
-        missing.append("checkpoint_load: events.jsonl has no checkpoint-load event; pass --worker-log")
-    if progress is None:
-        missing.append("first_step, steps lost: pass --progress")
-    if not journal:
-        missing.append("no --journal: the clock starts at each detection (detection is 0), fault type '-'")
-    for line in missing:
-        print(f"n/a {line}")
+    recs = recoveries(inputs.events, inputs.journal, inputs.progress, inputs.resumes)
+    tot = totals(inputs.events, recs, inputs.progress)
+    line = timeline(inputs.events, faults_from(inputs.journal), recs)
+    t0 = line.t0
+    print(f"== timeline ({len(line.nodes)} nodes, {len(inputs.events)} events; times from the first event)")
+    print(render_events(inputs.events, t0, args.events_limit))
+    print("\n== recoveries (seconds from the fault to each stage, cumulative)")
+    print(render_recoveries(recs, tot.step_time, t0) if recs else "none")
+    print("\n== totals")
+    print(render_totals(tot))
+    if recs:
+        print("\n== per fault type and cause (median / worst)")
+        print(render(summarize(recs)))
+    if args.html:
+        from elastic.report_html import write_html
+
+        write_html(args.html, line, recs, tot)
+        print(f"\nwrote {args.html}")
     return 0
 
 

@@ -1,0 +1,181 @@
+"""Prometheus metrics of the agent (``--metrics-port``, env ``SPOTRUN_METRICS_PORT``; off by default).
+
+The metrics are derived from the recovery events and nothing else: :class:`MetricsSink` wraps the agent's
+:class:`~elastic.api.EventSink` (the ``events.jsonl`` writer), forwards every event unchanged and then updates
+the metrics from it, so a scrape and ``spotrun report`` on the events file can never disagree on what
+happened. The update is a pure function of (event, fields, time) over :class:`AgentMetrics`; the HTTP server
+(prometheus-client's, in a daemon thread) is started and stopped by :func:`serve`.
+
+Exposed (Prometheus text format, ``GET /metrics``)::
+
+    spotrun_restarts_total{cause}                 worker group restarts, by recovery cause
+    spotrun_failures_detected_total{cause}        failure_detected events, by their (finer) cause
+    spotrun_recovery_stage_seconds{stage}         histogram: stop, rendezvous, start, total (first event of
+                                                  the recovery on this node -> its workers_started)
+    spotrun_world_size / spotrun_group_world_size gauges (workers / nodes of the current round)
+    spotrun_rendezvous_round                      gauge: the rendezvous round this node is in
+    spotrun_notices_received_total{source}        preemption notices this node received
+    spotrun_planned_leaves_total{saved}           this node left for its notice, its step saved or not
+    spotrun_planned_restarts_total                the group re-formed at an agreed step (not a failure)
+    spotrun_hang_detections_total                 hung local worker groups killed
+    spotrun_etcd_outages_total / spotrun_etcd_outage_seconds_total
+                                                  rendezvous outages ridden out (or fatal) and their length
+
+Checkpoint save/load metrics are worker-side (the checkpointer runs in the workers): see the README.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from elastic.api import EventSink, RecoveryEvent
+
+logger = logging.getLogger(__name__)
+
+STAGE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+"""Histogram buckets (seconds) of the recovery stages: a warm restart takes ~1 s, a cold one tens."""
+
+_STAGE_OF = {
+    RecoveryEvent.WORKERS_STOPPED: "stop",
+    RecoveryEvent.RENDEZVOUS_COMPLETED: "rendezvous",
+    RecoveryEvent.WORKERS_STARTED: "start",
+}
+
+
+class AgentMetrics:
+    """The agent's metric families, registered in their own registry (one per agent: tests run several)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.restarts = Counter("spotrun_restarts", "Worker group restarts, by recovery cause.", ["cause"], registry=r)
+        self.failures = Counter("spotrun_failures_detected", "Failures detected by the agent, by cause.", ["cause"],
+                                registry=r)
+        self.stage_seconds = Histogram("spotrun_recovery_stage_seconds",
+                                       "Seconds each recovery stage took on this node (total: the whole recovery).",
+                                       ["stage"], buckets=STAGE_BUCKETS, registry=r)
+        self.world_size = Gauge("spotrun_world_size", "Workers in the job (WORLD_SIZE) in the current round.",
+                                registry=r)
+        self.group_world_size = Gauge("spotrun_group_world_size", "Nodes in the current round.", registry=r)
+        self.round = Gauge("spotrun_rendezvous_round", "Rendezvous round this node is in.", registry=r)
+        self.notices = Counter("spotrun_notices_received", "Preemption notices this node received, by source.",
+                               ["source"], registry=r)
+        self.planned_leaves = Counter("spotrun_planned_leaves", "This node left the group for its notice.",
+                                      ["saved"], registry=r)
+        self.planned_restarts = Counter("spotrun_planned_restarts", "The group re-formed at an agreed step.",
+                                        registry=r)
+        self.hangs = Counter("spotrun_hang_detections", "Hung local worker groups detected and killed.", registry=r)
+        self.outages = Counter("spotrun_etcd_outages", "Rendezvous (etcd) outages, ridden out or fatal.", registry=r)
+        self.outage_seconds = Counter("spotrun_etcd_outage_seconds", "Seconds the rendezvous was unreachable.",
+                                      registry=r)
+
+
+@dataclass(slots=True)
+class RecoveryClock:
+    """When this node's current recovery began and when it last reached a stage (monotonic seconds)."""
+
+    began: float | None = None
+    last: float | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+def observe(metrics: AgentMetrics, clock: RecoveryClock, event: RecoveryEvent, fields: dict[str, Any],
+            now: float) -> None:
+    """Update ``metrics`` (and the recovery ``clock``) from one event emitted at ``now``."""
+    cause = fields.get("recovery_cause")
+    if cause and clock.began is None:
+        clock.began = clock.last = now
+    stage = _STAGE_OF.get(event)
+    if stage is not None and clock.began is not None and clock.last is not None:
+        metrics.stage_seconds.labels(stage).observe(max(0.0, now - clock.last))
+        clock.last = now
+    if event is RecoveryEvent.WORKERS_STARTED:
+        if cause and clock.began is not None:
+            metrics.stage_seconds.labels("total").observe(max(0.0, now - clock.began))
+            metrics.restarts.labels(str(cause)).inc()
+        clock.began = clock.last = None
+    elif event is RecoveryEvent.RUN_FINISHED:
+        clock.began = clock.last = None
+    _observe_counts(metrics, event, fields)
+    _observe_gauges(metrics, event, fields)
+
+
+def _observe_counts(metrics: AgentMetrics, event: RecoveryEvent, fields: dict[str, Any]) -> None:
+    if event is RecoveryEvent.FAILURE_DETECTED:
+        metrics.failures.labels(str(fields.get("cause", "unknown"))).inc()
+    elif event is RecoveryEvent.NOTICE_RECEIVED:
+        metrics.notices.labels(str(fields.get("source", "unknown"))).inc()
+    elif event is RecoveryEvent.PLANNED_LEAVE:
+        metrics.planned_leaves.labels("true" if fields.get("saved") else "false").inc()
+    elif event is RecoveryEvent.PLANNED_RESTART:
+        metrics.planned_restarts.inc()
+    elif event is RecoveryEvent.HANG_DETECTED:
+        metrics.hangs.inc()
+    elif event is RecoveryEvent.ETCD_OUTAGE:
+        metrics.outages.inc()
+        seconds = fields.get("seconds")
+        if isinstance(seconds, (int, float)) and seconds > 0:
+            metrics.outage_seconds.inc(float(seconds))
+
+
+def _observe_gauges(metrics: AgentMetrics, event: RecoveryEvent, fields: dict[str, Any]) -> None:
+    if event is not RecoveryEvent.WORKERS_STARTED:
+        return  # the round's sizes are settled once its workers run
+    for gauge, name in ((metrics.world_size, "world_size"), (metrics.group_world_size, "group_world_size"),
+                        (metrics.round, "rdzv_round")):
+        value = fields.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            gauge.set(value)
+
+
+class MetricsSink:
+    """An :class:`~elastic.api.EventSink` that forwards to ``inner``, then updates :class:`AgentMetrics`."""
+
+    def __init__(self, inner: EventSink, metrics: AgentMetrics | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.inner = inner
+        self.metrics = metrics if metrics is not None else AgentMetrics()
+        self._clock = clock
+        self._recovery = RecoveryClock()
+
+    def emit(self, event: RecoveryEvent, **fields: Any) -> None:
+        self.inner.emit(event, **fields)
+        try:
+            observe(self.metrics, self._recovery, event, fields, self._clock())
+        except Exception:  # noqa: BLE001 - a metric must never take the agent down; the event is written
+            logger.warning("could not update the metrics for %s", event.value, exc_info=True)
+
+
+@dataclass(slots=True)
+class MetricsServer:
+    """The running exporter: ``port`` it listens on (the one asked for, or the one picked for 0)."""
+
+    port: int
+    _stop: Callable[[], None]
+
+    def close(self) -> None:
+        self._stop()
+
+
+def serve(metrics: AgentMetrics, port: int, addr: str = "0.0.0.0") -> MetricsServer:
+    """Serve ``metrics`` at ``http://addr:port/metrics`` from a daemon thread (port 0: any free port).
+
+    Raises:
+        OSError: the port cannot be bound (in use, or privileged).
+    """
+    server, thread = start_http_server(port, addr=addr, registry=metrics.registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    bound = int(server.server_address[1])
+    logger.info("metrics at http://%s:%d/metrics", addr, bound)
+    return MetricsServer(bound, stop)
