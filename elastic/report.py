@@ -377,7 +377,7 @@ def _marker_label(e: dict[str, Any]) -> str:
     name = str(e.get("event"))
     if name == "notice_received":
         deadline, t = e.get("deadline"), float(e["t_wall"])
-        left = f", deadline in {float(deadline) - t:.0f} s" if _is_number(deadline) else ""
+        left = f", deadline in {deadline - t:.0f} s" if isinstance(deadline, (int, float)) and _is_number(deadline) else ""
         return f"notice ({e.get('source', '?')}{left})"
     if name == "planned_leave":
         return f"left at step {e.get('step')} (saved)" if e.get("saved") else f"left, not saved ({e.get('why')})"

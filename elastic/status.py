@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 import json
 import logging
 import math
@@ -290,10 +291,8 @@ def _assemble(config: EtcdRendezvousConfig, d: _Decoded, ttl_left: Mapping[int, 
         role = NodeRole.LOST if node in lost else NodeRole.REJOINING if node in rejoining else NodeRole.RUNNING
         nodes.append(_node(node, role, d, ttl_left, rank=rank))
     for node in sorted(n for n in d.nodes if n not in participants):
-        if node in next_joins:
-            role = NodeRole.SPARE if healthy_full else NodeRole.WAITING
-        else:
-            role = NodeRole.REGISTERED
+        waiting = NodeRole.SPARE if healthy_full else NodeRole.WAITING
+        role = waiting if node in next_joins else NodeRole.REGISTERED
         nodes.append(_node(node, role, d, ttl_left))
     local_total = (sum(d.local_sizes[r] for r in range(len(participants)))
                    if participants and all(r in d.local_sizes for r in range(len(participants))) else None)
@@ -394,10 +393,9 @@ def read_raw(conn: Any, config: EtcdRendezvousConfig) -> tuple[list[RawKey], lis
     ttl: dict[int, float] = {}
     for kv in ctl:
         if kv.key.startswith(prefix + "ctl/nodes/") and kv.lease and kv.lease not in ttl:
-            lease = kv.lease
-            info = conn.call("read a lease's TTL", lambda: conn.client.get_lease_info(lease))
+            info = conn.call("read a lease's TTL", functools.partial(conn.client.get_lease_info, kv.lease))
             if int(info.TTL) >= 0:
-                ttl[lease] = float(info.TTL)
+                ttl[kv.lease] = float(info.TTL)
     return ctl, store, ttl
 
 
