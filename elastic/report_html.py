@@ -31,7 +31,7 @@ STAGE_COLOURS = {"detection": COLOURS["detection"], "stop": COLOURS["stop"], "re
                  "process_start": COLOURS["start"], "checkpoint_load": COLOURS["load"],
                  "first_step": COLOURS["first_step"]}
 MARKS = {"notice": ("#ef6c00", "notice"), "hang": ("#6a1b9a", "hang"), "leave": ("#455a64", "planned leave"),
-         "failure": ("#c62828", "failure detected"), "end": ("#263238", "run finished")}
+         "failure": ("#ad1457", "failure detected"), "end": ("#263238", "run finished")}
 _LABEL_W, _ROW_H, _CHART_W, _TOP = 190, 30, 900, 34
 
 _CSS = """
@@ -91,19 +91,19 @@ def timeline_svg(line: Timeline) -> str:
     row = {node: i for i, node in enumerate(line.nodes)}
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" id="timeline" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" role="img" aria-label="timeline">']
-    step = _nice_step(span)
-    tick = 0.0
-    while tick <= span + 1e-9:
-        tx = x(line.t0 + tick)
-        parts.append(f'<line x1="{tx:.1f}" y1="{_TOP - 4}" x2="{tx:.1f}" y2="{height - 22}" stroke="#e3e6ea"/>'
-                     f'<text x="{tx:.1f}" y="{height - 8}" text-anchor="middle">{tick:g}s</text>')
-        tick += step
     for node, i in row.items():
         y = _TOP + i * _ROW_H
         fill = "#fafbfc" if i % 2 else "#ffffff"
         parts.append(f'<rect x="0" y="{y}" width="{width}" height="{_ROW_H}" fill="{fill}"/>'
                      f'<text class="lbl" x="8" y="{y + _ROW_H / 2 + 4:.1f}"><title>{_esc(node)}</title>'
                      f'{_esc(_short(node))}</text>')
+    step = _nice_step(span)
+    tick = 0.0
+    while tick <= span + 1e-9:
+        tx = x(line.t0 + tick)
+        parts.append(f'<line x1="{tx:.1f}" y1="{_TOP - 4}" x2="{tx:.1f}" y2="{height - 22}" stroke="#dde1e6"/>'
+                     f'<text x="{tx:.1f}" y="{height - 8}" text-anchor="middle">{tick:g}s</text>')
+        tick += step
     for seg in _draw_order(line.segments):
         if seg.node not in row or seg.end <= seg.start:
             continue
