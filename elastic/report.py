@@ -260,7 +260,8 @@ named after the event that ends it: ``stop`` lasts until ``workers_stopped``).""
 _SEGMENT_END = {"workers_stopped": "stop", "rendezvous_completed": "rendezvous", "workers_started": "start"}
 MARKER_EVENTS = {"notice_received": "notice", "hang_detected": "hang", "planned_leave": "leave",
                  "failure_detected": "failure", "run_finished": "end"}
-"""Events drawn as markers on their node's row (and faults from the chaos journal on every row)."""
+"""Events drawn as markers on their node's row (and faults from the chaos journal on every row; ``lost``: the
+last sign of a node that ended without a ``run_finished``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,14 +338,25 @@ def timeline(events: Sequence[dict[str, Any]], faults: Sequence[Fault] = (),
             segments.append(Segment(node, kind, current[1], t))
             state[node] = ({"stop": "rendezvous", "rendezvous": "start"}.get(kind, kind), t)
     t1 = max([float(e["t_wall"]) for e in ordered] + [f.t_wall for f in faults], default=0.0)
-    for node, (kind, since) in state.items():  # still going at the end of the file
-        if t1 > since:
-            segments.append(Segment(node, kind, since, t1))
+    for node, (kind, since) in state.items():  # no run_finished: still going at the end, or gone without a word
+        gone = _gone_at(ordered, node, since)
+        if gone is not None:
+            markers.append(Marker(node, "lost", gone, "no more events: killed or cut off (the job re-formed without it)"))
+        end = gone if gone is not None else t1
+        if end > since:
+            segments.append(Segment(node, kind, since, end))
     segments.extend(_recovery_edges(segments, recs))
     markers.extend(Marker(None, "fault", f.t_wall, f.kind) for f in faults)
     t0 = min([float(e["t_wall"]) for e in ordered] + [f.t_wall for f in faults], default=0.0)
     return Timeline(tuple(nodes), tuple(sorted(segments, key=lambda s: (s.start, s.node))),
                     tuple(sorted(markers, key=lambda m: m.t)), t0, t1)
+
+
+def _gone_at(ordered: Sequence[dict[str, Any]], node: str, since: float) -> float | None:
+    """When the job went on without ``node`` (it wrote nothing after ``since``): the start of the first later
+    recovery of another node (every live node takes part in each one), else None (it ran to the end)."""
+    later = [r.start for r in node_recoveries(ordered) if r.node != node and r.start > since]
+    return min(later) if later else None
 
 
 def _recovery_edges(segments: Sequence[Segment], recs: Sequence[Recovery]) -> list[Segment]:
@@ -578,7 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.html:
         from elastic.report_html import write_html
 
-        write_html(args.html, line, recs, tot)
+        runs = sorted({str(e["run_id"]) for e in inputs.events if e.get("run_id")})
+        write_html(args.html, line, recs, tot, title="spotrun report" + (f": run {', '.join(runs)}" if runs else ""))
         print(f"\nwrote {args.html}")
     return 0
 

@@ -86,28 +86,48 @@ def test_a_bad_metrics_port_is_refused_with_a_fix() -> None:
         AgentSettings(metrics_port=True)  # type: ignore[arg-type]
 
 
+def test_an_etcd_outage_ridden_out_is_an_event_with_its_length(tmp_path: Path) -> None:
+    from elastic.rendezvous.api import RendezvousConnectionError
+    from tests.elastic.test_agent_membership import AwareHandler, make_agent
+
+    now = [100.0]
+    handler = AwareHandler(error=RendezvousConnectionError("etcd refused to read"))
+    agent = make_agent(handler, tmp_path, clock=lambda: now[0])
+    assert not agent._membership_changed()
+    now[0] += 4.25
+    handler.error = None
+    assert not agent._membership_changed()
+    records = agent._events.records  # type: ignore[attr-defined]
+    (outage,) = [r for r in records if r["event"] == "etcd_outage"]
+    assert outage["seconds"] == pytest.approx(4.25) and outage["fatal"] is False
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_running_agent_serves_its_metrics(tmp_path: Path) -> None:
-    release = tmp_path / "release"
+    """A real agent: its workers fail once (a restart by cause ``failure``), then run until released."""
+    release, failed = tmp_path / "release", tmp_path / "failed-once"
     script = tmp_path / "wait.py"
     script.write_text("import os, sys, time\n"
+                      f"if os.environ['RANK'] == '0' and not os.path.exists({str(failed)!r}):\n"
+                      f"    open({str(failed)!r}, 'w').close()\n    sys.exit(3)\n"
                       f"while not os.path.exists({str(release)!r}):\n    time.sleep(0.05)\n")
     port = free_port()
     agent = Launcher([*SPOTRUN, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1",
-                      "--events-file", str(tmp_path / "events.jsonl"), str(script)],
+                      "--max-restarts", "1", "--events-file", str(tmp_path / "events.jsonl"), str(script)],
                      tmp_path / "agent.log", make_env(SPOTRUN_METRICS_PORT=str(port)))
+    restarted = ("spotrun_restarts_total", (("cause", "failure"),))
     try:
-        def world() -> float | None:
+        def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             try:
-                return _scrape(port).get(("spotrun_world_size", ()))
+                return _scrape(port)
             except OSError:
-                return None
+                return {}
 
-        assert wait_for(lambda: world() == 2, 60, "the agent to serve world size 2"), agent.output()
-        got = _scrape(port)
-        assert got[("spotrun_group_world_size", ())] == 1
-        assert ("spotrun_restarts_total", (("cause", "failure"),)) not in got, "no restart yet"
+        got = wait_for(lambda: (m := scrape()).get(restarted) == 1 and m, 60, "a restart in the metrics")
+        assert got[("spotrun_world_size", ())] == 2 and got[("spotrun_group_world_size", ())] == 1
+        assert got[("spotrun_failures_detected_total", (("cause", "worker_failure"),))] == 1
+        assert got[("spotrun_recovery_stage_seconds_count", (("stage", "total"),))] == 1
         release.touch()
         assert agent.wait(60) == 0, agent.output()
     finally:

@@ -126,3 +126,12 @@ def test_spotrun_report_subcommand_and_a_script_named_report(tmp_path: Path) -> 
     done = run_cli([*SPOTRUN, "report", str(events)], timeout=60, env=make_env())
     assert done.returncode == 0, done.stderr
     assert "== totals" in done.stdout
+
+
+def test_a_node_killed_without_a_word_ends_where_the_job_went_on_without_it() -> None:
+    events = [_ev("workers_started", 0.0, node="a:1"), _ev("workers_started", 0.0, node="b:2"),
+              *_restart(10.0, "peer_lost", "a:1"), _ev("run_finished", 20.0, node="a:1", state="SUCCEEDED")]
+    line = report.timeline(events)
+    b = [(s.kind, s.start, s.end) for s in line.segments if s.node == "b:2"]
+    assert b == [("training", 0.0, 10.0)], "b's bar stops at a's recovery, not at the end of the file"
+    assert [(m.node, m.kind, m.t) for m in line.markers if m.kind == "lost"] == [("b:2", "lost", 10.0)]
