@@ -36,6 +36,9 @@ from elastic.rendezvous.api import BACKEND_NAME, EtcdRendezvousConfig, Rendezvou
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE = 0, 1, 2
+STATUS_ETCD_TIMEOUT_S = 5
+"""Seconds ``spotrun status`` retries an unreachable etcd before saying so (``etcd_timeout`` in --rdzv-conf
+overrides it)."""
 _ROLE_INFO = "torchelastic/role_info/"
 _ASSIGNED = "torchelastic/assigned_ranks/"
 
@@ -438,6 +441,8 @@ def config_from_args(args: argparse.Namespace) -> EtcdRendezvousConfig:
     from elastic.config import parse_rdzv_conf
 
     conf = parse_rdzv_conf(args.rdzv_conf)
+    # A look should fail fast: the agents ride out etcd_timeout (default 30 s), a person waits for this.
+    conf.setdefault("etcd_timeout", str(STATUS_ETCD_TIMEOUT_S))
     params = RendezvousParameters(backend=BACKEND_NAME, endpoint=args.rdzv_endpoint, run_id=args.rdzv_id,
                                   min_nodes=1, max_nodes=1, **conf)
     return EtcdRendezvousConfig.from_parameters(params)

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from elastic.rendezvous.api import EtcdRendezvousConfig, parse_endpoints
 from elastic.rendezvous.etcd_client import EtcdConnection
 from elastic.status import NodeRole, RawKey, RunState, job_status, render
 from tests.elastic.etcd_security import PASSWORD, USER, enable_auth, etcdctl_path
-from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, make_env, read_jsonl, run_cli, wait_for
+from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, free_port, make_env, read_jsonl, run_cli, wait_for
 
 CONFIG = EtcdRendezvousConfig(run_id="job", endpoints=(("127.0.0.1", 2379),), min_nodes=1, max_nodes=2)
 P = CONFIG.run_prefix
@@ -112,6 +113,11 @@ def test_cli_on_a_real_etcd_corrupt_key_and_bad_conf(etcd_server: EmbeddedEtcd) 
     assert "forming the first round" in done.stdout
     absent = _status(etcd_server.endpoint, "nobody", "--json")
     assert absent.returncode == 0 and json.loads(absent.stdout)["state"] == "absent"
+    free = free_port()
+    started = time.monotonic()
+    away = _status(f"127.0.0.1:{free}", "x", conf="etcd_timeout=2")
+    assert away.returncode == 1 and f"127.0.0.1:{free}" in away.stderr and "Traceback" not in away.stderr, away.stderr
+    assert time.monotonic() - started < 30, "an unreachable etcd is reported within its etcd_timeout"
     bad = _status(etcd_server.endpoint, "x", conf="lease_tll=3")
     assert bad.returncode == 2 and "unknown --rdzv-conf key(s) 'lease_tll'" in bad.stderr and "Traceback" not in bad.stderr
 
