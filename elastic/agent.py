@@ -117,6 +117,10 @@ class FailureAction(enum.Enum):
     """Stop the workers and report the failure."""
 
 
+PEER_REVOKE_SEEN_S = 1.0
+"""Longest wait for our etcd watch to show a peer lease this agent just revoked (milliseconds, normally)."""
+
+
 def decide_on_failure(*, remaining_restarts: int, peer_lost: bool) -> FailureAction:
     """Pure decision for a failed worker group (torch always charges; spotrun forgives peer loss)."""
     if peer_lost:
@@ -334,6 +338,21 @@ class SpotrunAgent(LocalElasticAgent):
         if error is exc:
             raise error
         raise error from exc
+
+    def _confirm_dead_peers(self) -> bool:
+        """Probe the round's peers (``liveness.py``): True when one's process is gone (its lease was revoked)."""
+        probe = getattr(self._membership, "probe_peers", None)
+        if probe is None:
+            return False
+        try:
+            dead = probe()
+        except RendezvousError as exc:
+            logger.debug("%s probing the peers failed: %s", self._ctx(), exc)
+            return False
+        if dead:
+            logger.warning("%s peer agent(s) %s are gone (confirmed by a probe after the workers failed)", self._ctx(),
+                           sorted(dead))
+        return bool(dead)
 
     def _wait_for_peer_loss(self, window: float) -> bool:
         """Watch the membership up to ``window`` s: True as soon as it changes (a peer lost its lease),
@@ -845,6 +864,10 @@ class SpotrunAgent(LocalElasticAgent):
         """Restart the group (returns None) or give up (returns the failed result)."""
         failures = {rank: f.exitcode for rank, f in run_result.failures.items()}
         peer_lost = self._membership_changed()
+        if not peer_lost and self._confirm_dead_peers():
+            # CHANGE: a dead peer's process was confirmed by a refused probe and its lease revoked: our watch
+            # sees the registration go within milliseconds, not after the lease TTL.
+            peer_lost = self._wait_for_peer_loss(PEER_REVOKE_SEEN_S)
         if not peer_lost and self._remaining_restarts == 0:
             # CHANGE: last chance; a collective broken by a dead peer fails before the peer's lease expires
             # (the launcher stretches peer_loss_grace over the lease TTL, see launcher.peer_loss_window).

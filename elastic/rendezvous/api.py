@@ -264,6 +264,10 @@ class EtcdRendezvousConfig:
     key: str | None = None
     """PEM private key of ``cert``."""
 
+    liveness_probe: bool = True
+    """Know a peer agent's death in under a second when its process dies (its liveness port refuses
+    connections: ``liveness.py``), instead of after ``lease_ttl``; ``false`` leaves it to the lease."""
+
     user: str | None = None
     """etcd user name (etcd auth); needs ``password``."""
 
@@ -301,6 +305,8 @@ class EtcdRendezvousConfig:
             raise RendezvousConfigError("TLS client auth needs both 'cert' and 'key' in --rdzv-conf")
         if self.cert is not None and self.cacert is None:
             raise RendezvousConfigError("'cert'/'key' need 'cacert' too (the CA that signed etcd's certificate)")
+        if not isinstance(self.liveness_probe, bool):
+            raise RendezvousConfigError(f"liveness_probe must be true or false, got {self.liveness_probe!r}")
         if (self.user is None) != (self.password is None):
             raise RendezvousConfigError("etcd authentication needs both 'user' and 'password' in --rdzv-conf")
 
@@ -377,6 +383,17 @@ def _parse_int(name: str, raw: object) -> int:
     return int(value)
 
 
+def _parse_bool(name: str, raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    word = str(raw).strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise RendezvousConfigError(f"--rdzv-conf {name}={raw!r} must be true or false")
+
+
 def _parse_str(name: str, raw: object) -> str:
     if not isinstance(raw, str) or not raw:
         raise RendezvousConfigError(f"--rdzv-conf {name}={raw!r} must be a non-empty string")
@@ -391,6 +408,7 @@ _PARSERS = {
     "close_timeout": _parse_float,
     "etcd_timeout": _parse_float,
     "etcd_prefix": _parse_str,
+    "liveness_probe": _parse_bool,
     "cacert": _parse_str,
     "cert": _parse_str,
     "key": _parse_str,

@@ -77,6 +77,7 @@ from .etcd_client import (
     is_transient,
     prefix_end,
 )
+from .liveness import LivenessListener, Peer, PeerWatch, Probe, peer_from_registration, probe_all
 from .state import Action, Decision, RoundRecord, Snapshot, decide, membership
 from .store import EtcdV3Store
 from .worker_store import WorkerStoreHost, agent_hosts_store
@@ -143,6 +144,8 @@ class _Mirror:
     closed: bool = False
     notices: dict[str, dict[str, Any]] = field(default_factory=dict)
     """node id -> its published preemption notice (``publish_notice``)."""
+    peers: dict[str, Peer] = field(default_factory=dict)
+    """node id -> its liveness port and lease, from its registration (``liveness.py``; absent: lease only)."""
     revision: int = 0
     """Highest etcd revision applied."""
     loaded: bool = False
@@ -228,6 +231,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """The watch was refused and the token renewed; a second refusal in a row is fatal."""
         self._start_lock = threading.Lock()
         self._lease_lock = threading.Lock()
+        self._liveness: LivenessListener | None = None
+        """Our liveness port (``liveness_probe``): held connections end the moment this process dies."""
+        self._peer_watch: PeerWatch | None = None
+        """Our connection to the next participant's liveness port (a ring over the round)."""
 
     # ================================================================== torch interface
     def get_backend(self) -> str:
@@ -436,6 +443,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._cond:
             reap = reap or self._mirror.closed
         self._stop_threads()
+        self._stop_liveness()
         conn, lease = self._conn, self._lease_id
         if conn is not None and lease is not None:
             try:
@@ -471,11 +479,74 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         else:
             log.info("%sother agents of the ended job are still registered: the last to leave deletes its keys", self._ctx())
 
+    # ================================================================== liveness (liveness.py)
+    def _start_liveness(self) -> None:
+        if not self._config.liveness_probe or self._liveness is not None:
+            return
+        try:
+            self._liveness = LivenessListener()
+        except OSError as exc:  # no port to listen on: the lease alone tells of this node's death
+            log.warning("%sno liveness port (%s): peers learn of this node's death from its lease only", self._ctx(), exc)
+            return
+        self._peer_watch = PeerWatch(self._revoke_dead_peer)
+
+    def _stop_liveness(self) -> None:
+        watch, listener = self._peer_watch, self._liveness
+        self._peer_watch = self._liveness = None
+        if watch is not None:
+            watch.close()
+        if listener is not None:
+            listener.close()
+
+    def _watch_ring_successor(self, record: RoundRecord, rank: int) -> None:
+        """Hold a connection to the next participant's liveness port (the last one watches the first)."""
+        watch = self._peer_watch
+        if watch is None:
+            return
+        successor = record.participants[(rank + 1) % len(record.participants)]
+        with self._cond:
+            peer = self._mirror.peers.get(successor) if successor != self._node_id else None
+        watch.watch(peer)
+
+    def _revoke_dead_peer(self, peer: Peer) -> bool:
+        """``peer``'s process is gone (its liveness port refuses): revoke its lease so that every agent's watch
+        sees its registration go now, not after ``lease_ttl``. Only the lease it is registered with now (a
+        peer that re-registered since is someone we know nothing bad about)."""
+        with self._cond:
+            current = self._mirror.peers.get(peer.node)
+        conn = self._conn
+        if current is None or current.lease != peer.lease or conn is None or self._released:
+            return False
+        try:
+            conn.call("revoke a dead peer's lease", lambda: conn.client.revoke_lease(peer.lease), within=2.0)
+        except RendezvousError as exc:
+            log.warning("%scould not revoke the lease of dead peer %s (it expires in <= %d s): %s", self._ctx(),
+                        peer.node, self._config.lease_ttl, exc)
+            return False
+        log.warning("%speer %s's agent process is gone (its liveness port %s:%d refuses connections): revoked its "
+                    "lease", self._ctx(), peer.node, peer.addr, peer.port)
+        return True
+
+    def probe_peers(self) -> set[str]:
+        """Probe every other participant of this node's round now (a worker failed: a dead peer would explain
+        it) and revoke the lease of each whose process is gone; returns those nodes. Silent peers (a partition,
+        a powered-off host) are left to their lease. No etcd I/O unless a peer is dead."""
+        with self._cond:
+            mine = self._my_round
+            peers = [] if mine is None else [self._mirror.peers[n] for n in mine.participants
+                                             if n != self._node_id and n in self._mirror.peers]
+        if not peers or self._released or not self._config.liveness_probe:
+            return set()
+        dead = {node for node, found in probe_all(peers).items() if found is Probe.REFUSED}
+        return {p.node for p in peers if p.node in dead and self._revoke_dead_peer(p)}
+
     # ================================================================== test hooks
     def _simulate_crash(self) -> None:
-        """Test hook: vanish like a SIGKILLed agent (no revoke: the lease expires after lease_ttl)."""
+        """Test hook: vanish like a SIGKILLed agent (no revoke of its own: the lease expires after lease_ttl,
+        unless a peer's probe of its closed liveness port revokes it first)."""
         self._released = True
         self._stop_threads()
+        self._stop_liveness()
         if self._conn is not None:
             self._conn.close()
 
@@ -528,6 +599,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._my_round = record
         self._joining = None
         self._worker_store.round_completed(record.number, record.master_port, rank)
+        self._watch_ring_successor(record, rank)
         store = EtcdV3Store(self._require_conn(), f"{self._store_prefix}{record.number}/", STORE_TIMEOUT)
         log.info(
             "%sround %d complete in %.3f s: rank %d of %d, master %s:%d",
@@ -659,6 +731,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._registered:
                 return
             self._clear_ended_run(conn)
+            self._start_liveness()
             self._register(conn)
             self._registered = True
             keeper = threading.Thread(target=self._keepalive_loop, name=f"rdzv-lease-{self._node_id}", daemon=True)
@@ -735,9 +808,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _register_once(self, conn: EtcdConnection) -> None:
         lease = conn.call("grant a lease", lambda: conn.client.lease(self._config.lease_ttl))
-        value = json.dumps(
-            {"node_id": self._node_id, "host": socket.gethostname(), "addr": self._addr, "pid": os.getpid(), "seq": self._seq}
-        )
+        registration: dict[str, Any] = {"node_id": self._node_id, "host": socket.gethostname(), "addr": self._addr,
+                                        "pid": os.getpid(), "seq": self._seq}
+        if self._liveness is not None:
+            registration.update(live_port=self._liveness.port, lease=lease.id)
+        value = json.dumps(registration)
         resp = conn.call("register this node", lambda: conn.client.put(self._nodes_prefix + self._node_id, value, lease=lease.id))
         with self._cond:
             self._lease_id = lease.id
@@ -771,7 +846,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             if rel.startswith("nodes/"):
                 info = json.loads(value)
-                mirror.nodes[rel[len("nodes/") :]] = int(info.get("seq") or mod_revision)
+                node = rel[len("nodes/") :]
+                mirror.nodes[node] = int(info.get("seq") or mod_revision)
+                peer = peer_from_registration(node, info)
+                if peer is not None:
+                    mirror.peers[node] = peer
+                else:
+                    mirror.peers.pop(node, None)
             elif rel.startswith("join/"):
                 number, _, node = rel[len("join/") :].partition("/")
                 info = json.loads(value)
@@ -803,6 +884,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if rel.startswith("nodes/"):
             node = rel[len("nodes/") :]
             mirror.nodes.pop(node, None)
+            mirror.peers.pop(node, None)
             committed = mirror.committed
             if committed is not None and node in committed.participants:
                 self._lost.setdefault(committed.number, set()).add(node)
