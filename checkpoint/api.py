@@ -423,6 +423,33 @@ class ShardWriter(Protocol):
         ...
 
 
+# --------------------------------------------------------------------------- save failures
+@dataclass(frozen=True, slots=True)
+class SaveFailure:
+    """A background save that failed and was not committed, as the Checkpointer reports it (log line,
+    ``on_save_failure``) while training goes on."""
+
+    step: int
+    """The step that was not saved (its directory stays uncommitted; retention removes it later)."""
+    error: str
+    """``Type: message`` of the error, the same on every rank for a failed commit."""
+    consecutive: int
+    """Saves failed in a row, this one included."""
+    limit: int
+    """``max_consecutive_failed_saves``: the save that finds ``consecutive >= limit`` raises instead."""
+    last_committed: int | None
+    """The newest step this Checkpointer committed (what a restart would load), None before the first."""
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "step": self.step,
+            "error": self.error,
+            "consecutive": self.consecutive,
+            "limit": self.limit,
+            "last_committed": self.last_committed,
+        }
+
+
 # --------------------------------------------------------------------------- storage protocol
 class Sink(Protocol):
     """A file being written: it becomes visible at its final name only on ``commit`` (nothing on ``abort``)."""

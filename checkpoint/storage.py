@@ -140,16 +140,16 @@ class RetryPolicy:
     clock: Callable[[], float] = time.monotonic
 
 
-class _Deadline:
-    """Stop once ``timeout`` has passed on ``clock`` since construction, and never wait past that moment
-    (tenacity's own ``stop_after_delay`` reads the real monotonic clock, which a test cannot drive)."""
+class _Deadline(tenacity.stop.stop_base):
+    """Stop once ``timeout`` has passed on ``clock`` since construction (tenacity's own ``stop_after_delay``
+    reads the real monotonic clock, which a test cannot drive), and never wait past that moment."""
 
     def __init__(self, clock: Callable[[], float], timeout: float, backoff: tenacity.wait.wait_base) -> None:
         self.clock = clock
         self.end = clock() + timeout
         self.backoff = backoff
 
-    def stop(self, retry_state: tenacity.RetryCallState) -> bool:
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
         return self.clock() >= self.end
 
     def wait(self, retry_state: tenacity.RetryCallState) -> float:
@@ -164,9 +164,9 @@ def retrying(policy: RetryPolicy, *, before_sleep: Callable[[tenacity.RetryCallS
         policy.timeout.total_seconds(),
         tenacity.wait_random_exponential(multiplier=FIRST_WAIT_SECONDS, max=policy.max_wait.total_seconds()),
     )
-    stop: Any = deadline.stop
+    stop: tenacity.stop.stop_base = deadline
     if policy.max_attempts is not None:
-        stop = tenacity.stop_any(deadline.stop, tenacity.stop_after_attempt(policy.max_attempts))
+        stop = deadline | tenacity.stop_after_attempt(policy.max_attempts)
     return tenacity.Retrying(
         stop=stop,
         wait=deadline.wait,
@@ -188,7 +188,7 @@ class BackendSettings:
     writeback_bytes: int = 32 << 20
 
 
-def _wrapper_for(protocol: str) -> type[BackendWrapper] | None:
+def _wrapper_for(protocol: str) -> BackendWrapper | None:
     """The fsspec class registered for ``protocol`` when it is a BackendWrapper, else None."""
     try:
         cls = fsspec.get_filesystem_class(protocol)

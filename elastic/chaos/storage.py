@@ -92,8 +92,11 @@ class StorageFaults:
             elif kind == FaultKind.DISK_FULL.value and op == "write":
                 raise OSError(errno.ENOSPC, "No space left on device (injected by chaos://)", path)
             elif (kind == FaultKind.STORAGE_ERROR.value and self._applies(params.get("ops", "all"), op)
+                  and str(params.get("path", "")) in path
                   and self._control.draw() < float(params.get("rate", 1.0))):
-                raise OSError(errno.EIO, f"Input/output error (injected by chaos://, {op})", path)
+                code = int(getattr(errno, str(params.get("errno", "EIO")), errno.EIO))
+                # OSError(code, ...) is the matching subclass (EACCES: PermissionError), as a real one is.
+                raise OSError(code, f"{os.strerror(code)} (injected by chaos://, {op})", path)
 
     @staticmethod
     def _applies(ops: str, op: str) -> bool:
