@@ -328,14 +328,14 @@ class Storage:
             raise CheckpointStorageError(f"checkpoint location must be a non-empty string URI, got {uri!r}")
         self.uri = uri.rstrip("/") if uri not in ("/",) else uri
         self.retry = retry or RetryPolicy()
-        settings = BackendSettings(
+        self.settings = BackendSettings(
             upload_threads=upload_threads,
             multipart_chunk_bytes=multipart_chunk_bytes,
             thread_nice=thread_nice,
             writeback_bytes=writeback_bytes,
         )
         try:
-            self.backend: StorageBackend = open_backend(uri, dict(storage_options or {}), settings, self.call)
+            self.backend: StorageBackend = open_backend(uri, dict(storage_options or {}), self.settings, self.call)
         except _open_errors() as exc:
             raise CheckpointStorageError(f"cannot open checkpoint location {uri!r}: {exc}", path=uri) from exc
 
