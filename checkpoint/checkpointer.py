@@ -17,6 +17,9 @@ order on all ranks): a foreground one for the cheap per-save vote, the item meta
 choices (training thread), and a background one for the commit (writer thread). Neither is the training's
 default group, so a collective the writer thread runs can never interleave with the training's own.
 
+A background save that fails is not committed and deletes nothing; the next ``save`` reports it and training
+goes on, up to ``max_consecutive_failed_saves`` failures in a row (``tolerate_failed_save``).
+
 Seams for what comes next: a save triggered by a preemption notice is ``save`` + ``wait`` (or a new
 ``ShardWriter``); hardening the readers is ``discover``, ``shard``, ``verify`` and ``per_rank``, not this
 class.
@@ -73,6 +76,13 @@ logger = logging.getLogger(__name__)
 SAVE_TIMES_KEPT: Final = 4
 """How many recent committed saves ``Checkpointer.save_seconds_estimate`` looks at (the slowest wins: storage
 speed varies, and a planned save that is cut off costs more than one skipped for a pessimistic guess)."""
+
+
+def tolerate_failed_save(failed_in_a_row: int, limit: int, *, broken: bool) -> bool:
+    """Whether the next ``save`` reports a failed background save and goes on (True) or raises it: fewer
+    than ``limit`` saves in a row failed, and no collective broke (a broken one may leave ranks out of step).
+    Every rank learns the same outcome of each save, so every rank decides alike."""
+    return not broken and failed_in_a_row < limit
 
 
 class Checkpointer:
@@ -250,7 +260,7 @@ class Checkpointer:
             self.wait()
         except Exception as exc:
             limit = self.config.max_consecutive_failed_saves
-            if self._broken is not None or step is None or self._failed_in_a_row >= limit:
+            if step is None or not tolerate_failed_save(self._failed_in_a_row, limit, broken=self._broken is not None):
                 if self._failed_in_a_row >= limit > 1:
                     logger.error("[rank %d] %d checkpoint saves in a row failed (max_consecutive_failed_saves=%d); "
                                  "raising the last error", self.rank, self._failed_in_a_row, limit)

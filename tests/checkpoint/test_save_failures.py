@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from checkpoint.api import CheckpointConfigError, CheckpointStorageError, SaveFailure
-from checkpoint.checkpointer import Checkpointer
+from checkpoint.checkpointer import Checkpointer, tolerate_failed_save
 from checkpoint.config import CheckpointConfig
 from checkpoint.discover import list_steps
 
@@ -145,3 +145,9 @@ def test_bounds_are_validated(field: str, value: object) -> None:
         CheckpointConfig(**{field: value})
     assert CheckpointConfig().max_retries is None  # retry until retry_timeout
     assert CheckpointConfig().max_consecutive_failed_saves == 3
+
+
+def test_tolerate_failed_save_is_a_pure_rule() -> None:
+    assert [tolerate_failed_save(n, 3, broken=False) for n in (1, 2, 3, 4)] == [True, True, False, False]
+    assert not tolerate_failed_save(1, 1, broken=False)  # limit 1: the first failure is raised, as before
+    assert not tolerate_failed_save(1, 3, broken=True)  # a broken collective always raises
