@@ -200,12 +200,20 @@ class SpotrunAgent(LocalElasticAgent):
         """A local worker group of this agent ran Preemption helpers once (they come back after a restart)."""
         self._exit_status = 0
         """What the process should exit with after a successful run (``--planned-leave-exit-code`` on a leave)."""
+        self._finished = False
+        """The run ended: the workers succeeded and every peer of the round reached the exit barrier."""
 
     @property
     def exit_status(self) -> int:
         """Exit status for a run that did not fail: 0, or ``--planned-leave-exit-code`` after this node left
         the group for its notice with training unfinished (see ``planned.leave_exit_code``)."""
         return self._exit_status
+
+    @property
+    def finished(self) -> bool:
+        """True once the run finished (the workers succeeded, the exit barrier passed): not after a planned
+        leave or a failure. The launcher then lets the rendezvous keep its ``finished`` marker."""
+        return self._finished
 
     # --- context for logs and events ------------------------------------------------------------------------
 
@@ -527,6 +535,7 @@ class SpotrunAgent(LocalElasticAgent):
                     self._restart_workers(self._worker_group)
                     continue
                 self._emit(RecoveryEvent.RUN_FINISHED, state=state.name)
+                self._finished = True
                 return run_result
             if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
                 if self._own_notice is not None and self._posted is not None:

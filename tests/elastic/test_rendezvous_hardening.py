@@ -16,6 +16,7 @@ from elastic.rendezvous.api import (
     EtcdRendezvousConfig,
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousFinishedError,
     RendezvousTLSError,
     parse_endpoints,
 )
@@ -170,6 +171,90 @@ def test_a_closed_run_with_live_agents_is_not_cleared_until_they_leave(
     info = fut.result(timeout=LOSS_BOUND_S + 10)
     assert (newcomer.round, info.world_size) == (1, 1)
     assert "cleared the keys of the ended job" in caplog.text, "the newcomer cleared the ended run itself"
+
+
+# ------------------------------------------------------------------ finished marker (finished_ttl)
+def _lease_ttl_of(endpoint: str, key: str) -> int:
+    """Seconds left on the lease of ``key`` (etcd's TTL; -1 without a lease)."""
+    host, port = endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port), timeout=5)
+    try:
+        _, meta = client.get(key)
+        assert meta is not None, f"{key} is not in etcd"
+        return int(client.get_lease_info(meta.lease_id).TTL) if meta.lease_id else -1
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_finished_run_keeps_only_its_marker_and_a_newcomer_exits_at_once(
+    etcd_server: EmbeddedEtcd, handlers, pool
+) -> None:
+    """A pod recreated after its Indexed Job's run finished: it must not wait join_timeout for peers."""
+    cfg = _config(etcd_server.endpoint, run_id="done-job", min_nodes=2, max_nodes=2, finished_ttl=600,
+                  join_timeout=60.0)
+    first = [handlers(cfg, node_id=f"a{i}") for i in range(2)]
+    rendezvous_all(pool, first)
+    for handler in first:  # every agent of the last round, as the launcher does after the exit barrier
+        handler.mark_finished()
+    for handler in first:
+        handler.shutdown()
+    marker = f"{cfg.run_prefix}finished"
+    wait_for(lambda: _run_keys(etcd_server.endpoint, cfg.run_prefix) == [marker], 5, "only the marker to stay")
+    assert 590 <= _lease_ttl_of(etcd_server.endpoint, marker) <= 600, "the marker goes with its own lease"
+
+    newcomer = handlers(_config(etcd_server.endpoint, run_id="done-job", min_nodes=2, max_nodes=2,
+                                finished_ttl=600, join_timeout=60.0), node_id="recreated")
+    began = time.monotonic()
+    with pytest.raises(RendezvousFinishedError, match=r"run 'done-job' already finished successfully by node a\d "
+                       r"at .*UTC: nothing to do, exiting 0 .*finished_ttl=600 s.*another --rdzv-id"):
+        newcomer.connect()
+    with pytest.raises(RendezvousFinishedError):  # also for a caller that goes straight to the rendezvous
+        newcomer.next_rendezvous()
+    assert time.monotonic() - began < 5.0, "at once, not after join_timeout"
+    assert _run_keys(etcd_server.endpoint, f"{cfg.run_prefix}ctl/nodes/") == [], "it never registered"
+
+
+@pytest.mark.timeout(90)
+def test_without_finished_ttl_the_run_id_is_reused_as_before(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """The marker is opt-in on both sides: a job without finished_ttl leaves none, and a newcomer without it
+    starts a new job even where an opted-in job's marker lasts (run-id reuse)."""
+    plain = _config(etcd_server.endpoint, run_id="plain", min_nodes=1, max_nodes=1)
+    (only,) = [handlers(plain, node_id="p0")]
+    rendezvous_all(pool, [only])
+    only.mark_finished()
+    only.shutdown()
+    wait_for(lambda: _run_keys(etcd_server.endpoint, plain.run_prefix) == [], 5, "no key, no marker")
+
+    marked = _config(etcd_server.endpoint, run_id="marked", min_nodes=1, max_nodes=1, finished_ttl=600)
+    (done,) = [handlers(marked, node_id="m0")]
+    rendezvous_all(pool, [done])
+    done.mark_finished()
+    done.shutdown()
+    reuse = handlers(_config(etcd_server.endpoint, run_id="marked", min_nodes=1, max_nodes=1), node_id="m1")
+    (info,) = rendezvous_all(pool, [reuse])
+    assert (reuse.round, info.world_size) == (1, 1), "a new job with the run id, as before the marker existed"
+
+
+@pytest.mark.timeout(90)
+def test_a_newcomer_waiting_for_the_ended_jobs_agents_honours_the_marker_they_leave(
+    etcd_server: EmbeddedEtcd, handlers, pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The recreated pod arrives while the finished job's agents are still leaving (closed, registered)."""
+    caplog.set_level(logging.INFO, logger="elastic.rendezvous")
+    cfg = _config(etcd_server.endpoint, run_id="ending", min_nodes=2, max_nodes=2, finished_ttl=600)
+    old = [handlers(cfg, node_id=f"old{i}") for i in range(2)]
+    rendezvous_all(pool, old)
+    old[0].set_closed()  # the job ended; its agents are winding down and have not written the marker yet
+
+    newcomer = handlers(cfg, node_id="new")
+    fut = pool.submit(newcomer.next_rendezvous)
+    wait_for(lambda: "waiting for 2 agent(s) of the ended job" in caplog.text, 10, "the newcomer to wait")
+    for handler in old:
+        handler.mark_finished()
+        handler.shutdown()
+    with pytest.raises(RendezvousFinishedError):
+        fut.result(timeout=LOSS_BOUND_S + 10)
 
 
 # ------------------------------------------------------------------ IPv6
