@@ -322,8 +322,8 @@ class SpotrunAgent(LocalElasticAgent):
         if fatal and self._worker_group.state is not WorkerState.SUCCEEDED:  # in the exit barrier: done anyway
             self._end_for_outage(exc, seen.failing_for)
         if seen.verdict is OutageVerdict.WARN:
-            logger.warning("%s cannot %s (%s); the job fails if this lasts %.0f s more", self._ctx(), what,
-                           _first_line(exc), seen.fatal_in, exc_info=logger.isEnabledFor(logging.DEBUG))
+            warn_one_line(logger, exc, "%s cannot %s (%s); the job fails if this lasts %.0f s more", self._ctx(), what,
+                          _first_line(exc), seen.fatal_in)
 
     def _end_for_outage(self, exc: BaseException, failing_for: float) -> NoReturn:
         """Stop the workers and raise a permanent error as is, else a ``RendezvousOutageError`` (the CLI prints
@@ -648,9 +648,9 @@ class SpotrunAgent(LocalElasticAgent):
             try:
                 self._notices.publish_notice(notice.to_json())
                 published = True
-            except RendezvousError:
-                logger.warning("%s could not publish the preemption notice; peers learn of it when this node "
-                               "leaves", self._ctx(), exc_info=logger.isEnabledFor(logging.DEBUG))
+            except RendezvousError as exc:
+                warn_one_line(logger, exc, "%s could not publish the preemption notice (%s); peers learn of it when "
+                              "this node leaves", self._ctx(), _first_line(exc))
         logger.warning("%s preemption notice (%s): deadline in %.1f s", self._ctx(), notice.source,
                        notice.deadline - time.time())
         self._emit(RecoveryEvent.NOTICE_RECEIVED, source=notice.source, deadline=notice.deadline,
@@ -805,7 +805,9 @@ class SpotrunAgent(LocalElasticAgent):
         """torch's exit barrier, except that it returns False at once when a peer of this round is gone:
         a peer that left never arrives (torch waits ``exit_barrier_timeout``, 300 s, then reports success)."""
         size, store = self._worker_group.group_world_size, self._store
-        if self._notices is None or store is None or size is None or size <= 1:
+        if size is not None and size <= 1:
+            return True  # CHANGE: no peer to wait for (torch's barrier of one only touches the store)
+        if self._notices is None or store is None or size is None:
             self._exit_barrier()
             return True
         key = "spotrun/exit_barrier/arrived"
@@ -821,8 +823,8 @@ class SpotrunAgent(LocalElasticAgent):
                     return False
                 self._stop_waiting_for(0.1)
         except RendezvousError as exc:
-            logger.warning("%s exit barrier failed (%s); the workers finished, reporting success", self._ctx(),
-                           _first_line(exc), exc_info=logger.isEnabledFor(logging.DEBUG))
+            warn_one_line(logger, exc, "%s exit barrier failed (%s); the workers finished, reporting success",
+                          self._ctx(), _first_line(exc))
             return True
         logger.error("%s peers did not finish within %.0f s", self._ctx(), self._exit_barrier_timeout)
         return True
@@ -1006,6 +1008,13 @@ def outage_endpoint(handler: RendezvousHandler) -> str:
     if isinstance(handler, OutageBoundHandler):
         return handler.endpoint
     return f"backend {handler.get_backend()!r}"
+
+
+def warn_one_line(log: logging.Logger, exc: BaseException, msg: str, *args: object) -> None:
+    """A rendezvous error as one WARNING line (``msg`` names it, e.g. with :func:`_first_line`); its traceback
+    only as a separate DEBUG record, so a console at WARNING never shows it, whatever the logger's level."""
+    log.warning(msg, *args)
+    log.debug("traceback of the error above", exc_info=exc)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousParameters
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
-from elastic.agent import SpotrunAgent
+from elastic.agent import SpotrunAgent, warn_one_line
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
     ENV_NOTICE_DIR,
@@ -168,8 +168,9 @@ def _leave_rendezvous(handler: RendezvousHandler) -> None:
         return  # torch's backends have no way to leave; peers notice when this node's heartbeat stops
     try:
         handler.leave()
-    except RendezvousError:
-        logger.warning("leaving the rendezvous failed; peers will notice when the lease expires", exc_info=True)
+    except RendezvousError as exc:
+        warn_one_line(logger, exc, "leaving the rendezvous failed (%s); peers will notice when the lease expires",
+                      str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 def _mark_finished(handler: RendezvousHandler) -> None:
@@ -180,8 +181,8 @@ def _mark_finished(handler: RendezvousHandler) -> None:
     try:
         handler.mark_finished()
     except RendezvousError as exc:
-        logger.warning("could not leave the run's finished marker (an agent started for this run now waits for "
-                       "peers): %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        warn_one_line(logger, exc, "could not leave the run's finished marker (an agent started for this run now "
+                      "waits for peers): %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 def events_path(config: LaunchConfig, settings: AgentSettings) -> str:

@@ -84,6 +84,41 @@ def test_a_rendezvous_error_in_the_exit_barrier_is_one_line(tmp_path: Path, capl
     assert "\n" not in record.getMessage()
 
 
+def test_the_exit_barriers_traceback_is_a_debug_record_even_with_the_logger_at_debug(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A console at WARNING under a logger at DEBUG (a file handler wants the details) shows one line."""
+    class Broken(NoticeHandler):
+        def lost_peers(self) -> set[str]:
+            raise RendezvousStateError("corrupt rendezvous key '/x' in etcd\ndetails")
+
+    agent, _, _ = _agent(tmp_path, Broken())
+    with caplog.at_level(logging.DEBUG, logger="elastic.agent"):
+        assert agent._exit_barrier_unless_peers_left() is True
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [
+        f"{agent._ctx()} exit barrier failed (corrupt rendezvous key '/x' in etcd); the workers finished, "
+        "reporting success"]
+    assert not warnings[0].exc_info, "no traceback at WARNING"
+    (debug,) = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info]
+    assert isinstance(debug.exc_info[1], RendezvousStateError), "the traceback is kept, at DEBUG"
+
+
+def test_a_single_node_skips_the_exit_barrier(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """No peer to wait for: torch's barrier of one would only touch the store (and log a store error with a
+    traceback at ERROR)."""
+    class NoStore(HashStore):
+        def add(self, key: str, value: int) -> int:
+            raise AssertionError("the exit barrier of one node used the store")
+
+    agent, _, _ = _agent(tmp_path, NoticeHandler())
+    agent._worker_group.group_world_size = 1
+    agent._store = NoStore()
+    with caplog.at_level(logging.DEBUG):
+        assert agent._exit_barrier_unless_peers_left() is True
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_sigterm_is_a_notice_only_when_the_workers_can_save(tmp_path: Path) -> None:
     handler = NoticeHandler()
     agent, box, events = _agent(tmp_path, handler, preempt_grace=42.0)
