@@ -118,8 +118,9 @@ class Mailbox:
         self.path = path
         self._lock_fd: int | None = None
         self._link: str | None = None
-        self._reported: set[tuple[str, int, int]] = set()
-        """Malformed acknowledgements already warned about, as (name, mtime_ns, size): once per version."""
+        self._reported: set[tuple[str, int, int, int]] = set()
+        """Malformed acknowledgements already warned about, by version (name, inode, mtime_ns, size): each is
+        said once and not parsed again (a 64 KiB nest costs milliseconds, the agent polls every 10 ms)."""
 
     @classmethod
     def create(cls, root: str | None = None) -> Mailbox:
@@ -142,6 +143,7 @@ class Mailbox:
 
     def clear(self) -> None:
         """Empty the mailbox before a new worker group starts (its notice and acks were for the old one)."""
+        self._reported.clear()
         for name in os.listdir(self.path):
             if name.startswith("."):
                 continue  # the agent's lock, not a message
@@ -163,6 +165,8 @@ class Mailbox:
                 continue  # also a worker's half-written "ack-N.json.tmpPID"
             path = os.path.join(self.path, name)
             try:
+                if _version(path) in self._reported:
+                    continue
                 ack = _parse_ack(_load_json(path))
             except FileNotFoundError:
                 continue  # cleared meanwhile
@@ -178,10 +182,9 @@ class Mailbox:
     def _report_malformed(self, path: str, why: str) -> None:
         """One WARNING line per version of a malformed acknowledgement (the agent polls every 10 ms)."""
         try:
-            info = os.lstat(path)
+            version = _version(path)
         except OSError:
             return
-        version = (os.path.basename(path), info.st_mtime_ns, info.st_size)
         if version in self._reported:
             return
         self._reported.add(version)
@@ -275,6 +278,12 @@ class Mailbox:
         if not saved:  # a committed step keeps the old record: older agents read it unchanged
             record.update(saved=False, why=why or "not saved")
         _write_atomic(os.path.join(self.path, f"ack-{local_rank}.json"), record)
+
+
+def _version(path: str) -> tuple[str, int, int, int]:
+    """Which write of a mailbox file this is (workers replace files atomically: a new inode each time)."""
+    info = os.lstat(path)
+    return os.path.basename(path), info.st_ino, info.st_mtime_ns, info.st_size
 
 
 @dataclass(frozen=True, slots=True)
