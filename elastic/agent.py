@@ -288,8 +288,9 @@ class SpotrunAgent(LocalElasticAgent):
         self._rendezvous_ok()
         return waiting
 
-    def _wait_for_membership_change(self, timeout: float) -> bool:
-        """Block up to ``timeout`` s, returning early (True) on a membership event when the handler has one."""
+    def _wait_for_membership_change(self, timeout: float, *, raise_permanent: bool = False) -> bool:
+        """Block up to ``timeout`` s, returning early (True) on a membership event when the handler has one;
+        ``raise_permanent``: a permanent rendezvous error (``is_permanent``) is raised instead of handled."""
         if timeout <= 0:
             return False
         if self._membership is None:
@@ -299,6 +300,8 @@ class SpotrunAgent(LocalElasticAgent):
         try:
             changed = self._membership.wait_membership_change(timeout)
         except RendezvousError as exc:
+            if raise_permanent and is_permanent(exc):
+                raise
             self._rendezvous_failed("wait for membership changes", exc)
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
@@ -830,7 +833,9 @@ class SpotrunAgent(LocalElasticAgent):
         return True
 
     def _stop_waiting_for(self, seconds: float) -> None:
-        if not self._wait_for_membership_change(seconds):
+        """The exit barrier's pause: a permanent rendezvous error ends the barrier (raised), since the handler can
+        no longer show a peer that left, and waiting out ``exit_barrier_timeout`` (300 s) would only hide it."""
+        if not self._wait_for_membership_change(seconds, raise_permanent=True):
             return
         time.sleep(seconds)  # a waiting node also counts as a change: do not spin while it waits
 

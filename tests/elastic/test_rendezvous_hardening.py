@@ -4,7 +4,9 @@ expiring auth tokens, a reused run id, IPv6, TLS failures, an unreachable endpoi
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -18,6 +20,8 @@ from elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousFinishedError,
     RendezvousTLSError,
+    RendezvousWatchError,
+    is_permanent,
     parse_endpoints,
 )
 from elastic.rendezvous.etcd_client import WARN_EVERY_S
@@ -107,6 +111,31 @@ def test_job_outliving_the_auth_token_survives_a_node_loss_and_an_etcd_restart(
     with pytest.raises(RendezvousConnectionError, match="permission denied"):
         outsider.next_rendezvous()
     assert time.monotonic() - began < 5.0
+
+
+@pytest.mark.timeout(90)
+def test_a_refused_watch_is_permanent_and_named_within_seconds(
+    auth_etcd: EmbeddedEtcd, etcdctl: str, handlers, pool
+) -> None:
+    """The user's role loses the prefix while the job trains; etcd restarts, so the watch must be opened again
+    and is refused. That is no outage: the handler says so at once (the agent then ends the job with this
+    message), not after etcd_timeout as "failing for N s"."""
+    conf: dict[str, object] = {"min_nodes": 2, "max_nodes": 2, "user": USER, "password": PASSWORD,
+                               "etcd_timeout": 30.0}
+    hs = [handlers(_config(auth_etcd.endpoint, **conf), node_id=f"n{i}") for i in range(2)]
+    rendezvous_all(pool, hs)
+    subprocess.run([etcdctl, f"--endpoints=http://{auth_etcd.endpoint}", "--user=root:r00t-pw", "role",
+                    "revoke-permission", "spotrun", "--prefix=true", "/spotrun/"],
+                   env=dict(os.environ, ETCDCTL_API="3"), check=True, capture_output=True, timeout=30)
+    auth_etcd.stop()
+    auth_etcd.start()
+    began = time.monotonic()
+    with pytest.raises(RendezvousWatchError, match=r"etcd refuses to let user 'trainer' watch .*permission denied"
+                       r".*grant its role readwrite") as raised:
+        while time.monotonic() - began < 25.0:
+            hs[0].wait_membership_change(1.0)
+    assert is_permanent(raised.value), "the agent ends the job at once, without its outage clock"
+    assert time.monotonic() - began < 10.0, "named within seconds, not after etcd_timeout (30 s)"
 
 
 # ------------------------------------------------------------------ run id reuse
