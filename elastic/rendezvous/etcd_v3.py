@@ -403,24 +403,32 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def mark_finished(self) -> None:
         """Leave the ``finished`` marker for ``finished_ttl`` s (``FinishMarkingHandler``; no-op when 0): the run
         finished successfully. Called by every agent of the last round before ``shutdown``: the first one writes
-        it, the others find it there (one lease, not one per agent)."""
+        it, the others find it there (one lease, not one per agent). Each call is bounded by ``close_timeout``,
+        and none is made when etcd is known to be away (as ``shutdown``)."""
         ttl = self._config.finished_ttl
         if ttl <= 0:
             return
+        if unreachable_at_shutdown(connect_failed=self._connect_failed, fatal=self._fatal):
+            raise RendezvousConnectionError(f"{self._ctx()}etcd at {self._config.endpoint_str} is unreachable")
         conn = self._ensure_connected()
+        within = self._config.close_timeout
+        existing, _ = conn.call("read the finished marker", lambda: conn.client.get(self._finished_key), within=within)
+        if existing is not None:
+            return  # another agent of the round wrote it first
         value = json.dumps({"by": self._node_id, "time": time.time(), "round": self.round})
-        lease = conn.call("grant the finished marker's lease", lambda: conn.client.lease(ttl))
+        lease = conn.call("grant the finished marker's lease", lambda: conn.client.lease(ttl), within=within)
         tx = conn.client.transactions
         written, _ = conn.call(
             "write the finished marker",
             lambda: conn.client.transaction(compare=[tx.version(self._finished_key) == 0],
                                             success=[tx.put(self._finished_key, value, lease=lease.id)], failure=[]),
+            within=within,
         )
         if written:
             log.info("%srun finished: marker %s kept for %d s (finished_ttl)", self._ctx(), self._finished_key, ttl)
             return
-        try:  # another agent of the round wrote it first
-            conn.call("revoke the unused lease", lambda: conn.client.revoke_lease(lease.id), within=min(2.0, self._config.etcd_timeout))
+        try:  # another agent wrote it since we looked
+            conn.call("revoke the unused lease", lambda: conn.client.revoke_lease(lease.id), within=min(2.0, within))
         except RendezvousError as exc:
             log.debug("%scould not revoke the unused lease %x (it expires in %d s): %s", self._ctx(), lease.id, ttl, exc)
 

@@ -244,6 +244,21 @@ def test_a_finished_run_keeps_only_its_marker_and_a_newcomer_exits_at_once(
     assert _run_keys(etcd_server.endpoint, f"{cfg.run_prefix}ctl/nodes/") == [], "it never registered"
 
 
+@pytest.mark.timeout(60)
+def test_the_finished_marker_gives_up_within_close_timeout_when_etcd_is_gone(
+    etcd_server: EmbeddedEtcd, handlers, pool
+) -> None:
+    cfg = _config(etcd_server.endpoint, run_id="gone", min_nodes=1, max_nodes=1, finished_ttl=600,
+                  close_timeout=2.0, etcd_timeout=20.0)
+    (only,) = [handlers(cfg, node_id="g0")]
+    rendezvous_all(pool, [only])
+    etcd_server.stop()
+    began = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="finished marker"):
+        only.mark_finished()
+    assert time.monotonic() - began < 2.0 + 5.0, "bounded by close_timeout, not etcd_timeout (20 s)"
+
+
 @pytest.mark.timeout(90)
 def test_without_finished_ttl_the_run_id_is_reused_as_before(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
     """The marker is opt-in on both sides: a job without finished_ttl leaves none, and a newcomer without it
