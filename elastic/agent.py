@@ -204,12 +204,20 @@ class SpotrunAgent(LocalElasticAgent):
         """A local worker group of this agent ran Preemption helpers once (they come back after a restart)."""
         self._exit_status = 0
         """What the process should exit with after a successful run (``--planned-leave-exit-code`` on a leave)."""
+        self._finished = False
+        """The run ended: the workers succeeded and every peer of the round reached the exit barrier."""
 
     @property
     def exit_status(self) -> int:
         """Exit status for a run that did not fail: 0, or ``--planned-leave-exit-code`` after this node left
         the group for its notice with training unfinished (see ``planned.leave_exit_code``)."""
         return self._exit_status
+
+    @property
+    def finished(self) -> bool:
+        """True once the run finished (the workers succeeded, the exit barrier passed): not after a planned
+        leave or a failure. The launcher then lets the rendezvous keep its ``finished`` marker."""
+        return self._finished
 
     # --- context for logs and events ------------------------------------------------------------------------
 
@@ -284,8 +292,9 @@ class SpotrunAgent(LocalElasticAgent):
         self._rendezvous_ok()
         return waiting
 
-    def _wait_for_membership_change(self, timeout: float) -> bool:
-        """Block up to ``timeout`` s, returning early (True) on a membership event when the handler has one."""
+    def _wait_for_membership_change(self, timeout: float, *, raise_permanent: bool = False) -> bool:
+        """Block up to ``timeout`` s, returning early (True) on a membership event when the handler has one;
+        ``raise_permanent``: a permanent rendezvous error (``is_permanent``) is raised instead of handled."""
         if timeout <= 0:
             return False
         if self._membership is None:
@@ -295,6 +304,8 @@ class SpotrunAgent(LocalElasticAgent):
         try:
             changed = self._membership.wait_membership_change(timeout)
         except RendezvousError as exc:
+            if raise_permanent and is_permanent(exc):
+                raise
             self._rendezvous_failed("wait for membership changes", exc)
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
@@ -318,8 +329,8 @@ class SpotrunAgent(LocalElasticAgent):
         if fatal and self._worker_group.state is not WorkerState.SUCCEEDED:  # in the exit barrier: done anyway
             self._end_for_outage(exc, seen.failing_for)
         if seen.verdict is OutageVerdict.WARN:
-            logger.warning("%s cannot %s (%s); the job fails if this lasts %.0f s more", self._ctx(), what,
-                           _first_line(exc), seen.fatal_in, exc_info=logger.isEnabledFor(logging.DEBUG))
+            warn_one_line(logger, exc, "%s cannot %s (%s); the job fails if this lasts %.0f s more", self._ctx(), what,
+                          _first_line(exc), seen.fatal_in)
 
     def _end_for_outage(self, exc: BaseException, failing_for: float) -> NoReturn:
         """Stop the workers and raise a permanent error as is, else a ``RendezvousOutageError`` (the CLI prints
@@ -546,6 +557,7 @@ class SpotrunAgent(LocalElasticAgent):
                     self._restart_workers(self._worker_group)
                     continue
                 self._emit(RecoveryEvent.RUN_FINISHED, state=state.name)
+                self._finished = True
                 return run_result
             if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
                 if self._own_notice is not None and self._posted is not None:
@@ -663,9 +675,9 @@ class SpotrunAgent(LocalElasticAgent):
             try:
                 self._notices.publish_notice(notice.to_json())
                 published = True
-            except RendezvousError:
-                logger.warning("%s could not publish the preemption notice; peers learn of it when this node "
-                               "leaves", self._ctx(), exc_info=logger.isEnabledFor(logging.DEBUG))
+            except RendezvousError as exc:
+                warn_one_line(logger, exc, "%s could not publish the preemption notice (%s); peers learn of it when "
+                              "this node leaves", self._ctx(), _first_line(exc))
         logger.warning("%s preemption notice (%s): deadline in %.1f s", self._ctx(), notice.source,
                        notice.deadline - time.time())
         self._emit(RecoveryEvent.NOTICE_RECEIVED, source=notice.source, deadline=notice.deadline,
@@ -833,7 +845,9 @@ class SpotrunAgent(LocalElasticAgent):
         """torch's exit barrier, except that it returns False at once when a peer of this round is gone:
         a peer that left never arrives (torch waits ``exit_barrier_timeout``, 300 s, then reports success)."""
         size, store = self._worker_group.group_world_size, self._store
-        if self._notices is None or store is None or size is None or size <= 1:
+        if size is not None and size <= 1:
+            return True  # CHANGE: no peer to wait for (torch's barrier of one only touches the store)
+        if self._notices is None or store is None or size is None:
             self._exit_barrier()
             return True
         key = "spotrun/exit_barrier/arrived"
@@ -849,14 +863,16 @@ class SpotrunAgent(LocalElasticAgent):
                     return False
                 self._stop_waiting_for(0.1)
         except RendezvousError as exc:
-            logger.warning("%s exit barrier failed (%s); the workers finished, reporting success", self._ctx(),
-                           _first_line(exc), exc_info=logger.isEnabledFor(logging.DEBUG))
+            warn_one_line(logger, exc, "%s exit barrier failed (%s); the workers finished, reporting success",
+                          self._ctx(), _first_line(exc))
             return True
         logger.error("%s peers did not finish within %.0f s", self._ctx(), self._exit_barrier_timeout)
         return True
 
     def _stop_waiting_for(self, seconds: float) -> None:
-        if not self._wait_for_membership_change(seconds):
+        """The exit barrier's pause: a permanent rendezvous error ends the barrier (raised), since the handler can
+        no longer show a peer that left, and waiting out ``exit_barrier_timeout`` (300 s) would only hide it."""
+        if not self._wait_for_membership_change(seconds, raise_permanent=True):
             return
         time.sleep(seconds)  # a waiting node also counts as a change: do not spin while it waits
 
@@ -1038,6 +1054,13 @@ def outage_endpoint(handler: RendezvousHandler) -> str:
     if isinstance(handler, OutageBoundHandler):
         return handler.endpoint
     return f"backend {handler.get_backend()!r}"
+
+
+def warn_one_line(log: logging.Logger, exc: BaseException, msg: str, *args: object) -> None:
+    """A rendezvous error as one WARNING line (``msg`` names it, e.g. with :func:`_first_line`); its traceback
+    only as a separate DEBUG record, so a console at WARNING never shows it, whatever the logger's level."""
+    log.warning(msg, *args)
+    log.debug("traceback of the error above", exc_info=exc)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -193,3 +193,19 @@ class Schedule:
 
     def to_json(self) -> dict[str, Any]:
         return {"seed": self.seed, "faults": [f.to_json() for f in self.faults]}
+
+
+def restarts_needed(faults: tuple[Fault, ...] | list[Fault], *, hang_timeout: float | None) -> int:
+    """How many restarts charged against ``--max-restarts`` a job needs to survive ``faults``.
+
+    A ``kill_worker`` costs one. A ``stop_worker`` costs one when hang detection finds it (``hang_timeout``:
+    the seconds it takes, None when detection is off): stopped for good, or for longer than that. Node losses
+    and notices (``kill_agent``, ``term_agent``), etcd and storage faults are not charged."""
+    return sum(1 for fault in faults if _costs_a_restart(fault, hang_timeout))
+
+
+def _costs_a_restart(fault: Fault, hang_timeout: float | None) -> bool:
+    if fault.kind is FaultKind.KILL_WORKER:
+        return True
+    return fault.kind is FaultKind.STOP_WORKER and hang_timeout is not None and (
+        fault.duration_s is None or fault.duration_s > hang_timeout)

@@ -9,9 +9,11 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
     P/ctl/closed               present once the job ended (set_closed/shutdown), until its last agent left
     P/ctl/notice/{node}        the node's preemption deadline (JSON), attached to its lease (publish_notice)
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
+    P/finished                 only with ``finished_ttl``: the run finished successfully (JSON: by, time,
+                               round), on a lease of ``finished_ttl`` s; a newcomer exits 0 at once
 
-After a clean end (every agent's ``shutdown()``) nothing is left under ``P``: the last agent to leave
-deletes the run's keys (``_reap_ended_run``). A run id can be used again after its job ended (a Kubernetes
+After a clean end (every agent's ``shutdown()``) nothing is left under ``P`` but the opt-in ``finished``
+marker: the last agent to leave deletes the run's other keys (``_reap_ended_run``). A run id can be used again after its job ended (a Kubernetes
 Job's name, torchrun's default id); when keys of the ended job are still there (its agents are still
 leaving, or the last one could not reach etcd), a new agent that finds ``P/ctl/closed`` waits until no node
 of the ended job is registered any more, then deletes everything under ``P`` in one transaction that
@@ -63,6 +65,7 @@ from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousFinishedError,
     RendezvousOutageError,
     RendezvousStateError,
     RendezvousTimeoutError,
@@ -114,6 +117,20 @@ def watch_failure(exc: BaseException, context: str) -> RendezvousError:
     ):
         return RendezvousOutageError(f"{context}the etcd watch gave up: {exc}")
     return RendezvousWatchError(f"{context}the etcd watch failed: {exc}")
+
+
+def describe_finished(value: bytes, config: EtcdRendezvousConfig) -> str:
+    """The message of a newcomer that found the run's ``finished`` marker (``value``, JSON; any garbage
+    still means finished: only a successful end writes the key)."""
+    try:
+        data = json.loads(value)
+        by, when = str(data["by"]), float(data["time"])
+        at = f" by node {by} at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(when))}"
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        at = ""
+    return (f"run '{config.run_id}' already finished successfully{at}: nothing to do, exiting 0 (its marker "
+            f"{config.run_prefix}finished lasts finished_ttl={config.finished_ttl} s after the end; to start a new "
+            f"job before then, use another --rdzv-id)")
 
 
 def unreachable_at_shutdown(*, connect_failed: bool, fatal: RendezvousError | None) -> bool:
@@ -207,6 +224,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._round_key = self._ctl + "round"
         self._closed_key = self._ctl + "closed"
         self._store_prefix = prefix + "store/"
+        self._finished_key = prefix + "finished"
 
         self._cond = threading.Condition()
         self._mirror = _Mirror()
@@ -385,7 +403,41 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # ================================================================== extra API
     def connect(self) -> None:
-        self._ensure_connected()
+        """Reach etcd (``ConnectableHandler``); raises ``RendezvousFinishedError`` when the run already finished
+        (its ``finished`` marker, with ``finished_ttl``), so the launcher exits 0 before it starts anything."""
+        self._raise_if_run_finished(self._ensure_connected())
+
+    def mark_finished(self) -> None:
+        """Leave the ``finished`` marker for ``finished_ttl`` s (``FinishMarkingHandler``; no-op when 0): the run
+        finished successfully. Called by every agent of the last round before ``shutdown``: the first one writes
+        it, the others find it there (one lease, not one per agent). Each call is bounded by ``close_timeout``,
+        and none is made when etcd is known to be away (as ``shutdown``)."""
+        ttl = self._config.finished_ttl
+        if ttl <= 0:
+            return
+        if unreachable_at_shutdown(connect_failed=self._connect_failed, fatal=self._fatal):
+            raise RendezvousConnectionError(f"{self._ctx()}etcd at {self._config.endpoint_str} is unreachable")
+        conn = self._ensure_connected()
+        within = self._config.close_timeout
+        existing, _ = conn.call("read the finished marker", lambda: conn.client.get(self._finished_key), within=within)
+        if existing is not None:
+            return  # another agent of the round wrote it first
+        value = json.dumps({"by": self._node_id, "time": time.time(), "round": self.round})
+        lease = conn.call("grant the finished marker's lease", lambda: conn.client.lease(ttl), within=within)
+        tx = conn.client.transactions
+        written, _ = conn.call(
+            "write the finished marker",
+            lambda: conn.client.transaction(compare=[tx.version(self._finished_key) == 0],
+                                            success=[tx.put(self._finished_key, value, lease=lease.id)], failure=[]),
+            within=within,
+        )
+        if written:
+            log.info("%srun finished: marker %s kept for %d s (finished_ttl)", self._ctx(), self._finished_key, ttl)
+            return
+        try:  # another agent wrote it since we looked
+            conn.call("revoke the unused lease", lambda: conn.client.revoke_lease(lease.id), within=min(2.0, within))
+        except RendezvousError as exc:
+            log.debug("%scould not revoke the unused lease %x (it expires in %d s): %s", self._ctx(), lease.id, ttl, exc)
 
     def membership_changed(self) -> bool:
         with self._cond:
@@ -730,7 +782,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._start_lock:
             if self._registered:
                 return
-            self._clear_ended_run(conn)
+            self._raise_if_run_finished(conn)
+            if self._clear_ended_run(conn):  # the ended job's agents may have left a marker since
+                self._raise_if_run_finished(conn)
             self._start_liveness()
             self._register(conn)
             self._registered = True
@@ -738,23 +792,34 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             keeper.start()
             self._threads.append(keeper)
 
-    def _clear_ended_run(self, conn: EtcdConnection) -> None:
-        """If this run id's previous job ended (closed), wait for its agents to leave and clear its keys.
+    def _raise_if_run_finished(self, conn: EtcdConnection) -> None:
+        """``RendezvousFinishedError`` when ``finished_ttl`` is on and the run's ``finished`` marker exists."""
+        if self._config.finished_ttl <= 0:
+            return
+        value, _meta = conn.call("read the finished marker", lambda: conn.client.get(self._finished_key))
+        if value is None:
+            return
+        raise RendezvousFinishedError(f"{self._ctx()}{describe_finished(value, self._config)}")
+
+    def _clear_ended_run(self, conn: EtcdConnection) -> bool:
+        """If this run id's previous job ended (closed), wait for its agents to leave and clear its keys;
+        True when it found the run closed.
 
         Gives up waiting at join_timeout; ``next_rendezvous`` then reports the run as closed."""
         deadline = self._clock() + self._config.join_timeout
-        announced = False
+        announced = found_closed = False
         while True:
             with self._cond:
                 self._raise_if_fatal()
                 mirror = self._mirror
                 if not mirror.closed:
-                    return
+                    return found_closed
+                found_closed = True
                 closed_mod, live, seen = mirror.closed_mod, len(mirror.nodes), mirror.revision
                 if live:
                     remaining = deadline - self._clock()
                     if remaining <= 0:
-                        return
+                        return True
                     if not announced:
                         log.info("%srun id reused: waiting for %d agent(s) of the ended job to leave", self._ctx(), live)
                         announced = True
@@ -767,13 +832,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._wait_revision_after(seen, deadline)
 
     def _delete_ended_run(self, conn: EtcdConnection, closed_mod: int | None, *, within: float | None = None) -> bool:
-        """Delete every key of the run in one transaction, if it is still closed (by the marker of revision
-        ``closed_mod``; None: any) and no node is registered. False when the compare failed."""
+        """Delete every key of the run but its ``finished`` marker (which expires on its own lease) in one
+        transaction, if it is still closed (by the marker of revision ``closed_mod``; None: any) and no node
+        is registered. False when the compare failed."""
         tx = conn.client.transactions
         prefix = self._config.run_prefix
         closed = tx.version(self._closed_key) > 0 if closed_mod is None else tx.mod(self._closed_key) == closed_mod
         compare = [closed, tx.version(self._nodes_prefix, range_end=prefix_end(self._nodes_prefix)) == 0]
-        success = [tx.delete(prefix, range_end=prefix_end(prefix))]
+        after_marker = self._finished_key + "\0"  # the first key after it
+        success = [tx.delete(prefix, range_end=self._finished_key),
+                   tx.delete(after_marker, range_end=prefix_end(prefix))]
         ok, _ = conn.call(
             "delete the ended run's keys",
             lambda: conn.client.transaction(compare=compare, success=success, failure=[]),
