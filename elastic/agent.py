@@ -117,6 +117,11 @@ class FailureAction(enum.Enum):
     """Stop the workers and report the failure."""
 
 
+class _NoticeWhileNotTraining(BaseException):  # noqa: N818 - control flow, like torch's SignalException
+    """Raised by the notice handler while the agent is between rounds, caught in ``_invoke_run``: a
+    BaseException so that no ``except Exception`` of the rendezvous code on the way swallows it."""
+
+
 PEER_REVOKE_SEEN_S = 1.0
 """Longest wait for our etcd watch to show a peer lease this agent just revoked (milliseconds, normally)."""
 
@@ -194,6 +199,8 @@ class SpotrunAgent(LocalElasticAgent):
         self._peer_deadlines: dict[str, float] = {}
         """Peer notices seen in this round: kept after the peer left (its key goes with its lease)."""
         self._notice_signals = self._notice_signal_graces()
+        self._in_rendezvous = False
+        """Between rounds: no workers run, a notice is acted on at once (``_NoticeWhileNotTraining``)."""
         # Hang detection (elastic.hang): progress files of the local workers, judged every monitor tick.
         self._hang_watch = (HangWatch(settings.hang, ProgressBoard(spec.rdzv_handler.get_run_id()), ctx=self._ctx)
                             if settings.hang is not None else None)
@@ -384,7 +391,13 @@ class SpotrunAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self._emit(RecoveryEvent.RENDEZVOUS_STARTED)
         previous_members = self._round_members()
-        super()._rendezvous(worker_group)
+        self._in_rendezvous = True
+        try:
+            if self._own_notice is not None and self._round_members() is not None:
+                raise _NoticeWhileNotTraining  # the notice came while the workers were being stopped
+            super()._rendezvous(worker_group)
+        finally:
+            self._in_rendezvous = False
         new_members = self._round_members()
         self._round += 1
         assert worker_group.group_world_size is not None, "torch's _rendezvous sets the group world size"
@@ -515,6 +528,17 @@ class SpotrunAgent(LocalElasticAgent):
     # --- monitor loop ------------------------------------------------------------------------------------
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """CHANGE (overlapping faults): a notice that arrives between rounds (this node's workers stopped for a
+        recovery, the node re-forming or waiting as a spare) has nothing to save: the node leaves at once, as a
+        planned leave. It used to wait in the rendezvous (a spare: for good), holding its notice."""
+        try:
+            return self._monitor_loop(role)
+        except _NoticeWhileNotTraining:
+            self._stop_workers(self._worker_group)
+            self._leave(step=None, why="the notice came between rounds (no workers running): nothing to save")
+            return self._left_result(workers_finished=False)
+
+    def _monitor_loop(self, role: str = DEFAULT_ROLE) -> RunResult:
         # Mirrors SimpleElasticAgent._invoke_run of torch 2.13 with the CHANGEs marked below.
         spec = self._worker_group.spec
         role = spec.role
@@ -614,6 +638,10 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _on_notice_signal(self, signum: int, frame: object) -> None:
         source, grace = self._notice_signals[signum]
+        if self._in_rendezvous and self._own_notice is None and self._round_members() is not None:
+            # Between rounds (a recovery, a spare): no worker to save anything; leave now (_invoke_run).
+            self.receive_notice(Notice(source, time.time() + grace, f"signal {signal.Signals(signum).name}"))
+            raise _NoticeWhileNotTraining
         if signum == signal.SIGTERM and (self._own_notice is not None or not self._helpers_ready()):
             # A second SIGTERM, or workers that cannot save at an agreed step: torch's immediate shutdown.
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))

@@ -294,3 +294,35 @@ def test_workers_that_fail_after_their_acknowledgement_still_fail_the_leaving_ag
     (leave,) = [e for e in events.records if e["event"] == "planned_leave"]
     assert leave["saved"] is False and leave["agreed_step"] == 4 and leave["why"] == "no time"
     assert [e["state"] for e in events.records if e["event"] == "run_finished"] == ["FAILED"]
+
+
+class SpareHandler(NoticeHandler):
+    """A node that was in a round (``participants``) and now waits in the rendezvous, e.g. as a spare; the
+    test's SIGTERM arrives while it waits (the handler calls the agent's signal handler from inside)."""
+
+    participants = ("a", "b")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.agent: SpotrunAgent | None = None
+
+    def next_rendezvous(self) -> Any:
+        assert self.agent is not None
+        self.agent._on_notice_signal(signal.SIGTERM, None)
+        raise AssertionError("a notice between rounds must end the wait in the rendezvous")
+
+
+def test_a_notice_between_rounds_leaves_at_once_as_a_planned_leave(tmp_path: Path) -> None:
+    """Overlapping faults: SIGTERM to a node re-forming after a peer's crash (or waiting as a spare) used to
+    be held until a round it would never get; it now leaves at once, with the planned-leave code."""
+    handler = SpareHandler()
+    agent, box, events = _agent(tmp_path, handler, planned_leave_exit_code=75)
+    handler.agent = agent
+    box.register_helper(0)  # a helper of the workers of the last round (stale: they were stopped)
+    result = agent._invoke_run()
+    assert result.state is WorkerState.SUCCEEDED
+    assert agent.exit_status == 75
+    assert handler.left == 1, "the lease goes at once: peers re-form without waiting for it"
+    (leave,) = [e for e in events.records if e["event"] == "planned_leave"]
+    assert leave["saved"] is False and "between rounds" in leave["why"], leave
+    assert [e["exit_code"] for e in events.records if e["event"] == "run_finished"] == [75]
