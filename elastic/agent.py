@@ -117,7 +117,7 @@ class FailureAction(enum.Enum):
     """Stop the workers and report the failure."""
 
 
-class _NoticeWhileNotTraining(BaseException):  # noqa: N818 - control flow, like torch's SignalException
+class _NoticeWhileNotTraining(BaseException):
     """Raised by the notice handler while the agent is between rounds, caught in ``_invoke_run``: a
     BaseException so that no ``except Exception`` of the rendezvous code on the way swallows it."""
 
