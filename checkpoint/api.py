@@ -14,7 +14,7 @@ and never pickled.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -420,6 +420,112 @@ class ShardWriter(Protocol):
 
     def close(self) -> None:
         """Release buffers, threads and processes (idempotent)."""
+        ...
+
+
+# --------------------------------------------------------------------------- save failures
+@dataclass(frozen=True, slots=True)
+class SaveFailure:
+    """A background save that failed and was not committed, as the Checkpointer reports it (log line,
+    ``on_save_failure``) while training goes on."""
+
+    step: int
+    """The step that was not saved (its directory stays uncommitted; retention removes it later)."""
+    error: str
+    """``Type: message`` of the error, the same on every rank for a failed commit."""
+    consecutive: int
+    """Saves failed in a row, this one included."""
+    limit: int
+    """``max_consecutive_failed_saves``: the save that finds ``consecutive >= limit`` raises instead."""
+    last_committed: int | None
+    """The newest step this Checkpointer committed (what a restart would load), None before the first."""
+
+    def to_json(self) -> dict[str, JSON]:
+        return {
+            "step": self.step,
+            "error": self.error,
+            "consecutive": self.consecutive,
+            "limit": self.limit,
+            "last_committed": self.last_committed,
+        }
+
+
+# --------------------------------------------------------------------------- storage protocol
+class Sink(Protocol):
+    """A file being written: it becomes visible at its final name only on ``commit`` (nothing on ``abort``)."""
+
+    def write(self, data: memoryview | bytes) -> None: ...
+    def commit(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+@runtime_checkable
+class StorageBackend(Protocol):
+    """One kind of storage under a checkpoint root: ``backends.local`` (POSIX: local disk, FSx/Lustre),
+    ``backends.s3`` (multipart), ``backends.generic`` (any other fsspec filesystem), chosen once from the
+    location by ``storage.open_backend``; a wrapper (fault injection) is a backend around another one.
+
+    Paths are relative to the root (``step-000000010/manifest.json``). Operations are single attempts:
+    they raise the built-in ``OSError`` family as fsspec backends do (``FileNotFoundError``, EIO, ENOSPC) or
+    botocore's errors, and :class:`UnsafePathError` for a path that would leave the root; the
+    ``storage.Storage`` facade retries the transient ones and converts the rest.
+    """
+
+    is_local: bool
+    """A POSIX file system read through the page cache: reads are CPU-bound (one read thread per core, no
+    prefetch) and ``read_into`` reports pieces as they arrive. False for object stores and other fsspec."""
+
+    def full(self, rel: str = "") -> str:
+        """The path of ``rel`` as this backend names it; UnsafePathError when ``rel`` would leave the root."""
+        ...
+
+    def display(self, rel: str = "") -> str:
+        """``rel`` as a user would type it (keeps the protocol of remote roots); never raises."""
+        ...
+
+    def exists(self, rel: str) -> bool: ...
+    def size(self, rel: str) -> int: ...
+
+    def listdir(self, rel: str) -> dict[str, tuple[str, int]]:
+        """Entries of directory ``rel``: name -> (``"file"`` | ``"directory"``, size); a missing one is empty.
+        Local backends leave out symlinks and special files."""
+        ...
+
+    def read_range(self, rel: str, start: int, end: int | None) -> bytes | bytearray:
+        """Bytes ``[start, end)`` of ``rel`` (``end`` None: to the end); fewer when the file is shorter."""
+        ...
+
+    def read_into(
+        self, rel: str, start: int, out: memoryview, piece_bytes: int, on_piece: Callable[[int, int], None] | None
+    ) -> int:
+        """Read ``len(out)`` bytes from ``start`` into ``out``, calling ``on_piece(offset, n)`` per completed
+        piece (see ``Storage.read_into``); returns the bytes read."""
+        ...
+
+    def makedirs(self, rel: str) -> None: ...
+
+    def open_sink(self, rel: str) -> Sink:
+        """A Sink for ``rel``: atomic (whole file visible on ``commit``, durable where the medium allows)."""
+        ...
+
+    def rm(self, rel: str, *, recursive: bool = False) -> None:
+        """Delete a file or a directory tree; missing is fine."""
+        ...
+
+    def close(self) -> None:
+        """Release threads (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class BackendWrapper(Protocol):
+    """An fsspec filesystem class that, as the outer layer of a chained location (``chaos::file:///data``),
+    wraps the backend the inner location chooses instead of being reached through fsspec, so the inner
+    backend's own code (atomic local sink, S3 multipart) runs underneath (``elastic.chaos.storage``)."""
+
+    @classmethod
+    def wrap_backend(cls, inner: StorageBackend, options: dict[str, Any]) -> StorageBackend:
+        """``inner`` wrapped; ``options`` are the storage options keyed by this layer's protocol."""
         ...
 
 

@@ -17,6 +17,9 @@ order on all ranks): a foreground one for the cheap per-save vote, the item meta
 choices (training thread), and a background one for the commit (writer thread). Neither is the training's
 default group, so a collective the writer thread runs can never interleave with the training's own.
 
+A background save that fails is not committed and deletes nothing; the next ``save`` reports it and training
+goes on, up to ``max_consecutive_failed_saves`` failures in a row (``tolerate_failed_save``).
+
 Seams for what comes next: a save triggered by a preemption notice is ``save`` + ``wait`` (or a new
 ``ShardWriter``); hardening the readers is ``discover``, ``shard``, ``verify`` and ``per_rank``, not this
 class.
@@ -28,7 +31,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Final
@@ -42,6 +45,7 @@ from checkpoint.api import (
     Manifest,
     RankObjectsRecord,
     RankRecords,
+    SaveFailure,
     SaveInProgressError,
     ShardWriter,
     rank_objects_file_name,
@@ -74,6 +78,13 @@ SAVE_TIMES_KEPT: Final = 4
 speed varies, and a planned save that is cut off costs more than one skipped for a pessimistic guess)."""
 
 
+def tolerate_failed_save(failed_in_a_row: int, limit: int, *, broken: bool) -> bool:
+    """Whether the next ``save`` reports a failed background save and goes on (True) or raises it: fewer
+    than ``limit`` saves in a row failed, and no collective broke (a broken one may leave ranks out of step).
+    Every rank learns the same outcome of each save, so every rank decides alike."""
+    return not broken and failed_in_a_row < limit
+
+
 class Checkpointer:
     """Save and load training state under ``uri`` (local path, ``file://``, ``memory://``, ``s3://``).
 
@@ -94,12 +105,28 @@ class Checkpointer:
         config: CheckpointConfig | None = None,
         *,
         process_group: Any = None,
-        sleep: Any = time.sleep,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        on_save_failure: Callable[[SaveFailure], None] | None = None,
     ) -> None:
+        """Args:
+            uri: the checkpoint root (local path, ``file://``, ``s3://``, ``memory://``, any fsspec URL).
+            config: how to save, keep and load (default ``CheckpointConfig()``).
+            process_group: the group whose ranks save together (default: the world, if initialised).
+            sleep, clock: the storage retries' (injected by tests).
+            on_save_failure: called on the training thread, at the next ``save``, with each background save
+                that failed while training went on (see ``CheckpointConfig.max_consecutive_failed_saves``).
+
+        Raises:
+            CheckpointStorageError: the location cannot be opened.
+        """
         self.config = config or CheckpointConfig()
         c = self.config
         spec = StorageSpec.from_config(uri, c)
-        self.storage = spec.open(sleep=sleep)
+        self.storage = spec.open(sleep=sleep, clock=clock)
+        self._on_save_failure = on_save_failure
+        self._failed_in_a_row = 0
+        self._last_committed: int | None = None
         self._fg, self._bg = open_collectives(process_group, c.collective_timeout, 2)
         """Foreground (training thread: vote, item metadata, step choice) and background (writer thread:
         records gather, commit outcome) collectives."""
@@ -129,6 +156,11 @@ class Checkpointer:
         return f"Checkpointer({self.storage.display()!r}, rank={self.rank}/{self.world_size})"
 
     @property
+    def failed_saves_in_a_row(self) -> int:
+        """Background saves that failed since the last committed one (0 after a commit)."""
+        return self._failed_in_a_row
+
+    @property
     def recent_save_seconds(self) -> tuple[float, ...]:
         """Seconds from ``save()`` to the commit (vote, stage, write, commit; not the flatten, whose first call
         in a process pays a one-time import, nor the wait for a previous save still in flight, nor
@@ -150,8 +182,14 @@ class Checkpointer:
     def save(self, step: int, state: Mapping[str, Any]) -> None:
         """Stage ``state`` to host memory and write it as ``step`` in the background (see ``wait``).
 
-        Raises the error of the previous save if it failed (on every rank), SaveInProgressError when a
-        save is in flight and ``when_busy="refuse"``.
+        A failure of the previous save is reported (ERROR log line, ``on_save_failure``) and this save goes
+        ahead; once ``max_consecutive_failed_saves`` saves in a row failed, it is raised instead (on every
+        rank: every rank learns the same outcome of each save).
+
+        Raises:
+            CheckpointError: the previous saves failed too often (their last error), the state was rejected
+                on some rank, or this Checkpointer is broken.
+            SaveInProgressError: a save is in flight and ``when_busy="refuse"``.
         """
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -182,7 +220,7 @@ class Checkpointer:
                 f'(use when_busy="wait" to block instead)'
             )
         waited = time.perf_counter()
-        self.wait()  # waits if busy; re-raises the previous save's error either way
+        self._settle_previous()  # waits if busy; reports (or raises) the previous save's failure either way
         timed_from += time.perf_counter() - waited  # the previous save's time is not this one's
         if any_changed:
             self._replan(flat)
@@ -204,9 +242,38 @@ class Checkpointer:
         if future is None:
             return
         try:
-            future.result()
+            self._last_committed = future.result()
+        except Exception:
+            self._failed_in_a_row += 1
+            raise
+        else:
+            self._failed_in_a_row = 0
         finally:
             self._in_flight = None
+
+    def _settle_previous(self) -> None:
+        """``wait`` for the in-flight save; its failure is reported and swallowed while fewer than
+        ``max_consecutive_failed_saves`` saves in a row failed and the Checkpointer is not broken (a broken
+        collective may leave the ranks out of step: that always raises)."""
+        step = self._in_flight
+        try:
+            self.wait()
+        except Exception as exc:
+            limit = self.config.max_consecutive_failed_saves
+            if step is None or not tolerate_failed_save(self._failed_in_a_row, limit, broken=self._broken is not None):
+                if self._failed_in_a_row >= limit > 1:
+                    logger.error("[rank %d] %d checkpoint saves in a row failed (max_consecutive_failed_saves=%d); "
+                                 "raising the last error", self.rank, self._failed_in_a_row, limit)
+                raise
+            failure = SaveFailure(step=step, error=f"{type(exc).__name__}: {exc}", consecutive=self._failed_in_a_row,
+                                  limit=limit, last_committed=self._last_committed)
+            logger.error(
+                "[rank %d step %d] checkpoint save failed and was not committed (%d of %d failed saves in a row "
+                "tolerated; the last committed step %s is kept); training goes on: %s",
+                self.rank, step, failure.consecutive, limit, failure.last_committed, failure.error,
+            )
+            if self._on_save_failure is not None:
+                self._on_save_failure(failure)
 
     def _rank_objects_payload(self, flat: FlatState, step: int) -> tuple[str, bytes, list[str]] | None:
         """This rank's per-rank objects file (name, bytes, keys), encoded now so the save snapshots it;
@@ -344,7 +411,7 @@ class Checkpointer:
         if chosen is None:
             logger.info("[rank %d] no checkpoint at %s; starting fresh", self.rank, self.storage.display())
             return None
-        return load_with_fallback(
+        loaded = load_with_fallback(
             chosen,
             step_named=step is not None,
             attempt=lambda at: self._load_step(state, at),
@@ -353,6 +420,9 @@ class Checkpointer:
             where=self.storage.display(),
             rank=self.rank,
         )
+        if loaded is not None and (self._last_committed is None or loaded > self._last_committed):
+            self._last_committed = loaded
+        return loaded
 
     def read(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
         """Every shared top-level entry of ``step`` (default: latest good) as plain values, tensors in full.

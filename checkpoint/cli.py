@@ -163,9 +163,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         require_checkpoint(storage, listing)
     good = latest_good_step(storage, listing=listing)
     print(f"{'step':>12}  {'status':<12} {'size':>10}  {'world':>5}  created")
-    for step in sorted(listing.committed + listing.uncommitted):
+    for step in sorted([*listing.committed, *listing.uncommitted, *listing.unreadable]):
         status, world, created = "uncommitted", "-", "-"
-        if step in listing.committed:
+        if step in listing.unreadable:
+            status, created = "UNREADABLE", listing.unreadable[step][:80]
+        elif step in listing.committed:
             try:
                 manifest = validate_step(storage, step)
                 status = "committed"
@@ -174,6 +176,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             except (CorruptCheckpointError, IncompatibleCheckpointError) as exc:
                 status = "CORRUPT"
                 created = str(exc)[:80]
+            except CheckpointStorageError as exc:
+                status, created = "UNREADABLE", str(exc)[:80]
         mark = " *" if step == good else ""
         print(f"{step:>12}  {status:<12} {human(listing.sizes.get(step, 0)):>10}  {world:>5}  {created}{mark}")
     print(f"latest good step: {good if good is not None else 'none'}")

@@ -39,14 +39,23 @@ class CheckpointConfig:
     resharded load reads up to one block too many at each end of every piece it takes from a saved chunk
     (smaller blocks read fewer extra bytes; the README's benchmarks give the figures)."""
 
-    max_retries: int = 5
-    """Attempts per storage operation for transient errors (connection reset, throttling); >= 1."""
+    max_retries: int | None = None
+    """Attempts per storage operation for transient errors (connection reset, throttling, EIO), first
+    included; None (default): no limit, retry until ``retry_timeout``. >= 1 (1 means no retry)."""
 
     retry_timeout: timedelta = timedelta(seconds=60)
-    """Give up retrying one storage operation after this long, even if attempts remain."""
+    """Keep retrying one storage operation this long (random exponential back-off from 50 ms, capped at
+    ``retry_max_wait``): a storage blip shorter than this costs a background save some time, nothing else."""
 
     retry_max_wait: timedelta = timedelta(seconds=8)
     """Upper bound of the random exponential back-off between two attempts."""
+
+    max_consecutive_failed_saves: int = 3
+    """A background save that fails (storage still failing after ``retry_timeout``, a permanent error such as
+    disk full) is not committed and deletes nothing; it is reported (an ERROR log line, the Checkpointer's
+    ``on_save_failure`` callback) and training goes on. Once this many saves in a row have failed, the next
+    ``save`` raises the last error instead (>= 1; 1: raise at the first failure). ``wait`` and ``close``
+    always raise the failure of the save they wait for."""
 
     collective_timeout: timedelta = timedelta(minutes=30)
     """Timeout of the checkpointer's own gloo groups (torch's default for gloo). A rank that stops
@@ -98,7 +107,12 @@ class CheckpointConfig:
             if not isinstance(getattr(self, name), bool):
                 raise CheckpointConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         self._check_int("checksum_block_bytes", self.checksum_block_bytes, 4096, "use e.g. 1 MiB (1048576)")
-        self._check_int("max_retries", self.max_retries, 1, "1 means no retry")
+        if self.max_retries is not None:
+            self._check_int("max_retries", self.max_retries, 1, "1 means no retry, None retries until retry_timeout")
+        self._check_int(
+            "max_consecutive_failed_saves", self.max_consecutive_failed_saves, 1,
+            "how many failed saves in a row training tolerates; 1 raises at the first",
+        )
         self._check_int("writer_threads", self.writer_threads, 1, "use 1 for sequential writes")
         if self.read_threads is not None:
             self._check_int("read_threads", self.read_threads, 1, "use None for the default, 1 for sequential reads")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from checkpoint.api import (
     COMMIT_FILE,
@@ -28,7 +28,7 @@ from checkpoint.api import (
 )
 from checkpoint.confine import parse_json
 from checkpoint.plan import validate_tiling
-from checkpoint.storage import Storage
+from checkpoint.storage import Storage, is_transient
 
 logger = logging.getLogger(__name__)
 
@@ -46,21 +46,39 @@ class StepListing:
     uncommitted: list[int]
     sizes: dict[int, int]
     """Total bytes of the files directly in each step directory."""
+    unreadable: dict[int, str] = field(default_factory=dict)
+    """Step directories that could not be listed (permission denied...): step -> the error. Neither committed
+    nor uncommitted: never loaded, never deleted."""
+
+
+def step_storage_error(exc: BaseException) -> bool:
+    """True for a storage error that belongs to one step (permission denied on its directory or a file),
+    which discovery skips; False for a transient one still failing after the retries (the storage itself
+    is down: raised, so a job does not start over from an older step, or from scratch, during an outage)."""
+    return isinstance(exc, CheckpointStorageError) and (exc.__cause__ is None or not is_transient(exc.__cause__))
 
 
 def list_steps(storage: Storage) -> StepListing:
     committed: list[int] = []
     uncommitted: list[int] = []
     sizes: dict[int, int] = {}
+    unreadable: dict[int, str] = {}
     for name, (kind, _) in storage.listdir("").items():
         step = parse_step_dir(name)
         if step is None or kind != "directory":
             continue
-        entries = storage.listdir(name)
+        try:
+            entries = storage.listdir(name)
+        except CheckpointStorageError as exc:
+            if not step_storage_error(exc):
+                raise
+            logger.warning("skipping checkpoint step %d: its directory cannot be listed: %s", step, exc)
+            unreadable[step] = str(exc)
+            continue
         sizes[step] = sum(size for kind2, size in entries.values() if kind2 == "file")
         marker = entries.get(COMMIT_FILE)
         (committed if marker is not None and marker[0] == "file" else uncommitted).append(step)
-    return StepListing(sorted(committed), sorted(uncommitted), sizes)
+    return StepListing(sorted(committed), sorted(uncommitted), sizes, unreadable)
 
 
 def read_step_file(storage: Storage, rel: str, *, limit: int, what: str) -> bytes | bytearray:
@@ -261,6 +279,7 @@ def latest_good_manifest(
     """``latest_good_step``'s choice as the manifest ``validate_step`` returned for it (a loader that goes on
     to read that step reuses it instead of validating the step twice)."""
     listing = listing or list_steps(storage)
+    unreadable = {s: e for s, e in listing.unreadable.items() if below is None or s < below}
     for step in reversed(listing.committed):
         if below is not None and step >= below:
             continue
@@ -270,6 +289,18 @@ def latest_good_manifest(
             logger.warning("skipping corrupt checkpoint step %d: %s", step, exc)
         except CheckpointNotFoundError as exc:  # deleted between the listing and now
             logger.warning("skipping vanished checkpoint step %d: %s", step, exc)
+        except CheckpointStorageError as exc:  # one step's files refused (EACCES): an older step may load
+            if not step_storage_error(exc):
+                raise
+            logger.warning("skipping unreadable checkpoint step %d: %s", step, exc)
+            unreadable[step] = str(exc)
+    if unreadable:
+        # Starting from scratch (or an older run's state) over steps we could not read would silently lose
+        # them: the user fixes the permissions, or removes those steps, instead.
+        raise CheckpointStorageError(
+            f"no readable committed checkpoint at {storage.display()}; steps that could not be read: "
+            + "; ".join(f"step {s}: {e}" for s, e in sorted(unreadable.items()))
+        )
     return None
 
 

@@ -117,6 +117,15 @@ class FailureAction(enum.Enum):
     """Stop the workers and report the failure."""
 
 
+class _NoticeWhileNotTraining(BaseException):
+    """Raised by the notice handler while the agent is between rounds, caught in ``_invoke_run``: a
+    BaseException so that no ``except Exception`` of the rendezvous code on the way swallows it."""
+
+
+PEER_REVOKE_SEEN_S = 1.0
+"""Longest wait for our etcd watch to show a peer lease this agent just revoked (milliseconds, normally)."""
+
+
 def decide_on_failure(*, remaining_restarts: int, peer_lost: bool) -> FailureAction:
     """Pure decision for a failed worker group (torch always charges; spotrun forgives peer loss)."""
     if peer_lost:
@@ -190,6 +199,8 @@ class SpotrunAgent(LocalElasticAgent):
         self._peer_deadlines: dict[str, float] = {}
         """Peer notices seen in this round: kept after the peer left (its key goes with its lease)."""
         self._notice_signals = self._notice_signal_graces()
+        self._in_rendezvous = False
+        """Between rounds: no workers run, a notice is acted on at once (``_NoticeWhileNotTraining``)."""
         # Hang detection (elastic.hang): progress files of the local workers, judged every monitor tick.
         self._hang_watch = (HangWatch(settings.hang, ProgressBoard(spec.rdzv_handler.get_run_id()), ctx=self._ctx)
                             if settings.hang is not None else None)
@@ -200,12 +211,20 @@ class SpotrunAgent(LocalElasticAgent):
         """A local worker group of this agent ran Preemption helpers once (they come back after a restart)."""
         self._exit_status = 0
         """What the process should exit with after a successful run (``--planned-leave-exit-code`` on a leave)."""
+        self._finished = False
+        """The run ended: the workers succeeded and every peer of the round reached the exit barrier."""
 
     @property
     def exit_status(self) -> int:
         """Exit status for a run that did not fail: 0, or ``--planned-leave-exit-code`` after this node left
         the group for its notice with training unfinished (see ``planned.leave_exit_code``)."""
         return self._exit_status
+
+    @property
+    def finished(self) -> bool:
+        """True once the run finished (the workers succeeded, the exit barrier passed): not after a planned
+        leave or a failure. The launcher then lets the rendezvous keep its ``finished`` marker."""
+        return self._finished
 
     # --- context for logs and events ------------------------------------------------------------------------
 
@@ -280,8 +299,9 @@ class SpotrunAgent(LocalElasticAgent):
         self._rendezvous_ok()
         return waiting
 
-    def _wait_for_membership_change(self, timeout: float) -> bool:
-        """Block up to ``timeout`` s, returning early (True) on a membership event when the handler has one."""
+    def _wait_for_membership_change(self, timeout: float, *, raise_permanent: bool = False) -> bool:
+        """Block up to ``timeout`` s, returning early (True) on a membership event when the handler has one;
+        ``raise_permanent``: a permanent rendezvous error (``is_permanent``) is raised instead of handled."""
         if timeout <= 0:
             return False
         if self._membership is None:
@@ -291,6 +311,8 @@ class SpotrunAgent(LocalElasticAgent):
         try:
             changed = self._membership.wait_membership_change(timeout)
         except RendezvousError as exc:
+            if raise_permanent and is_permanent(exc):
+                raise
             self._rendezvous_failed("wait for membership changes", exc)
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
             return False
@@ -315,8 +337,8 @@ class SpotrunAgent(LocalElasticAgent):
         if fatal and self._worker_group.state is not WorkerState.SUCCEEDED:  # in the exit barrier: done anyway
             self._end_for_outage(exc, seen.failing_for)
         if seen.verdict is OutageVerdict.WARN:
-            logger.warning("%s cannot %s (%s); the job fails if this lasts %.0f s more", self._ctx(), what,
-                           _first_line(exc), seen.fatal_in, exc_info=logger.isEnabledFor(logging.DEBUG))
+            warn_one_line(logger, exc, "%s cannot %s (%s); the job fails if this lasts %.0f s more", self._ctx(), what,
+                          _first_line(exc), seen.fatal_in)
 
     def _end_for_outage(self, exc: BaseException, failing_for: float) -> NoReturn:
         """Stop the workers and raise a permanent error as is, else a ``RendezvousOutageError`` (the CLI prints
@@ -338,6 +360,21 @@ class SpotrunAgent(LocalElasticAgent):
             raise error
         raise error from exc
 
+    def _confirm_dead_peers(self) -> bool:
+        """Probe the round's peers (``liveness.py``): True when one's process is gone (its lease was revoked)."""
+        probe = getattr(self._membership, "probe_peers", None)
+        if probe is None:
+            return False
+        try:
+            dead = probe()
+        except RendezvousError as exc:
+            logger.debug("%s probing the peers failed: %s", self._ctx(), exc)
+            return False
+        if dead:
+            logger.warning("%s peer agent(s) %s are gone (confirmed by a probe after the workers failed)", self._ctx(),
+                           sorted(dead))
+        return bool(dead)
+
     def _wait_for_peer_loss(self, window: float) -> bool:
         """Watch the membership up to ``window`` s: True as soon as it changes (a peer lost its lease),
         False when the window passes. Event-driven with a membership-aware handler, else polled."""
@@ -357,7 +394,13 @@ class SpotrunAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self._emit(RecoveryEvent.RENDEZVOUS_STARTED)
         previous_members = self._round_members()
-        super()._rendezvous(worker_group)
+        self._in_rendezvous = True
+        try:
+            if self._own_notice is not None and self._round_members() is not None:
+                raise _NoticeWhileNotTraining  # the notice came while the workers were being stopped
+            super()._rendezvous(worker_group)
+        finally:
+            self._in_rendezvous = False
         new_members = self._round_members()
         self._round += 1
         assert worker_group.group_world_size is not None, "torch's _rendezvous sets the group world size"
@@ -488,6 +531,17 @@ class SpotrunAgent(LocalElasticAgent):
     # --- monitor loop ------------------------------------------------------------------------------------
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """CHANGE (overlapping faults): a notice that arrives between rounds (this node's workers stopped for a
+        recovery, the node re-forming or waiting as a spare) has nothing to save: the node leaves at once, as a
+        planned leave. It used to wait in the rendezvous (a spare: for good), holding its notice."""
+        try:
+            return self._monitor_loop(role)
+        except _NoticeWhileNotTraining:
+            self._stop_workers(self._worker_group)
+            self._leave(step=None, why="the notice came between rounds (no workers running): nothing to save")
+            return self._left_result(workers_finished=False)
+
+    def _monitor_loop(self, role: str = DEFAULT_ROLE) -> RunResult:
         # Mirrors SimpleElasticAgent._invoke_run of torch 2.13 with the CHANGEs marked below.
         spec = self._worker_group.spec
         role = spec.role
@@ -530,6 +584,7 @@ class SpotrunAgent(LocalElasticAgent):
                     self._restart_workers(self._worker_group)
                     continue
                 self._emit(RecoveryEvent.RUN_FINISHED, state=state.name)
+                self._finished = True
                 return run_result
             if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
                 if self._own_notice is not None and self._posted is not None:
@@ -586,6 +641,10 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _on_notice_signal(self, signum: int, frame: object) -> None:
         source, grace = self._notice_signals[signum]
+        if self._in_rendezvous and self._own_notice is None and self._round_members() is not None:
+            # Between rounds (a recovery, a spare): no worker to save anything; leave now (_invoke_run).
+            self.receive_notice(Notice(source, time.time() + grace, f"signal {signal.Signals(signum).name}"))
+            raise _NoticeWhileNotTraining
         if signum == signal.SIGTERM and (self._own_notice is not None or not self._helpers_ready()):
             # A second SIGTERM, or workers that cannot save at an agreed step: torch's immediate shutdown.
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
@@ -647,9 +706,9 @@ class SpotrunAgent(LocalElasticAgent):
             try:
                 self._notices.publish_notice(notice.to_json())
                 published = True
-            except RendezvousError:
-                logger.warning("%s could not publish the preemption notice; peers learn of it when this node "
-                               "leaves", self._ctx(), exc_info=logger.isEnabledFor(logging.DEBUG))
+            except RendezvousError as exc:
+                warn_one_line(logger, exc, "%s could not publish the preemption notice (%s); peers learn of it when "
+                              "this node leaves", self._ctx(), _first_line(exc))
         logger.warning("%s preemption notice (%s): deadline in %.1f s", self._ctx(), notice.source,
                        notice.deadline - time.time())
         self._emit(RecoveryEvent.NOTICE_RECEIVED, source=notice.source, deadline=notice.deadline,
@@ -817,7 +876,9 @@ class SpotrunAgent(LocalElasticAgent):
         """torch's exit barrier, except that it returns False at once when a peer of this round is gone:
         a peer that left never arrives (torch waits ``exit_barrier_timeout``, 300 s, then reports success)."""
         size, store = self._worker_group.group_world_size, self._store
-        if self._notices is None or store is None or size is None or size <= 1:
+        if size is not None and size <= 1:
+            return True  # CHANGE: no peer to wait for (torch's barrier of one only touches the store)
+        if self._notices is None or store is None or size is None:
             self._exit_barrier()
             return True
         key = "spotrun/exit_barrier/arrived"
@@ -833,14 +894,16 @@ class SpotrunAgent(LocalElasticAgent):
                     return False
                 self._stop_waiting_for(0.1)
         except RendezvousError as exc:
-            logger.warning("%s exit barrier failed (%s); the workers finished, reporting success", self._ctx(),
-                           _first_line(exc), exc_info=logger.isEnabledFor(logging.DEBUG))
+            warn_one_line(logger, exc, "%s exit barrier failed (%s); the workers finished, reporting success",
+                          self._ctx(), _first_line(exc))
             return True
         logger.error("%s peers did not finish within %.0f s", self._ctx(), self._exit_barrier_timeout)
         return True
 
     def _stop_waiting_for(self, seconds: float) -> None:
-        if not self._wait_for_membership_change(seconds):
+        """The exit barrier's pause: a permanent rendezvous error ends the barrier (raised), since the handler can
+        no longer show a peer that left, and waiting out ``exit_barrier_timeout`` (300 s) would only hide it."""
+        if not self._wait_for_membership_change(seconds, raise_permanent=True):
             return
         time.sleep(seconds)  # a waiting node also counts as a change: do not spin while it waits
 
@@ -848,6 +911,10 @@ class SpotrunAgent(LocalElasticAgent):
         """Restart the group (returns None) or give up (returns the failed result)."""
         failures = {rank: f.exitcode for rank, f in run_result.failures.items()}
         peer_lost = self._membership_changed()
+        if not peer_lost and self._confirm_dead_peers():
+            # CHANGE: a dead peer's process was confirmed by a refused probe and its lease revoked: our watch
+            # sees the registration go within milliseconds, not after the lease TTL.
+            peer_lost = self._wait_for_peer_loss(PEER_REVOKE_SEEN_S)
         if not peer_lost and self._remaining_restarts == 0:
             # CHANGE: last chance; a collective broken by a dead peer fails before the peer's lease expires
             # (the launcher stretches peer_loss_grace over the lease TTL, see launcher.peer_loss_window).
@@ -1018,6 +1085,13 @@ def outage_endpoint(handler: RendezvousHandler) -> str:
     if isinstance(handler, OutageBoundHandler):
         return handler.endpoint
     return f"backend {handler.get_backend()!r}"
+
+
+def warn_one_line(log: logging.Logger, exc: BaseException, msg: str, *args: object) -> None:
+    """A rendezvous error as one WARNING line (``msg`` names it, e.g. with :func:`_first_line`); its traceback
+    only as a separate DEBUG record, so a console at WARNING never shows it, whatever the logger's level."""
+    log.warning(msg, *args)
+    log.debug("traceback of the error above", exc_info=exc)
 
 
 def _first_line(exc: BaseException) -> str:

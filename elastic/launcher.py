@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousParameters
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
-from elastic.agent import SpotrunAgent
+from elastic.agent import SpotrunAgent, warn_one_line
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
     ENV_NOTICE_DIR,
@@ -43,7 +43,13 @@ from elastic.metrics import AgentMetrics, MetricsServer, MetricsSink, serve
 from elastic.notice import NoticePoller, make_sources
 from elastic.preemption import Mailbox
 from elastic.progress import remove_orphaned_progress_files
-from elastic.rendezvous.api import ConnectableHandler, LeaseHandler, MembershipAwareHandler
+from elastic.rendezvous.api import (
+    ConnectableHandler,
+    FinishMarkingHandler,
+    LeaseHandler,
+    MembershipAwareHandler,
+    RendezvousFinishedError,
+)
 from elastic.warm import note_agent_import_env
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
@@ -164,8 +170,21 @@ def _leave_rendezvous(handler: RendezvousHandler) -> None:
         return  # torch's backends have no way to leave; peers notice when this node's heartbeat stops
     try:
         handler.leave()
-    except RendezvousError:
-        logger.warning("leaving the rendezvous failed; peers will notice when the lease expires", exc_info=True)
+    except RendezvousError as exc:
+        warn_one_line(logger, exc, "leaving the rendezvous failed (%s); peers will notice when the lease expires",
+                      str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+def _mark_finished(handler: RendezvousHandler) -> None:
+    """The run finished successfully: let the backend keep a marker for agents started for it later (etcd-v3
+    ``finished_ttl``). A failure costs only that: the run did finish."""
+    if not isinstance(handler, FinishMarkingHandler):
+        return
+    try:
+        handler.mark_finished()
+    except RendezvousError as exc:
+        warn_one_line(logger, exc, "could not leave the run's finished marker (an agent started for this run now "
+                      "waits for peers): %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 def _with_metrics(event_log: JsonlEventLog, port: int | None) -> tuple[EventSink, MetricsServer | None]:
@@ -278,9 +297,18 @@ def launch(
             raise ChildFailedError(name=entrypoint_name, failures=result.failures)
         if agent.exit_status:
             raise PlannedLeaveExit(agent.exit_status, run_id=config.run_id)
+        if agent.finished:
+            _mark_finished(rdzv_handler)
         return result.return_values
     except (ChildFailedError, PlannedLeaveExit):
         raise
+    except RendezvousFinishedError as exc:
+        # CHANGE: an agent started for a run that already finished (a pod recreated after its Indexed Job's
+        # run ended; etcd-v3 finished_ttl) succeeds at once instead of waiting join_timeout for peers.
+        logger.warning("%s", exc)
+        shutdown_rdzv = False  # the run is over: nothing of it to close, this node never registered
+        _leave_rendezvous(rdzv_handler)
+        return {}
     except RendezvousError as exc:
         # e.g. etcd unreachable or join timeout: a clear one-line error at the CLI edge, not a traceback.
         torch_events.record(agent.get_event_failed(), config.event_log_handler)

@@ -88,6 +88,10 @@ DEFAULT_VOTE_TIMEOUT = timedelta(minutes=30)
 DEFAULT_SAVE_MARGIN = 1.5
 """A planned save is started only when the slowest recent save times this fits before ``save_by``: storage
 and the host are slower at preemption time (the node is draining) than during steady training."""
+MAX_MESSAGE_BYTES = 64 * 1024
+"""Largest mailbox file parsed (an acknowledgement or a notice is under 200 bytes): a bigger one, a deeply nested
+one or anything but a regular file is malformed, so a worker's stray write cannot stall the agent's 10 ms poll."""
+
 SAVE_SLACK_SECONDS = 0.5
 """Added to every estimate: the acknowledgement, the workers' exit and the agent's tick after the commit."""
 
@@ -114,6 +118,9 @@ class Mailbox:
         self.path = path
         self._lock_fd: int | None = None
         self._link: str | None = None
+        self._reported: set[tuple[str, int, int, int]] = set()
+        """Malformed acknowledgements already warned about, by version (name, inode, mtime_ns, size): each is
+        said once and not parsed again (a 64 KiB nest costs milliseconds, the agent polls every 10 ms)."""
 
     @classmethod
     def create(cls, root: str | None = None) -> Mailbox:
@@ -136,6 +143,7 @@ class Mailbox:
 
     def clear(self) -> None:
         """Empty the mailbox before a new worker group starts (its notice and acks were for the old one)."""
+        self._reported.clear()
         for name in os.listdir(self.path):
             if name.startswith("."):
                 continue  # the agent's lock, not a message
@@ -155,13 +163,33 @@ class Mailbox:
         for name in os.listdir(self.path):
             if (match := _ACK_FILE.fullmatch(name)) is None:
                 continue  # also a worker's half-written "ack-N.json.tmpPID"
+            path = os.path.join(self.path, name)
             try:
-                ack = _parse_ack(_load_json(os.path.join(self.path, name)))
-            except (OSError, ValueError):
+                if _version(path) in self._reported:
+                    continue
+                ack = _parse_ack(_load_json(path))
+            except FileNotFoundError:
+                continue  # cleared meanwhile
+            except (OSError, ValueError) as exc:
+                self._report_malformed(path, str(exc))
                 continue
-            if ack is not None:
-                out[int(match.group(1))] = ack
+            if ack is None:
+                self._report_malformed(path, "not an acknowledgement record (a step >= 0)")
+                continue
+            out[int(match.group(1))] = ack
         return out
+
+    def _report_malformed(self, path: str, why: str) -> None:
+        """One WARNING line per version of a malformed acknowledgement (the agent polls every 10 ms)."""
+        try:
+            version = _version(path)
+        except OSError:
+            return
+        if version in self._reported:
+            return
+        self._reported.add(version)
+        logger.warning("ignoring the malformed worker acknowledgement %s (%s): that rank has not stopped yet", path,
+                       why.removeprefix(f"{path}: "))
 
     def acks(self) -> dict[int, int]:
         """local rank -> step it committed and stopped at (acknowledgements of unsaved steps excluded: see
@@ -250,6 +278,12 @@ class Mailbox:
         if not saved:  # a committed step keeps the old record: older agents read it unchanged
             record.update(saved=False, why=why or "not saved")
         _write_atomic(os.path.join(self.path, f"ack-{local_rank}.json"), record)
+
+
+def _version(path: str) -> tuple[str, int, int, int]:
+    """Which write of a mailbox file this is (workers replace files atomically: a new inode each time)."""
+    info = os.lstat(path)
+    return os.path.basename(path), info.st_ino, info.st_mtime_ns, info.st_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,14 +424,23 @@ def find_mailbox(environ: Mapping[str, str] | None = None) -> str | None:
     return target if _agent_alive(target) else None
 
 
-def _load_json(path: str) -> Any:
-    """One mailbox file, parsed; a file nested too deeply for the parser (a hostile or corrupt one) is a
-    ``ValueError`` like any other malformed file, not a ``RecursionError`` escaping into the agent's loop."""
-    with open(path) as handle:
-        try:
-            return json.load(handle)
-        except RecursionError as exc:
-            raise ValueError(f"{path}: JSON nested too deeply") from exc
+def _load_json(path: str, limit: int = MAX_MESSAGE_BYTES) -> Any:
+    """One mailbox file, parsed. Bounded: a file larger than ``limit`` bytes, not a regular file (a FIFO would
+    block the poll), or nested too deeply for the parser (a hostile or corrupt one) is a ``ValueError`` like any
+    other malformed file, never a ``RecursionError`` escaping into the agent's loop."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"{path}: larger than {limit} bytes")
+    try:
+        return json.loads(data)
+    except RecursionError as exc:
+        raise ValueError(f"{path}: JSON nested too deeply") from exc
 
 
 def _write_atomic(path: str, data: dict[str, Any]) -> None:

@@ -108,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fsspec option for --ckpt-dir, repeatable, e.g. endpoint_url=http://127.0.0.1:9000 "
                         "(values parse as JSON when they are JSON: numbers, booleans, objects)")
     p.add_argument("--ckpt-every", type=int, default=50, help="save every N steps (and at the end)")
+    p.add_argument("--ckpt-retry-timeout", type=float, default=60.0,
+                   help="seconds a checkpoint storage operation retries transient errors (CheckpointConfig.retry_timeout)")
     p.add_argument("--log-every", type=int, default=20, help="rank 0 prints one line every N steps")
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch recoveries)")
     p.add_argument("--progress-file", default=None,
@@ -128,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--storage-option configures the --ckpt-dir location; pass --ckpt-dir too")
     if args.loader_workers < 0:
         p.error("--loader-workers must be >= 0")
+    if not args.ckpt_retry_timeout > 0:
+        p.error("--ckpt-retry-timeout must be > 0 seconds")
     try:
         args.batch_config = BatchConfig(
             global_batch=args.global_batch,
@@ -158,14 +162,16 @@ def init_distributed(pg_timeout: float) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def open_checkpointer(uri: str | None, storage_options: dict[str, Any] | None = None) -> Any:
+def open_checkpointer(uri: str | None, storage_options: dict[str, Any] | None = None,
+                      retry_timeout: float = 60.0) -> Any:
     if uri is None:
         return None
     try:
         from checkpoint import CheckpointConfig, Checkpointer
     except ImportError as exc:
         raise SystemExit(f"--ckpt-dir needs the spotrun `checkpoint` package (Checkpointer), which failed to import: {exc}") from exc
-    return Checkpointer(uri, CheckpointConfig(storage_options=storage_options or {}))
+    return Checkpointer(uri, CheckpointConfig(storage_options=storage_options or {},
+                                              retry_timeout=timedelta(seconds=retry_timeout)))
 
 
 def append_progress(path: str, record_: dict[str, Any]) -> None:
@@ -226,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = ElasticBatches(args.batch_config)
     # Checkpoint the bare module: its keys do not depend on DDP or on the world size.
     state = {"model": model, "optim": optimizer, "trainer": trainer, "data": batches}
-    ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option))
+    ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option), args.ckpt_retry_timeout)
     if ckpt is not None:
         restored = ckpt.load(state)
         if restored is not None:

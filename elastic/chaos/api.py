@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import errno
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,8 @@ class FaultKind(str, enum.Enum):
     PARTITION = "partition"
     """Cut one network namespace off (its links down) for ``duration_s``; needs root, else skipped."""
     STORAGE_ERROR = "storage_error"
-    """Storage operations fail with EIO (``rate``: fraction of operations, ``ops``: read/write/all)."""
+    """Storage operations fail with EIO (``rate``: fraction of operations, ``ops``: read/write/all;
+    ``errno``: another error name such as ``EACCES``; ``path``: only paths containing this text)."""
     STORAGE_LATENCY = "storage_latency"
     """Storage operations take ``seconds`` longer."""
     DISK_FULL = "disk_full"
@@ -97,8 +99,9 @@ class Fault:
     """How long the fault lasts (stop, partition, etcd down, storage faults); None: permanent for storage
     faults and partitions, the default restart delay (1 s) for etcd members, forever for SIGSTOP."""
     params: dict[str, Any] = field(default_factory=dict)
-    """Kind-specific: ``rate`` (0..1] and ``ops`` (``read``/``write``/``all``) for storage_error, ``seconds``
-    for storage_latency."""
+    """Kind-specific: ``rate`` (0..1], ``ops`` (``read``/``write``/``all``), ``errno`` (an errno name,
+    default ``EIO``) and ``path`` (only paths containing it, e.g. ``step-000000020``) for storage_error,
+    ``seconds`` for storage_latency."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
@@ -135,7 +138,8 @@ class Fault:
         self._check_params()
 
     def _check_params(self) -> None:
-        allowed = {FaultKind.STORAGE_ERROR: {"rate", "ops"}, FaultKind.STORAGE_LATENCY: {"seconds"}}.get(self.kind, set())
+        allowed = {FaultKind.STORAGE_ERROR: {"rate", "ops", "errno", "path"},
+                   FaultKind.STORAGE_LATENCY: {"seconds"}}.get(self.kind, set())
         unknown = set(self.params) - allowed
         if unknown:
             raise ChaosScheduleError(
@@ -146,6 +150,12 @@ class Fault:
             raise ChaosScheduleError(f"{self.kind.value}: rate must be in (0, 1], got {rate!r}")
         if self.params.get("ops", "all") not in ("read", "write", "all"):
             raise ChaosScheduleError(f"{self.kind.value}: ops must be read, write or all, got {self.params['ops']!r}")
+        code = self.params.get("errno", "EIO")
+        if not (isinstance(code, str) and code.startswith("E") and isinstance(getattr(errno, code, None), int)):
+            raise ChaosScheduleError(f"{self.kind.value}: errno must be an errno name such as EIO or EACCES, got {code!r}")
+        path = self.params.get("path", "x")
+        if not isinstance(path, str) or not path:
+            raise ChaosScheduleError(f"{self.kind.value}: path must be a non-empty string, got {path!r}")
         seconds = self.params.get("seconds", 0.0)
         if not isinstance(seconds, (int, float)) or seconds < 0:
             raise ChaosScheduleError(f"{self.kind.value}: seconds must be >= 0, got {seconds!r}")
@@ -183,3 +193,19 @@ class Schedule:
 
     def to_json(self) -> dict[str, Any]:
         return {"seed": self.seed, "faults": [f.to_json() for f in self.faults]}
+
+
+def restarts_needed(faults: tuple[Fault, ...] | list[Fault], *, hang_timeout: float | None) -> int:
+    """How many restarts charged against ``--max-restarts`` a job needs to survive ``faults``.
+
+    A ``kill_worker`` costs one. A ``stop_worker`` costs one when hang detection finds it (``hang_timeout``:
+    the seconds it takes, None when detection is off): stopped for good, or for longer than that. Node losses
+    and notices (``kill_agent``, ``term_agent``), etcd and storage faults are not charged."""
+    return sum(1 for fault in faults if _costs_a_restart(fault, hang_timeout))
+
+
+def _costs_a_restart(fault: Fault, hang_timeout: float | None) -> bool:
+    if fault.kind is FaultKind.KILL_WORKER:
+        return True
+    return fault.kind is FaultKind.STOP_WORKER and hang_timeout is not None and (
+        fault.duration_s is None or fault.duration_s > hang_timeout)

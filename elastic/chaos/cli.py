@@ -12,15 +12,19 @@ and ended. Storage faults need the job's checkpoint location behind ``chaos::`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 from elastic.api import ENV_EVENTS_FILE
-from elastic.chaos.api import STORAGE_CONTROL_ENV, ChaosError
+from elastic.chaos.api import STORAGE_CONTROL_ENV, ChaosError, Schedule, restarts_needed
 from elastic.chaos.injector import Injector
 from elastic.chaos.journal import Journal
 from elastic.chaos.schedule import load_schedule
@@ -66,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         os.close(fd)
         os.unlink(owned_control)  # absent until a storage fault fires: pass-through
         control = owned_control
+    if args.command:
+        warn_if_restarts_short(schedule, args.command)
     endpoints = [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]
     journal = Journal(args.journal)
     step = (lambda: last_step(args.progress_file)) if args.progress_file else (lambda: None)
@@ -104,6 +110,75 @@ def events_file_of(command: list[str]) -> str | None:
         if arg.startswith(("--events-file=", "--events_file=")):
             return arg.split("=", 1)[1]
     return os.environ.get(ENV_EVENTS_FILE) or None
+
+
+_LAUNCHERS = ("spotrun", "torchrun")
+_LAUNCHER_MODULES = ("elastic.cli", "torch.distributed.run")
+_PYTHON = re.compile(r"python[0-9.]*")
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchBudget:
+    """What a wrapped spotrun/torchrun command line allows for faults."""
+
+    max_restarts: int
+    """``--max-restarts`` (torchrun's default 0, or ``PET_MAX_RESTARTS``)."""
+    hang_timeout: float | None
+    """Seconds before a stopped worker counts as hung and is restarted (None: hang detection off)."""
+
+
+def launch_budget(command: list[str]) -> LaunchBudget | None:
+    """The restart budget of a spotrun or torchrun command line, read with spotrun's own parser (torchrun's
+    flags, spellings, abbreviations and ``PET_*`` fallbacks, plus spotrun's); None for any other command or
+    one the parser rejects (the launcher will say why)."""
+    args = _launcher_args(command)
+    if args is None:
+        return None
+    from elastic.cli import build_parser  # imports torch: only for a launcher command line
+    from elastic.config import hang_policy
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # the launcher itself reports a bad command line
+            parsed, _ = build_parser().parse_known_args(args)
+        policy = hang_policy(enabled=parsed.hang_detection, timeout=parsed.hang_timeout,
+                             startup_timeout=parsed.hang_startup_timeout)
+    except (SystemExit, ValueError):
+        return None
+    hang_timeout = None if policy is None else (policy.timeout if policy.timeout is not None else policy.floor)
+    return LaunchBudget(max_restarts=int(parsed.max_restarts), hang_timeout=hang_timeout)
+
+
+def _launcher_args(command: list[str]) -> list[str] | None:
+    """The launcher's arguments in ``spotrun ...``, ``torchrun ...`` or ``python -m torch.distributed.run ...``
+    (also ``elastic.cli``), else None."""
+    if not command:
+        return None
+    program = os.path.basename(command[0])
+    if program in _LAUNCHERS:
+        return command[1:]
+    if _PYTHON.fullmatch(program) and len(command) >= 3 and command[1] == "-m" and command[2] in _LAUNCHER_MODULES:
+        return command[3:]
+    return None
+
+
+def restarts_shortfall(schedule: Schedule, budget: LaunchBudget) -> str | None:
+    """The warning for a job that cannot survive the schedule's restarting faults, or None when it can."""
+    needed = restarts_needed(schedule.faults, hang_timeout=budget.hang_timeout)
+    if needed <= budget.max_restarts:
+        return None
+    return (f"the schedule injects {needed} fault(s) that each cost a restart (kill_worker, and stop_worker "
+            f"found as a hang) but the command allows --max-restarts {budget.max_restarts}: the job ends at "
+            f"fault {budget.max_restarts + 1}; pass --max-restarts {needed} (or more) to the launcher")
+
+
+def warn_if_restarts_short(schedule: Schedule, command: list[str]) -> None:
+    """Warn once, before the job starts, when the wrapped launcher has fewer restarts than the faults need."""
+    budget = launch_budget(command)
+    if budget is None:
+        return
+    message = restarts_shortfall(schedule, budget)
+    if message is not None:
+        logger.warning("spotrun-chaos: %s", message)
 
 
 def _forward_signals(proc: subprocess.Popen[bytes] | None):  # type: ignore[no-untyped-def]

@@ -93,9 +93,7 @@ def due(schedule: Schedule, fired: Iterable[int] | Mapping[int, float], elapsed_
     for i, fault in enumerate(schedule.faults):
         if i in fired_at:
             continue
-        if fault.at_s is not None and elapsed_s >= fault.at_s or fault.at_step is not None and step is not None and step >= fault.at_step:
-            ready.append(i)
-        elif fault.after is not None and fault.after in fired_at and elapsed_s >= fired_at[fault.after] + fault.after_s:
+        if fault.at_s is not None and elapsed_s >= fault.at_s or fault.at_step is not None and step is not None and step >= fault.at_step or fault.after is not None and fault.after in fired_at and elapsed_s >= fired_at[fault.after] + fault.after_s:
             ready.append(i)
     return ready
 

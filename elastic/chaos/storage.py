@@ -1,9 +1,15 @@
-"""``chaos://``: an fsspec filesystem over another one that injects storage errors, latency and disk full.
+"""``chaos://``: storage errors, latency and disk full injected around a checkpoint location.
 
 Use it as a chained URL wherever a checkpoint location goes: ``chaos::file:///data/ckpt`` (or
 ``chaos::s3://bucket/run``). Which faults are active is read from a JSON control file named by
 ``SPOTRUN_CHAOS_STORAGE`` (written by the injector, re-read when it changes), so faults switch on and off
 at the schedule's times in every worker process, across restarts. Without the variable it passes through.
+
+The checkpointer does not reach ``chaos::`` through fsspec: ``ChaosFileSystem`` is a
+``checkpoint.api.BackendWrapper``, so ``checkpoint.storage.open_backend`` opens the inner location's own
+backend (POSIX with its fsync-rename sink and symlink confinement for ``chaos::file://``, multipart for
+``chaos::s3://``) and wraps it in a :class:`ChaosBackend`: faults are injected on exactly the code
+production runs. Other fsspec users get ``ChaosFileSystem`` itself, a filesystem over the target one.
 
 Errors are the built-in ``OSError`` family, as fsspec backends raise them (EIO, ENOSPC), so the checkpointer
 treats them like real ones: EIO is retried as transient, ENOSPC is not.
@@ -18,11 +24,13 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
 from fsspec.implementations.chained import ChainedFileSystem
 
+from checkpoint.api import Sink, StorageBackend
 from elastic.chaos.api import STORAGE_CONTROL_ENV, FaultKind
 
 logger = logging.getLogger(__name__)
@@ -68,6 +76,107 @@ class _Control:
             return self._rng.random()
 
 
+class StorageFaults:
+    """The active faults of one control file, applied before an operation (``op``: read, write, delete,
+    mkdir): latency sleeps, disk full raises ENOSPC on writes, storage errors raise EIO at their rate."""
+
+    def __init__(self, control: str | None = None, seed: int = 0) -> None:
+        self._control = _Control(control or os.environ.get(STORAGE_CONTROL_ENV), seed)
+
+    def inject(self, op: str, path: str) -> None:
+        for fault in self._control.active():
+            kind = fault.get("kind")
+            params = fault.get("params", {})
+            if kind == FaultKind.STORAGE_LATENCY.value:
+                time.sleep(float(params.get("seconds", 0.0)))
+            elif kind == FaultKind.DISK_FULL.value and op == "write":
+                raise OSError(errno.ENOSPC, "No space left on device (injected by chaos://)", path)
+            elif (kind == FaultKind.STORAGE_ERROR.value and self._applies(params.get("ops", "all"), op)
+                  and str(params.get("path", "")) in path
+                  and self._control.draw() < float(params.get("rate", 1.0))):
+                code = int(getattr(errno, str(params.get("errno", "EIO")), errno.EIO))
+                # OSError(code, ...) is the matching subclass (EACCES: PermissionError), as a real one is.
+                raise OSError(code, f"{os.strerror(code)} (injected by chaos://, {op})", path)
+
+    @staticmethod
+    def _applies(ops: str, op: str) -> bool:
+        return ops == "all" or (ops == "read" and op in _READ_OPS) or (ops == "write" and op in _WRITE_OPS)
+
+
+class ChaosBackend:
+    """A ``checkpoint.api.StorageBackend`` around another one: each operation first meets the active faults,
+    then runs on ``inner``, whose own code (atomic sink, confinement, ranged reads, multipart) is unchanged.
+    A write meets them at its sink's commit, after the inner sink wrote its data, so a fault exercises the
+    inner sink's abort (temp file removed, multipart upload aborted)."""
+
+    def __init__(self, inner: StorageBackend, faults: StorageFaults) -> None:
+        self.inner = inner
+        self.faults = faults
+        self.is_local = inner.is_local
+
+    def __repr__(self) -> str:
+        return f"ChaosBackend({self.inner!r})"
+
+    def full(self, rel: str = "") -> str:
+        return self.inner.full(rel)
+
+    def display(self, rel: str = "") -> str:
+        return self.inner.display(rel)
+
+    def exists(self, rel: str) -> bool:
+        self.faults.inject("read", self.display(rel))
+        return self.inner.exists(rel)
+
+    def size(self, rel: str) -> int:
+        self.faults.inject("read", self.display(rel))
+        return self.inner.size(rel)
+
+    def listdir(self, rel: str) -> dict[str, tuple[str, int]]:
+        self.faults.inject("read", self.display(rel))
+        return self.inner.listdir(rel)
+
+    def read_range(self, rel: str, start: int, end: int | None) -> bytes | bytearray:
+        self.faults.inject("read", self.display(rel))
+        return self.inner.read_range(rel, start, end)
+
+    def read_into(
+        self, rel: str, start: int, out: memoryview, piece_bytes: int, on_piece: Callable[[int, int], None] | None
+    ) -> int:
+        self.faults.inject("read", self.display(rel))
+        return self.inner.read_into(rel, start, out, piece_bytes, on_piece)
+
+    def makedirs(self, rel: str) -> None:
+        self.faults.inject("mkdir", self.display(rel))
+        self.inner.makedirs(rel)
+
+    def open_sink(self, rel: str) -> Sink:
+        return _ChaosSink(self.inner.open_sink(rel), self.faults, self.display(rel))
+
+    def rm(self, rel: str, *, recursive: bool = False) -> None:
+        self.faults.inject("delete", self.display(rel))
+        self.inner.rm(rel, recursive=recursive)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _ChaosSink:
+    """The inner backend's sink; the faults are met at ``commit``, before the inner sink publishes."""
+
+    def __init__(self, inner: Sink, faults: StorageFaults, display: str) -> None:
+        self.inner, self.faults, self.display = inner, faults, display
+
+    def write(self, data: memoryview | bytes) -> None:
+        self.inner.write(data)
+
+    def commit(self) -> None:
+        self.faults.inject("write", self.display)
+        self.inner.commit()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
 class ChaosFileSystem(ChainedFileSystem):
     """Delegates to ``target_protocol``'s filesystem; before each operation applies the active faults."""
 
@@ -79,7 +188,13 @@ class ChaosFileSystem(ChainedFileSystem):
         super().__init__(**kwargs)
         self.fs = fsspec.filesystem(target_protocol, **(target_options or {}))
         self.target_protocol = target_protocol
-        self._control = _Control(control or os.environ.get(STORAGE_CONTROL_ENV), seed)
+        self._faults = StorageFaults(control, seed)
+
+    @classmethod
+    def wrap_backend(cls, inner: StorageBackend, options: dict[str, Any]) -> StorageBackend:
+        """``checkpoint.api.BackendWrapper``: ``inner`` behind the faults of the control file
+        (``options``: ``control``, a path instead of SPOTRUN_CHAOS_STORAGE; ``seed``)."""
+        return ChaosBackend(inner, StorageFaults(options.get("control"), int(options.get("seed", 0))))
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
@@ -87,22 +202,8 @@ class ChaosFileSystem(ChainedFileSystem):
         path = path.removeprefix("chaos://")
         return path.rstrip("/")
 
-    # ------------------------------------------------------------------ faults
     def _inject(self, op: str, path: str) -> None:
-        for fault in self._control.active():
-            kind = fault.get("kind")
-            params = fault.get("params", {})
-            if kind == FaultKind.STORAGE_LATENCY.value:
-                time.sleep(float(params.get("seconds", 0.0)))
-            elif kind == FaultKind.DISK_FULL.value and op == "write":
-                raise OSError(errno.ENOSPC, "No space left on device (injected by chaos://)", path)
-            elif (kind == FaultKind.STORAGE_ERROR.value and self._applies(params.get("ops", "all"), op)
-                  and self._control.draw() < float(params.get("rate", 1.0))):
-                raise OSError(errno.EIO, f"Input/output error (injected by chaos://, {op})", path)
-
-    @staticmethod
-    def _applies(ops: str, op: str) -> bool:
-        return ops == "all" or (ops == "read" and op in _READ_OPS) or (ops == "write" and op in _WRITE_OPS)
+        self._faults.inject(op, path)
 
     # ------------------------------------------------------------------ delegated operations
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:

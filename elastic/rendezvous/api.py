@@ -32,6 +32,7 @@ __all__ = [
     "BACKEND_NAME",
     "ConnectableHandler",
     "EtcdRendezvousConfig",
+    "FinishMarkingHandler",
     "LeaseHandler",
     "RoundMembersHandler",
     "MembershipAwareHandler",
@@ -40,6 +41,7 @@ __all__ = [
     "RendezvousConfigError",
     "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousFinishedError",
     "RendezvousGracefulExitError",
     "RendezvousOutageError",
     "RendezvousStateError",
@@ -57,9 +59,17 @@ DEFAULT_ETCD_PORT: Final = 2379
 DEFAULT_ETCD_TIMEOUT_S: Final = 30.0
 """Default ``etcd_timeout``; also the agent's outage bound for handlers that declare none."""
 
+MAX_LEASE_TTL_S: Final = 9_000_000_000
+"""etcd's longest lease (``MaxLeaseTTL``): bound of ``finished_ttl``."""
+
 
 class RendezvousConfigError(RendezvousError, ValueError):
     """A rendezvous parameter or ``--rdzv-conf`` key is unknown or has an invalid value."""
+
+
+class RendezvousFinishedError(RendezvousClosedError):
+    """The run already finished successfully (its ``finished`` marker, kept for ``finished_ttl`` s): an agent
+    started for it now has nothing to do and exits 0 instead of waiting ``join_timeout`` for peers."""
 
 
 class RendezvousOutageError(RendezvousConnectionError):
@@ -139,6 +149,17 @@ class ConnectableHandler(Protocol):
     def connect(self) -> None:
         """Reach the backend now without joining a round (raises ``RendezvousConnectionError`` once it has
         been unreachable for the backend's timeout); idempotent, ``next_rendezvous`` would do it anyway."""
+
+
+@runtime_checkable
+class FinishMarkingHandler(Protocol):
+    """A handler that can leave a ``finished`` marker when its run ends successfully (etcd-v3 with
+    ``finished_ttl``), which an agent started for the same run later honours by exiting 0 at once (a pod
+    recreated after its Indexed Job's run finished), instead of waiting ``join_timeout`` for peers."""
+
+    def mark_finished(self) -> None:
+        """Record that the run finished successfully (before ``shutdown``; a no-op when not enabled). Raises
+        from the ``RendezvousError`` tree; the launcher only logs it (the run did finish)."""
 
 
 @runtime_checkable
@@ -264,11 +285,22 @@ class EtcdRendezvousConfig:
     key: str | None = None
     """PEM private key of ``cert``."""
 
+    liveness_probe: bool = True
+    """Know a peer agent's death in under a second when its process dies (its liveness port refuses
+    connections: ``liveness.py``), instead of after ``lease_ttl``; ``false`` leaves it to the lease."""
+
     user: str | None = None
     """etcd user name (etcd auth); needs ``password``."""
 
     password: str | None = None
     """Password of ``user``."""
+
+    finished_ttl: int = 0
+    """Seconds (whole, 0: off) the key ``{etcd_prefix}/{run_id}/finished`` outlives a run that finished
+    successfully. An agent started for the run id while it exists (a Kubernetes pod recreated after its
+    Indexed Job's run finished) exits 0 at once, naming the marker, instead of waiting ``join_timeout`` per
+    attempt for peers that are gone. The run id can be reused for a new job only once it expired (it is a
+    lease, so etcd removes it); set it on every node."""
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -287,6 +319,13 @@ class EtcdRendezvousConfig:
             raise RendezvousConfigError(
                 f"lease_ttl must be a whole number of seconds >= 1 (etcd leases are integral), got {self.lease_ttl!r}"
             )
+        if isinstance(self.finished_ttl, bool) or not isinstance(self.finished_ttl, int) or not (
+            0 <= self.finished_ttl <= MAX_LEASE_TTL_S
+        ):
+            raise RendezvousConfigError(
+                f"finished_ttl must be a whole number of seconds from 0 (off) to {MAX_LEASE_TTL_S} (etcd's "
+                f"longest lease), got {self.finished_ttl!r}; e.g. finished_ttl=86400 keeps the marker a day"
+            )
         for name in ("join_timeout", "close_timeout", "etcd_timeout"):
             _require_positive(name, getattr(self, name))
         for name in ("last_call_timeout", "rejoin_timeout"):
@@ -301,6 +340,8 @@ class EtcdRendezvousConfig:
             raise RendezvousConfigError("TLS client auth needs both 'cert' and 'key' in --rdzv-conf")
         if self.cert is not None and self.cacert is None:
             raise RendezvousConfigError("'cert'/'key' need 'cacert' too (the CA that signed etcd's certificate)")
+        if not isinstance(self.liveness_probe, bool):
+            raise RendezvousConfigError(f"liveness_probe must be true or false, got {self.liveness_probe!r}")
         if (self.user is None) != (self.password is None):
             raise RendezvousConfigError("etcd authentication needs both 'user' and 'password' in --rdzv-conf")
 
@@ -372,9 +413,20 @@ def _parse_float(name: str, raw: object) -> float:
 
 def _parse_int(name: str, raw: object) -> int:
     value = _parse_float(name, raw)
-    if value != int(value):
+    if not math.isfinite(value) or value != int(value):
         raise RendezvousConfigError(f"--rdzv-conf {name}={raw!r} must be a whole number of seconds")
     return int(value)
+
+
+def _parse_bool(name: str, raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    word = str(raw).strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise RendezvousConfigError(f"--rdzv-conf {name}={raw!r} must be true or false")
 
 
 def _parse_str(name: str, raw: object) -> str:
@@ -390,7 +442,9 @@ _PARSERS = {
     "rejoin_timeout": _parse_float,
     "close_timeout": _parse_float,
     "etcd_timeout": _parse_float,
+    "finished_ttl": _parse_int,
     "etcd_prefix": _parse_str,
+    "liveness_probe": _parse_bool,
     "cacert": _parse_str,
     "cert": _parse_str,
     "key": _parse_str,

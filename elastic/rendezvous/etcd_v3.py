@@ -9,9 +9,11 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
     P/ctl/closed               present once the job ended (set_closed/shutdown), until its last agent left
     P/ctl/notice/{node}        the node's preemption deadline (JSON), attached to its lease (publish_notice)
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
+    P/finished                 only with ``finished_ttl``: the run finished successfully (JSON: by, time,
+                               round), on a lease of ``finished_ttl`` s; a newcomer exits 0 at once
 
-After a clean end (every agent's ``shutdown()``) nothing is left under ``P``: the last agent to leave
-deletes the run's keys (``_reap_ended_run``). A run id can be used again after its job ended (a Kubernetes
+After a clean end (every agent's ``shutdown()``) nothing is left under ``P`` but the opt-in ``finished``
+marker: the last agent to leave deletes the run's other keys (``_reap_ended_run``). A run id can be used again after its job ended (a Kubernetes
 Job's name, torchrun's default id); when keys of the ended job are still there (its agents are still
 leaving, or the last one could not reach etcd), a new agent that finds ``P/ctl/closed`` waits until no node
 of the ended job is registered any more, then deletes everything under ``P`` in one transaction that
@@ -63,6 +65,7 @@ from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousFinishedError,
     RendezvousOutageError,
     RendezvousStateError,
     RendezvousTimeoutError,
@@ -77,6 +80,7 @@ from .etcd_client import (
     is_transient,
     prefix_end,
 )
+from .liveness import LivenessListener, Peer, PeerWatch, Probe, peer_from_registration, probe_all
 from .state import Action, Decision, RoundRecord, Snapshot, decide, membership
 from .store import EtcdV3Store
 from .worker_store import WorkerStoreHost, agent_hosts_store
@@ -115,6 +119,20 @@ def watch_failure(exc: BaseException, context: str) -> RendezvousError:
     return RendezvousWatchError(f"{context}the etcd watch failed: {exc}")
 
 
+def describe_finished(value: bytes, config: EtcdRendezvousConfig) -> str:
+    """The message of a newcomer that found the run's ``finished`` marker (``value``, JSON; any garbage
+    still means finished: only a successful end writes the key)."""
+    try:
+        data = json.loads(value)
+        by, when = str(data["by"]), float(data["time"])
+        at = f" by node {by} at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(when))}"
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        at = ""
+    return (f"run '{config.run_id}' already finished successfully{at}: nothing to do, exiting 0 (its marker "
+            f"{config.run_prefix}finished lasts finished_ttl={config.finished_ttl} s after the end; to start a new "
+            f"job before then, use another --rdzv-id)")
+
+
 def unreachable_at_shutdown(*, connect_failed: bool, fatal: RendezvousError | None) -> bool:
     """True when ``shutdown`` must not try to mark the job closed: etcd was already unreachable for
     ``etcd_timeout`` (or never reached), so ``close_timeout`` more would only double the wait. A failed watch
@@ -143,6 +161,8 @@ class _Mirror:
     closed: bool = False
     notices: dict[str, dict[str, Any]] = field(default_factory=dict)
     """node id -> its published preemption notice (``publish_notice``)."""
+    peers: dict[str, Peer] = field(default_factory=dict)
+    """node id -> its liveness port and lease, from its registration (``liveness.py``; absent: lease only)."""
     revision: int = 0
     """Highest etcd revision applied."""
     loaded: bool = False
@@ -204,6 +224,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._round_key = self._ctl + "round"
         self._closed_key = self._ctl + "closed"
         self._store_prefix = prefix + "store/"
+        self._finished_key = prefix + "finished"
 
         self._cond = threading.Condition()
         self._mirror = _Mirror()
@@ -228,6 +249,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """The watch was refused and the token renewed; a second refusal in a row is fatal."""
         self._start_lock = threading.Lock()
         self._lease_lock = threading.Lock()
+        self._liveness: LivenessListener | None = None
+        """Our liveness port (``liveness_probe``): held connections end the moment this process dies."""
+        self._peer_watch: PeerWatch | None = None
+        """Our connection to the next participant's liveness port (a ring over the round)."""
 
     # ================================================================== torch interface
     def get_backend(self) -> str:
@@ -378,7 +403,41 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # ================================================================== extra API
     def connect(self) -> None:
-        self._ensure_connected()
+        """Reach etcd (``ConnectableHandler``); raises ``RendezvousFinishedError`` when the run already finished
+        (its ``finished`` marker, with ``finished_ttl``), so the launcher exits 0 before it starts anything."""
+        self._raise_if_run_finished(self._ensure_connected())
+
+    def mark_finished(self) -> None:
+        """Leave the ``finished`` marker for ``finished_ttl`` s (``FinishMarkingHandler``; no-op when 0): the run
+        finished successfully. Called by every agent of the last round before ``shutdown``: the first one writes
+        it, the others find it there (one lease, not one per agent). Each call is bounded by ``close_timeout``,
+        and none is made when etcd is known to be away (as ``shutdown``)."""
+        ttl = self._config.finished_ttl
+        if ttl <= 0:
+            return
+        if unreachable_at_shutdown(connect_failed=self._connect_failed, fatal=self._fatal):
+            raise RendezvousConnectionError(f"{self._ctx()}etcd at {self._config.endpoint_str} is unreachable")
+        conn = self._ensure_connected()
+        within = self._config.close_timeout
+        existing, _ = conn.call("read the finished marker", lambda: conn.client.get(self._finished_key), within=within)
+        if existing is not None:
+            return  # another agent of the round wrote it first
+        value = json.dumps({"by": self._node_id, "time": time.time(), "round": self.round})
+        lease = conn.call("grant the finished marker's lease", lambda: conn.client.lease(ttl), within=within)
+        tx = conn.client.transactions
+        written, _ = conn.call(
+            "write the finished marker",
+            lambda: conn.client.transaction(compare=[tx.version(self._finished_key) == 0],
+                                            success=[tx.put(self._finished_key, value, lease=lease.id)], failure=[]),
+            within=within,
+        )
+        if written:
+            log.info("%srun finished: marker %s kept for %d s (finished_ttl)", self._ctx(), self._finished_key, ttl)
+            return
+        try:  # another agent wrote it since we looked
+            conn.call("revoke the unused lease", lambda: conn.client.revoke_lease(lease.id), within=min(2.0, within))
+        except RendezvousError as exc:
+            log.debug("%scould not revoke the unused lease %x (it expires in %d s): %s", self._ctx(), lease.id, ttl, exc)
 
     def membership_changed(self) -> bool:
         with self._cond:
@@ -436,6 +495,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._cond:
             reap = reap or self._mirror.closed
         self._stop_threads()
+        self._stop_liveness()
         conn, lease = self._conn, self._lease_id
         if conn is not None and lease is not None:
             try:
@@ -471,11 +531,74 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         else:
             log.info("%sother agents of the ended job are still registered: the last to leave deletes its keys", self._ctx())
 
+    # ================================================================== liveness (liveness.py)
+    def _start_liveness(self) -> None:
+        if not self._config.liveness_probe or self._liveness is not None:
+            return
+        try:
+            self._liveness = LivenessListener()
+        except OSError as exc:  # no port to listen on: the lease alone tells of this node's death
+            log.warning("%sno liveness port (%s): peers learn of this node's death from its lease only", self._ctx(), exc)
+            return
+        self._peer_watch = PeerWatch(self._revoke_dead_peer)
+
+    def _stop_liveness(self) -> None:
+        watch, listener = self._peer_watch, self._liveness
+        self._peer_watch = self._liveness = None
+        if watch is not None:
+            watch.close()
+        if listener is not None:
+            listener.close()
+
+    def _watch_ring_successor(self, record: RoundRecord, rank: int) -> None:
+        """Hold a connection to the next participant's liveness port (the last one watches the first)."""
+        watch = self._peer_watch
+        if watch is None:
+            return
+        successor = record.participants[(rank + 1) % len(record.participants)]
+        with self._cond:
+            peer = self._mirror.peers.get(successor) if successor != self._node_id else None
+        watch.watch(peer)
+
+    def _revoke_dead_peer(self, peer: Peer) -> bool:
+        """``peer``'s process is gone (its liveness port refuses): revoke its lease so that every agent's watch
+        sees its registration go now, not after ``lease_ttl``. Only the lease it is registered with now (a
+        peer that re-registered since is someone we know nothing bad about)."""
+        with self._cond:
+            current = self._mirror.peers.get(peer.node)
+        conn = self._conn
+        if current is None or current.lease != peer.lease or conn is None or self._released:
+            return False
+        try:
+            conn.call("revoke a dead peer's lease", lambda: conn.client.revoke_lease(peer.lease), within=2.0)
+        except RendezvousError as exc:
+            log.warning("%scould not revoke the lease of dead peer %s (it expires in <= %d s): %s", self._ctx(),
+                        peer.node, self._config.lease_ttl, exc)
+            return False
+        log.warning("%speer %s's agent process is gone (its liveness port %s:%d refuses connections): revoked its "
+                    "lease", self._ctx(), peer.node, peer.addr, peer.port)
+        return True
+
+    def probe_peers(self) -> set[str]:
+        """Probe every other participant of this node's round now (a worker failed: a dead peer would explain
+        it) and revoke the lease of each whose process is gone; returns those nodes. Silent peers (a partition,
+        a powered-off host) are left to their lease. No etcd I/O unless a peer is dead."""
+        with self._cond:
+            mine = self._my_round
+            peers = [] if mine is None else [self._mirror.peers[n] for n in mine.participants
+                                             if n != self._node_id and n in self._mirror.peers]
+        if not peers or self._released or not self._config.liveness_probe:
+            return set()
+        dead = {node for node, found in probe_all(peers).items() if found is Probe.REFUSED}
+        return {p.node for p in peers if p.node in dead and self._revoke_dead_peer(p)}
+
     # ================================================================== test hooks
     def _simulate_crash(self) -> None:
-        """Test hook: vanish like a SIGKILLed agent (no revoke: the lease expires after lease_ttl)."""
+        """Test hook: vanish like a SIGKILLed agent (no revoke of its own: the lease expires after lease_ttl,
+        unless a peer's probe of its closed liveness port revokes it first)."""
         self._released = True
         self._stop_threads()
+        self._stop_liveness()
         if self._conn is not None:
             self._conn.close()
 
@@ -528,6 +651,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._my_round = record
         self._joining = None
         self._worker_store.round_completed(record.number, record.master_port, rank)
+        self._watch_ring_successor(record, rank)
         store = EtcdV3Store(self._require_conn(), f"{self._store_prefix}{record.number}/", STORE_TIMEOUT)
         log.info(
             "%sround %d complete in %.3f s: rank %d of %d, master %s:%d",
@@ -658,30 +782,44 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._start_lock:
             if self._registered:
                 return
-            self._clear_ended_run(conn)
+            self._raise_if_run_finished(conn)
+            if self._clear_ended_run(conn):  # the ended job's agents may have left a marker since
+                self._raise_if_run_finished(conn)
+            self._start_liveness()
             self._register(conn)
             self._registered = True
             keeper = threading.Thread(target=self._keepalive_loop, name=f"rdzv-lease-{self._node_id}", daemon=True)
             keeper.start()
             self._threads.append(keeper)
 
-    def _clear_ended_run(self, conn: EtcdConnection) -> None:
-        """If this run id's previous job ended (closed), wait for its agents to leave and clear its keys.
+    def _raise_if_run_finished(self, conn: EtcdConnection) -> None:
+        """``RendezvousFinishedError`` when ``finished_ttl`` is on and the run's ``finished`` marker exists."""
+        if self._config.finished_ttl <= 0:
+            return
+        value, _meta = conn.call("read the finished marker", lambda: conn.client.get(self._finished_key))
+        if value is None:
+            return
+        raise RendezvousFinishedError(f"{self._ctx()}{describe_finished(value, self._config)}")
+
+    def _clear_ended_run(self, conn: EtcdConnection) -> bool:
+        """If this run id's previous job ended (closed), wait for its agents to leave and clear its keys;
+        True when it found the run closed.
 
         Gives up waiting at join_timeout; ``next_rendezvous`` then reports the run as closed."""
         deadline = self._clock() + self._config.join_timeout
-        announced = False
+        announced = found_closed = False
         while True:
             with self._cond:
                 self._raise_if_fatal()
                 mirror = self._mirror
                 if not mirror.closed:
-                    return
+                    return found_closed
+                found_closed = True
                 closed_mod, live, seen = mirror.closed_mod, len(mirror.nodes), mirror.revision
                 if live:
                     remaining = deadline - self._clock()
                     if remaining <= 0:
-                        return
+                        return True
                     if not announced:
                         log.info("%srun id reused: waiting for %d agent(s) of the ended job to leave", self._ctx(), live)
                         announced = True
@@ -694,13 +832,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._wait_revision_after(seen, deadline)
 
     def _delete_ended_run(self, conn: EtcdConnection, closed_mod: int | None, *, within: float | None = None) -> bool:
-        """Delete every key of the run in one transaction, if it is still closed (by the marker of revision
-        ``closed_mod``; None: any) and no node is registered. False when the compare failed."""
+        """Delete every key of the run but its ``finished`` marker (which expires on its own lease) in one
+        transaction, if it is still closed (by the marker of revision ``closed_mod``; None: any) and no node
+        is registered. False when the compare failed."""
         tx = conn.client.transactions
         prefix = self._config.run_prefix
         closed = tx.version(self._closed_key) > 0 if closed_mod is None else tx.mod(self._closed_key) == closed_mod
         compare = [closed, tx.version(self._nodes_prefix, range_end=prefix_end(self._nodes_prefix)) == 0]
-        success = [tx.delete(prefix, range_end=prefix_end(prefix))]
+        after_marker = self._finished_key + "\0"  # the first key after it
+        success = [tx.delete(prefix, range_end=self._finished_key),
+                   tx.delete(after_marker, range_end=prefix_end(prefix))]
         ok, _ = conn.call(
             "delete the ended run's keys",
             lambda: conn.client.transaction(compare=compare, success=success, failure=[]),
@@ -735,9 +876,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _register_once(self, conn: EtcdConnection) -> None:
         lease = conn.call("grant a lease", lambda: conn.client.lease(self._config.lease_ttl))
-        value = json.dumps(
-            {"node_id": self._node_id, "host": socket.gethostname(), "addr": self._addr, "pid": os.getpid(), "seq": self._seq}
-        )
+        registration: dict[str, Any] = {"node_id": self._node_id, "host": socket.gethostname(), "addr": self._addr,
+                                        "pid": os.getpid(), "seq": self._seq}
+        if self._liveness is not None:
+            registration.update(live_port=self._liveness.port, lease=lease.id)
+        value = json.dumps(registration)
         resp = conn.call("register this node", lambda: conn.client.put(self._nodes_prefix + self._node_id, value, lease=lease.id))
         with self._cond:
             self._lease_id = lease.id
@@ -771,7 +914,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             if rel.startswith("nodes/"):
                 info = json.loads(value)
-                mirror.nodes[rel[len("nodes/") :]] = int(info.get("seq") or mod_revision)
+                node = rel[len("nodes/") :]
+                mirror.nodes[node] = int(info.get("seq") or mod_revision)
+                peer = peer_from_registration(node, info)
+                if peer is not None:
+                    mirror.peers[node] = peer
+                else:
+                    mirror.peers.pop(node, None)
             elif rel.startswith("join/"):
                 number, _, node = rel[len("join/") :].partition("/")
                 info = json.loads(value)
@@ -803,6 +952,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if rel.startswith("nodes/"):
             node = rel[len("nodes/") :]
             mirror.nodes.pop(node, None)
+            mirror.peers.pop(node, None)
             committed = mirror.committed
             if committed is not None and node in committed.participants:
                 self._lost.setdefault(committed.number, set()).add(node)

@@ -7,6 +7,7 @@ committed checkpoint intact."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 from pathlib import Path
@@ -122,8 +123,39 @@ def test_restarts_exhausted_end_cleanly(tmp_path: Path, etcd_server) -> None:
     job.assert_no_process_left()
 
 
+STORAGE_BURST_S = 3.0
+"""A transient storage burst: every write fails for this long, ~10x the 0.26 s the old retry policy (5
+attempts from 50 ms) lasted, well inside ``retry_timeout`` (60 s)."""
+
+
+def test_storage_burst_costs_no_restart_and_no_weight(tmp_path: Path, etcd_server, reference) -> None:
+    """Every checkpoint write fails with EIO for 3 s from step 9 (the save at step 10 is written inside the
+    burst): the background save retries until the storage is back, training goes on, and the job ends with 0
+    restarts, every periodic step committed and the reference weights bit for bit."""
+    job = Job(tmp_path, etcd_server.endpoint, "blip", max_restarts=0)
+    burst = Fault(kind=FaultKind.STORAGE_ERROR, at_step=9, duration_s=STORAGE_BURST_S,
+                  params={"rate": 1.0, "ops": "write"})
+    code, injector = job.run(Schedule(seed=2, faults=(burst,)), timeout=100)
+    assert code == 0, job.output()[-3000:]
+    assert len(injector.injected) == 1, injector.injected
+    assert job.restarts() == [], job.restarts()
+    assert job.resumed_steps() == [], "no rollback: the workers never restarted"
+    # The burst really met a save, and outlasted the old policy's 5 attempts.
+    attempts = [int(a) for a in re.findall(r"storage .* failed \(attempt (\d+)\), retrying", job.output())]
+    assert attempts and max(attempts) > 5, job.output()[-3000:]
+    assert "injected by chaos://, " in job.output()
+    assert "checkpoint save failed" not in job.output(), job.output()[-3000:]
+    assert committed_steps(job.ckpt) == [CKPT_EVERY, 2 * CKPT_EVERY, STEPS]
+    step, tensors = final_state(job.ckpt)
+    assert step == STEPS
+    _assert_same(tensors, reference)
+    job.assert_no_process_left()
+    _assert_run_left_etcd_clean(etcd_server.endpoint, "blip")
+
+
 def test_permanent_storage_failure_ends_cleanly(tmp_path: Path, etcd_server) -> None:
-    job = Job(tmp_path, etcd_server.endpoint, "storage", max_restarts=1)
+    # Retries end after 2 s (not the default 60 s): both failed saves and the failed load fit the test's time.
+    job = Job(tmp_path, etcd_server.endpoint, "storage", max_restarts=1, extra=("--ckpt-retry-timeout", "2"))
     permanent = Fault(kind=FaultKind.STORAGE_ERROR, at_step=12, params={"rate": 1.0, "ops": "all"})
     code, injector = job.run(Schedule(faults=(permanent,)), timeout=100)
     assert len(injector.injected) == 1

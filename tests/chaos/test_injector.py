@@ -252,3 +252,72 @@ def test_faults_held_back_stay_due_while_those_in_force_still_end(tmp_path: Path
     assert json.loads(control.read_text())["faults"] == []
     (second,) = injector.tick(limit=1)
     assert second["kind"] == "disk_full" and injector.pending() == 0
+
+
+def test_restarts_needed_counts_kills_and_stops_found_as_hangs() -> None:
+    from elastic.chaos.api import restarts_needed
+
+    faults = [Fault(kind=FaultKind.KILL_WORKER, at_step=3), Fault(kind=FaultKind.KILL_WORKER, at_s=9),
+              Fault(kind=FaultKind.STOP_WORKER, at_s=1, duration_s=5), Fault(kind=FaultKind.STOP_WORKER, at_s=2),
+              Fault(kind=FaultKind.TERM_AGENT, at_s=4), Fault(kind=FaultKind.KILL_ETCD_LEADER, at_s=5),
+              Fault(kind=FaultKind.STORAGE_ERROR, at_s=6, duration_s=1)]
+    assert restarts_needed(faults, hang_timeout=60.0) == 3, "2 kills + the stop that never ends"
+    assert restarts_needed(faults, hang_timeout=2.0) == 4, "the 5 s stop outlasts a 2 s hang timeout"
+    assert restarts_needed(faults, hang_timeout=None) == 2, "no hang detection: a stop is never restarted"
+
+
+@pytest.mark.parametrize(("command", "max_restarts", "hang_timeout"), [
+    (["spotrun", "--nnodes", "1", "train.py", "--max-restarts", "9"], 0, 60.0),  # the script's flag, not ours
+    (["/usr/bin/torchrun", "--max_restarts=3", "train.py"], 3, 60.0),
+    (["spotrun", "--max-restarts", "2", "--hang-timeout", "2", "train.py"], 2, 2.0),
+    (["python3.11", "-m", "torch.distributed.run", "--max-restarts", "4", "--no-hang-detection", "t.py"], 4, None),
+    (["python", "-m", "elastic.cli", "--standalone", "--max-restarts=1", "t.py"], 1, 60.0),
+])
+def test_launch_budget_reads_the_wrapped_launchers_flags(
+    command: list[str], max_restarts: int, hang_timeout: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elastic.chaos.cli import LaunchBudget, launch_budget
+
+    for name in ("PET_MAX_RESTARTS", "SPOTRUN_HANG_TIMEOUT", "SPOTRUN_HANG_DETECTION"):
+        monkeypatch.delenv(name, raising=False)
+    assert launch_budget(command) == LaunchBudget(max_restarts=max_restarts, hang_timeout=hang_timeout)
+
+
+@pytest.mark.parametrize("command", [["bash", "job.sh"], ["python", "train.py"], ["spotrun"], []])
+def test_launch_budget_is_unknown_for_other_or_broken_commands(command: list[str]) -> None:
+    from elastic.chaos.cli import launch_budget
+
+    assert launch_budget(command) is None
+
+
+def _warning_run(tmp_path: Path, faults: list[dict[str, object]], launcher_flags: list[str]) -> str:
+    """spotrun-chaos around a stand-in `spotrun` on PATH (exits 0 at once); returns its stderr."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "spotrun"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    schedule = tmp_path / "s.json"
+    schedule.write_text(json.dumps({"seed": 1, "faults": faults}))
+    env = make_env()
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("PET_MAX_RESTARTS", None)
+    done = subprocess.run([sys.executable, "-m", "elastic.chaos.cli", "--schedule", str(schedule), "--journal",
+                           str(tmp_path / "j.jsonl"), "--", "spotrun", *launcher_flags, "train.py"],
+                          capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def test_cli_warns_once_when_the_job_has_fewer_restarts_than_the_faults_need(tmp_path: Path) -> None:
+    kills = [{"kind": "kill_worker", "target": "worker:0", "at_s": 30}, {"kind": "kill_worker", "at_s": 40}]
+    stderr = _warning_run(tmp_path, kills, ["--nproc-per-node", "2"])
+    warnings = [line for line in stderr.splitlines() if "--max-restarts" in line]
+    assert len(warnings) == 1, stderr
+    assert "2 fault(s)" in warnings[0] and "--max-restarts 0" in warnings[0] and "--max-restarts 2" in warnings[0]
+
+
+def test_cli_is_silent_when_the_job_has_restarts_enough(tmp_path: Path) -> None:
+    kills = [{"kind": "kill_worker", "at_s": 30}, {"kind": "stop_worker", "at_s": 31, "duration_s": 5}]
+    stderr = _warning_run(tmp_path, kills, ["--max-restarts", "1"])
+    assert "--max-restarts" not in stderr, stderr

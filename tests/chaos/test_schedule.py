@@ -39,6 +39,9 @@ def test_json_round_trip_and_default_targets(tmp_path: Path) -> None:
     ({"kind": "kill_worker", "at_s": 1, "target": "agent:0"}, "use worker:"),
     ({"kind": "partition", "at_s": 1}, "name the network namespace"),
     ({"kind": "storage_error", "at_s": 1, "params": {"rate": 2}}, "rate must be in (0, 1]"),
+    ({"kind": "storage_error", "at_s": 1, "params": {"errno": "EWHAT"}}, "errno must be an errno name"),
+    ({"kind": "storage_error", "at_s": 1, "params": {"errno": 13}}, "errno must be an errno name"),
+    ({"kind": "storage_error", "at_s": 1, "params": {"path": ""}}, "path must be a non-empty string"),
     ({"kind": "storage_latency", "at_s": 1, "params": {"rate": 1}}, "accepted: ['seconds']"),
     ({"kind": "kill_worker", "at_s": 1, "when": 3}, "unknown keys ['when']"),
     ({"kind": "kill_worker", "at_s": 1, "after": 0}, "exactly one trigger"),
@@ -50,6 +53,12 @@ def test_bad_faults_say_what_is_wrong(fault: dict, message: str) -> None:
     with pytest.raises(ChaosScheduleError, match="faults\\[0\\]") as info:
         schedule_from_json({"faults": [fault]})
     assert message in str(info.value)
+
+
+def test_storage_error_takes_an_errno_and_a_path() -> None:
+    schedule = schedule_from_json({"faults": [{"kind": "storage_error", "at_s": 1,
+                                               "params": {"errno": "EACCES", "path": "step-000000020", "ops": "read"}}]})
+    assert schedule.faults[0].params == {"errno": "EACCES", "path": "step-000000020", "ops": "read"}
 
 
 def test_unreadable_schedule_names_the_file(tmp_path: Path) -> None:

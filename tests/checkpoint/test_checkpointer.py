@@ -207,8 +207,10 @@ def test_committed_step_is_never_overwritten(backend) -> None:
 
 
 def test_background_error_surfaces_and_previous_checkpoint_survives(backend, monkeypatch) -> None:
+    """With ``max_consecutive_failed_saves=1`` the first failure is raised by the next save (the tolerant
+    default is tests/checkpoint/test_save_failures.py)."""
     state = make_state(12)
-    with Checkpointer(backend.uri, backend.config()) as ckpt:
+    with Checkpointer(backend.uri, backend.config(max_consecutive_failed_saves=1)) as ckpt:
         ckpt.save(1, state)
         ckpt.wait()
 

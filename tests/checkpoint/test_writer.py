@@ -24,7 +24,9 @@ def test_storage_spec_maps_the_config_and_round_trips_as_json(tmp_path: Path) ->
     storage = again.open()
     try:
         assert storage.retry.max_attempts == 2 and storage.retry.timeout == timedelta(seconds=7)
-        assert (storage.upload_threads, storage.thread_nice, storage.writeback_bytes) == (3, 5, 0)
+        settings = storage.settings
+        assert (settings.upload_threads, settings.thread_nice, settings.writeback_bytes) == (3, 5, 0)
+        assert storage.backend.writeback_bytes == 0  # type: ignore[attr-defined]  # the local backend got it
     finally:
         storage.close()
 

@@ -179,6 +179,10 @@ def test_trainer_command_parses_and_gives_the_agent_its_notice(name: str) -> Non
         assert args.rdzv_backend == "etcd-v3"
         assert len(args.rdzv_endpoint.split(",")) == 3, "list every etcd member"
         assert args.local_addr == SAMPLE_FIELDS["status.podIP"]
+        # A pod recreated after the run finished exits 0 at once (the finished marker), on any API server.
+        from elastic.config import parse_rdzv_conf
+
+        assert int(parse_rdzv_conf(args.rdzv_conf).get("finished_ttl", 0)) > 0
     # Grace: the pod's grace covers the agent's emergency-save budget (--shutdown-timeout) plus leaving.
     pod = m.pod_template(doc)["spec"]
     assert args.shutdown_timeout is not None

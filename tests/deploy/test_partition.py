@@ -73,7 +73,7 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
                                "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
                                "--initial-cluster", "etcd-0=http://127.0.0.1:2380"],
                       env=env, cwd=tmp_path, log=log)  # fmt: skip
-        lab = Lab(net, tmp_path, env, f"etcd-0:2379")
+        lab = Lab(net, tmp_path, env, "etcd-0:2379")
         etcdctl = str(Path(etcd_bin).with_name("etcdctl"))
         wait_for(lambda: net.run("a", [etcdctl, f"--endpoints={lab.etcd}", "endpoint", "health"], env=env,
                                  timeout=10).returncode == 0, 30, "etcd to answer from node a")

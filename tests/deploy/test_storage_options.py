@@ -43,8 +43,8 @@ def test_example_saves_to_a_custom_s3_endpoint(how: str, moto_endpoint: str, tmp
         result = _train(["--ckpt-dir", uri], _env(AWS_ENDPOINT_URL=moto_endpoint), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     storage = Storage(uri, storage_options=s3_options(moto_endpoint))
-    assert storage.fs.exists(f"{storage.root}/step-000000003/.commit")
-    assert storage.fs.cat(f"{storage.root}/latest").decode().strip() == "step-000000003"
+    assert storage.exists("step-000000003/.commit")
+    assert bytes(storage.read_bytes("latest")).decode().strip() == "step-000000003"
 
 
 @pytest.mark.parametrize(("args", "message"), [

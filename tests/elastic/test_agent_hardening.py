@@ -84,6 +84,31 @@ def test_two_jobs_in_a_row_with_the_same_run_id_both_succeed(tmp_path: Path, etc
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_an_agent_started_after_its_run_finished_exits_0_at_once(tmp_path: Path, etcd_server: EmbeddedEtcd) -> None:
+    """A Kubernetes pod recreated after its Indexed Job's run finished: with finished_ttl it exits 0 at once,
+    naming the finished run, instead of waiting join_timeout (here 120 s) for peers that are gone."""
+    conf = "lease_ttl=2,last_call_timeout=0.5,join_timeout=120,finished_ttl=600"
+    out = tmp_path / "first"
+    first = [_agent(tmp_path, "first", etcd_server.endpoint, "indexed", "--steps", "2", "--out", str(out),
+                    nnodes="1", rdzv_conf=conf)]
+    with _running(first):
+        assert first[0].wait(120) == 0, "the job failed"
+    late = [_agent(tmp_path, "late", etcd_server.endpoint, "indexed", "--steps", "2", "--out",
+                   str(tmp_path / "late-out"), nnodes="2", rdzv_conf=conf)]  # waits for a peer without the marker
+    with _running(late):
+        began = time.monotonic()
+        assert late[0].wait(60) == 0, "the recreated agent must succeed"
+        took = time.monotonic() - began
+        output = late[0].output()
+        assert re.search(r"run 'indexed' already finished successfully by node \S+ at .* UTC: nothing to do, "
+                         r"exiting 0", output), output
+        assert "Traceback" not in output and "spotrun: error" not in output
+    assert took < 30, f"took {took:.1f} s: it waited for peers"
+    assert not (tmp_path / "late-out" / "progress.jsonl").exists(), "no worker of the finished run started again"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_missing_script_fails_like_torchrun(tmp_path: Path) -> None:
     missing = str(tmp_path / "no_such_train.py")

@@ -16,7 +16,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from elastic.agent import PlannedTick, SpotrunAgent
 from elastic.config import AgentSettings
 from elastic.preemption import Mailbox
-from elastic.rendezvous.api import NoticeAwareHandler, RendezvousStateError
+from elastic.rendezvous.api import NoticeAwareHandler, RendezvousConnectionError, RendezvousStateError
 from tests.elastic.doubles import MemoryEventLog
 from tests.elastic.test_agent_membership import AwareHandler
 
@@ -82,6 +82,75 @@ def test_a_rendezvous_error_in_the_exit_barrier_is_one_line(tmp_path: Path, capl
     (record,) = [r for r in caplog.records if "exit barrier failed" in r.getMessage()]
     assert not record.exc_info and "corrupt rendezvous key" in record.getMessage(), "no traceback"
     assert "\n" not in record.getMessage()
+
+
+def test_the_exit_barriers_traceback_is_a_debug_record_even_with_the_logger_at_debug(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A console at WARNING under a logger at DEBUG (a file handler wants the details) shows one line."""
+    class Broken(NoticeHandler):
+        def lost_peers(self) -> set[str]:
+            raise RendezvousStateError("corrupt rendezvous key '/x' in etcd\ndetails")
+
+    agent, _, _ = _agent(tmp_path, Broken())
+    with caplog.at_level(logging.DEBUG, logger="elastic.agent"):
+        assert agent._exit_barrier_unless_peers_left() is True
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [
+        f"{agent._ctx()} exit barrier failed (corrupt rendezvous key '/x' in etcd); the workers finished, "
+        "reporting success"]
+    assert not warnings[0].exc_info, "no traceback at WARNING"
+    (debug,) = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info]
+    assert isinstance(debug.exc_info[1], RendezvousStateError), "the traceback is kept, at DEBUG"
+
+
+def test_a_permanent_rendezvous_error_ends_the_exit_barrier_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failed watch cannot show a peer that left any more: waiting out exit_barrier_timeout (300 s) for it
+    would only hide the error. The workers finished: success, with the cause in one line."""
+    handler = NoticeHandler()
+    handler.error = RendezvousStateError("corrupt rendezvous key '/x/ctl/round' in etcd")
+    agent, _, _ = _agent(tmp_path, handler)
+    agent._worker_group.state = WorkerState.SUCCEEDED  # as in _invoke_run: the barrier comes after the workers
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="elastic.agent"):
+        assert agent._exit_barrier_unless_peers_left() is True  # the peer never arrives
+    assert time.monotonic() - began < 5.0, "ended by the error, not by exit_barrier_timeout"
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "exit barrier failed (corrupt rendezvous key '/x/ctl/round' in etcd)" in record.getMessage()
+
+
+def test_a_transient_rendezvous_error_in_the_exit_barrier_keeps_waiting_for_the_peers(tmp_path: Path) -> None:
+    calls = []
+
+    class Blip(NoticeHandler):
+        def wait_membership_change(self, timeout: float) -> bool:
+            calls.append(timeout)
+            if len(calls) == 1:
+                raise RendezvousConnectionError("etcd restarting")
+            agent._store.add("spotrun/exit_barrier/arrived", 1)  # the peer arrives meanwhile
+            return False
+
+    agent, _, _ = _agent(tmp_path, Blip())
+    agent._worker_group.state = WorkerState.SUCCEEDED
+    assert agent._exit_barrier_unless_peers_left() is True
+    assert len(calls) == 2, "it went on waiting after the blip, until the peer arrived"
+
+
+def test_a_single_node_skips_the_exit_barrier(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """No peer to wait for: torch's barrier of one would only touch the store (and log a store error with a
+    traceback at ERROR)."""
+    class NoStore(HashStore):
+        def add(self, key: str, value: int) -> int:
+            raise AssertionError("the exit barrier of one node used the store")
+
+    agent, _, _ = _agent(tmp_path, NoticeHandler())
+    agent._worker_group.group_world_size = 1
+    agent._store = NoStore()
+    with caplog.at_level(logging.DEBUG):
+        assert agent._exit_barrier_unless_peers_left() is True
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_sigterm_is_a_notice_only_when_the_workers_can_save(tmp_path: Path) -> None:
@@ -225,3 +294,35 @@ def test_workers_that_fail_after_their_acknowledgement_still_fail_the_leaving_ag
     (leave,) = [e for e in events.records if e["event"] == "planned_leave"]
     assert leave["saved"] is False and leave["agreed_step"] == 4 and leave["why"] == "no time"
     assert [e["state"] for e in events.records if e["event"] == "run_finished"] == ["FAILED"]
+
+
+class SpareHandler(NoticeHandler):
+    """A node that was in a round (``participants``) and now waits in the rendezvous, e.g. as a spare; the
+    test's SIGTERM arrives while it waits (the handler calls the agent's signal handler from inside)."""
+
+    participants = ("a", "b")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.agent: SpotrunAgent | None = None
+
+    def next_rendezvous(self) -> Any:
+        assert self.agent is not None
+        self.agent._on_notice_signal(signal.SIGTERM, None)
+        raise AssertionError("a notice between rounds must end the wait in the rendezvous")
+
+
+def test_a_notice_between_rounds_leaves_at_once_as_a_planned_leave(tmp_path: Path) -> None:
+    """Overlapping faults: SIGTERM to a node re-forming after a peer's crash (or waiting as a spare) used to
+    be held until a round it would never get; it now leaves at once, with the planned-leave code."""
+    handler = SpareHandler()
+    agent, box, events = _agent(tmp_path, handler, planned_leave_exit_code=75)
+    handler.agent = agent
+    box.register_helper(0)  # a helper of the workers of the last round (stale: they were stopped)
+    result = agent._invoke_run()
+    assert result.state is WorkerState.SUCCEEDED
+    assert agent.exit_status == 75
+    assert handler.left == 1, "the lease goes at once: peers re-form without waiting for it"
+    (leave,) = [e for e in events.records if e["event"] == "planned_leave"]
+    assert leave["saved"] is False and "between rounds" in leave["why"], leave
+    assert [e["exit_code"] for e in events.records if e["event"] == "run_finished"] == [75]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -57,6 +58,34 @@ def test_a_deeply_nested_mailbox_file_is_skipped_not_a_traceback(tmp_path: Path)
     assert box.committed_at() is not None
     (tmp_path / "notice.json").write_text(hostile)
     assert box.read_notice() == WorkerNotice("preempt", None, "unreadable notice"), "still a notice, not a crash"
+
+
+@pytest.mark.parametrize("depth", [100_000, 30_000], ids=["100k-deep (over the size bound)", "30k-deep (parsed)"])
+def test_a_deeply_nested_acknowledgement_is_one_warning_not_a_recursion_error(
+    tmp_path: Path, depth: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    box = Mailbox(str(tmp_path))
+    box.acknowledge(0, 7)
+    (tmp_path / "ack-1.json").write_text("[" * depth + "]" * depth)
+    with caplog.at_level(logging.DEBUG, logger="elastic.preemption"):
+        for _ in range(50):  # the agent polls every 10 ms while its node leaves
+            assert box.stops() == ({0: 7}, {}), "rank 1 has not stopped; rank 0's acknowledgement still counts"
+    (warning,) = [r for r in caplog.records if r.levelno >= logging.WARNING]  # once, not once per poll
+    assert "ignoring the malformed worker acknowledgement" in warning.getMessage()
+    assert ("larger than 65536 bytes" if depth == 100_000 else "nested too deeply") in warning.getMessage()
+    assert not warning.exc_info and "\n" not in warning.getMessage()
+    (tmp_path / "ack-1.json").write_text('{"step": -3}')  # a new version of the file: said again
+    assert box.acks() == {0: 7}
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 2
+
+
+def test_an_acknowledgement_that_is_a_fifo_does_not_block_the_poll(tmp_path: Path) -> None:
+    box = Mailbox(str(tmp_path))
+    box.acknowledge(0, 3)
+    os.mkfifo(tmp_path / "ack-1.json")  # no writer: a plain open() would block the agent forever
+    began = time.monotonic()
+    assert box.acks() == {0: 3}
+    assert time.monotonic() - began < 1.0
 
 
 def test_a_worker_without_the_env_var_finds_its_agents_mailbox_by_run_id_and_group_rank(

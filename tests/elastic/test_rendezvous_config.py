@@ -25,6 +25,8 @@ def test_defaults() -> None:
     assert cfg.etcd_prefix == "/spotrun/rdzv" and cfg.etcd_timeout == 30
     assert cfg.run_prefix == "/spotrun/rdzv/job1/"
     assert cfg.endpoints == (("127.0.0.1", 2379),)
+    assert cfg.finished_ttl == 0, "the finished marker is opt-in"
+    assert EtcdRendezvousConfig.from_parameters(params(finished_ttl="86400")).finished_ttl == 86400
 
 
 def test_string_values_from_rdzv_conf_are_parsed() -> None:
@@ -62,6 +64,12 @@ def test_unknown_key_is_named_with_accepted_list() -> None:
         ({"cert": "/c.pem"}, "key"),
         ({"user": "u"}, "password"),
         ({"ca_cert": "/a", "cacert": "/b"}, "both"),
+        ({"finished_ttl": "-1"}, r"finished_ttl must be a whole number of seconds from 0 \(off\)"),
+        ({"finished_ttl": "9000000001"}, "etcd's longest lease"),
+        ({"finished_ttl": "1.5"}, "finished_ttl='1.5' must be a whole number"),
+        ({"finished_ttl": "inf"}, "finished_ttl='inf' must be a whole number"),  # was an OverflowError
+        ({"lease_ttl": "inf"}, "lease_ttl='inf' must be a whole number"),
+        ({"finished_ttl": "yes"}, "finished_ttl='yes' is not a number"),
     ],
 )
 def test_bad_values_are_rejected_clearly(conf: dict[str, object], match: str) -> None:

@@ -4,7 +4,9 @@ expiring auth tokens, a reused run id, IPv6, TLS failures, an unreachable endpoi
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -16,7 +18,10 @@ from elastic.rendezvous.api import (
     EtcdRendezvousConfig,
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousFinishedError,
     RendezvousTLSError,
+    RendezvousWatchError,
+    is_permanent,
     parse_endpoints,
 )
 from elastic.rendezvous.etcd_client import WARN_EVERY_S, probe_protocol
@@ -108,6 +113,31 @@ def test_job_outliving_the_auth_token_survives_a_node_loss_and_an_etcd_restart(
     assert time.monotonic() - began < 5.0
 
 
+@pytest.mark.timeout(90)
+def test_a_refused_watch_is_permanent_and_named_within_seconds(
+    auth_etcd: EmbeddedEtcd, etcdctl: str, handlers, pool
+) -> None:
+    """The user's role loses the prefix while the job trains; etcd restarts, so the watch must be opened again
+    and is refused. That is no outage: the handler says so at once (the agent then ends the job with this
+    message), not after etcd_timeout as "failing for N s"."""
+    conf: dict[str, object] = {"min_nodes": 2, "max_nodes": 2, "user": USER, "password": PASSWORD,
+                               "etcd_timeout": 30.0}
+    hs = [handlers(_config(auth_etcd.endpoint, **conf), node_id=f"n{i}") for i in range(2)]
+    rendezvous_all(pool, hs)
+    subprocess.run([etcdctl, f"--endpoints=http://{auth_etcd.endpoint}", "--user=root:r00t-pw", "role",
+                    "revoke-permission", "spotrun", "--prefix=true", "/spotrun/"],
+                   env=dict(os.environ, ETCDCTL_API="3"), check=True, capture_output=True, timeout=30)
+    auth_etcd.stop()
+    auth_etcd.start()
+    began = time.monotonic()
+    with pytest.raises(RendezvousWatchError, match=r"etcd refuses to let user 'trainer' watch .*permission denied"
+                       r".*grant its role readwrite") as raised:
+        while time.monotonic() - began < 25.0:
+            hs[0].wait_membership_change(1.0)
+    assert is_permanent(raised.value), "the agent ends the job at once, without its outage clock"
+    assert time.monotonic() - began < 10.0, "named within seconds, not after etcd_timeout (30 s)"
+
+
 # ------------------------------------------------------------------ run id reuse
 def _run_keys(endpoint: str, prefix: str) -> list[str]:
     host, port = endpoint.rsplit(":", 1)
@@ -170,6 +200,105 @@ def test_a_closed_run_with_live_agents_is_not_cleared_until_they_leave(
     info = fut.result(timeout=LOSS_BOUND_S + 10)
     assert (newcomer.round, info.world_size) == (1, 1)
     assert "cleared the keys of the ended job" in caplog.text, "the newcomer cleared the ended run itself"
+
+
+# ------------------------------------------------------------------ finished marker (finished_ttl)
+def _lease_ttl_of(endpoint: str, key: str) -> int:
+    """Seconds left on the lease of ``key`` (etcd's TTL; -1 without a lease)."""
+    host, port = endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port), timeout=5)
+    try:
+        _, meta = client.get(key)
+        assert meta is not None, f"{key} is not in etcd"
+        return int(client.get_lease_info(meta.lease_id).TTL) if meta.lease_id else -1
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_finished_run_keeps_only_its_marker_and_a_newcomer_exits_at_once(
+    etcd_server: EmbeddedEtcd, handlers, pool
+) -> None:
+    """A pod recreated after its Indexed Job's run finished: it must not wait join_timeout for peers."""
+    cfg = _config(etcd_server.endpoint, run_id="done-job", min_nodes=2, max_nodes=2, finished_ttl=600,
+                  join_timeout=60.0)
+    first = [handlers(cfg, node_id=f"a{i}") for i in range(2)]
+    rendezvous_all(pool, first)
+    for handler in first:  # every agent of the last round, as the launcher does after the exit barrier
+        handler.mark_finished()
+    for handler in first:
+        handler.shutdown()
+    marker = f"{cfg.run_prefix}finished"
+    wait_for(lambda: _run_keys(etcd_server.endpoint, cfg.run_prefix) == [marker], 5, "only the marker to stay")
+    assert 590 <= _lease_ttl_of(etcd_server.endpoint, marker) <= 600, "the marker goes with its own lease"
+
+    newcomer = handlers(_config(etcd_server.endpoint, run_id="done-job", min_nodes=2, max_nodes=2,
+                                finished_ttl=600, join_timeout=60.0), node_id="recreated")
+    began = time.monotonic()
+    with pytest.raises(RendezvousFinishedError, match=r"run 'done-job' already finished successfully by node a\d "
+                       r"at .*UTC: nothing to do, exiting 0 .*finished_ttl=600 s.*another --rdzv-id"):
+        newcomer.connect()
+    with pytest.raises(RendezvousFinishedError):  # also for a caller that goes straight to the rendezvous
+        newcomer.next_rendezvous()
+    assert time.monotonic() - began < 5.0, "at once, not after join_timeout"
+    assert _run_keys(etcd_server.endpoint, f"{cfg.run_prefix}ctl/nodes/") == [], "it never registered"
+
+
+@pytest.mark.timeout(60)
+def test_the_finished_marker_gives_up_within_close_timeout_when_etcd_is_gone(
+    etcd_server: EmbeddedEtcd, handlers, pool
+) -> None:
+    cfg = _config(etcd_server.endpoint, run_id="gone", min_nodes=1, max_nodes=1, finished_ttl=600,
+                  close_timeout=2.0, etcd_timeout=20.0)
+    (only,) = [handlers(cfg, node_id="g0")]
+    rendezvous_all(pool, [only])
+    etcd_server.stop()
+    began = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="finished marker"):
+        only.mark_finished()
+    assert time.monotonic() - began < 2.0 + 5.0, "bounded by close_timeout, not etcd_timeout (20 s)"
+
+
+@pytest.mark.timeout(90)
+def test_without_finished_ttl_the_run_id_is_reused_as_before(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """The marker is opt-in on both sides: a job without finished_ttl leaves none, and a newcomer without it
+    starts a new job even where an opted-in job's marker lasts (run-id reuse)."""
+    plain = _config(etcd_server.endpoint, run_id="plain", min_nodes=1, max_nodes=1)
+    (only,) = [handlers(plain, node_id="p0")]
+    rendezvous_all(pool, [only])
+    only.mark_finished()
+    only.shutdown()
+    wait_for(lambda: _run_keys(etcd_server.endpoint, plain.run_prefix) == [], 5, "no key, no marker")
+
+    marked = _config(etcd_server.endpoint, run_id="marked", min_nodes=1, max_nodes=1, finished_ttl=600)
+    (done,) = [handlers(marked, node_id="m0")]
+    rendezvous_all(pool, [done])
+    done.mark_finished()
+    done.shutdown()
+    reuse = handlers(_config(etcd_server.endpoint, run_id="marked", min_nodes=1, max_nodes=1), node_id="m1")
+    (info,) = rendezvous_all(pool, [reuse])
+    assert (reuse.round, info.world_size) == (1, 1), "a new job with the run id, as before the marker existed"
+
+
+@pytest.mark.timeout(90)
+def test_a_newcomer_waiting_for_the_ended_jobs_agents_honours_the_marker_they_leave(
+    etcd_server: EmbeddedEtcd, handlers, pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The recreated pod arrives while the finished job's agents are still leaving (closed, registered)."""
+    caplog.set_level(logging.INFO, logger="elastic.rendezvous")
+    cfg = _config(etcd_server.endpoint, run_id="ending", min_nodes=2, max_nodes=2, finished_ttl=600)
+    old = [handlers(cfg, node_id=f"old{i}") for i in range(2)]
+    rendezvous_all(pool, old)
+    old[0].set_closed()  # the job ended; its agents are winding down and have not written the marker yet
+
+    newcomer = handlers(cfg, node_id="new")
+    fut = pool.submit(newcomer.next_rendezvous)
+    wait_for(lambda: "waiting for 2 agent(s) of the ended job" in caplog.text, 10, "the newcomer to wait")
+    for handler in old:
+        handler.mark_finished()
+        handler.shutdown()
+    with pytest.raises(RendezvousFinishedError):
+        fut.result(timeout=LOSS_BOUND_S + 10)
 
 
 # ------------------------------------------------------------------ IPv6
