@@ -448,11 +448,13 @@ def config_from_args(args: argparse.Namespace) -> EtcdRendezvousConfig:
     return EtcdRendezvousConfig.from_parameters(params)
 
 
-def main(argv: Sequence[str] | None = None, *, prog: str = "spotrun status") -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """``spotrun status`` / ``spotrun-status``; returns the exit status."""
     from elastic.api import LaunchConfigError
     from elastic.rendezvous.etcd_client import EtcdConnection
 
+    if prog is None:
+        prog = "spotrun-status" if argv is None and sys.argv[0].endswith("spotrun-status") else "spotrun status"
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if not (math.isfinite(args.interval) and args.interval > 0):

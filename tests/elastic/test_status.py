@@ -248,3 +248,34 @@ def test_a_script_named_status_is_still_run_as_the_training_script(tmp_path: Pat
     assert done.returncode == 0, done.stderr[-3000:]
     assert "training script named status, rank 0" in done.stdout + done.stderr
     assert done.stderr.count("for the subcommand run `spotrun-status`") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_watch_refreshes_in_place_on_a_terminal(etcd_server: EmbeddedEtcd) -> None:
+    """On a TTY each frame homes the cursor and clears the screen (a pipe gets plain frames, tested above)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen([*SPOTRUN, "status", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", "tty",
+                                 "--watch", "--interval", "0.2", "--count", "3"],
+                                stdin=subprocess.DEVNULL, stdout=follower, stderr=subprocess.PIPE, env=make_env())
+        os.close(follower)
+        follower = -1
+        chunks = []
+        while True:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    out = b"".join(chunks).decode(errors="replace")
+    assert out.count("\x1b[H\x1b[2J") == 3 and out.count("spotrun job tty at") == 3, repr(out[:500])
