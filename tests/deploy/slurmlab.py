@@ -115,11 +115,13 @@ class SlurmLab:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire: a requeued job waits this long before it may start again (default 120 s).
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "MpiDefault=none",
             "SchedulerType=sched/builtin",
+            "SchedulerParameters=sched_interval=2",
             "SelectType=select/linear",
             "ReturnToService=2",
             "JobCompType=jobcomp/none",
@@ -212,9 +214,13 @@ class SlurmLab:
             raise AssertionError(f"sbatch: exit {result.returncode}: {result.stderr.strip()}\n{self.logs()}")
         return int(result.stdout.strip().split(";")[0])
 
-    def job(self, job_id: int) -> Job:
+    def fields(self, job_id: int) -> dict[str, str]:
+        """``scontrol -o show job``'s ``Key=Value`` fields."""
         out = self.run(["scontrol", "-o", "show", "job", str(job_id)]).stdout
-        fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
+        return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+    def job(self, job_id: int) -> Job:
+        fields = self.fields(job_id)
         return Job(job_id, fields.get("JobState", "?"), fields.get("ExitCode", "?"), int(fields.get("Restarts", "0")))
 
     def wait_job(self, job_id: int, states: Sequence[str], timeout: float) -> Job:
