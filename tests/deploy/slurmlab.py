@@ -20,10 +20,10 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from tests.harness.procs import Timeout, descendants, free_port, pid_alive, signal_all, wait_for
 
@@ -67,7 +67,7 @@ class SlurmLab:
         self.conf = root / "slurm.conf"
         self.munge_socket = root / "munge" / "munge.socket"
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._logs: list[object] = []
+        self._logs: list[IO[bytes]] = []
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
 
     # --- start and stop ------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ class SlurmLab:
         ctld_port = free_port()
         lines = [
             "ClusterName=spotrun-lab",
-            f"SlurmctldHost=localhost({'127.0.0.1'})",
+            "SlurmctldHost=localhost(127.0.0.1)",
             f"SlurmctldPort={ctld_port}",
             "SlurmUser=root",
             "SlurmdUser=root",
@@ -176,12 +176,13 @@ class SlurmLab:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            # slurmstepd and anything of a job step still alive: only processes that appeared under this
-            # session because the lab started them (they were not ours before close, nor are the daemons).
+            # slurmstepd and job-step processes still alive: descendants of this session (slurmd double-forks
+            # slurmstepd, which is re-parented to the session, a subreaper) that this lab started (their command
+            # line or environment says so).
             left = [pid for pid in before if pid_alive(pid) and self._belongs_to_lab(pid)]
             signal_all(left, signal.SIGKILL)
             for log in self._logs:
-                log.close()  # type: ignore[attr-defined]
+                log.close()
 
     def _belongs_to_lab(self, pid: int) -> bool:
         """A slurmstepd (or one of its step's processes) of this lab: its command line or its environment
