@@ -333,6 +333,11 @@ def _serve() -> None:
         arm_parent_death_signal(sig=signal.SIGKILL)
     except OSError:
         pass
+    # Signals meant for the training job are the training process's to act on: a scheduler that signals every
+    # process of the job step (Slurm's time limit or preemption notice) must not end the writer of the save
+    # the notice asks for. It ends on its exit request, stdin EOF, or with its parent (above).
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints must not corrupt the protocol
     init = json.loads(sys.stdin.readline())

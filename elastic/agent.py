@@ -454,7 +454,7 @@ class SpotrunAgent(LocalElasticAgent):
         self.install_notice_handlers()
         if self._pcontext is not None:
             self._close_started_at = None
-            _default_close_timeout(self._pcontext, self._settings.stop_grace, self._note_close_started)
+            _default_close_timeout(self._pcontext, self._settings.stop_grace, self._workers_closing)
             self._start_death_clock(self._pcontext)
         self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()))
         self._recovery_cause = None
@@ -463,6 +463,21 @@ class SpotrunAgent(LocalElasticAgent):
     def _note_close_started(self) -> None:
         if self._close_started_at is None:
             self._close_started_at = time.monotonic()
+
+    def _workers_closing(self) -> None:
+        """Called before the agent signals its workers to stop them (every path goes through the process
+        context's ``close`` or the early termination in ``_monitor_workers``)."""
+        self._note_close_started()
+        if self._mailbox is not None:
+            # CHANGE: a worker's Preemption helper takes a notice signal that reaches it directly (Slurm signals
+            # every process of the step) as the notice; the agent's own SIGTERM to stop the group must still
+            # end it at once (elastic.preemption, `stopping`).
+            try:
+                self._mailbox.mark_stopping()
+            except OSError as exc:
+                logger.warning("%s cannot mark the workers' mailbox as stopping (%s): workers using the preemption "
+                               "helper take the stop signal for a notice and are killed after the stop grace",
+                               self._ctx(), exc)
 
     def _start_death_clock(self, pcontext: PContext) -> None:
         if self._death_clock is not None:
@@ -479,7 +494,7 @@ class SpotrunAgent(LocalElasticAgent):
             # never run it. Terminate them ourselves with the short grace first.
             processes = worker_processes(self._pcontext) if self._pcontext is not None else None
             if processes and any(proc.exitcode not in (None, 0) for proc in processes):
-                self._note_close_started()
+                self._workers_closing()
                 terminate_processes(processes, self._settings.stop_grace)
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and self._pcontext is not None:

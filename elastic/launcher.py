@@ -40,7 +40,7 @@ from elastic.api import (
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
 from elastic.metrics import AgentMetrics, MetricsServer, MetricsSink, serve
-from elastic.notice import NoticePoller, make_sources
+from elastic.notice import NoticePoller, make_sources, notice_signals
 from elastic.preemption import Mailbox
 from elastic.progress import remove_orphaned_progress_files
 from elastic.rendezvous.api import (
@@ -260,7 +260,8 @@ def launch(
     )
     events, exporter = _with_metrics(event_log, settings.metrics_port)
     # The workers' mailbox (elastic.preemption): set before the forkserver starts, warm workers inherit it.
-    mailbox = Mailbox.create()
+    shielded = notice_signals(settings.preempt_signal)
+    mailbox = Mailbox.create(notice_signals=shielded)
     remove_orphaned_progress_files()  # hang detection's files of agents killed on this host (as the mailboxes)
     os.environ[ENV_NOTICE_DIR] = mailbox.path
     # LaunchConfig.__post_init__ fills both in (DefaultLogsSpecs; $TORCHELASTIC_SHUTDOWN_TIMEOUT or 30 s).
@@ -287,7 +288,9 @@ def launch(
         if config.start_method == "forkserver":
             # After every env change the workers must inherit (OMP_NUM_THREADS, TORCHELASTIC_SIGNALS_TO_HANDLE)
             # and before joining the rendezvous: a joining node must not stall a running group on its imports.
-            logger.info("warm workers: forkserver ready in %.2f s", start_warm_forkserver())
+            # The forkserver is the agent's: a notice signal sent to every process of the job step (Slurm)
+            # must not end it (its children's exit codes would all read 255, and no restart could fork).
+            logger.info("warm workers: forkserver ready in %.2f s", start_warm_forkserver(shielded=shielded))
         agent.install_notice_handlers()
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()

@@ -163,6 +163,16 @@ def parse_signal_spec(text: str, default_grace: float) -> tuple[signal.Signals, 
     return sig, grace
 
 
+def notice_signals(preempt_signal: str | None) -> tuple[signal.Signals, ...]:
+    """The signals that are a preemption notice to the agent: SIGTERM, and ``--preempt-signal`` when given."""
+    found = [signal.SIGTERM]
+    if preempt_signal:
+        sig, _ = parse_signal_spec(preempt_signal, DEFAULT_PREEMPT_GRACE)
+        if sig not in found:
+            found.append(sig)
+    return tuple(found)
+
+
 def parse_sources(text: str | None) -> tuple[str, ...]:
     """``aws,gcp`` -> ``("aws", "gcp")``, naming what is accepted when a name is unknown."""
     if not text:

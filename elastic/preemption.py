@@ -25,6 +25,14 @@ How the agent talks to its workers (the *mailbox*, a private directory the agent
 * ``.agent.lock``  held (``flock``) by the agent for its whole life: the kernel releases it when the agent dies,
   even by SIGKILL, so the next agent on the host removes the orphaned mailbox (:func:`remove_orphaned_mailboxes`)
   and a worker never follows a link to a dead agent's mailbox.
+* ``.signals``  written by the agent at creation: the signal numbers that are a preemption notice to it
+  (SIGTERM and ``--preempt-signal``). A scheduler that signals every process of the job step (Slurm's
+  ``--signal``, its time limit and preemption, with proctrack/linuxproc or cgroup) delivers the notice to the
+  workers too: a worker running :class:`Preemption` takes it as its node's notice and stops at the agreed
+  step like one told through ``notice.json``.
+* ``stopping``  written by the agent just before it signals its workers to stop them (a restart, a failed
+  group, its own shutdown, a second SIGTERM): a notice signal that arrives then is that stop, and the helper
+  lets it end the worker as an unhandled signal would, so recovery is not slowed by a save nobody waits for.
 
 Agreement (every rank stops at the same step): notices reach nodes at different times, so the local view
 alone would split the group. Every ``sync_every`` steps (the same step numbers on every rank, so the calls
@@ -46,7 +54,9 @@ grace; the new group resumes from the last committed step. No estimate (no save 
 ``save_by``: the save is tried, as before.
 
 Under stock torchrun (no mailbox) the helper turns SIGTERM to the worker (what torchrun forwards when its
-agent is stopped) into the same local notice, so the same loop saves the agreed step there too.
+agent is stopped) into the same local notice, so the same loop saves the agreed step there too. Under spotrun
+it does the same for the agent's notice signals (``.signals``) unless the agent marked the group ``stopping``.
+A script that does not construct the helper keeps its own signal dispositions, as under torchrun.
 """
 
 from __future__ import annotations
@@ -77,6 +87,10 @@ NOTICE_FILE = "notice.json"
 MAILBOX_PREFIX = "spotrun-mailbox-"
 LOCK_FILE = ".agent.lock"
 """Held by the agent while it lives; names starting with a dot are not messages (``clear`` keeps them)."""
+SIGNALS_FILE = ".signals"
+"""The agent's notice signals (a JSON list of numbers), for the whole life of the mailbox."""
+STOPPING_FILE = "stopping"
+"""Present while the agent stops the current worker group (removed by ``clear`` at the next start)."""
 LINK_KIND = "notice-dir"
 """``spotrun-notice-dir-{uid}-{run}-{group_rank}`` beside the progress files: a link to the agent's mailbox."""
 DEFAULT_SYNC_EVERY = 8
@@ -123,12 +137,16 @@ class Mailbox:
         said once and not parsed again (a 64 KiB nest costs milliseconds, the agent polls every 10 ms)."""
 
     @classmethod
-    def create(cls, root: str | None = None) -> Mailbox:
-        """A fresh mailbox for this agent, locked for its life; orphans of dead agents are removed first."""
+    def create(cls, root: str | None = None, *,
+               notice_signals: Sequence[int] = (signal.SIGTERM,)) -> Mailbox:
+        """A fresh mailbox for this agent, locked for its life; orphans of dead agents are removed first.
+        ``notice_signals``: the signals that are a preemption notice to the agent (its workers' helpers take
+        them as the notice too, see ``.signals``)."""
         root = root or tempfile.gettempdir()
         remove_orphaned_mailboxes(root)
         box = cls(tempfile.mkdtemp(prefix=MAILBOX_PREFIX, dir=root))
         box._lock_fd = _hold_lock(box.path)
+        _write_atomic(os.path.join(box.path, SIGNALS_FILE), [int(sig) for sig in notice_signals])
         return box
 
     @property
@@ -140,6 +158,11 @@ class Mailbox:
         _write_atomic(os.path.join(self.path, NOTICE_FILE),
                       {"reason": notice.reason, "deadline": notice.deadline, "source": notice.source,
                        "save_by": notice.save_by})
+
+    def mark_stopping(self) -> None:
+        """The agent is about to signal its workers to stop them: a notice signal now means "stop at once"."""
+        with open(os.path.join(self.path, STOPPING_FILE), "w"):
+            pass
 
     def clear(self) -> None:
         """Empty the mailbox before a new worker group starts (its notice and acks were for the old one)."""
@@ -245,6 +268,8 @@ class Mailbox:
     def remove(self) -> None:
         self._drop_link()
         self.clear()
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.path, SIGNALS_FILE))
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.path, LOCK_FILE))
@@ -269,6 +294,22 @@ class Mailbox:
             return WorkerNotice("preempt", None, "unreadable notice")  # a half-seen notice is still a notice
         return WorkerNotice(str(data.get("reason", "preempt")), data.get("deadline"), str(data.get("source", "")),
                             _seconds_or_none(data.get("save_by")))
+
+    def stopping(self) -> bool:
+        """The agent marked the current group as being stopped (:meth:`mark_stopping`)."""
+        return os.path.exists(os.path.join(self.path, STOPPING_FILE))
+
+    def notice_signals(self) -> frozenset[int]:
+        """The agent's notice signals (``.signals``); SIGTERM alone when the file is missing or unreadable (a
+        mailbox of an older agent)."""
+        try:
+            numbers = _load_json(os.path.join(self.path, SIGNALS_FILE))
+        except (OSError, ValueError):
+            return frozenset({int(signal.SIGTERM)})
+        valid = {int(sig) for sig in signal.valid_signals()} - {int(signal.SIGKILL), int(signal.SIGSTOP)}
+        found = {n for n in numbers if isinstance(n, int) and not isinstance(n, bool) and n in valid} \
+            if isinstance(numbers, list) else set()
+        return frozenset(found or {int(signal.SIGTERM)})
 
     def register_helper(self, local_rank: int) -> None:
         _write_atomic(os.path.join(self.path, f"helper-{local_rank}"), {"pid": os.getpid()})
@@ -443,7 +484,7 @@ def _load_json(path: str, limit: int = MAX_MESSAGE_BYTES) -> Any:
         raise ValueError(f"{path}: JSON nested too deeply") from exc
 
 
-def _write_atomic(path: str, data: dict[str, Any]) -> None:
+def _write_atomic(path: str, data: dict[str, Any] | list[Any]) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as handle:
         json.dump(data, handle)
@@ -518,29 +559,53 @@ class Preemption:
         self.mailbox = Mailbox(path) if path else None
         self.stop_step: int | None = None
         self.notice: WorkerNotice | None = None
-        self._signalled = False
+        self._signalled: signal.Signals | None = None
+        """The notice signal this worker received itself (the first one), if any."""
         from checkpoint.collective import open_collectives  # imports torch; the agent imports this module for Mailbox
 
         # Our own gloo group (a local identity in a world of one): the vote never interleaves with the
         # training's collectives, and it is gloo whatever the training's backend is.
         (self._vote,) = open_collectives(process_group, timeout, 1)
+        # A notice signal to the worker itself is the notice: under stock torchrun (or no launcher) SIGTERM,
+        # what torchrun forwards when its agent is stopped; under spotrun the agent's notice signals, which a
+        # scheduler that signals the whole job step (Slurm) delivers to the workers too. Under spotrun the
+        # agent also stops workers with SIGTERM (restarts, where waiting would only slow recovery): it marks
+        # the mailbox `stopping` first, and such a signal ends the worker at once (_on_notice_signal).
+        notice_signals = self.mailbox.notice_signals() if self.mailbox is not None else {int(signal.SIGTERM)}
+        try:
+            for signum in sorted(notice_signals):
+                signal.signal(signum, self._on_notice_signal)
+        except ValueError:  # not the main thread: Python delivers signals to the main thread only
+            logger.warning("[rank %s] Preemption constructed outside the main thread: a notice signal to this "
+                           "worker is not taken as the notice", os.environ.get("RANK", "0"))
         if self.mailbox is not None:
             self.mailbox.register_helper(self.local_rank)
-        else:
-            # Stock torchrun (or no launcher): SIGTERM to the worker is the notice. Under spotrun the agent
-            # owns SIGTERM (it stops workers with it for restarts, where waiting would only slow recovery).
-            signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if self._signalled:  # a second SIGTERM: the launcher insists, stop now like an unhandled one
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-        self._signalled = True
+    def _on_notice_signal(self, signum: int, frame: Any) -> None:
+        if self._signalled is not None or self._agent_stopping():
+            # A second notice signal (the launcher insists), or the agent is stopping this worker group: end
+            # now, as the unhandled signal would have.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._signalled = signal.Signals(signum)
+
+    def _agent_stopping(self) -> bool:
+        if self.mailbox is None:
+            return False
+        try:
+            return self.mailbox.stopping()
+        except OSError:
+            return False
 
     def _local_notice(self) -> WorkerNotice | None:
-        if self._signalled:
-            return WorkerNotice("preempt", None, "SIGTERM")
-        return self.mailbox.read_notice() if self.mailbox is not None else None
+        # The agent's notice first: it carries the deadline and save_by that the save decision needs.
+        posted = self.mailbox.read_notice() if self.mailbox is not None else None
+        if posted is not None:
+            return posted
+        if self._signalled is not None:
+            return WorkerNotice("preempt", None, self._signalled.name)
+        return None
 
     def should_stop(self, step: int) -> bool:
         """True from the agreed step on (same answer on every rank at the same step). Call once per step."""

@@ -215,6 +215,7 @@ class WarmLaunch:
         self.agent_argv0 = sys.argv[0] if sys.argv else ""
         self.stdin: Any = _share_stdin()
         self.ignored_signals = ignored_signals()
+        self.blocked_signals = blocked_signals()
 
 
 def ignored_signals() -> frozenset[int]:
@@ -228,6 +229,22 @@ def ignored_signals() -> frozenset[int]:
             if signal.getsignal(sig) == signal.SIG_IGN:
                 out.add(int(sig))
     return frozenset(out)
+
+
+def blocked_signals() -> frozenset[int]:
+    """Signals blocked in this thread now: an ``exec`` keeps the mask, so they are what a worker torch starts at
+    this moment inherits blocked."""
+    import signal
+
+    return frozenset(int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+def reset_signal_mask(blocked: frozenset[int]) -> None:
+    """The agent's signal mask instead of the forkserver's, which blocks the agent's notice signals for its own
+    protection (``elastic.workers.start_warm_forkserver``); a forked child inherits that mask."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def reset_signal_dispositions(ignored: frozenset[int]) -> None:
@@ -272,6 +289,7 @@ def become_fresh_interpreter(launch: WarmLaunch, target: str, *, module: bool) -
         pass
     _reset_multiprocessing()
     reset_signal_dispositions(launch.ignored_signals)
+    reset_signal_mask(launch.blocked_signals)  # after the handlers: a pending blocked signal meets the new ones
     _reseed_inherited_random_state()
     env = worker_environ(launch.agent_environ, launch.forkserver_environ, dict(os.environ))
     os.environ.clear()

@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 if __package__:
@@ -321,9 +321,16 @@ DEFAULT_PRELOAD = (
 )
 
 
-def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_timeout: float = 300.0) -> float:
+def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_timeout: float = 300.0,
+                          shielded: Sequence[int] = ()) -> float:
     """Start multiprocessing's forkserver, importing ``preload`` in it, and wait until it can fork, so that
     every worker (first and restarted) is forked from a warm interpreter. Returns the seconds it took.
+
+    ``shielded`` signals are blocked in the forkserver for its life (it is started with them blocked; the
+    agent's own mask is restored at once, and a signal that arrived meanwhile is delivered to the agent then):
+    a scheduler that signals every process of the job step (Slurm) must not end it, which would make every
+    worker's exit status read 255 (multiprocessing's "forkserver gone") and leave nothing to fork the next
+    group from. Each warm worker resets its mask to the agent's (``elastic.warm``), as ``python -u`` inherits it.
 
     Waiting *before* the first rendezvous matters for scale-up: a node that joins a running job only
     interrupts the others once it can start its workers at once, instead of making the whole group wait
@@ -332,14 +339,22 @@ def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_ti
     ``elastic.warm`` (fallback decision and the workers' environment)."""
     import multiprocessing
     import time
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     from elastic.warm import note_forkserver_environ
 
     began = time.monotonic()
     started_with = dict(os.environ)
     forkserver.set_forkserver_preload(list(preload))
-    forkserver.ensure_running()
+    # The signal mask survives fork and exec: the forkserver starts with these blocked. The resource tracker
+    # first: starting it unblocks SIGINT and SIGTERM in the caller (multiprocessing.resource_tracker).
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, list(shielded)) if shielded else None
+    try:
+        forkserver.ensure_running()
+    finally:
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     ctx = multiprocessing.get_context("forkserver")
     receive, send = ctx.Pipe(duplex=False)
     probe = ctx.Process(target=_send_environ, args=(send,), name="spotrun-warmup")

@@ -955,8 +955,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             mirror.peers.pop(node, None)
             committed = mirror.committed
             if committed is not None and node in committed.participants:
-                self._lost.setdefault(committed.number, set()).add(node)
-                log.warning("%sparticipant %s of round %d lost its lease", self._ctx(), node, committed.number)
+                self._participant_left(mirror, committed, node)
         elif rel == "round":  # an ended run was cleared for reuse: numbering starts again
             mirror.committed, mirror.committed_mod = None, 0
             for gone in [n for n in mirror.notices if n not in mirror.nodes]:
@@ -978,6 +977,20 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             # without it that peer would take the planned leave for a crash.
             if committed is None or node not in committed.participants:
                 mirror.notices.pop(node, None)
+
+    def _participant_left(self, mirror: _Mirror, committed: RoundRecord, node: str) -> None:
+        """A participant of the committed round is gone. After the job was closed (every agent that closes it
+        passed the exit barrier or gave up) it finished: not a loss, nothing to re-form for. Otherwise the
+        round is broken (``membership_changed``), whether it left for its preemption notice or crashed."""
+        if mirror.closed:
+            log.info("%sparticipant %s of round %d finished and left", self._ctx(), node, committed.number)
+            return
+        self._lost.setdefault(committed.number, set()).add(node)
+        if node in mirror.notices:
+            log.info("%sparticipant %s of round %d left for its preemption notice", self._ctx(), node,
+                     committed.number)
+        else:
+            log.warning("%sparticipant %s of round %d lost its lease", self._ctx(), node, committed.number)
 
     def _sleep_unless_stopped(self, seconds: float) -> None:
         """The watch loop's retry backoff: cut short by shutdown."""

@@ -172,6 +172,35 @@ def test_sigterm_to_one_agent_loses_no_step(tmp_path: Path, etcd_server) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])
+def test_a_notice_signal_to_every_process_of_the_node_saves_the_agreed_step(tmp_path: Path, etcd_server,
+                                                                            sig: signal.Signals) -> None:
+    """What Slurm does at a time-limit warning (``--signal=TERM@120``, or ``USR2@120`` with ``--preempt-signal
+    USR2``) and a preemption: the signal reaches every process of the job step, the agent, its warm forkserver,
+    its workers and their checkpoint writers. The forkserver used to die of it (every worker then read exit 255)
+    and the workers too: the node left with nothing saved and exited 1 with a ChildFailedError."""
+    extra = ("--preempt-signal", "USR2") if sig == signal.SIGUSR2 else ()
+    agents = [_agent(tmp_path, "a", etcd_server.endpoint, "step-signal", steps=100_000, nnodes="1", nproc=2,
+                     extra=extra)]
+    a = agents[0]
+    with _running(agents):
+        wait_for(lambda: _training_at(tmp_path, 2, 2), 120, "two workers to train")
+        tree = a.snapshot_tree()
+        assert len(tree) >= 4, f"agent, forkserver and two workers at least: {descendants(a.pid)}"
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        assert a.wait(60) == 0, "the node left for its notice: exit 0"
+        leaves = _events(tmp_path, "planned_leave")
+        assert len(leaves) == 1 and leaves[0]["saved"] and leaves[0]["step"] is not None, leaves
+        assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step-{leaves[0]['step']:09d}"
+        assert not _events(tmp_path, "failure_detected"), "no worker died of the signal"
+        assert [e["exit_code"] for e in _events(tmp_path, "run_finished")] == [0]
+        assert "exitcode: 255" not in a.output()
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scale_up_loses_no_step_and_sigterm_to_every_agent_saves_for_a_restart(tmp_path: Path, etcd_server) -> None:
     """One run for two cases: a second agent joins a training one (a planned resize: no step lost), then every

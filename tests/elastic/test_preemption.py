@@ -240,3 +240,86 @@ def test_a_helper_file_being_written_is_not_read(tmp_path) -> None:
     (tmp_path / "helper-1.tmp16786").write_text("{")
     (tmp_path / "helper-x").write_text("{}")
     assert box.helpers() == {0}
+
+
+@pytest.fixture
+def notice_handlers() -> Any:
+    """Restores SIGTERM's and SIGUSR2's handlers after a helper replaced them in this process."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
+    yield
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def test_the_agents_notice_signals_are_the_workers_notice_too(tmp_path: Path, notice_handlers: Any) -> None:
+    """Slurm signals every process of the job step: a worker running the helper under spotrun gets its agent's
+    notice signal itself and must stop at the agreed step like one told through the mailbox (it died of it)."""
+    box = Mailbox.create(root=str(tmp_path), notice_signals=(signal.SIGTERM, signal.SIGUSR2))
+    try:
+        assert box.notice_signals() == {signal.SIGTERM, signal.SIGUSR2}
+        helper = Preemption(sync_every=2, mailbox_dir=box.path)
+        assert not helper.should_stop(2)
+        os.kill(os.getpid(), signal.SIGUSR2)  # --preempt-signal USR2 with #SBATCH --signal=USR2@120
+        assert not helper.should_stop(3), "only at a sync step"
+        assert helper.should_stop(4) and helper.notice == WorkerNotice("preempt", None, "SIGUSR2")
+        # The agent's posted notice wins over the signal's: it carries the deadline the save decision needs.
+        box.post(WorkerNotice("preempt", 123.0, "sigterm", save_by=120.0))
+        assert helper._local_notice() == WorkerNotice("preempt", 123.0, "sigterm", save_by=120.0)
+    finally:
+        box.remove()
+    assert not os.path.exists(box.path), "the signals file goes with the mailbox"
+
+
+def test_a_mailbox_without_a_readable_signals_file_means_sigterm(tmp_path: Path) -> None:
+    box = Mailbox(str(tmp_path))
+    assert box.notice_signals() == {signal.SIGTERM}, "an older agent's mailbox"
+    for body in ("[9, 19]", "[true]", '{"a": 1}', "[", "[15.0]"):  # SIGKILL/SIGSTOP cannot be handled
+        (tmp_path / ".signals").write_text(body)
+        assert box.notice_signals() == {signal.SIGTERM}, body
+    (tmp_path / ".signals").write_text("[12, 99999]")
+    assert box.notice_signals() == {signal.SIGUSR2}
+
+
+_HELPER_SCRIPT = """
+import os, sys, time
+from elastic.preemption import Preemption
+helper = Preemption(sync_every=1, mailbox_dir=sys.argv[1])
+print("ready", flush=True)
+step = 0
+while step < 100_000:
+    step += 1
+    if helper.save_and_stop(None, step, {}):
+        print("stopped", step, helper.notice.source, flush=True)
+        sys.exit(0)
+    time.sleep(0.01)
+sys.exit(3)
+"""
+
+
+def _start_helper(box: Mailbox) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _HELPER_SCRIPT, box.path], cwd=REPO, env=make_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", proc.stderr
+    return proc
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_stops_at_once_on_sigterm_while_its_agent_stops_the_group(tmp_path: Path) -> None:
+    """The agent stops workers with SIGTERM for restarts (stop grace 3 s): it marks the mailbox `stopping`
+    first, and the helper lets that SIGTERM end the worker as an unhandled one would, not wait for a save."""
+    box = Mailbox.create(root=str(tmp_path))
+    try:
+        told = _start_helper(box)
+        told.send_signal(signal.SIGTERM)
+        out, err = told.communicate(timeout=30)
+        assert told.returncode == 0 and out.split()[:1] == ["stopped"] and out.split()[2] == "SIGTERM", err
+        assert box.acks(), "the notice signal was acknowledged like a posted notice"
+        box.clear()
+        stopped = _start_helper(box)
+        box.mark_stopping()
+        stopped.send_signal(signal.SIGTERM)
+        _, err = stopped.communicate(timeout=30)
+        assert stopped.returncode == -signal.SIGTERM, err
+        assert not box.acks()
+    finally:
+        box.remove()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -238,6 +239,32 @@ def test_set_closed_propagates_and_blocks_new_rounds(etcd_server: EmbeddedEtcd, 
         time.sleep(0.01)
     with pytest.raises(RendezvousClosedError):
         hs[1].next_rendezvous()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_finished_is_not_reported_lost(etcd_server: EmbeddedEtcd, handlers, pool,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """At a clean end every agent shuts down (closes the run, then revokes its lease); the later ones saw the
+    earlier ones' leases go and logged a WARNING "participant ... lost its lease" for each. A crash still is."""
+    config = make_config(etcd_server.endpoint, run_id="finish", min_nodes=2, max_nodes=3)
+    a, b, c = (handlers(config, name) for name in "abc")
+    rendezvous_all(pool, [a, b, c])
+    caplog.set_level(logging.INFO, logger="elastic.rendezvous.etcd_v3")
+    c._simulate_crash()  # before the end: a loss, and said so
+    assert a.wait_membership_change(LOSS_BOUND_S) and b.wait_membership_change(LOSS_BOUND_S)
+    lost = [r for r in caplog.records if "lost its lease" in r.getMessage()]
+    assert {r.levelno for r in lost} == {logging.WARNING} and len(lost) == 2
+    rendezvous_all(pool, [a, b])  # the survivors' round
+    caplog.clear()
+    assert a.shutdown() is True  # a finished first: the run is closed, then its lease goes
+    deadline = time.monotonic() + LOSS_BOUND_S
+    while "a" not in b.lost_peers():
+        assert time.monotonic() < deadline, "b must still see a's key go"
+        b.wait_membership_change(0.05)
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records if "participant a " in r.getMessage()]
+    assert messages and all(level == logging.INFO and "finished and left" in text for level, text in messages)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "a finished peer is not a lost one"
+    assert b.shutdown() is True
 
 
 @pytest.mark.timeout(30)
