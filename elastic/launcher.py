@@ -28,6 +28,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousParameters
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
+from checkpoint.memory.api import ENV_MEMORY_DIR
+from checkpoint.memory.keeper import Keeper
 from elastic.agent import SpotrunAgent
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
@@ -228,6 +230,10 @@ def launch(
     mailbox = Mailbox.create()
     remove_orphaned_progress_files()  # hang detection's files of agents killed on this host (as the mailboxes)
     os.environ[ENV_NOTICE_DIR] = mailbox.path
+    # The memory tier's shared memory on this node (checkpoint.memory.keeper): removed at exit, or by the keeper
+    # process when this agent dies; orphans of agents killed with their keeper are swept here first.
+    keeper = Keeper.create(config.run_id)
+    os.environ[ENV_MEMORY_DIR] = keeper.path
     # LaunchConfig.__post_init__ fills both in (DefaultLogsSpecs; $TORCHELASTIC_SHUTDOWN_TIMEOUT or 30 s).
     assert config.logs_specs is not None and config.shutdown_timeout is not None
     agent = SpotrunAgent(
@@ -281,6 +287,7 @@ def launch(
     finally:
         poller.stop()
         mailbox.remove()
+        keeper.close()
         agent.release()
         if shutdown_rdzv:
             try:

@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:  # lazy: the tier and the restore import torc
 
         return LocalShmTier
     if name == "restore":
-        from checkpoint.memory.restore import restore
+        from checkpoint.memory.resume import restore
 
         return restore
     raise AttributeError(f"module 'checkpoint.memory' has no attribute {name!r}")

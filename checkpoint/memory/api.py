@@ -2,7 +2,7 @@
 
 Data flow (one module each): ``config`` (how often, how much room to leave) -> ``layout`` (pure: names, the
 footer, which step to restore, whether there is room) -> ``shm`` (a rank's snapshots in its node's keeper
-directory: stage, checksum, publish; find and read them back) -> ``restore`` (memory first, then the durable
+directory: stage, checksum, publish; find and read them back) -> ``resume`` (memory first, then the durable
 tier, and a :class:`RestoreReport` saying which). ``keeper`` is the agent's side: the directory's owner.
 
 A snapshot is laid out like a durable step, one shm object per rank per step: the rank's safetensors shard
