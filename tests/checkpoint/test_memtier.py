@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.api import ChunkKey, CheckpointConfigError
-from checkpoint.memory.api import OWNER_LOCK, RestoreSource, SnapshotId, ShmSpaceError
+from checkpoint.api import CheckpointConfigError, ChunkKey
+from checkpoint.memory.api import OWNER_LOCK, RestoreSource, ShmSpaceError, SnapshotId
 from checkpoint.memory.config import MemoryTierConfig
 from checkpoint.memory.keeper import Keeper, keeper_prefix, remove_orphaned_keepers
 from checkpoint.memory.layout import (
