@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from checkpoint.api import CheckpointConfigError, ChunkKey
-from checkpoint.memory.api import OWNER_LOCK, RestoreSource, ShmSpaceError, SnapshotId
+from checkpoint.memory.api import OWNER_LOCK, MemoryTier, RestoreSource, ShmSpaceError, SnapshotId
 from checkpoint.memory.config import MemoryTierConfig
 from checkpoint.memory.keeper import Keeper, keeper_prefix, remove_orphaned_keepers
 from checkpoint.memory.layout import (
@@ -288,6 +288,7 @@ def test_without_a_keeper_directory_the_tier_is_off(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("SPOTRUN_MEMORY_DIR", raising=False)
     tier = LocalShmTier()
     try:
+        assert isinstance(tier, MemoryTier)
         assert not tier.enabled
         assert not tier.snapshot(1, _state(0))
         assert tier.restore(_state(0), not_older_than=None) is None
