@@ -36,8 +36,9 @@ class MemoryTierConfig:
     verify_on_restore: bool = True
     """Check the crc32 of every block a restore reads (a damaged snapshot is skipped like a corrupt step)."""
 
-    read_threads: int = 4
-    """Parallel ranged reads per rank on restore (>= 1)."""
+    read_threads: int | None = None
+    """Parallel ranged reads per rank on restore (>= 1). None: one per CPU core, at most 4 (reads from shared
+    memory are CPU-bound: more threads than cores only contend)."""
 
     collective_timeout: timedelta = timedelta(minutes=30)
     """Timeout of the tier's own gloo group (votes, restore agreement), like ``CheckpointConfig``'s."""
@@ -53,7 +54,8 @@ class MemoryTierConfig:
         _check_int("checksum_block_bytes", self.checksum_block_bytes, 4096, "use e.g. 1 MiB (1048576)")
         if not isinstance(self.verify_on_restore, bool):
             raise CheckpointConfigError(f"verify_on_restore={self.verify_on_restore!r} must be True or False")
-        _check_int("read_threads", self.read_threads, 1, "1 reads sequentially")
+        if self.read_threads is not None:
+            _check_int("read_threads", self.read_threads, 1, "use None for the default, 1 reads sequentially")
         value = self.collective_timeout
         if not isinstance(value, timedelta) or value.total_seconds() <= 0:
             raise CheckpointConfigError(f"collective_timeout={value!r} must be a positive datetime.timedelta")

@@ -523,7 +523,7 @@ class LocalShmTier:
                 destinations.__getitem__,
                 group.manifest.checksum_block_bytes,
                 self.config.verify_on_restore,
-                self.config.read_threads,
+                self.config.read_threads or max(1, min(4, os.cpu_count() or 1)),
             )
         finally:
             storage.close()
