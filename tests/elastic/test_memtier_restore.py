@@ -64,13 +64,14 @@ def test_worker_sigkill_resumes_from_memory_bit_identical(tmp_path: Path, etcd_s
             timeout=300, what=f"rank 1 finishing step {KILL_AFTER}",
         )
         assert _keeper_dirs("memtier-kill"), "the agent made no keeper directory"
+        first_pids = {r["pid"] for r in read_jsonl(progress)}  # the workers before the fault
         os.kill(victim["pid"], signal.SIGKILL)
         assert launcher.wait(timeout=300) == 0, launcher.output()[-4000:]
     finally:
         launcher.close()
 
     lines = read_jsonl(progress)
-    first_pids = {r["pid"] for r in lines if r["step"] <= KILL_AFTER}
+    assert len(first_pids) == 2
     before = max(r["step"] for r in lines if r["pid"] in first_pids)
     restores = [r for r in lines if "restore_source" in r]
     assert len(restores) == 2, restores  # one first line per restarted rank
