@@ -220,11 +220,16 @@ class LocalShmTier:
         if changed:
             self._replan(flat)
             self._signature = signature
-        self._housekeep(complete)
-        slot = self._slot_for(complete)
-        if slot is None:
+        try:  # no collective from here on: a local failure skips this rank's snapshot only
+            self._housekeep(complete)
+            slot = self._slot_for(complete)
+            if slot is None:
+                return False
+            self._unpublish(slot)
+        except OSError as exc:  # the keeper directory vanished, a file was removed under us...
+            self._warn_once("io", "[rank %d step %d] memory snapshot skipped: %s", self.rank, step, exc)
+            self._release_slots()
             return False
-        self._unpublish(slot)
         assert self._layout is not None
         copy_pieces([self._layout], [slot.views], flat.items)
         self.last_stage_seconds = time.perf_counter() - started
@@ -382,7 +387,7 @@ class LocalShmTier:
             if slot is None:
                 continue
             if slot.step is None:  # never published: nothing to keep
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):
                     os.unlink(slot.path)
             slot.close()
             self._slots[i] = None
@@ -441,7 +446,12 @@ class LocalShmTier:
         """The snapshot groups in this node's keeper this rank can restore from alone, newest first."""
         assert self.directory is not None
         found: dict[SnapshotId, dict[int, tuple[str, int]]] = {}
-        for name in os.listdir(self.directory):
+        try:
+            names = os.listdir(self.directory)
+        except OSError as exc:  # the keeper directory is gone: nothing in memory
+            logger.warning("[rank %d] memory tier directory unreadable: %s", self.rank, exc)
+            return []
+        for name in names:
             parsed = parse_snapshot_name(name)
             if parsed is not None:
                 snap, rank, world = parsed
@@ -541,11 +551,12 @@ class LocalShmTier:
     def _quarantine(self, snap: SnapshotId) -> None:
         """Remove a group this rank failed to read, so a restart does not pick it again."""
         assert self.directory is not None
-        for name in os.listdir(self.directory):
-            parsed = parse_snapshot_name(name)
-            if parsed is not None and parsed[0] == snap:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.directory, name))
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.directory):
+                parsed = parse_snapshot_name(name)
+                if parsed is not None and parsed[0] == snap:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.directory, name))
 
     # ------------------------------------------------------------------ lifecycle
     def _warn_once(self, key: str, message: str, *args: Any) -> None:

@@ -415,3 +415,23 @@ def test_snapshot_files_are_checksummed_safetensors(shm_dir: str) -> None:
 
     tensors = load(raw[:offset])
     assert torch.equal(tensors["model.0.weight"], state["model"][0].weight)
+
+
+def test_a_vanished_keeper_directory_skips_snapshots_and_restores_nothing(tmp_path: Path) -> None:
+    directory = tempfile.mkdtemp(prefix="spotrun-memtier-test-", dir=SHM)
+    state = _state(0)
+    try:
+        tier = LocalShmTier(directory)
+        try:
+            _train(state, 1)
+            assert tier.snapshot(1, state)
+            tier.wait()
+            shutil.rmtree(directory)  # the keeper removed it (agent exiting) while the worker still runs
+            _train(state, 2)
+            assert not tier.snapshot(2, state)  # a warning, not a crash
+            assert tier.restore(_state(1), not_older_than=None) is None
+        finally:
+            tier.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert not os.path.exists(directory)
