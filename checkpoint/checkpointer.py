@@ -145,6 +145,8 @@ class Checkpointer:
         the sequence of collectives, so this Checkpointer refuses further saves and loads."""
         self.last_stage_seconds = 0.0
         """Wall time the last ``save`` blocked the caller (flatten + vote + staging copy)."""
+        self.last_load_bytes = 0
+        """Bytes this rank read in its last ``load``/``read`` (``checkpoint.memory.restore`` reports them)."""
         self._save_seconds: tuple[float, ...] = ()
         """Save-to-commit seconds of the last ``SAVE_TIMES_KEPT`` committed saves, oldest first. Replaced whole
         (never mutated) by the writer thread, so the training thread reads it without a lock."""
@@ -468,6 +470,7 @@ class Checkpointer:
             self.storage, manifest, flat.per_rank, rank=self.rank, world_size=self.world_size
         )
         apply(state, flat)
+        self.last_load_bytes = nbytes
         logger.info(
             "[rank %d] loaded step %d: %d bytes in %d reads, %.2fs",
             self.rank,

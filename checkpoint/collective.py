@@ -56,6 +56,14 @@ class Collective:
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
         return int(box.item())
 
+    def max_each(self, *values: int) -> tuple[int, ...]:
+        """Per position, the largest value over ranks (one small all_reduce; ``-max(-x)`` is the min)."""
+        if self.group is None:
+            return tuple(int(v) for v in values)
+        box = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
+        return tuple(int(v) for v in box.tolist())
+
     def all_gather(self, value: JSON) -> list[JSON]:
         """Every rank's ``value`` (JSON-serialisable), in rank order, on every rank."""
         if self.group is None:

@@ -137,6 +137,15 @@ def write_shard(
             sink.write(block)
         inline.append(blocks)
     crcs = crcs_future.result() if crcs_future is not None else inline
+    return shard_records(layout, crcs, block_bytes, rank=rank)
+
+
+def shard_records(
+    layout: ShardLayout, crcs: Sequence[Sequence[int]], block_bytes: int, *, rank: int
+) -> tuple[FileRecord, list[tuple[ShardEntry, ChunkRecord]]]:
+    """The file record and each entry's chunk record of a shard laid out as ``layout`` whose entries have the
+    block checksums ``crcs`` (``block_crcs``): pure, so the memory tier (``checkpoint.memory``), whose bytes
+    are already in place, describes its snapshots exactly like the durable shard files."""
     file_crc = crc32(layout.header)
     base = len(layout.header)
     chunks: list[tuple[ShardEntry, ChunkRecord]] = []
@@ -152,7 +161,7 @@ def write_shard(
                     file=layout.file,
                     key=entry.name,
                     byte_range=[base + entry.offset, base + entry.offset + entry.nbytes],
-                    block_crc32=blocks,
+                    block_crc32=list(blocks),
                 ),
             )
         )

@@ -25,6 +25,37 @@ from checkpoint.shard import ShardLayout
 logger = logging.getLogger(__name__)
 
 
+def piece_views(buf: torch.Tensor, layout: ShardLayout) -> list[torch.Tensor | None]:
+    """Typed views of each entry of ``layout`` into ``buf`` (a flat ``uint8`` buffer holding the layout's data
+    region); None for empty entries. Shared by the Stager and the memory tier (``checkpoint.memory``)."""
+    views: list[torch.Tensor | None] = []
+    for e in layout.entries:
+        raw = buf[e.offset : e.offset + e.nbytes]
+        views.append(raw.view(torch_dtype(e.dtype)).view(e.key.lengths) if e.nbytes else None)
+    return views
+
+
+def copy_pieces(
+    layouts: Sequence[ShardLayout], views: Sequence[Sequence[torch.Tensor | None]], items: Sequence[TensorItem]
+) -> None:
+    """Copy ``items`` (indexed by each entry's ``item_index``) into the views; returns once the sources may be
+    modified again (device copies are synchronised)."""
+    on_device = False
+    with torch.no_grad():
+        for layout, layout_views in zip(layouts, views):
+            for entry, view in zip(layout.entries, layout_views):
+                if view is None:
+                    continue
+                src = items[entry.item_index].tensor
+                if src.device.type != "cpu":
+                    on_device = True
+                    view.copy_(src, non_blocking=True)
+                else:
+                    view.copy_(src)
+    if on_device:
+        torch.cuda.synchronize()  # the copies above were async; the caller may now modify the sources
+
+
 class Stager:
     """Owns the reusable host buffers; ``stage`` fills them from live tensors."""
 
@@ -62,12 +93,8 @@ class Stager:
         self.release()  # drop the old buffers before allocating the new
         for layout in layouts:
             buf = self._new_buffer(layout.data_bytes)
-            views: list[torch.Tensor | None] = []
-            for e in layout.entries:
-                raw = buf[e.offset : e.offset + e.nbytes]
-                views.append(raw.view(torch_dtype(e.dtype)).view(e.key.lengths) if e.nbytes else None)
             self._buffers.append(buf)
-            self._views.append(views)
+            self._views.append(piece_views(buf, layout))
         self.allocations += 1
         logger.debug("staging: allocated %d buffers, %d bytes (pinned=%s)", len(layouts), self.nbytes, self.pin_memory)
 
@@ -78,20 +105,7 @@ class Stager:
             self._allocate(layouts)
             self._signature = signature
         crash_point("stage.begin")
-        on_device = False
-        with torch.no_grad():
-            for layout, views in zip(layouts, self._views):
-                for entry, view in zip(layout.entries, views):
-                    if view is None:
-                        continue
-                    src = items[entry.item_index].tensor
-                    if src.device.type != "cpu":
-                        on_device = True
-                        view.copy_(src, non_blocking=True)
-                    else:
-                        view.copy_(src)
-        if on_device:
-            torch.cuda.synchronize()  # the copies above were async; the caller may now modify the sources
+        copy_pieces(layouts, self._views, items)
         crash_point("stage.end")
         return [b.numpy().data.cast("B") for b in self._buffers]
 

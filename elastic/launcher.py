@@ -28,6 +28,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousParameters
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
+from checkpoint.memory.api import ENV_MEMORY_DIR
+from checkpoint.memory.keeper import Keeper
 from elastic.agent import SpotrunAgent, warn_one_line
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
@@ -264,6 +266,10 @@ def launch(
     mailbox = Mailbox.create(notice_signals=shielded)
     remove_orphaned_progress_files()  # hang detection's files of agents killed on this host (as the mailboxes)
     os.environ[ENV_NOTICE_DIR] = mailbox.path
+    # The memory tier's shared memory on this node (checkpoint.memory.keeper): removed at exit, or by the keeper
+    # process when this agent dies; orphans of agents killed with their keeper are swept here first.
+    keeper = Keeper.create(config.run_id)
+    os.environ[ENV_MEMORY_DIR] = keeper.path
     # LaunchConfig.__post_init__ fills both in (DefaultLogsSpecs; $TORCHELASTIC_SHUTDOWN_TIMEOUT or 30 s).
     assert config.logs_specs is not None and config.shutdown_timeout is not None
     agent = SpotrunAgent(
@@ -330,6 +336,7 @@ def launch(
         if exporter is not None:
             exporter.close()
         mailbox.remove()
+        keeper.close()
         agent.release()
         if shutdown_rdzv:
             try:

@@ -21,6 +21,9 @@ Run it (from the repository root):
     # elastic batches: at most 16 samples per forward (accumulation), or bit-exact across world sizes
     spotrun --standalone --nproc-per-node 3 examples/train_ddp.py --steps 200 --ckpt-dir runs/ckpt --max-micro-batch 16
     spotrun --standalone --nproc-per-node 3 examples/train_ddp.py --steps 200 --ckpt-dir runs/det --deterministic
+    # memory tier: snapshot every step into host shared memory; a crashed worker resumes from the last one
+    spotrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train_ddp.py --steps 200 --ckpt-dir runs/ckpt \
+        --memory-snapshot-every 1
     # several nodes (run on each node; 1 to 4 nodes, joins and losses handled at the next round)
     python -m elastic.etcd_server --host 0.0.0.0          # once, somewhere reachable (or a real etcd >= 3.5)
     spotrun --nnodes 1:4 --nproc-per-node 2 --rdzv-endpoint ETCD_HOST:PORT --rdzv-id job1 \\
@@ -123,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true",
                    help="bit-identical at any world size: --shards fixed micro-batches reduced in shard order")
     p.add_argument("--shards", type=int, default=8, help="virtual micro-batches per global batch (--deterministic)")
+    p.add_argument("--memory-snapshot-every", type=int, default=0, metavar="K",
+                   help="snapshot the state into host shared memory every K steps (spotrun's memory tier; a restart "
+                        "resumes from it before the durable checkpoint); 0: off")
     args = p.parse_args(argv)
     if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 1 or args.log_every < 1:
         p.error("--steps must be >= 0 and --global-batch, --ckpt-every, --log-every >= 1")
@@ -132,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--loader-workers must be >= 0")
     if not args.ckpt_retry_timeout > 0:
         p.error("--ckpt-retry-timeout must be > 0 seconds")
+    if args.memory_snapshot_every < 0:
+        p.error("--memory-snapshot-every must be >= 0 (0: off)")
     try:
         args.batch_config = BatchConfig(
             global_batch=args.global_batch,
@@ -172,6 +180,16 @@ def open_checkpointer(uri: str | None, storage_options: dict[str, Any] | None = 
         raise SystemExit(f"--ckpt-dir needs the spotrun `checkpoint` package (Checkpointer), which failed to import: {exc}") from exc
     return Checkpointer(uri, CheckpointConfig(storage_options=storage_options or {},
                                               retry_timeout=timedelta(seconds=retry_timeout)))
+
+
+def open_memory_tier(every: int) -> Any:
+    """spotrun's memory tier (``checkpoint.memory``) snapshotting every ``every`` steps; None when 0. Off (said
+    once) outside spotrun, which gives every worker its node's keeper directory."""
+    if not every:
+        return None
+    from checkpoint.memory import LocalShmTier, MemoryTierConfig
+
+    return LocalShmTier(config=MemoryTierConfig(every=every))
 
 
 def append_progress(path: str, record_: dict[str, Any]) -> None:
@@ -233,10 +251,20 @@ def main(argv: list[str] | None = None) -> None:
     # Checkpoint the bare module: its keys do not depend on DDP or on the world size.
     state = {"model": model, "optim": optimizer, "trainer": trainer, "data": batches}
     ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option), args.ckpt_retry_timeout)
-    if ckpt is not None:
-        restored = ckpt.load(state)
-        if restored is not None:
-            logger.info("%s resumed from step %s (samples_seen=%s)", ctx, restored, trainer.samples_seen)
+    memory = open_memory_tier(args.memory_snapshot_every)
+    restored: dict[str, Any] = {}  # the restore's report (restore_source, restore_step...): on the first progress line
+    if memory is not None:
+        from checkpoint.memory import restore
+
+        report = restore(ckpt, state, memory=memory)
+        if report is not None:
+            restored = report.to_json()
+            logger.info("%s resumed from step %s (%s, samples_seen=%s)", ctx, report.step, report.source.value,
+                        trainer.samples_seen)
+    elif ckpt is not None:
+        step_loaded = ckpt.load(state)
+        if step_loaded is not None:
+            logger.info("%s resumed from step %s (samples_seen=%s)", ctx, step_loaded, trainer.samples_seen)
     # Deterministic mode replaces DDP's gradient reduction with the fixed-order shard sum.
     reducer = None
     if args.deterministic:
@@ -271,16 +299,21 @@ def main(argv: list[str] | None = None) -> None:
             if args.progress_file:
                 append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
                                                      "pid": os.getpid(), "t_wall": time.time(),
-                                                     "loss": loss.item()})
+                                                     "loss": loss.item(), **restored})
+                restored = {}
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
             if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
                 break
             if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
                 ckpt.save(trainer.step, state)
+            if memory is not None:
+                memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
         if ckpt is not None:
             ckpt.wait()
     finally:
+        if memory is not None:
+            memory.close()
         if ckpt is not None:
             ckpt.close()
         if dist.is_initialized():

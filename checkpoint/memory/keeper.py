@@ -1,0 +1,186 @@
+"""The per-node owner of the memory tier's shared memory: a directory in ``/dev/shm`` per agent, and its keeper.
+
+The agent creates the directory at start (``Keeper.create``), names it to its workers in
+``SPOTRUN_MEMORY_DIR`` and removes it at exit (``Keeper.close``). Snapshots are tmpfs files: they hold host
+RAM without any process holding them, so what must be guaranteed is only that somebody deletes them.
+
+Why a keeper process beside the agent, not the agent alone: an agent killed by SIGKILL (the OOM killer, a
+``kill -9`` of the launcher) runs no cleanup, and on a node that is not reused for spotrun there is no next
+agent start to sweep it, so the snapshots (a whole model and optimizer per node) would hold RAM until reboot.
+The keeper (``python -m checkpoint.memory.keeper DIR``, standard library only, a few MB) waits on a pipe from
+the agent and on ``PR_SET_PDEATHSIG``; when the agent dies, however it dies, it removes the directory and
+exits. It is also the seam for what comes next: serving this node's snapshots to a peer (issue 17, peer
+replication) belongs in this process, which outlives the workers.
+
+Orphans (agent and keeper both killed, e.g. a process-group SIGKILL): the directory holds ``.owner.lock``,
+``flock``-ed from before the directory is used until after it is removed, by the agent, and inherited by the
+keeper (one open file description: the lock is held while either lives). The next agent on the host removes
+every directory of this user whose lock is free (:func:`remove_orphaned_keepers`), as
+``elastic.progress`` and ``elastic.preemption`` do for their files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import signal
+import stat
+import subprocess
+import sys
+from typing import Any
+
+from checkpoint.memory.api import MEMORY_KIND, OWNER_LOCK
+
+logger = logging.getLogger(__name__)
+
+SWEEP_LIMIT = 256
+"""Most candidate directories one sweep looks at (bounded work at agent start)."""
+KEEPER_EXIT_TIMEOUT = 10.0
+
+
+def _default_root() -> str:
+    import tempfile
+
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def keeper_prefix(root: str | None = None) -> str:
+    """The common start of this user's keeper directories under ``root``."""
+    from elastic.progress import run_scoped_prefix
+
+    return run_scoped_prefix(MEMORY_KIND, root or _default_root())
+
+
+class Keeper:
+    """This agent's keeper directory (and, with ``process``, its keeper process)."""
+
+    def __init__(self, path: str, lock_fd: int, process: subprocess.Popen[bytes] | None) -> None:
+        self.path = path
+        self._lock_fd: int | None = lock_fd
+        self.process = process
+
+    @classmethod
+    def create(cls, run_id: str, root: str | None = None, *, process: bool = True) -> Keeper:
+        """Sweep orphans of dead agents under ``root``, then make and lock this agent's directory
+        (``spotrun-memtier-{uid}-{run}.{hash}-{pid}-{token}``) and start its keeper process."""
+        from elastic.progress import run_scoped_path
+
+        root = root or _default_root()
+        remove_orphaned_keepers(root)
+        path = run_scoped_path(MEMORY_KIND, run_id, os.getpid(), secrets.token_hex(4), root=root)
+        os.mkdir(path, 0o700)
+        lock_fd = _hold_lock(path)
+        proc = None
+        if process:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "checkpoint.memory.keeper", path, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                pass_fds=(lock_fd,),
+                close_fds=True,
+            )
+        logger.info("memory tier keeper directory %s (keeper pid %s)", path, proc.pid if proc else None)
+        return cls(path, lock_fd, proc)
+
+    def close(self) -> None:
+        """Remove the directory and stop the keeper (idempotent)."""
+        remove_dir(self.path)
+        if self.process is not None:
+            if self.process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.process.stdin.close()
+            try:
+                self.process.wait(timeout=KEEPER_EXIT_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=KEEPER_EXIT_TIMEOUT)
+            self.process = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # last: a sweep never sees the directory of a live agent unlocked
+            self._lock_fd = None
+
+
+def _hold_lock(path: str) -> int:
+    """Create and lock the directory's lock file; locked before it gets its name, so a sweeper that sees the
+    name can never take the lock of a live agent."""
+    tmp = os.path.join(path, f"{OWNER_LOCK}.{os.getpid()}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(tmp, os.path.join(path, OWNER_LOCK))
+    return fd
+
+
+def remove_dir(path: str) -> None:
+    """Remove a keeper directory: the snapshots, then the lock file, then the directory."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return
+    for name in sorted(names, key=lambda n: n == OWNER_LOCK):
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            os.unlink(os.path.join(path, name))
+    with contextlib.suppress(FileNotFoundError, OSError):
+        os.rmdir(path)
+
+
+def remove_orphaned_keepers(root: str | None = None, *, limit: int = SWEEP_LIMIT) -> int:
+    """Remove this user's keeper directories under ``root`` whose agent and keeper are both gone (their lock is
+    free); returns how many were removed. Directories without a lock (being created) are left alone."""
+    stem = keeper_prefix(root)
+    folder, prefix = os.path.dirname(stem), os.path.basename(stem)
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(prefix)][:limit]
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue  # /dev/shm is shared: never another user's, nor something else by that name
+        try:
+            fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its agent or keeper lives
+        try:
+            remove_dir(path)
+            removed += 1
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("removed %d memory tier director(ies) of dead agents under %s", removed, folder)
+    return removed
+
+
+def _serve(path: str, agent_pid: int) -> None:
+    """Keeper process: remove ``path`` when the agent goes (pipe closed, SIGTERM, or the agent's death)."""
+    from elastic.procutil import arm_parent_death_signal
+
+    def leave(*_: Any) -> None:
+        remove_dir(path)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the agent decides
+    arm_parent_death_signal(sig=signal.SIGTERM)
+    if os.getppid() != agent_pid:  # the agent died before the signal was armed
+        leave()
+    with contextlib.suppress(OSError):
+        while os.read(0, 4096):
+            pass
+    leave()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,60 @@
+"""Restore order, in one place: the newest memory snapshot every rank can read, else the durable tier.
+
+    from checkpoint.memory import LocalShmTier, restore
+    tier = LocalShmTier()                       # after init_process_group, on every rank (collective)
+    report = restore(ckpt, state, memory=tier)  # instead of ckpt.load(state)
+    ...
+        tier.snapshot(step, state)              # every step; acts every config.every steps
+
+A memory snapshot is used only when it is not older than the newest committed durable step (a planned save
+at a notice is newer than the last snapshot). A snapshot that fails its checks on any rank is skipped, like a
+corrupt durable step; when none is left the durable tier is loaded (``Checkpointer.load``, with its own
+fallback to older steps). The returned :class:`~checkpoint.memory.api.RestoreReport` says which source, step,
+bytes and seconds: the examples add it to their progress lines (``restore_source``...).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from checkpoint.memory.api import MemoryTier, PartialRestoreError, RestoreReport, RestoreSource
+
+if TYPE_CHECKING:
+    from checkpoint.checkpointer import Checkpointer
+
+logger = logging.getLogger(__name__)
+
+
+def restore(ckpt: Checkpointer | None, state: Mapping[str, Any], *, memory: MemoryTier | None) -> RestoreReport | None:
+    """Restore ``state`` from memory, else from ``ckpt``; None (state untouched) when neither has a step.
+
+    Collective: every rank calls it with the same arguments' kinds (both tiers present or absent everywhere).
+    Raises what ``Checkpointer.load`` raises, and PartialRestoreError when a memory restore failed after
+    overwriting part of the state and the durable tier has nothing to restore it with.
+    """
+    started = time.perf_counter()
+    floor = ckpt.latest() if ckpt is not None else None
+    partial: PartialRestoreError | None = None
+    if memory is not None:
+        try:
+            report = memory.restore(state, not_older_than=floor)
+        except PartialRestoreError as exc:
+            partial, report = exc, None
+        if report is not None:
+            return report
+    if ckpt is None:
+        if partial is not None:
+            raise partial
+        return None
+    step = ckpt.load(state)
+    if step is None:
+        if partial is not None:
+            raise partial
+        return None
+    report = RestoreReport(RestoreSource.DURABLE, step, ckpt.last_load_bytes, time.perf_counter() - started)
+    logger.info("[rank %d] restored step %d from the durable tier (%d bytes, %.3fs)", ckpt.rank, step, report.bytes,
+                report.seconds)
+    return report

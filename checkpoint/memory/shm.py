@@ -1,0 +1,572 @@
+"""The local memory tier: each rank snapshots its state into its node's keeper directory in host shared memory.
+
+Snapshot (``LocalShmTier.snapshot``, every ``config.every`` steps, on every rank):
+
+1. ``flatten`` the state; one vote (``Collective.max_each``: state rejected, items changed, busy, a rank short
+   of room, and the newest step every rank published, ``complete``).
+2. On the first snapshot or when the items changed: every rank's item metadata is gathered and
+   ``layout.node_writers`` decides who snapshots what, so each node holds a whole copy of the replicated
+   state; this rank's pieces become one ``ShardLayout`` (one shm object per rank per step).
+3. The rank copies its pieces into a *slot* (``staging.copy_pieces``): a shared-memory file, mapped once and
+   reused, holding the safetensors header and data. Two slots per rank: the one with ``complete`` is never
+   touched, the other is renamed to a temporary name, then overwritten. This copy is the only time training
+   blocks.
+4. A background thread checksums the bytes (``shard.block_crcs``, the durable tier's 1 MiB blocks), appends
+   the JSON manifest and the footer, and renames the slot to its published name
+   (``snap-{step}-{gen}-{rank}-of-{world}.safetensors``): a reader sees a whole snapshot or none.
+
+Room: before a slot is allocated the free space of the filesystem is checked (``layout.room_for``) and the
+slot's pages are reserved (``posix_fallocate``), so a full ``/dev/shm`` is a warning and a skipped snapshot,
+never a SIGBUS. A rank that could not allocate makes every rank turn the tier off at the next vote.
+
+Restore (``LocalShmTier.restore``): each rank lists its keeper directory, merges the manifests of each
+snapshot group into a durable-style ``Manifest`` (``commit.merge_records``: the chunks must tile every tensor)
+and keeps the groups it can restore from alone; the ranks agree on the newest group all of them can read
+(``layout.choose_snapshot``) and load it with the durable read path (``plan.plan_reads``,
+``shard.read_requests`` with crc32 checks, ``state.apply``), at any world size. A group that fails on any rank
+is removed and the next one tried; when none is left the caller falls back to the durable tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import mmap
+import os
+import secrets
+import socket
+import time
+import zlib
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from checkpoint.api import JSON, ChunkKey, Manifest, RankRecords, TensorRecord
+from checkpoint.collective import open_collectives
+from checkpoint.commit import merge_records
+from checkpoint.config import CheckpointConfig
+from checkpoint.fallback import LoadOutcome
+from checkpoint.memory.api import (
+    ENV_MEMORY_DIR,
+    CorruptSnapshotError,
+    MemoryTierError,
+    PartialRestoreError,
+    RestoreReport,
+    RestoreSource,
+    ShmSpaceError,
+    SnapshotId,
+    SnapshotManifest,
+)
+from checkpoint.memory.config import MemoryTierConfig
+from checkpoint.memory.layout import (
+    FOOTER,
+    choose_snapshot,
+    decode_footer,
+    encode_footer,
+    gen_of_tmp,
+    node_writers,
+    parse_snapshot_name,
+    pick_slot,
+    room_for,
+    snapshot_name,
+    tmp_name,
+)
+from checkpoint.per_rank import per_rank_source
+from checkpoint.plan import plan_reads
+from checkpoint.shard import ShardLayout, block_crcs, build_layout, read_requests, shard_records
+from checkpoint.staging import copy_pieces, piece_views
+from checkpoint.state import FlatState, apply, flatten
+from checkpoint.storage import StorageSpec
+
+logger = logging.getLogger(__name__)
+
+SLOTS = 2
+"""Slots per rank: the last complete snapshot, and the one being written."""
+MANIFEST_MAX_BYTES = 256 << 20
+"""Largest snapshot manifest a restore reads (block crc32s of a huge rank, per-rank objects)."""
+GROUPS_LOOKED_AT = 4
+"""Newest snapshot groups a restore examines (normally there are one or two)."""
+
+
+def check_room(directory: str, need: int, config: MemoryTierConfig) -> None:
+    """Raise ShmSpaceError (sizes and the fix in the message) unless ``need`` more bytes in ``directory``'s
+    filesystem leave the free space ``config`` asks for."""
+    fs = os.statvfs(directory)
+    why = room_for(
+        need,
+        free=fs.f_bavail * fs.f_frsize,
+        total=fs.f_blocks * fs.f_frsize,
+        min_free_bytes=config.min_free_bytes,
+        min_free_fraction=config.min_free_fraction,
+    )
+    if why is not None:
+        raise ShmSpaceError(f"{why} ({directory})")
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One reusable shared-memory file: header and data mapped, manifest and footer written by ``pwrite``."""
+
+    fd: int
+    mm: mmap.mmap
+    path: str
+    layout: ShardLayout
+    views: list[torch.Tensor | None]
+    step: int | None = None
+    """The step it holds once published; None while empty or being written."""
+
+    def close(self) -> None:
+        self.views = []
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+        os.close(self.fd)
+
+
+@dataclass(slots=True)
+class _Group:
+    """A snapshot group this rank can restore from alone (its node's keeper holds every piece it needs)."""
+
+    snap: SnapshotId
+    manifest: Manifest
+    objects: dict[str, JSON]
+    rank_objects: dict[int, dict[str, JSON]] = field(default_factory=dict)
+
+
+class LocalShmTier:
+    """``MemoryTier`` over this node's keeper directory (``SPOTRUN_MEMORY_DIR``, set by the spotrun agent).
+
+    Construct it on every rank after the process group (collective, like the Checkpointer). Without a keeper
+    directory on some rank (stock torchrun, a single process without ``directory``) the tier is off on every
+    rank, said once: snapshots then cost nothing and ``restore`` returns None.
+    """
+
+    def __init__(
+        self,
+        directory: str | None = None,
+        config: MemoryTierConfig | None = None,
+        *,
+        process_group: Any = None,
+        node: str | None = None,
+    ) -> None:
+        self.config = config or MemoryTierConfig()
+        self.directory = directory if directory is not None else os.environ.get(ENV_MEMORY_DIR)
+        (self._fg,) = open_collectives(process_group, self.config.collective_timeout, 1)
+        self.rank, self.world_size = self._fg.rank, self._fg.world_size
+        usable = self.directory is not None and os.path.isdir(self.directory) and os.access(self.directory, os.W_OK)
+        (missing,) = self._fg.any(not usable)
+        self.enabled = not missing
+        if not self.enabled:
+            why = "no keeper directory here" if not usable else "another rank has no keeper directory"
+            logger.warning(
+                "[rank %d] memory tier off: %s (%s is set by the spotrun agent; under stock torchrun there is none)",
+                self.rank, why, ENV_MEMORY_DIR,
+            )
+        self.gen: str = self._fg.rank0_decides(lambda: secrets.token_hex(4))
+        """This group of workers' snapshot generation (the same on every rank; new at every start)."""
+        self.node = node or f"{socket.gethostname()}:{self.directory}"
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="memtier")
+        self._future: Future[int] | None = None
+        self._slots: list[_Slot | None] = [None] * SLOTS
+        self._layout: ShardLayout | None = None
+        self._signature: tuple[Any, ...] | None = None
+        self._is_node_leader = False
+        self._published = -1
+        """The newest step this rank published in this generation (-1: none yet)."""
+        self._starved = False
+        self._warned: set[str] = set()
+        self.last_stage_seconds = 0.0
+        """Seconds the last snapshot blocked the caller (flatten, vote, copy)."""
+        self.snapshots_published = 0
+
+    def __repr__(self) -> str:
+        return f"LocalShmTier({self.directory!r}, rank={self.rank}/{self.world_size}, gen={self.gen})"
+
+    @property
+    def nbytes(self) -> int:
+        """Host shared memory this rank's slots hold (header + data each)."""
+        return sum(s.layout.size for s in self._slots if s is not None)
+
+    # ------------------------------------------------------------------ snapshot
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
+        if not self.enabled or step % self.config.every:
+            return False
+        started = time.perf_counter()
+        flat: FlatState | None
+        try:
+            flat = flatten(state)
+        except (TypeError, ValueError) as exc:
+            self._warn_once("state", "[rank %d step %d] memory snapshot skipped: %s", self.rank, step, exc)
+            flat = None
+        if self.config.when_busy == "wait":
+            self.wait()
+        busy = self._future is not None and not self._future.done()
+        signature = None if flat is None else tuple((i.key, i.dtype, i.global_shape, i.replicated) for i in flat.items)
+        bad, changed, any_busy, starved, neg_complete = self._fg.max_each(
+            flat is None, signature != self._signature, busy, self._starved, -self._published
+        )
+        complete = -neg_complete
+        if starved:
+            self.enabled = False
+            self._warn_once("starved", "[rank %d step %d] memory tier off: a rank had no room for its snapshot", self.rank, step)
+            self.close()
+            return False
+        if bad or any_busy or flat is None:
+            return False
+        if changed:
+            self._replan(flat)
+            self._signature = signature
+        try:  # no collective from here on: a local failure skips this rank's snapshot only
+            self._housekeep(complete)
+            slot = self._slot_for(complete)
+            if slot is None:
+                return False
+            self._unpublish(slot)
+        except OSError as exc:  # the keeper directory vanished, a file was removed under us...
+            self._warn_once("io", "[rank %d step %d] memory snapshot skipped: %s", self.rank, step, exc)
+            self._release_slots()
+            return False
+        assert self._layout is not None
+        copy_pieces([self._layout], [slot.views], flat.items)
+        self.last_stage_seconds = time.perf_counter() - started
+        objects = flat.objects
+        rank_objects = flat.rank_objects
+        self._future = self._executor.submit(self._publish, slot, step, objects, rank_objects)
+        return True
+
+    def wait(self) -> None:
+        """Block until the snapshot in flight is published; a failure is logged, never raised."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        try:
+            future.result()
+        except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop training
+            self._warn_once("publish", "[rank %d] memory snapshot failed: %s", self.rank, exc)
+
+    def _replan(self, flat: FlatState) -> None:
+        """Gather every rank's item metadata and node once; lay out the pieces this rank snapshots."""
+        mine = [[i.key.fqn, list(i.key.offsets), list(i.key.lengths), i.nbytes, i.replicated] for i in flat.items]
+        gathered = self._fg.all_gather({"node": self.node, "items": mine})
+        nodes = [str(g["node"]) for g in gathered]
+        everyone = [
+            [(ChunkKey(f, tuple(o), tuple(ln)), int(n), bool(r)) for f, o, ln, n, r in g["items"]] for g in gathered
+        ]
+        writes = set(node_writers(everyone, nodes)[self.rank])
+        pieces = [
+            (index, item.key, tuple(item.global_shape), item.dtype, item.nbytes)
+            for index, item in enumerate(flat.items)
+            if item.key in writes
+        ]
+        self._layout = build_layout("snapshot", pieces)
+        self._is_node_leader = self.rank == min(r for r, n in enumerate(nodes) if n == self.node)
+        self._release_slots()
+        logger.info(
+            "[rank %d] memory snapshot plan: %d of %d local pieces, %d bytes per snapshot (node %s, %d rank(s))",
+            self.rank, len(pieces), len(flat.items), self._layout.size, self.node, nodes.count(self.node),
+        )
+
+    def _slot_for(self, complete: int) -> _Slot | None:
+        index = pick_slot([s.step if s is not None else None for s in self._slots], complete if complete >= 0 else None)
+        slot = self._slots[index]
+        if slot is None:
+            slot = self._slots[index] = self._allocate(index)
+        return slot
+
+    def _allocate(self, index: int) -> _Slot | None:
+        """A new slot for the current layout, after checking and reserving the room; None (and the tier off
+        after the next vote) when there is none."""
+        assert self._layout is not None and self.directory is not None
+        layout = self._layout
+        need = layout.size + FOOTER.size
+        try:
+            check_room(self.directory, need, self.config)
+        except ShmSpaceError as exc:
+            self._starve(str(exc))
+            return None
+        path = os.path.join(self.directory, tmp_name(self.gen, self.rank, index))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(layout.size, 1))  # pages reserved now: a full tmpfs is ENOSPC here, not SIGBUS later
+            mm = mmap.mmap(fd, max(layout.size, 1))
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            self._starve(f"cannot reserve {need} bytes for a snapshot in {self.directory}: {exc}")
+            return None
+        mm[: len(layout.header)] = layout.header
+        data = torch.frombuffer(mm, dtype=torch.uint8, count=layout.size)[len(layout.header) :] if layout.size else None
+        views = piece_views(data, layout) if data is not None else []
+        return _Slot(fd=fd, mm=mm, path=path, layout=layout, views=views)
+
+    def _starve(self, why: str) -> None:
+        self._starved = True
+        self._warn_once("room", "[rank %d] memory snapshot skipped, tier turning off: %s", self.rank, why)
+
+    def _unpublish(self, slot: _Slot) -> None:
+        """Take the slot's published name away before its bytes change (a reader never sees a mix)."""
+        tmp = os.path.join(os.path.dirname(slot.path), tmp_name(self.gen, self.rank, self._slots.index(slot)))
+        if slot.path != tmp:
+            os.rename(slot.path, tmp)
+            slot.path = tmp
+        slot.step = None
+
+    def _publish(self, slot: _Slot, step: int, objects: dict[str, JSON], rank_objects: dict[str, JSON]) -> int:
+        """Background: checksum the staged bytes, append manifest and footer, publish under the step's name."""
+        layout = slot.layout
+        name = snapshot_name(SnapshotId(step, self.gen), self.rank, self.world_size)
+        block = self.config.checksum_block_bytes
+        data = memoryview(slot.mm)[len(layout.header) : layout.size]
+        try:
+            crcs = block_crcs(layout, data, block)
+        finally:
+            data.release()
+        file_record, chunks = shard_records(dataclasses.replace(layout, file=name), crcs, block, rank=self.rank)
+        records = RankRecords(rank=self.rank, files={name: file_record})
+        for entry, chunk in chunks:
+            rec = records.tensors.setdefault(entry.key.fqn, TensorRecord(shape=list(entry.global_shape), dtype=entry.dtype))
+            rec.chunks.append(chunk)
+        manifest = SnapshotManifest(
+            step=step,
+            gen=self.gen,
+            rank=self.rank,
+            world_size=self.world_size,
+            node=self.node,
+            created_unix=time.time(),
+            checksum_block_bytes=block,
+            records=records,
+            objects=objects,
+            rank_objects=rank_objects,
+        )
+        raw = json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+        tail = raw + encode_footer(layout.size, len(raw), zlib.crc32(raw))
+        os.ftruncate(slot.fd, layout.size + len(tail))
+        if os.pwrite(slot.fd, tail, layout.size) != len(tail):
+            raise MemoryTierError(f"short write of the snapshot manifest of step {step} ({slot.path})")
+        final = os.path.join(os.path.dirname(slot.path), name)
+        os.rename(slot.path, final)
+        slot.path, slot.step = final, step
+        self._published = step
+        self.snapshots_published += 1
+        logger.debug("[rank %d step %d] memory snapshot published: %s (%d bytes)", self.rank, step, final, layout.size)
+        return step
+
+    def _housekeep(self, complete: int) -> None:
+        """Remove what ``complete`` (every rank published it) supersedes: this rank's older snapshots that no
+        slot holds, and, on the node's leader, every file of earlier generations (workers before a restart)."""
+        if complete < 0 or self.directory is None:
+            return
+        held = {s.path for s in self._slots if s is not None}
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for name in names:
+            parsed = parse_snapshot_name(name)
+            path = os.path.join(self.directory, name)
+            if parsed is not None:
+                snap, rank, _ = parsed
+                mine_old = snap.gen == self.gen and rank == self.rank and snap.step < complete and path not in held
+                foreign = snap.gen != self.gen and self._is_node_leader
+                if not (mine_old or foreign):
+                    continue
+            elif not (self._is_node_leader and gen_of_tmp(name) not in (None, self.gen)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def _release_slots(self) -> None:
+        """Drop the slots of an old layout (their published files stay until superseded)."""
+        self.wait()
+        for i, slot in enumerate(self._slots):
+            if slot is None:
+                continue
+            if slot.step is None:  # never published: nothing to keep
+                with contextlib.suppress(OSError):
+                    os.unlink(slot.path)
+            slot.close()
+            self._slots[i] = None
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, state: Mapping[str, Any], *, not_older_than: int | None) -> RestoreReport | None:
+        if not self.enabled:
+            return None
+        self.wait()
+        started = time.perf_counter()
+        per_rank = flatten(state).per_rank
+        groups = self._readable_groups(per_rank)
+        gathered = self._fg.all_gather(
+            {"groups": [[g.snap.step, g.snap.gen] for g in groups], "not_older_than": not_older_than}
+        )
+        floors = [g["not_older_than"] for g in gathered if g["not_older_than"] is not None]
+        floor = max(floors) if floors else None
+        lists = [{SnapshotId(int(s), str(gen)) for s, gen in g["groups"]} for g in gathered]
+        by_id = {g.snap: g for g in groups}
+        touched = False
+        while True:
+            choice = choose_snapshot([sorted(x, key=lambda s: s.step) for x in lists], not_older_than=floor)
+            if choice is None:
+                if touched:
+                    raise PartialRestoreError(
+                        f"rank {self.rank}: every memory snapshot failed while being restored and the live state "
+                        f"was partly overwritten; restore it from the durable tier or restart"
+                    )
+                logger.info("[rank %d] no memory snapshot every rank can read (durable floor %s)", self.rank, floor)
+                return None
+            error: BaseException | None = None
+            nbytes = 0
+            try:
+                touched = True
+                nbytes = self._load_group(by_id[choice], state)
+            except Exception as exc:  # noqa: BLE001 - voted on below; every failure falls back
+                error = exc
+            worst = self._fg.max(LoadOutcome.OK if error is None else LoadOutcome.DAMAGED)
+            if worst == LoadOutcome.OK:
+                seconds = time.perf_counter() - started
+                logger.info(
+                    "[rank %d] restored step %d from memory (gen %s): %d bytes in %.3fs",
+                    self.rank, choice.step, choice.gen, nbytes, seconds,
+                )
+                return RestoreReport(RestoreSource.MEMORY_LOCAL, choice.step, nbytes, seconds)
+            logger.warning(
+                "[rank %d] memory snapshot of step %d (gen %s) not restored: %s; trying the next source",
+                self.rank, choice.step, choice.gen, error if error is not None else "failed on another rank",
+            )
+            if error is not None:
+                self._quarantine(choice)
+            for x in lists:
+                x.discard(choice)
+
+    def _readable_groups(self, per_rank: dict[str, str]) -> list[_Group]:
+        """The snapshot groups in this node's keeper this rank can restore from alone, newest first."""
+        assert self.directory is not None
+        found: dict[SnapshotId, dict[int, tuple[str, int]]] = {}
+        try:
+            names = os.listdir(self.directory)
+        except OSError as exc:  # the keeper directory is gone: nothing in memory
+            logger.warning("[rank %d] memory tier directory unreadable: %s", self.rank, exc)
+            return []
+        for name in names:
+            parsed = parse_snapshot_name(name)
+            if parsed is not None:
+                snap, rank, world = parsed
+                found.setdefault(snap, {})[rank] = (name, world)
+        out: list[_Group] = []
+        for snap in sorted(found, key=lambda s: s.step, reverse=True)[:GROUPS_LOOKED_AT]:
+            try:
+                out.append(self._group(snap, found[snap], per_rank))
+            except Exception as exc:  # noqa: BLE001 - an unreadable group is skipped, like a corrupt step
+                logger.warning("[rank %d] skipping memory snapshot of step %d (gen %s): %s", self.rank, snap.step, snap.gen, exc)
+        return out
+
+    def _group(self, snap: SnapshotId, files: dict[int, tuple[str, int]], per_rank: dict[str, str]) -> _Group:
+        worlds = {world for _, world in files.values()}
+        if len(worlds) != 1:
+            raise CorruptSnapshotError(f"files of world sizes {sorted(worlds)}")
+        (world,) = worlds
+        manifests = {rank: self._read_manifest(name) for rank, (name, _) in files.items()}
+        for rank, m in manifests.items():
+            if (m.step, m.gen, m.rank, m.world_size) != (snap.step, snap.gen, rank, world):
+                raise CorruptSnapshotError(f"the manifest of {files[rank][0]} names step {m.step} gen {m.gen} rank {m.rank}")
+        blocks = {m.checksum_block_bytes for m in manifests.values()}
+        if len(blocks) != 1:
+            raise CorruptSnapshotError(f"ranks used different checksum blocks {sorted(blocks)}")
+        manifest = merge_records(
+            [m.records for _, m in sorted(manifests.items())],
+            step=snap.step,
+            world_size=world,
+            block_bytes=blocks.pop(),
+            has_objects=True,
+            created_unix=max(m.created_unix for m in manifests.values()),
+        )  # CheckpointError / CorruptCheckpointError when the pieces here do not tile every tensor
+        group = _Group(snap, manifest, manifests[min(manifests)].objects)
+        for key, rule in per_rank.items():
+            src = per_rank_source(self.rank, self.world_size, world, rule)
+            if src is None:
+                continue
+            if src not in manifests or key not in manifests[src].rank_objects:
+                raise MemoryTierError(f"per-rank entry {key!r} of saved rank {src} is not in this node's memory")
+            group.rank_objects[src] = manifests[src].rank_objects
+        return group
+
+    def _read_manifest(self, name: str) -> SnapshotManifest:
+        assert self.directory is not None
+        path = os.path.join(self.directory, name)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            size = os.fstat(fd).st_size
+            if size < FOOTER.size:
+                raise CorruptSnapshotError(f"{path} is truncated ({size} bytes)")
+            try:
+                offset, length, crc = decode_footer(os.pread(fd, FOOTER.size, size - FOOTER.size), size)
+            except ValueError as exc:
+                raise CorruptSnapshotError(f"{path}: {exc}") from exc
+            if length > MANIFEST_MAX_BYTES:
+                raise CorruptSnapshotError(f"{path}: manifest of {length} bytes is implausible")
+            raw = os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+        if len(raw) != length or zlib.crc32(raw) != crc:
+            raise CorruptSnapshotError(f"{path}: the manifest fails its crc32")
+        try:
+            return SnapshotManifest.from_json(json.loads(raw))
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise CorruptSnapshotError(f"{path}: malformed manifest: {exc!r}") from exc
+
+    def _load_group(self, group: _Group, state: Mapping[str, Any]) -> int:
+        """Read the group into ``state`` with the durable read path; returns the bytes read."""
+        assert self.directory is not None
+        flat = flatten(state, keep_state_dicts=True)
+        requests = plan_reads(group.manifest, flat.items)
+        destinations = {item.key: item.tensor for item in flat.items}
+        storage = StorageSpec.from_config(os.path.dirname(self.directory), CheckpointConfig(max_retries=1)).open()
+        try:
+            nbytes = read_requests(
+                storage,
+                os.path.basename(self.directory),
+                requests,
+                destinations.__getitem__,
+                group.manifest.checksum_block_bytes,
+                self.config.verify_on_restore,
+                self.config.read_threads or max(1, min(4, os.cpu_count() or 1)),
+            )
+        finally:
+            storage.close()
+        flat.objects = group.objects
+        saved_world = group.manifest.world_size
+        rank_objects: dict[str, JSON] = {}
+        for key, rule in flat.per_rank.items():
+            src = per_rank_source(self.rank, self.world_size, saved_world, rule)
+            if src is not None:
+                rank_objects[key] = group.rank_objects[src][key]
+        flat.rank_objects = rank_objects
+        apply(state, flat)
+        return nbytes
+
+    def _quarantine(self, snap: SnapshotId) -> None:
+        """Remove a group this rank failed to read, so a restart does not pick it again."""
+        assert self.directory is not None
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.directory):
+                parsed = parse_snapshot_name(name)
+                if parsed is not None and parsed[0] == snap:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.directory, name))
+
+    # ------------------------------------------------------------------ lifecycle
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
+
+    def close(self) -> None:
+        """Finish the snapshot in flight and unmap the slots; published snapshots stay for the next workers
+        (the keeper removes them when the agent exits)."""
+        self.wait()
+        self._release_slots()
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,437 @@
+"""The memory tier (``checkpoint.memory``): pure decisions, snapshot/restore round trips, a corrupt snapshot
+skipped, the shm room check, a 2 -> 1 reshard from memory, and the keeper's lifetime (removal at exit, when its
+agent is SIGKILLed, and the sweep of orphans).
+
+Every test keeps its snapshots in its own directory under ``/dev/shm`` and removes it (the ``shm_dir`` fixture
+asserts nothing else of ours is left there).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoint.api import CheckpointConfigError, ChunkKey
+from checkpoint.memory.api import OWNER_LOCK, MemoryTier, RestoreSource, ShmSpaceError, SnapshotId
+from checkpoint.memory.config import MemoryTierConfig
+from checkpoint.memory.keeper import Keeper, keeper_prefix, remove_orphaned_keepers
+from checkpoint.memory.layout import (
+    FOOTER,
+    choose_snapshot,
+    decode_footer,
+    encode_footer,
+    node_writers,
+    parse_snapshot_name,
+    pick_slot,
+    room_for,
+    snapshot_name,
+)
+from checkpoint.memory.shm import LocalShmTier, check_room
+from checkpoint.state import PerRank
+from tests.harness.dist import run_workers
+from tests.harness.procs import reap, wait_for
+
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="spotrun-memtier-test-", dir=SHM)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    assert not os.path.exists(path)
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.ReLU(), torch.nn.Linear(33, 3))
+
+
+def _state(seed: int) -> dict[str, Any]:
+    model = _model(seed)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.zeros(1, 8)).sum().backward()  # momentum buffers exist after one step
+    optim.step()
+    optim.zero_grad()
+    return {"model": model, "optim": optim, "meta": {"step": 0}, "mine": PerRank({"seen": 0})}
+
+
+def _train(state: dict[str, Any], step: int, rank: int = 0) -> None:
+    gen = torch.Generator().manual_seed(step)
+    state["model"](torch.randn(4, 8, generator=gen)).sum().backward()
+    state["optim"].step()
+    state["optim"].zero_grad()
+    state["meta"]["step"] = step
+    state["mine"].value["seen"] = step * 10 + rank
+
+
+def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in state["model"].state_dict().items()}
+    for i, p in enumerate(state["model"].parameters()):
+        out[f"momentum.{i}"] = state["optim"].state[p]["momentum_buffer"].clone()
+    return out
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _snapshots(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if parse_snapshot_name(n) is not None)
+
+
+# --------------------------------------------------------------------------- pure parts
+def test_config_rejects_bad_values_with_a_fix() -> None:
+    with pytest.raises(CheckpointConfigError, match="every=0"):
+        MemoryTierConfig(every=0)
+    with pytest.raises(CheckpointConfigError, match="when_busy"):
+        MemoryTierConfig(when_busy="later")  # type: ignore[arg-type]
+    with pytest.raises(CheckpointConfigError, match="min_free_fraction"):
+        MemoryTierConfig(min_free_fraction=1.0)
+    with pytest.raises(CheckpointConfigError, match="every=True"):
+        MemoryTierConfig(every=True)
+
+
+def test_names_and_footer_round_trip_and_reject_others() -> None:
+    name = snapshot_name(SnapshotId(42, "0badc0de"), 1, 2)
+    assert name == "snap-000000042-0badc0de-00001-of-00002.safetensors"
+    assert parse_snapshot_name(name) == (SnapshotId(42, "0badc0de"), 1, 2)
+    for other in ("snap-000000042-0badc0de-00002-of-00002.safetensors", ".tmp-0badc0de-00001-0", OWNER_LOCK,
+                  "snap-42-0badc0de-00001-of-00002.safetensors"):
+        assert parse_snapshot_name(other) is None
+    raw = encode_footer(1000, 50, 1234)
+    assert decode_footer(raw, 1000 + 50 + FOOTER.size) == (1000, 50, 1234)
+    with pytest.raises(ValueError, match="does not end"):
+        decode_footer(raw, 2000)
+    with pytest.raises(ValueError, match="magic"):
+        decode_footer(b"X" * FOOTER.size, 1000 + 50 + FOOTER.size)
+
+
+def test_slot_choice_never_overwrites_the_complete_step() -> None:
+    assert pick_slot([None, None], None) == 0
+    assert pick_slot([5, None], 5) == 1
+    assert pick_slot([5, 6], 6) == 0
+    assert pick_slot([5, 6], 5) == 1  # a rank whose peer failed to publish 6 rewrites 6, keeps 5
+    assert pick_slot([7, 6], None) == 1
+
+
+def test_restore_choice_is_the_newest_common_group_not_older_than_durable() -> None:
+    a, b, c = SnapshotId(9, "aaaaaaaa"), SnapshotId(10, "aaaaaaaa"), SnapshotId(8, "bbbbbbbb")
+    assert choose_snapshot([[a, b], [a, b]], not_older_than=None) == b
+    assert choose_snapshot([[a, b], [a]], not_older_than=None) == a  # rank 1 never published 10
+    assert choose_snapshot([[a, b], [a, b]], not_older_than=11) is None  # a newer durable step wins
+    assert choose_snapshot([[c], [a]], not_older_than=None) is None
+    assert choose_snapshot([[a, b], [a, b]], not_older_than=10) == b
+
+
+def test_node_writers_give_every_node_a_whole_replicated_copy() -> None:
+    keys = [ChunkKey(f"w{i}", (0,), (10,)) for i in range(4)]
+    replicated = [(k, 40, True) for k in keys]
+    sharded = [ChunkKey("s", (r * 5,), (5,)) for r in range(4)]
+    ranks = [[*replicated, (sharded[r], 20, False)] for r in range(4)]
+    out = node_writers(ranks, ["n0", "n0", "n1", "n1"])
+    for node_ranks in ((0, 1), (2, 3)):
+        assert sorted(k.fqn for r in node_ranks for k in out[r] if k.fqn != "s") == ["w0", "w1", "w2", "w3"]
+    assert all(sharded[r] in out[r] for r in range(4))
+
+
+def test_room_check_names_sizes_and_fix(shm_dir: str) -> None:
+    assert room_for(10, free=1000, total=2000, min_free_bytes=0, min_free_fraction=0.1) is None
+    why = room_for(900, free=1000, total=2000, min_free_bytes=0, min_free_fraction=0.1)
+    assert why is not None and "--shm-size" in why and "must stay free" in why
+    with pytest.raises(ShmSpaceError, match="MiB of host shared memory"):
+        check_room(shm_dir, 1 << 50, MemoryTierConfig())
+
+
+# --------------------------------------------------------------------------- one process
+def test_snapshot_restore_round_trip_is_bit_exact_and_reuses_two_slots(shm_dir: str) -> None:
+    state = _state(0)
+    tier = LocalShmTier(shm_dir, MemoryTierConfig(every=2))
+    try:
+        for step in range(1, 8):
+            _train(state, step)
+            assert tier.snapshot(step, state) == (step % 2 == 0)
+        tier.wait()
+        # the last complete snapshot and the newest: older ones were overwritten (two slots, reused)
+        assert [parse_snapshot_name(n)[0].step for n in _snapshots(shm_dir)] == [4, 6]  # type: ignore[index]
+        assert tier.snapshots_published == 3
+    finally:
+        tier.close()
+    fresh = _state(1)
+    tier2 = LocalShmTier(shm_dir)
+    try:
+        report = tier2.restore(fresh, not_older_than=None)
+    finally:
+        tier2.close()
+    assert report is not None and report.source is RestoreSource.MEMORY_LOCAL and report.step == 6
+    assert report.bytes > 0 and report.seconds > 0
+    assert fresh["meta"] == {"step": 6} and fresh["mine"].value == {"seen": 60}
+    # the state at step 6, recomputed from the same seed and steps (the live one went on to step 7)
+    ref = _state(0)
+    for step in range(1, 7):
+        _train(ref, step)
+    _assert_equal(_tensors(fresh), _tensors(ref))
+
+
+def test_restore_skips_a_snapshot_older_than_the_durable_step(shm_dir: str) -> None:
+    state = _state(0)
+    tier = LocalShmTier(shm_dir)
+    try:
+        _train(state, 1)
+        assert tier.snapshot(1, state)
+    finally:
+        tier.close()
+    fresh = _state(1)
+    before = _tensors(fresh)
+    tier2 = LocalShmTier(shm_dir)
+    try:
+        assert tier2.restore(fresh, not_older_than=2) is None
+    finally:
+        tier2.close()
+    _assert_equal(_tensors(fresh), before)  # untouched
+
+
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_corrupt_snapshot_is_skipped_like_a_corrupt_step(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    state = _state(0)
+    tier = LocalShmTier(shm_dir)
+    try:
+        for step in (1, 2):
+            _train(state, step)
+            assert tier.snapshot(step, state)
+    finally:
+        tier.close()
+    newest = _snapshots(shm_dir)[-1]
+    assert parse_snapshot_name(newest)[0].step == 2  # type: ignore[index]
+    # a data byte of step 2 (inside the first tensor, after the safetensors header)
+    with open(os.path.join(shm_dir, newest), "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+    _flip_byte(os.path.join(shm_dir, newest), 8 + header_len + 3)
+    fresh = _state(1)
+    tier2 = LocalShmTier(shm_dir)
+    try:
+        with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
+            report = tier2.restore(fresh, not_older_than=None)
+    finally:
+        tier2.close()
+    assert report is not None and report.step == 1
+    assert "step 2" in caplog.text and "checksum mismatch" in caplog.text
+    assert [parse_snapshot_name(n)[0].step for n in _snapshots(shm_dir)] == [1]  # type: ignore[index]
+    ref = _state(0)
+    _train(ref, 1)
+    _assert_equal(_tensors(fresh), _tensors(ref))
+
+
+def test_snapshot_with_a_damaged_manifest_is_not_a_candidate(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    state = _state(0)
+    tier = LocalShmTier(shm_dir)
+    try:
+        _train(state, 1)
+        assert tier.snapshot(1, state)
+    finally:
+        tier.close()
+    path = os.path.join(shm_dir, _snapshots(shm_dir)[0])
+    _flip_byte(path, os.path.getsize(path) - FOOTER.size - 5)  # inside the JSON manifest
+    fresh = _state(1)
+    before = _tensors(fresh)
+    tier2 = LocalShmTier(shm_dir)
+    try:
+        with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
+            assert tier2.restore(fresh, not_older_than=None) is None
+    finally:
+        tier2.close()
+    assert "manifest fails its crc32" in caplog.text
+    _assert_equal(_tensors(fresh), before)
+
+
+def test_no_room_skips_with_a_warning_and_turns_the_tier_off(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    state = _state(0)
+    tier = LocalShmTier(shm_dir, MemoryTierConfig(min_free_fraction=0.999999))
+    try:
+        with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
+            _train(state, 1)
+            assert not tier.snapshot(1, state)
+            _train(state, 2)
+            assert not tier.snapshot(2, state)
+    finally:
+        tier.close()
+    assert not tier.enabled
+    assert "must stay free" in caplog.text and "tier off" in caplog.text
+    assert os.listdir(shm_dir) == []  # nothing allocated, nothing left
+
+
+def test_without_a_keeper_directory_the_tier_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPOTRUN_MEMORY_DIR", raising=False)
+    tier = LocalShmTier()
+    try:
+        assert isinstance(tier, MemoryTier)
+        assert not tier.enabled
+        assert not tier.snapshot(1, _state(0))
+        assert tier.restore(_state(0), not_older_than=None) is None
+    finally:
+        tier.close()
+
+
+# --------------------------------------------------------------------------- 2 -> 1 from memory
+def _snapshot_two_ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
+    state = _state(0)
+    tier = LocalShmTier(directory)
+    try:
+        for step in (1, 2, 3):
+            _train(state, step, rank)
+            tier.snapshot(step, state)
+        tier.wait()
+        return {"nbytes": tier.nbytes}
+    finally:
+        tier.close()
+
+
+def test_reshard_two_ranks_to_one_from_memory(shm_dir: str, tmp_path: Path) -> None:
+    out = run_workers(_snapshot_two_ranks, 2, (shm_dir,), tmpdir=str(tmp_path), timeout=120)
+    names = _snapshots(shm_dir)
+    assert [parse_snapshot_name(n)[1:] for n in names] == [(0, 2), (1, 2), (0, 2), (1, 2)]  # type: ignore[index]
+    # each rank holds about half of the replicated state (the node holds one whole copy)
+    assert all(o["nbytes"] > 0 for o in out)
+    fresh = _state(1)
+    tier = LocalShmTier(shm_dir)
+    try:
+        report = tier.restore(fresh, not_older_than=None)
+    finally:
+        tier.close()
+    assert report is not None and report.step == 3 and report.source is RestoreSource.MEMORY_LOCAL
+    ref = _state(0)
+    for step in (1, 2, 3):
+        _train(ref, step)
+    _assert_equal(_tensors(fresh), _tensors(ref))
+    assert fresh["meta"] == {"step": 3}
+    assert fresh["mine"].value == {"seen": 30}  # rank_modulo: new rank 0 takes saved rank 0's copy
+
+
+# --------------------------------------------------------------------------- keeper lifetime
+_AGENT = """
+import sys, time
+from checkpoint.memory.keeper import Keeper
+k = Keeper.create("memtier-test-run", sys.argv[1], process=sys.argv[2] == "1")
+open(k.path + "/snap-000000001-0badc0de-00000-of-00001.safetensors", "wb").write(b"x" * 4096)
+print(k.path, k.process.pid if k.process else 0, flush=True)
+time.sleep(120)
+"""
+
+
+def _fake_agent(root: str, keeper: bool) -> tuple[subprocess.Popen[str], str, int]:
+    proc = subprocess.Popen([sys.executable, "-c", _AGENT, root, "1" if keeper else "0"], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    path, keeper_pid = proc.stdout.readline().split()
+    return proc, path, int(keeper_pid)
+
+
+def test_keeper_removes_the_directory_at_close(shm_dir: str) -> None:
+    keeper = Keeper.create("memtier-test-run", shm_dir)
+    try:
+        assert keeper.path.startswith(keeper_prefix(shm_dir))
+        assert os.path.isfile(os.path.join(keeper.path, OWNER_LOCK))
+        Path(keeper.path, "snap-000000001-0badc0de-00000-of-00001.safetensors").write_bytes(b"x")
+        assert remove_orphaned_keepers(shm_dir) == 0  # a live agent's directory is never swept
+        assert os.path.isdir(keeper.path)
+    finally:
+        keeper.close()
+    assert not os.path.exists(keeper.path)
+    assert keeper.process is None
+
+
+def test_keeper_process_frees_the_memory_when_its_agent_is_sigkilled(shm_dir: str) -> None:
+    agent, path, keeper_pid = _fake_agent(shm_dir, keeper=True)
+    try:
+        assert os.path.isdir(path) and keeper_pid > 0
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=30)
+        wait_for(lambda: not os.path.exists(path), timeout=30, what="the keeper removing its directory")
+    finally:
+        agent.kill()
+        agent.wait(timeout=30)
+        reap([keeper_pid], timeout=30)
+
+
+def test_orphans_of_dead_agents_are_swept_at_the_next_start(shm_dir: str) -> None:
+    agent, path, _ = _fake_agent(shm_dir, keeper=False)  # agent and keeper killed together: nobody cleans up
+    try:
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=30)
+        assert os.path.isdir(path)
+        keeper = Keeper.create("memtier-test-run-2", shm_dir)  # the next agent on the host
+        try:
+            assert not os.path.exists(path)
+            assert os.path.isdir(keeper.path)
+        finally:
+            keeper.close()
+    finally:
+        agent.kill()
+        agent.wait(timeout=30)
+
+
+def test_snapshot_files_are_checksummed_safetensors(shm_dir: str) -> None:
+    """The shm object is a safetensors shard followed by the manifest: its bytes match their crc32s."""
+    state = _state(0)
+    tier = LocalShmTier(shm_dir)
+    try:
+        _train(state, 1)
+        assert tier.snapshot(1, state)
+    finally:
+        tier.close()
+    path = os.path.join(shm_dir, _snapshots(shm_dir)[0])
+    raw = Path(path).read_bytes()
+    offset, length, crc = decode_footer(raw[-FOOTER.size :], len(raw))
+    manifest = json.loads(raw[offset : offset + length])
+    assert zlib.crc32(raw[offset : offset + length]) == crc
+    (name, frec), = manifest["records"]["files"].items()
+    assert name == os.path.basename(path) and frec["size"] == offset
+    assert zlib.crc32(raw[:offset]) == frec["crc32"]
+    from safetensors.torch import load
+
+    tensors = load(raw[:offset])
+    assert torch.equal(tensors["model.0.weight"], state["model"][0].weight)
+
+
+def test_a_vanished_keeper_directory_skips_snapshots_and_restores_nothing(tmp_path: Path) -> None:
+    directory = tempfile.mkdtemp(prefix="spotrun-memtier-test-", dir=SHM)
+    state = _state(0)
+    try:
+        tier = LocalShmTier(directory)
+        try:
+            _train(state, 1)
+            assert tier.snapshot(1, state)
+            tier.wait()
+            shutil.rmtree(directory)  # the keeper removed it (agent exiting) while the worker still runs
+            _train(state, 2)
+            assert not tier.snapshot(2, state)  # a warning, not a crash
+            assert tier.restore(_state(1), not_older_than=None) is None
+        finally:
+            tier.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert not os.path.exists(directory)
