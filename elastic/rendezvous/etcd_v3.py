@@ -566,12 +566,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         peer that re-registered since is someone we know nothing bad about)."""
         with self._cond:
             current = self._mirror.peers.get(peer.node)
+            closed = self._mirror.closed
         conn = self._conn
         if current is None or current.lease != peer.lease or conn is None or self._released:
+            return False
+        if closed:  # the job ended: a peer that exits is one that finished (its shutdown revokes its own lease)
+            log.debug("%speer %s exited after the job was closed", self._ctx(), peer.node)
             return False
         try:
             conn.call("revoke a dead peer's lease", lambda: conn.client.revoke_lease(peer.lease), within=2.0)
         except RendezvousError as exc:
+            if _is_lease_not_found(exc.__cause__):  # it went on its own meanwhile (revoked or expired)
+                log.debug("%speer %s's lease was already gone", self._ctx(), peer.node)
+                return False
             log.warning("%scould not revoke the lease of dead peer %s (it expires in <= %d s): %s", self._ctx(),
                         peer.node, self._config.lease_ttl, exc)
             return False

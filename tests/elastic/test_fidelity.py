@@ -26,7 +26,9 @@ STDIN_TEXT = "fidelity-stdin-line\n"
 #: addition: the preemption mailbox that elastic.preemption reads (torchrun has no notices); the README lists it
 #: among what a script can see. (TORCHELASTIC_USE_AGENT_STORE is the same: both agents host the workers' store.)
 VOLATILE_ENV = {"MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
-                "SPOTRUN_NOTICE_DIR"}
+                "SPOTRUN_NOTICE_DIR", "SPOTRUN_MEMORY_DIR"}
+"""Per-run values, and spotrun's own additions (the notice mailbox, the memory tier's directory): names a
+torchrun script never reads."""
 NPROC = {"observe": 2, "fail": 5}
 
 
