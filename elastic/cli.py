@@ -82,6 +82,7 @@ from elastic.api import (
     PlannedLeaveExit,
     RendezvousUnavailableError,
     StandaloneEtcdError,
+    TorchInternalsError,
 )
 from elastic.config import (
     AgentSettings,
@@ -218,9 +219,9 @@ def validate_args(args: argparse.Namespace) -> None:
                 raise LaunchConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
         except ValueError as exc:
             # torch also accepts a registered privateuse1 backend name; let config_from_args judge that.
-            import torch
+            from elastic.torch_internals import privateuse1_backend_name
 
-            if nproc != torch._C._get_privateuse1_backend_name():
+            if nproc != privateuse1_backend_name():
                 raise LaunchConfigError(
                     f"--nproc-per-node={nproc!r} is not valid; use an integer, cpu, gpu, xpu or auto"
                 ) from exc
@@ -269,7 +270,9 @@ def install_signal_handlers() -> None:
 def run(args: argparse.Namespace) -> None:
     """Launch with parsed arguments (raises ChildFailedError when workers fail, like torchrun's run)."""
     from elastic.launcher import launch
+    from elastic.torch_internals import verify_torch_once
 
+    verify_torch_once()  # before the embedded etcd: an unusable torch fails here, never mid-run
     validate_args(args)
     settings = settings_from_args(args)
     with contextlib.ExitStack() as stack:
@@ -293,7 +296,7 @@ def _main(argv: Sequence[str] | None) -> None:
         run(args)
     except LaunchConfigError as exc:
         parser.exit(EXIT_USAGE, f"spotrun: error: {exc}\n")
-    except (RendezvousUnavailableError, StandaloneEtcdError) as exc:
+    except (RendezvousUnavailableError, StandaloneEtcdError, TorchInternalsError) as exc:
         parser.exit(EXIT_FAILURE, f"spotrun: error: {exc}\n")
     except PlannedLeaveExit as exc:
         logger.warning("%s", exc)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The elastic and checkpoint core on every tested torch release besides the suite's own 2.13.0 (CPU build):
+# torch 2.14.1 and 2.15.0 (pyproject.toml declares exactly these three). Each release gets its own venv,
+# built only if missing (`.ci/venv.sh core`: that torch, then spotrun with `pip install -e`, which must keep
+# it), then runs CORE below; each step is timed and bounded so that all of CI stays under 30 minutes on 2
+# cores. Called by .ci/run after the main suite.
+#
+# SPOTRUN_TORCH_MATRIX: the releases (default "2.14.1 2.15.0"); SPOTRUN_MATRIX_DIR: where the venvs live
+# (default the repository root, .venv-torch-<release>). Our machines cap pip at torch<=2.14.1 (/etc/xdg/pip):
+# PIP_CONSTRAINT=/dev/null lifts it for these venvs only; 2.15.0 and its CUDA libraries come from the index.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+releases="${SPOTRUN_TORCH_MATRIX:-2.14.1 2.15.0}"
+venvs="${SPOTRUN_MATRIX_DIR:-$root}"
+install_limit="${SPOTRUN_MATRIX_INSTALL_LIMIT:-900}"  # seconds per venv (2.15.0: a 539 MB wheel + CUDA libraries)
+test_limit="${SPOTRUN_MATRIX_TEST_LIMIT:-600}"        # seconds per release for CORE
+
+# launcher, rendezvous through stock torchrun, planned changes, fidelity (spotrun vs that release's torchrun),
+# exactness, the torch internals' fingerprints and start-up check; checkpoint save/load on local disk and
+# memory:// (S3 is the same code on every torch), DTensor state, DDP/FSDP2/HSDP saved at 4 and resharded.
+CORE=(
+  tests/elastic/test_torch_internals.py
+  tests/elastic/test_launcher.py
+  tests/elastic/test_rendezvous_torchrun.py
+  tests/elastic/test_agent_planned.py
+  tests/elastic/test_fidelity.py
+  tests/elastic/test_exactness.py
+  tests/checkpoint/test_checkpointer.py
+  tests/checkpoint/test_state.py
+  tests/checkpoint/test_checkpointer_dist.py
+  tests/checkpoint/test_distributed.py
+)
+
+status=0
+for release in $releases; do
+  venv="$venvs/.venv-torch-$release"
+  began=$SECONDS
+  if ! PIP_CONSTRAINT=/dev/null SPOTRUN_VENV="$venv" SPOTRUN_TORCH="$release" \
+      timeout "$install_limit" bash "$root/.ci/venv.sh" core; then
+    echo "[torch $release] FAILED: building $venv (limit ${install_limit} s)" >&2
+    status=1
+    continue
+  fi
+  installed="$("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
+  if [[ "$installed" != "$release"* ]]; then
+    echo "[torch $release] FAILED: installing spotrun changed torch to $installed" >&2
+    status=1
+    continue
+  fi
+  echo "[torch $release] venv ready in $((SECONDS - began)) s"
+  began=$SECONDS
+  if timeout "$test_limit" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+      -k "not s3" "${CORE[@]}"; then
+    echo "[torch $release] core passed in $((SECONDS - began)) s"
+  else
+    echo "[torch $release] FAILED: core (rc $?, $((SECONDS - began)) s, limit ${test_limit} s)" >&2
+    status=1
+  fi
+done
+exit $status
