@@ -1,6 +1,6 @@
 """``spotrun``: a torchrun drop-in whose agents meet through an etcd v3 rendezvous.
 
-Every torchrun flag of torch 2.13 is accepted with the same spellings (``--nproc-per-node`` and
+Every torchrun flag of the installed torch is accepted with the same spellings (``--nproc-per-node`` and
 ``--nproc_per_node``), defaults and ``PET_*`` environment fallbacks, because the parser *is* torch's
 (``torch.distributed.run.get_args_parser``) and the launch config is built by torch's ``config_from_args``.
 Differences from torchrun:

@@ -1,6 +1,7 @@
 """Run one spotrun agent for a torch ``LaunchConfig``: build the rendezvous handler, run, report failures.
 
-This mirrors ``torch.distributed.launcher.api.launch_agent`` (torch 2.13) step for step. We do not call it
+This mirrors ``torch.distributed.launcher.api.launch_agent`` (torch 2.13 to 2.15: 2.15 only logs a failing
+rendezvous shutdown instead of raising, as ``launch`` already did) step for step. We do not call it
 directly because it constructs ``LocalElasticAgent`` itself, with no hook to substitute our agent class, and
 because we convert rendezvous construction errors (unknown ``--rdzv-conf`` key, unreachable etcd) into
 :class:`~elastic.api.RendezvousUnavailableError` / :class:`~elastic.api.LaunchConfigError` at this edge.

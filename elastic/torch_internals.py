@@ -244,10 +244,14 @@ def source_hash(obj: Any) -> str:
 
 def problem(internal: Internal) -> str | None:
     """What keeps spotrun from relying on ``internal`` in the installed torch, or None when it is usable."""
+    owner_path, attr = internal.path.rsplit(".", 1)
     try:
-        obj = resolve(internal.path)
+        owner = resolve(owner_path)
+        obj = getattr(owner, attr)
     except (ImportError, AttributeError) as exc:
         return f"it is gone ({exc})"
+    if inspect.isclass(owner) and attr not in vars(owner):
+        return f"{owner.__name__} no longer defines it (only inherits it)"
     if not callable(obj):
         return f"it is a {type(obj).__name__}, not a function"
     if internal.params is not None:
