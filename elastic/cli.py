@@ -272,8 +272,8 @@ def run(args: argparse.Namespace) -> None:
     from elastic.launcher import launch
     from elastic.torch_internals import verify_torch_once
 
-    verify_torch_once()  # before the embedded etcd: an unusable torch fails here, never mid-run
     validate_args(args)
+    verify_torch_once()  # before the embedded etcd: an unusable torch fails here, never mid-run
     settings = settings_from_args(args)
     with contextlib.ExitStack() as stack:
         if should_run_standalone(args):
