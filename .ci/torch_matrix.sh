@@ -15,7 +15,7 @@ releases="${SPOTRUN_TORCH_MATRIX:-2.14.1 2.15.0}"
 venvs="${SPOTRUN_MATRIX_DIR:-$root}"
 # One time budget for the whole matrix (installs and tests): the main suite takes about 18 minutes of CI's 30
 # on a quiet machine (README, Tests). Each step gets what is left; past it the matrix fails, naming the step.
-budget="${SPOTRUN_MATRIX_BUDGET:-720}"
+budget="${SPOTRUN_MATRIX_BUDGET:-660}"
 deadline=$((SECONDS + budget))
 left() { echo $((deadline - SECONDS > 0 ? deadline - SECONDS : 1)); }
 
