@@ -226,7 +226,7 @@ def resolve(path: str) -> Any:
         AttributeError: the module lacks one of the attributes.
     """
     parts = path.split(".")
-    for split in range(len(parts) - 1, 0, -1):
+    for split in range(len(parts), 0, -1):
         try:
             obj: Any = importlib.import_module(".".join(parts[:split]))
         except ImportError:
