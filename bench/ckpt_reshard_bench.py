@@ -169,14 +169,15 @@ def make_sharded_state(rows: int, world: int, fill: bool) -> dict[str, Any]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, zeros
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from elastic.torch_internals import dtensor_local_chunk
 
     mesh = init_device_mesh("cpu", (world,))
     state: dict[str, Any] = {}
     for i in range(_N_TENSORS):
         t = zeros(rows, _COLS, device_mesh=mesh, placements=[Shard(0)])
         if fill:
-            shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+            shape, offset = dtensor_local_chunk(t)
             local = t.to_local()
             local.copy_((torch.arange(offset[0], offset[0] + shape[0], dtype=torch.float32) + 1000.0 * i)[:, None])
         state[f"layer{i:02d}.weight"] = t
@@ -185,10 +186,11 @@ def make_sharded_state(rows: int, world: int, fill: bool) -> dict[str, Any]:
 
 def _check_sharded(state: dict[str, Any]) -> None:
     import torch
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from elastic.torch_internals import dtensor_local_chunk
 
     for i, (name, t) in enumerate(state.items()):
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        shape, offset = dtensor_local_chunk(t)
         want = (torch.arange(offset[0], offset[0] + shape[0], dtype=torch.float32) + 1000.0 * i)[:, None]
         if not torch.equal(t.to_local(), want.expand(shape[0], _COLS)):
             raise AssertionError(f"{name}: loaded values are wrong on this rank")

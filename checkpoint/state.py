@@ -283,7 +283,7 @@ def _tensor_item(fqn: str, t: torch.Tensor) -> TensorItem:
 
 
 def _dtensor_item(fqn: str, t: Any) -> TensorItem:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from elastic.torch_internals import dtensor_local_chunk
 
     placements = tuple(t.placements)
     if any(p.is_partial() for p in placements):
@@ -296,7 +296,7 @@ def _dtensor_item(fqn: str, t: Any) -> TensorItem:
         raise TypeError(f"tensor {fqn!r}: {exc}") from None
     global_shape = tuple(int(s) for s in t.shape)
     local = t.to_local().detach()
-    if not t.device_mesh._is_current_rank_part_of_mesh():
+    if t.device_mesh.get_coordinate() is None:
         # This rank holds nothing of the tensor: an empty piece it never writes nor reads.
         empty = local.new_empty((0,) * len(global_shape))
         return TensorItem(
@@ -306,15 +306,14 @@ def _dtensor_item(fqn: str, t: Any) -> TensorItem:
             tensor=empty,
             replicated=False,
         )
-    local_shape, offsets = compute_local_shape_and_global_offset(global_shape, t.device_mesh, placements)
-    local_shape = tuple(int(s) for s in local_shape)
+    local_shape, offsets = dtensor_local_chunk(t)
     if tuple(local.shape) != local_shape:
         raise TypeError(
             f"DTensor {fqn!r}: local tensor has shape {tuple(local.shape)} but its placements {placements} "
             f"give {local_shape}; padded local shards are not supported"
         )
     return TensorItem(
-        key=ChunkKey(fqn=fqn, offsets=tuple(int(o) for o in offsets), lengths=local_shape),
+        key=ChunkKey(fqn=fqn, offsets=offsets, lengths=local_shape),
         global_shape=global_shape,
         dtype=st,
         tensor=local,

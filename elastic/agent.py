@@ -1,7 +1,7 @@
 """``SpotrunAgent``: torch's ``LocalElasticAgent`` with fast, membership-aware recovery.
 
 Everything torch does for workers is kept (environment, ranks, error files, log redirection, exit barrier).
-Each place that changes torch 2.13's behaviour is marked ``CHANGE:`` with the reason; the torch internals it
+Each place that changes torch's behaviour (2.13 to 2.15) is marked ``CHANGE:`` with the reason; the torch internals it
 relies on are checked by ``elastic.torch_internals`` (at run time) and fingerprinted by
 tests/elastic/test_torch_internals.py (when torch changes):
 
@@ -557,7 +557,7 @@ class SpotrunAgent(LocalElasticAgent):
             return self._left_result(workers_finished=False)
 
     def _monitor_loop(self, role: str = DEFAULT_ROLE) -> RunResult:
-        # Mirrors SimpleElasticAgent._invoke_run of torch 2.13 with the CHANGEs marked below.
+        # Mirrors SimpleElasticAgent._invoke_run of torch 2.13 (unchanged to 2.15) with the CHANGEs marked below.
         spec = self._worker_group.spec
         role = spec.role
         logger.info("[%s] starting workers for entrypoint: %s", role, spec.get_entrypoint_name())

@@ -1,6 +1,6 @@
 """``spotrun``: a torchrun drop-in whose agents meet through an etcd v3 rendezvous.
 
-Every torchrun flag of torch 2.13 is accepted with the same spellings (``--nproc-per-node`` and
+Every torchrun flag of the installed torch is accepted with the same spellings (``--nproc-per-node`` and
 ``--nproc_per_node``), defaults and ``PET_*`` environment fallbacks, because the parser *is* torch's
 (``torch.distributed.run.get_args_parser``) and the launch config is built by torch's ``config_from_args``.
 Differences from torchrun:
@@ -90,6 +90,7 @@ from elastic.api import (
     PlannedLeaveExit,
     RendezvousUnavailableError,
     StandaloneEtcdError,
+    TorchInternalsError,
 )
 from elastic.config import (
     AgentSettings,
@@ -231,9 +232,9 @@ def validate_args(args: argparse.Namespace) -> None:
                 raise LaunchConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
         except ValueError as exc:
             # torch also accepts a registered privateuse1 backend name; let config_from_args judge that.
-            import torch
+            from elastic.torch_internals import privateuse1_backend_name
 
-            if nproc != torch._C._get_privateuse1_backend_name():
+            if nproc != privateuse1_backend_name():
                 raise LaunchConfigError(
                     f"--nproc-per-node={nproc!r} is not valid; use an integer, cpu, gpu, xpu or auto"
                 ) from exc
@@ -282,8 +283,10 @@ def install_signal_handlers() -> None:
 def run(args: argparse.Namespace) -> None:
     """Launch with parsed arguments (raises ChildFailedError when workers fail, like torchrun's run)."""
     from elastic.launcher import launch
+    from elastic.torch_internals import verify_torch_once
 
     validate_args(args)
+    verify_torch_once()  # before the embedded etcd: an unusable torch fails here, never mid-run
     settings = settings_from_args(args)
     with contextlib.ExitStack() as stack:
         if should_run_standalone(args):
@@ -306,7 +309,7 @@ def _main(argv: Sequence[str] | None) -> None:
         run(args)
     except LaunchConfigError as exc:
         parser.exit(EXIT_USAGE, f"spotrun: error: {exc}\n")
-    except (RendezvousUnavailableError, StandaloneEtcdError) as exc:
+    except (RendezvousUnavailableError, StandaloneEtcdError, TorchInternalsError) as exc:
         parser.exit(EXIT_FAILURE, f"spotrun: error: {exc}\n")
     except PlannedLeaveExit as exc:
         logger.warning("%s", exc)

@@ -1,6 +1,7 @@
 """Run one spotrun agent for a torch ``LaunchConfig``: build the rendezvous handler, run, report failures.
 
-This mirrors ``torch.distributed.launcher.api.launch_agent`` (torch 2.13) step for step. We do not call it
+This mirrors ``torch.distributed.launcher.api.launch_agent`` (torch 2.13 to 2.15: 2.15 only logs a failing
+rendezvous shutdown instead of raising, as ``launch`` already did) step for step. We do not call it
 directly because it constructs ``LocalElasticAgent`` itself, with no hook to substitute our agent class, and
 because we convert rendezvous construction errors (unknown ``--rdzv-conf`` key, unreachable etcd) into
 :class:`~elastic.api.RendezvousUnavailableError` / :class:`~elastic.api.LaunchConfigError` at this edge.
@@ -26,7 +27,7 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousParameters
-from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
+from torch.distributed.launcher.api import LaunchConfig
 
 from checkpoint.memory.api import ENV_MEMORY_DIR
 from checkpoint.memory.keeper import Keeper
@@ -52,6 +53,8 @@ from elastic.rendezvous.api import (
     MembershipAwareHandler,
     RendezvousFinishedError,
 )
+from elastic.torch_internals import entrypoint_name as torch_entrypoint_name
+from elastic.torch_internals import static_master_addr_and_port, verify_torch_once
 from elastic.warm import note_agent_import_env
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
@@ -217,10 +220,11 @@ def launch(
     settings: AgentSettings,
 ) -> dict[int, Any]:
     """Run the agent until the job succeeds (returns rank -> return value) or fails (``ChildFailedError``)."""
+    verify_torch_once()  # the torch internals spotrun relies on: fail here, not mid-run
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
         logger.warning("config has no run_id, generated a random run_id: %s", config.run_id)
-    entrypoint_name = _get_entrypoint_name(entrypoint, args)
+    entrypoint_name = torch_entrypoint_name(entrypoint, args)
     entrypoint, args = _maybe_warm(config, entrypoint, args, settings)
 
     rdzv_parameters = RendezvousParameters(
@@ -232,7 +236,7 @@ def launch(
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
-    master_addr, master_port = _get_addr_and_port(rdzv_parameters)
+    master_addr, master_port = static_master_addr_and_port(rdzv_parameters)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     rdzv_handler = create_rendezvous_handler(rdzv_parameters)
     settings = _effective_settings(config, settings, lease_ttl_of(rdzv_handler))

@@ -1,23 +1,38 @@
-"""Every torch internal spotrun's agent relies on, in one place, checked instead of guessed.
+"""Every torch internal spotrun relies on, in one place, checked instead of guessed.
 
-``SpotrunAgent`` copies ``SimpleElasticAgent._invoke_run``, overrides private hooks of ``LocalElasticAgent``,
-patches ``PContext.close`` and reads ``MultiprocessContext._pc.processes``. None of that is public API: a torch
-release may rename or reshape it. Two guards, so that such a change fails loudly instead of silently turning
-a spotrun feature off:
+``SpotrunAgent`` overrides the hooks ``SimpleElasticAgent`` declares for subclasses (its abstract
+``_start_workers``, ``_stop_workers``, ``_monitor_workers``, ``_shutdown`` and the ``_rendezvous`` /
+``_restart_workers`` steps around them), copies ``SimpleElasticAgent._invoke_run``, patches ``PContext.close``
+and reads ``MultiprocessContext._pc`` / ``._ret_vals``; the launcher calls two private helpers of
+``torch.distributed.launcher.api``; the CLI asks torch for its privateuse1 backend name; the checkpointer reads
+a DTensor's piece through ``DTensor.__create_chunk_list__`` (the hook torch's own distributed checkpoint
+plans with). None of that is a stable API: a torch release may rename or reshape it. So each is an
+:class:`Internal` of :data:`INTERNALS`, guarded twice:
 
-* at run time, :func:`require` raises :class:`~elastic.api.TorchInternalsError` naming the internal and the
-  torch release it was read from (the agent checks its hooks at construction, the rest where it is used);
-* at test time, ``tests/elastic/test_torch_internals.py`` compares a hash of the source of each copied or
-  overridden torch function with :data:`FINGERPRINTS` and names what to re-check when one differs.
+* at start, :func:`verify_torch` runs every internal's structural check (it exists, has the parameters
+  spotrun calls it with, still sets the attributes spotrun reads) and raises :class:`TorchInternalsError`
+  naming each one that fails and the torch releases known to work, before any etcd, rendezvous or worker
+  exists. On a torch newer (or older) than :data:`TESTED_TORCH` it says once which internals it checked
+  and runs when all pass;
+* at test time, ``tests/elastic/test_torch_internals.py`` compares a hash of each internal's source with
+  its fingerprint for the installed release (one per release in :data:`TESTED_TORCH`) and names what to
+  re-check when one differs.
 
-The ``<2.14`` pin in pyproject.toml keeps users on the verified release; these guards tell whoever lifts it
-what to read again.
+To support a new torch release: run ``python -m elastic.torch_internals`` under it, read every internal whose
+hash differs (its ``reliance`` says what to look for), port what changed, add the release to
+:data:`TESTED_TORCH` and its hashes to the fingerprints, and widen the range in pyproject.toml.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import inspect
+import logging
 import multiprocessing.process
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
@@ -26,38 +41,336 @@ from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
 from elastic.api import TorchInternalsError
 
-VERIFIED_TORCH: Final = "2.13"
-"""The torch release whose internals the agent was written against (pyproject pins ``torch<2.14``)."""
+logger = logging.getLogger(__name__)
 
-AGENT_HOOKS: Final = (
-    "_invoke_run", "_initialize_workers", "_rendezvous", "_start_workers", "_monitor_workers", "_stop_workers",
-    "_restart_workers", "_shutdown", "_exit_barrier",
+TESTED_TORCH: Final = ("2.13", "2.14", "2.15")
+"""torch releases (major.minor) the suite runs on (2.13.0, 2.14.1, 2.15.0); pyproject.toml declares exactly these."""
+
+_AGENT = "torch.distributed.elastic.agent.server"
+_MP = "torch.distributed.elastic.multiprocessing.api"
+
+
+@dataclass(frozen=True, slots=True)
+class Internal:
+    """A torch function or method spotrun copies, overrides, patches or calls although torch keeps it private."""
+
+    path: str
+    """Dotted path: the longest importable module prefix, then attributes (``module.Class.method``)."""
+    reliance: str
+    """What spotrun relies on: what to re-read when its source changes."""
+    params: tuple[str, ...] | None = None
+    """Leading parameter names spotrun calls or overrides it with (None: not checked)."""
+    mentions: tuple[str, ...] = ()
+    """Text its source must contain: the private attributes it sets that spotrun reads."""
+
+    @property
+    def name(self) -> str:
+        """The short name used in messages: ``Class.method`` or ``module.function``."""
+        parts = self.path.split(".")
+        return ".".join(parts[-2:])
+
+
+INTERNALS: Final[tuple[Internal, ...]] = (
+    # -- the agent: hooks SimpleElasticAgent declares for subclasses, and the loop spotrun copies
+    Internal(f"{_AGENT}.api.SimpleElasticAgent._invoke_run",
+             "SpotrunAgent._invoke_run is a copy with CHANGE: markers; port the change",
+             params=("self", "role")),
+    Internal(f"{_AGENT}.api.SimpleElasticAgent.__init__",
+             "SpotrunAgent reads and writes self._worker_group and self._remaining_restarts",
+             params=("self", "spec", "exit_barrier_timeout"),
+             mentions=("self._worker_group =", "self._remaining_restarts =")),
+    Internal(f"{_AGENT}.api.SimpleElasticAgent._initialize_workers",
+             "SpotrunAgent._invoke_run calls it once before the monitor loop", params=("self", "worker_group")),
+    Internal(f"{_AGENT}.api.SimpleElasticAgent._rendezvous",
+             "SpotrunAgent._rendezvous wraps it (events, restart refund after a membership change)",
+             params=("self", "worker_group")),
+    Internal(f"{_AGENT}.api.SimpleElasticAgent._restart_workers",
+             "SpotrunAgent restarts through it (stop, rendezvous, start)", params=("self", "worker_group")),
+    Internal(f"{_AGENT}.api.SimpleElasticAgent._exit_barrier",
+             "SpotrunAgent waits in it when its workers finished and no peer left", params=("self",)),
+    Internal(f"{_AGENT}.local_elastic_agent.LocalElasticAgent.__init__",
+             "SpotrunAgent passes these keywords and reads self._pcontext",
+             params=("self", "spec", "logs_specs", "start_method", "exit_barrier_timeout", "log_line_prefix_template",
+                     "shutdown_timeout"),
+             mentions=("self._pcontext",)),
+    Internal(f"{_AGENT}.local_elastic_agent.LocalElasticAgent._start_workers",
+             "SpotrunAgent._start_workers expects it to set self._pcontext (close patch, DeathClock)",
+             params=("self", "worker_group"), mentions=("self._pcontext = start_processes(",)),
+    Internal(f"{_AGENT}.local_elastic_agent.LocalElasticAgent._monitor_workers",
+             "SpotrunAgent._monitor_workers wraps it (early terminate, complete_failures)",
+             params=("self", "worker_group")),
+    Internal(f"{_AGENT}.local_elastic_agent.LocalElasticAgent._stop_workers",
+             "SpotrunAgent._stop_workers replaces it with _shutdown(timeout=stop_grace)",
+             params=("self", "worker_group")),
+    Internal(f"{_AGENT}.local_elastic_agent.LocalElasticAgent._shutdown",
+             "SpotrunAgent._stop_workers calls it with a short timeout", params=("self", "death_sig", "timeout")),
+    # -- the workers' process context
+    Internal(f"{_MP}.PContext.close",
+             "agent._default_close_timeout wraps it and keeps its (death_sig, timeout) call shape",
+             params=("self", "death_sig", "timeout")),
+    Internal(f"{_MP}.MultiprocessContext.__init__",
+             "torch_internals.worker_return_values reads the _ret_vals it sets (local rank -> return queue)",
+             mentions=("self._ret_vals =",)),
+    Internal(f"{_MP}.MultiprocessContext._poll",
+             ("agent._default_close_timeout exists because _poll calls self.close() with the 30 s default; "
+              "complete_failures because it reports only the first dead process; OneLineWorkerFailure matches "
+              "its 'failed (exitcode' log line"),
+             params=("self",)),
+    Internal(f"{_MP}.MultiprocessContext._start", "torch_internals.worker_processes reads the _pc it sets",
+             params=("self",), mentions=("self._pc = ",)),
+    Internal("torch.multiprocessing.spawn.ProcessContext.join",
+             "SpotrunAgent._monitor_workers terminates survivors itself because join waits 30 s before SIGKILL",
+             params=("self", "timeout")),
+    # -- the launcher and the CLI
+    Internal("torch.distributed.launcher.api.launch_agent",
+             "elastic.launcher.launch mirrors it step for step; port the change",
+             params=("config", "entrypoint", "args")),
+    Internal("torch.distributed.launcher.api._get_entrypoint_name",
+             "elastic.launcher.launch names the failed entrypoint with it, as torchrun's summary does",
+             params=("entrypoint", "args")),
+    Internal("torch.distributed.launcher.api._get_addr_and_port",
+             "elastic.launcher.launch takes the static backend's master address and port from it",
+             params=("rdzv_parameters",)),
+    Internal("torch._C._get_privateuse1_backend_name",
+             "elastic.cli.validate_args accepts the registered privateuse1 backend as --nproc-per-node, as torchrun"),
+    # -- the checkpointer
+    Internal("torch.distributed.tensor.DTensor.__create_chunk_list__",
+             ("checkpoint.state reads a DTensor's local piece (sizes, offsets) from it, as torch's distributed "
+              "checkpoint planner does: one chunk per rank, _StridedShard included"),
+             params=("self",)),
 )
-"""Private methods of torch's agent that ``SpotrunAgent`` overrides or calls."""
+"""Every torch internal spotrun relies on (see the module docstring)."""
+
+FINGERPRINTS: Final[Mapping[str, Mapping[str, str]]] = {
+    # torch release -> {Internal.path: sha256[:16] of inspect.getsource in the tested patch release}. A C binding
+    # (no Python source) has none; its structural check covers it. `python -m elastic.torch_internals` prints
+    # the block for the installed torch.
+    "2.13": {  # 2.13.0
+        f"{_AGENT}.api.SimpleElasticAgent._invoke_run": "376e457facabbfbc",
+        f"{_AGENT}.api.SimpleElasticAgent.__init__": "317ff80c976993e7",
+        f"{_AGENT}.api.SimpleElasticAgent._initialize_workers": "14311253e222ba2a",
+        f"{_AGENT}.api.SimpleElasticAgent._rendezvous": "f0c843d67c04a7fc",
+        f"{_AGENT}.api.SimpleElasticAgent._restart_workers": "7de319cd35c6f36e",
+        f"{_AGENT}.api.SimpleElasticAgent._exit_barrier": "a61566b289e57086",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent.__init__": "dffaa0de4d27f02c",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._start_workers": "3a15b68937f57e63",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._monitor_workers": "4ba1c04fe76bba95",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._stop_workers": "80fd695926105a38",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._shutdown": "615c6a545ee67bcf",
+        f"{_MP}.PContext.close": "b77c260c4568f068",
+        f"{_MP}.MultiprocessContext.__init__": "eeddf1a3a91f03be",
+        f"{_MP}.MultiprocessContext._poll": "5b291186e8aaa27a",
+        f"{_MP}.MultiprocessContext._start": "7877a375514bf7e6",
+        "torch.multiprocessing.spawn.ProcessContext.join": "785391c17c9e47af",
+        "torch.distributed.launcher.api.launch_agent": "01534e5e0ad77098",
+        "torch.distributed.launcher.api._get_entrypoint_name": "eda90c543dd3c28d",
+        "torch.distributed.launcher.api._get_addr_and_port": "a57e1e59a1bcde3b",
+        "torch.distributed.tensor.DTensor.__create_chunk_list__": "91672fc8acc41ac0",
+    },
+    "2.14": {  # 2.14.1: _start_workers passes ${hostname} to the log prefix; _get_entrypoint_name: a docstring typo
+        f"{_AGENT}.api.SimpleElasticAgent._invoke_run": "376e457facabbfbc",
+        f"{_AGENT}.api.SimpleElasticAgent.__init__": "317ff80c976993e7",
+        f"{_AGENT}.api.SimpleElasticAgent._initialize_workers": "14311253e222ba2a",
+        f"{_AGENT}.api.SimpleElasticAgent._rendezvous": "f0c843d67c04a7fc",
+        f"{_AGENT}.api.SimpleElasticAgent._restart_workers": "7de319cd35c6f36e",
+        f"{_AGENT}.api.SimpleElasticAgent._exit_barrier": "a61566b289e57086",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent.__init__": "dffaa0de4d27f02c",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._start_workers": "d86e8446ebadc6ea",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._monitor_workers": "4ba1c04fe76bba95",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._stop_workers": "80fd695926105a38",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._shutdown": "615c6a545ee67bcf",
+        f"{_MP}.PContext.close": "b77c260c4568f068",
+        f"{_MP}.MultiprocessContext.__init__": "eeddf1a3a91f03be",
+        f"{_MP}.MultiprocessContext._poll": "5b291186e8aaa27a",
+        f"{_MP}.MultiprocessContext._start": "7877a375514bf7e6",
+        "torch.multiprocessing.spawn.ProcessContext.join": "785391c17c9e47af",
+        "torch.distributed.launcher.api.launch_agent": "01534e5e0ad77098",
+        "torch.distributed.launcher.api._get_entrypoint_name": "7a0fcc1193a2692d",
+        "torch.distributed.launcher.api._get_addr_and_port": "a57e1e59a1bcde3b",
+        "torch.distributed.tensor.DTensor.__create_chunk_list__": "91672fc8acc41ac0",
+    },
+    "2.15": {  # 2.15.0: as 2.14, and launch_agent logs a failing rendezvous shutdown; ProcessContext.join: a comment
+        f"{_AGENT}.api.SimpleElasticAgent._invoke_run": "376e457facabbfbc",
+        f"{_AGENT}.api.SimpleElasticAgent.__init__": "317ff80c976993e7",
+        f"{_AGENT}.api.SimpleElasticAgent._initialize_workers": "14311253e222ba2a",
+        f"{_AGENT}.api.SimpleElasticAgent._rendezvous": "f0c843d67c04a7fc",
+        f"{_AGENT}.api.SimpleElasticAgent._restart_workers": "7de319cd35c6f36e",
+        f"{_AGENT}.api.SimpleElasticAgent._exit_barrier": "a61566b289e57086",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent.__init__": "dffaa0de4d27f02c",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._start_workers": "d86e8446ebadc6ea",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._monitor_workers": "4ba1c04fe76bba95",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._stop_workers": "80fd695926105a38",
+        f"{_AGENT}.local_elastic_agent.LocalElasticAgent._shutdown": "615c6a545ee67bcf",
+        f"{_MP}.PContext.close": "b77c260c4568f068",
+        f"{_MP}.MultiprocessContext.__init__": "eeddf1a3a91f03be",
+        f"{_MP}.MultiprocessContext._poll": "5b291186e8aaa27a",
+        f"{_MP}.MultiprocessContext._start": "7877a375514bf7e6",
+        "torch.multiprocessing.spawn.ProcessContext.join": "b397949181930645",
+        "torch.distributed.launcher.api.launch_agent": "285a3d8ba38e8d8a",
+        "torch.distributed.launcher.api._get_entrypoint_name": "7a0fcc1193a2692d",
+        "torch.distributed.launcher.api._get_addr_and_port": "a57e1e59a1bcde3b",
+        "torch.distributed.tensor.DTensor.__create_chunk_list__": "91672fc8acc41ac0",
+    },
+}
+"""The source of every internal in each tested release (``tests/elastic/test_torch_internals.py`` compares)."""
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def resolve(path: str) -> Any:
+    """The object named by a dotted ``module.Class.attr`` path (longest importable module prefix).
+
+    Raises:
+        ImportError: no prefix of ``path`` is an importable module.
+        AttributeError: the module lacks one of the attributes.
+    """
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attr in parts[split:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def source_hash(obj: Any) -> str:
+    """sha256[:16] of an object's source, as in :data:`FINGERPRINTS`."""
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+
+
+def problem(internal: Internal) -> str | None:
+    """What keeps spotrun from relying on ``internal`` in the installed torch, or None when it is usable."""
+    owner_path, attr = internal.path.rsplit(".", 1)
+    try:
+        owner = resolve(owner_path)
+        obj = getattr(owner, attr)
+    except (ImportError, AttributeError) as exc:
+        return f"it is gone ({exc})"
+    if inspect.isclass(owner) and attr not in vars(owner):
+        return f"{owner.__name__} no longer defines it (only inherits it)"
+    if not callable(obj):
+        return f"it is a {type(obj).__name__}, not a function"
+    if internal.params is not None:
+        try:
+            params = tuple(inspect.signature(obj).parameters)
+        except (TypeError, ValueError):
+            params = None
+        if params is not None and params[: len(internal.params)] != internal.params:
+            return f"its parameters are now {list(params)}, spotrun expects {list(internal.params)} first"
+    if internal.mentions:
+        try:
+            source = inspect.getsource(obj)
+        except (OSError, TypeError):
+            return "its source is not available to check"
+        missing = [text for text in internal.mentions if text not in source]
+        if missing:
+            return f"it no longer contains {', '.join(repr(m) for m in missing)}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class TorchCheck:
+    """The outcome of :func:`check_torch`: which internals were checked on which torch, which failed."""
+
+    torch_version: str
+    checked: tuple[str, ...]
+    """Short names of every internal checked."""
+    failed: Mapping[str, str]
+    """Short name -> what differs, for each internal that failed its check."""
+
+    @property
+    def tested(self) -> bool:
+        """The installed torch is one of :data:`TESTED_TORCH`."""
+        return release_of(self.torch_version) in TESTED_TORCH
+
+
+def release_of(version: str) -> str:
+    """``"2.15"`` for ``"2.15.0+cu128"`` (the major.minor :data:`TESTED_TORCH` lists)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return f"{match.group(1)}.{match.group(2)}" if match else version
+
+
+def check_torch(version: str | None = None, internals: tuple[Internal, ...] = INTERNALS) -> TorchCheck:
+    """Run every internal's structural check against the installed torch (``version`` overrides the version
+    reported, for tests)."""
+    failed = {i.name: detail for i in internals if (detail := problem(i)) is not None}
+    return TorchCheck(torch_version=version or torch.__version__, checked=tuple(i.name for i in internals),
+                      failed=failed)
+
+
+def known_to_work() -> str:
+    """``torch 2.13, 2.14 and 2.15``."""
+    return f"torch {', '.join(TESTED_TORCH[:-1])} and {TESTED_TORCH[-1]}"
+
+
+def verify_torch(version: str | None = None, internals: tuple[Internal, ...] = INTERNALS) -> TorchCheck:
+    """Check every torch internal spotrun relies on, at start. On a torch outside :data:`TESTED_TORCH`, log
+    once (WARNING) which internals were checked and that they passed.
+
+    Returns:
+        The check, all passed.
+
+    Raises:
+        TorchInternalsError: an internal failed its check; the message names each one, what differs, and the
+            releases known to work.
+    """
+    result = check_torch(version, internals)
+    if result.failed:
+        details = "; ".join(f"{name}: {detail}" for name, detail in result.failed.items())
+        raise TorchInternalsError(
+            f"spotrun cannot run on torch {result.torch_version}: {len(result.failed)} of the {len(result.checked)} "
+            f"torch internals it relies on changed ({details}). spotrun is known to work with {known_to_work()} "
+            f"(pip install 'torch>=2.13,<2.16'); elastic/torch_internals.py says what each internal is used for."
+        )
+    if not result.tested:
+        logger.warning(
+            "torch %s is outside the releases spotrun is tested with (%s): all %d runtime checks of the torch "
+            "internals it relies on passed (%s); running", result.torch_version, known_to_work(),
+            len(result.checked), ", ".join(result.checked))
+    return result
+
+
+_verified: TorchCheck | None = None
+
+
+def verify_torch_once() -> TorchCheck:
+    """:func:`verify_torch` on the first call of the process, its result afterwards (the launcher and the CLI
+    both call it; the notice is said once)."""
+    global _verified
+    if _verified is None:
+        _verified = verify_torch()
+    return _verified
+
+
+def require(condition: bool, internal: str, detail: str) -> None:
+    """Raise :class:`TorchInternalsError` naming ``internal`` unless ``condition`` holds (a last guard where an
+    internal is used; :func:`verify_torch` has checked them all at start)."""
+    if not condition:
+        raise TorchInternalsError(
+            f"spotrun relies on the torch internal {internal}, but the installed torch {torch.__version__} "
+            f"differs: {detail}. spotrun is known to work with {known_to_work()}; re-check the CHANGE: markers "
+            "in elastic/agent.py against this torch release (elastic/torch_internals.py names the functions)."
+        )
+
+
+# --------------------------------------------------------------------------- guarded uses
 
 AGENT_STATE: Final = ("_worker_group", "_remaining_restarts", "_pcontext")
 """Private attributes of torch's agent that ``SpotrunAgent`` reads or writes."""
 
 
-def require(condition: bool, internal: str, detail: str) -> None:
-    """Raise :class:`TorchInternalsError` naming ``internal`` unless ``condition`` holds."""
-    if not condition:
-        raise TorchInternalsError(
-            f"spotrun relies on the torch internal {internal} as of torch {VERIFIED_TORCH} (pinned <2.14), but the "
-            f"installed torch {torch.__version__} differs: {detail}. Re-check the CHANGE: markers in "
-            "elastic/agent.py against this torch release (tests/elastic/test_torch_internals.py names the functions)."
-        )
-
-
 def check_agent_internals(agent: object) -> None:
     """The private hooks and attributes of torch's agent that ``SpotrunAgent`` depends on all exist."""
-    for name in AGENT_HOOKS:
-        require(callable(getattr(agent, name, None)), f"SimpleElasticAgent.{name}", "the method is gone")
+    for internal in INTERNALS:
+        if internal.path.startswith(f"{_AGENT}.") and not internal.path.endswith("__init__"):
+            name = internal.path.rsplit(".", 1)[1]
+            require(callable(getattr(agent, name, None)), f"SimpleElasticAgent.{name}", "the method is gone")
     for name in AGENT_STATE:
         require(hasattr(agent, name), f"SimpleElasticAgent.{name}", "the attribute is gone")
-    params = list(inspect.signature(PContext.close).parameters)
-    require(params[:3] == ["self", "death_sig", "timeout"], "PContext.close(death_sig, timeout)",
-            f"its parameters are now {params}")
 
 
 def worker_processes(pcontext: PContext) -> list[multiprocessing.process.BaseProcess] | None:
@@ -82,3 +395,54 @@ def worker_return_values(pcontext: PContext | None) -> dict[int, Any] | None:
     require(isinstance(ret_vals, dict), "MultiprocessContext._ret_vals",
             f"a started context has _ret_vals={type(ret_vals).__name__}, not a dict")
     return ret_vals
+
+
+def entrypoint_name(entrypoint: Callable[..., Any] | str | None, args: list[Any]) -> str:
+    """torchrun's name for the entrypoint in its failure summary (``launcher.api._get_entrypoint_name``)."""
+    from torch.distributed.launcher.api import _get_entrypoint_name
+
+    return _get_entrypoint_name(entrypoint, args)
+
+
+def static_master_addr_and_port(rdzv_parameters: Any) -> tuple[str | None, int | None]:
+    """The static backend's master address and port, (None, None) for other backends
+    (``launcher.api._get_addr_and_port``)."""
+    from torch.distributed.launcher.api import _get_addr_and_port
+
+    return _get_addr_and_port(rdzv_parameters)
+
+
+def privateuse1_backend_name() -> str:
+    """The name torch's privateuse1 device backend is registered under (``torch._C``; no public getter)."""
+    return str(torch._C._get_privateuse1_backend_name())
+
+
+def dtensor_local_chunk(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A DTensor's local piece on this rank: (sizes, global offsets), from ``DTensor.__create_chunk_list__``,
+    the hook torch's distributed checkpoint planner reads (``compute_local_shape_and_global_offset``
+    underneath, uneven and ``_StridedShard`` placements included)."""
+    chunks = tensor.__create_chunk_list__()
+    require(len(chunks) == 1 and hasattr(chunks[0], "sizes") and hasattr(chunks[0], "offsets"),
+            "DTensor.__create_chunk_list__", f"it returned {chunks!r}, not one chunk with sizes and offsets")
+    return tuple(int(s) for s in chunks[0].sizes), tuple(int(o) for o in chunks[0].offsets)
+
+
+def current_fingerprints() -> dict[str, str | None]:
+    """Every internal's source hash in the installed torch (None: no Python source)."""
+    out: dict[str, str | None] = {}
+    for internal in INTERNALS:
+        try:
+            out[internal.path] = source_hash(resolve(internal.path))
+        except (ImportError, AttributeError, OSError, TypeError):
+            out[internal.path] = None
+    return out
+
+
+if __name__ == "__main__":  # python -m elastic.torch_internals: the block to paste into FINGERPRINTS
+    print(f"    \"{release_of(torch.__version__)}\": {{  # {torch.__version__}")
+    for path, digest in current_fingerprints().items():
+        if digest is not None:
+            quoted = f'f"{{_AGENT}}{path[len(_AGENT):]}"' if path.startswith(_AGENT) else (
+                f'f"{{_MP}}{path[len(_MP):]}"' if path.startswith(_MP) else f'"{path}"')
+            print(f"        {quoted}: \"{digest}\",")
+    print("    },")
