@@ -396,7 +396,7 @@ class SpotrunAgent(LocalElasticAgent):
         previous_members = self._round_members()
         self._in_rendezvous = True
         try:
-            if self._own_notice is not None and self._round_members() is not None:
+            if self._own_notice is not None and previous_members is not None:
                 raise _NoticeWhileNotTraining  # the notice came while the workers were being stopped
             super()._rendezvous(worker_group)
         finally:
