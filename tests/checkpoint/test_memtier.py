@@ -270,7 +270,10 @@ def test_snapshot_with_a_damaged_manifest_is_not_a_candidate(shm_dir: str, caplo
 
 def test_no_room_skips_with_a_warning_and_turns_the_tier_off(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
     state = _state(0)
-    tier = LocalShmTier(shm_dir, MemoryTierConfig(min_free_fraction=0.999999))
+    # Keep the whole filesystem free: no snapshot fits whatever else uses /dev/shm (a fraction of 0.999999 fitted
+    # a small state on an empty /dev/shm, and failed only once other runs had left files there).
+    fs = os.statvfs(shm_dir)
+    tier = LocalShmTier(shm_dir, MemoryTierConfig(min_free_bytes=fs.f_blocks * fs.f_frsize))
     try:
         with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
             _train(state, 1)
