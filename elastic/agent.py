@@ -61,6 +61,7 @@ from torch.distributed.elastic.multiprocessing import (
 )
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
+from checkpoint.memory.records import RestoreRecord, collect_restore_records, snapshots_in, summarize
 from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
@@ -124,6 +125,9 @@ class _NoticeWhileNotTraining(BaseException):
 
 PEER_REVOKE_SEEN_S = 1.0
 """Longest wait for our etcd watch to show a peer lease this agent just revoked (milliseconds, normally)."""
+JIT_POLL_INTERVAL = 0.02
+RESTORE_REPORT_WAIT = 5.0
+"""Seconds after the first local worker's restore record the agent reports the ones it has (the others late)."""
 
 
 def decide_on_failure(*, remaining_restarts: int, peer_lost: bool) -> FailureAction:
@@ -165,8 +169,10 @@ class SpotrunAgent(LocalElasticAgent):
         tie_workers_to_agent: bool = True,
         mailbox: Mailbox | None = None,
         clock: Callable[[], float] = time.monotonic,
+        memory_dir: str | None = None,
     ) -> None:
-        """``clock`` (monotonic seconds) times the rendezvous outage bound (injected: tests drive it)."""
+        """``clock`` (monotonic seconds) times the rendezvous outage bound (injected: tests drive it).
+        ``memory_dir``: this node's memory tier keeper directory, where workers leave their restore records."""
         if tie_workers_to_agent:
             # CHANGE: workers die with the agent (torch's start_new_session leaves orphans on agent SIGKILL).
             spec = _tie_entrypoint_to_agent(spec)
@@ -213,6 +219,10 @@ class SpotrunAgent(LocalElasticAgent):
         """What the process should exit with after a successful run (``--planned-leave-exit-code`` on a leave)."""
         self._finished = False
         """The run ended: the workers succeeded and every peer of the round reached the exit barrier."""
+        self._memory_dir = memory_dir
+        self._restores: list[RestoreRecord] = []
+        """Restore records of the local workers not yet reported (``restore_completed``, one per start)."""
+        self._restores_first_seen: float | None = None
 
     @property
     def exit_status(self) -> int:
@@ -540,8 +550,43 @@ class SpotrunAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # CHANGE: torch calls self._shutdown() with its 30 s default between SIGTERM and SIGKILL; workers
         # blocked in a collective with a dead peer ignore SIGTERM, so use a short grace.
+        self._report_restores(flush=True)
         self._shutdown(timeout=self._settings.stop_grace)  # type: ignore[arg-type]  # torch says int; any seconds work
         self._emit(RecoveryEvent.WORKERS_STOPPED)
+
+    def _let_workers_snapshot(self) -> None:
+        """CHANGE (memory tier, just-in-time snapshots): a peer is gone, so the workers' next collective breaks
+        and workers using the memory tier snapshot their last completed step before they exit
+        (``checkpoint.memory.jit``). Stopping them at once would cut that short: give them up to
+        ``--stop-grace`` to exit on their own first, and only when their keeper directory shows they snapshot.
+        Workers blocked in a collective that does not break (a silent loss) just cost that wait."""
+        if self._memory_dir is None or self._pcontext is None or not snapshots_in(self._memory_dir):
+            return
+        running = _running_workers(self._pcontext)
+        if running is None:
+            return
+        deadline = self._clock() + self._settings.stop_grace
+        while running() and self._clock() < deadline:
+            time.sleep(JIT_POLL_INTERVAL)
+        logger.info("%s workers %s after the peer loss (up to %.1fs for just-in-time snapshots)", self._ctx(),
+                    "still running" if running() else "exited", self._settings.stop_grace)
+
+    def _report_restores(self, *, flush: bool = False) -> None:
+        """Emit ``restore_completed`` once the local workers have all left their restore records (or
+        ``RESTORE_REPORT_WAIT`` seconds after the first, or at a stop): one event per node and start."""
+        if self._memory_dir is None:
+            return
+        self._restores.extend(collect_restore_records(self._memory_dir))
+        if not self._restores:
+            return
+        now = self._clock()
+        if self._restores_first_seen is None:
+            self._restores_first_seen = now
+        waiting = len({r.rank for r in self._restores}) < self._worker_group.spec.local_world_size
+        if waiting and not flush and now - self._restores_first_seen < RESTORE_REPORT_WAIT:
+            return
+        self._emit(RecoveryEvent.RESTORE_COMPLETED, **summarize(self._restores))
+        self._restores, self._restores_first_seen = [], None
 
     # --- monitor loop ------------------------------------------------------------------------------------
 
@@ -573,6 +618,7 @@ class SpotrunAgent(LocalElasticAgent):
             else:
                 self._wait_for_membership_change(spec.monitor_interval)
             run_result = self._monitor_workers(self._worker_group)
+            self._report_restores()
             state = run_result.state
             self._worker_group.state = state
             put_metric(f"workers.{role}.remaining_restarts", self._remaining_restarts)
@@ -629,6 +675,8 @@ class SpotrunAgent(LocalElasticAgent):
                     logger.info("%s membership changed (%s); restarting worker group (not counted)", self._ctx(),
                                 self._recovery_cause.value if self._recovery_cause else "?")
                     self._emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.MEMBERSHIP_CHANGE.value)
+                    if self._recovery_cause is RecoveryCause.PEER_LOST:
+                        self._let_workers_snapshot()
                     self._restart_workers(self._worker_group)
             else:
                 raise RuntimeError(f"[{role}] Worker group in {state.name} state")
@@ -1028,6 +1076,19 @@ def _failure_order(failure: ProcessFailure, died_at: dict[int, float]) -> tuple[
     except OSError:
         mtime = float("inf")
     return (died_at.get(failure.local_rank, float("inf")), failure.timestamp, mtime)
+
+
+def _running_workers(pcontext: PContext) -> Callable[[], bool] | None:
+    """A check "does any local worker still run?" for either kind of process context (None if unknown)."""
+    processes = worker_processes(pcontext)
+    if processes:
+        return lambda: any(p.exitcode is None for p in processes)
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    if isinstance(handlers, dict) and handlers:
+        procs = [getattr(h, "proc", None) for h in handlers.values()]
+        if all(hasattr(p, "poll") for p in procs):
+            return lambda: any(p.poll() is None for p in procs)  # type: ignore[union-attr]
+    return None
 
 
 def _exitcode(pcontext: PContext, local_rank: int) -> int:

@@ -84,6 +84,10 @@ class RecoveryEvent(str, enum.Enum):
     """Local workers made no progress past their budget (``hung``: global rank -> reason); they are killed."""
     ETCD_OUTAGE = "etcd_outage"
     """The rendezvous answered again after failing for ``seconds`` (or, ``fatal``: true, the job ends for it)."""
+    RESTORE_COMPLETED = "restore_completed"
+    """The local workers restored their state through ``checkpoint.memory.restore`` (``restore_source``:
+    memory_local, memory_peer or durable, ``mixed`` with ``restore_sources`` when ranks differ; ``restore_step``,
+    ``restore_bytes`` summed over ``ranks``, ``restore_seconds`` of the slowest); once per node and start."""
 
 
 class FailureCause(str, enum.Enum):

@@ -285,6 +285,7 @@ def launch(
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,
         mailbox=mailbox,
+        memory_dir=keeper.path,
     )
     poller = NoticePoller(make_sources(settings.preempt_sources, settings.preempt_grace), agent.receive_notice,
                           interval=settings.preempt_poll_interval).start()

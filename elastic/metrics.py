@@ -74,6 +74,11 @@ class AgentMetrics:
         self.outages = Counter("spotrun_etcd_outages", "Rendezvous (etcd) outages, ridden out or fatal.", registry=r)
         self.outage_seconds = Counter("spotrun_etcd_outage_seconds", "Seconds the rendezvous was unreachable.",
                                       registry=r)
+        self.restores = Counter("spotrun_restores", "Worker restores on this node, by source (memory_local, "
+                                "memory_peer, durable).", ["source"], registry=r)
+        self.restore_seconds = Histogram("spotrun_restore_seconds", "Seconds the slowest local worker took to "
+                                         "restore its state, by source.", ["source"], buckets=STAGE_BUCKETS,
+                                         registry=r)
 
 
 @dataclass(slots=True)
@@ -117,6 +122,11 @@ def _observe_counts(metrics: AgentMetrics, event: RecoveryEvent, fields: dict[st
         metrics.planned_restarts.inc()
     elif event is RecoveryEvent.HANG_DETECTED:
         metrics.hangs.inc()
+    elif event is RecoveryEvent.RESTORE_COMPLETED:
+        metrics.restores.labels(str(fields.get("restore_source", "unknown"))).inc()
+        seconds = fields.get("restore_seconds")
+        if isinstance(seconds, (int, float)) and seconds >= 0:
+            metrics.restore_seconds.labels(str(fields.get("restore_source", "unknown"))).observe(float(seconds))
     elif event is RecoveryEvent.ETCD_OUTAGE:
         metrics.outages.inc()
         seconds = fields.get("seconds")

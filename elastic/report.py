@@ -13,7 +13,8 @@ started it first, and each stage is when the last node reached it (the job is re
 Stages, cumulative seconds from the fault: detection (the recovery's first event: ``hang_detected``,
 ``failure_detected``, ``planned_restart``/``planned_leave``), stop (``workers_stopped``), rendezvous
 (``rendezvous_completed``), process start (``workers_started``), checkpoint load (train_ddp.py's ``resumed
-from step`` log lines, ``--worker-log``) and first step (its ``--progress-file``). The fault is the chaos
+from step`` log lines, ``--worker-log``, else the agents' ``restore_completed`` events) and first step (its
+``--progress-file``). The fault is the chaos
 journal's last injected fault before the detection (``spotrun-chaos --journal``; a scale-up has none); without one the clock
 starts at the detection. Faults that caused no recovery (an etcd leader lost, a storage hiccup) are listed
 with 0 restarts. Steps lost: the newest step reported before the workers started again minus the step they
@@ -77,6 +78,8 @@ class Recovery:
     """Wall time the clock starts at: the fault's injection, else the detection."""
     stages: dict[str, float | None] = field(default_factory=dict)
     steps_lost: int | None = None
+    restore_source: str | None = None
+    """Where the workers restored from after it (``restore_completed``: memory_local, memory_peer, durable)."""
 
     @property
     def kind(self) -> str:
@@ -180,8 +183,21 @@ def faults_from(journal: Sequence[dict[str, Any]]) -> list[Fault]:
 
 def recoveries(events: Sequence[dict[str, Any]], journal: Sequence[dict[str, Any]] = (),
                progress: Sequence[dict[str, Any]] | None = None, resumes: Sequence[float] | None = None) -> list[Recovery]:
-    """Everything above in one call: the job's recoveries (and unrecovered faults) from the raw records."""
-    return attribute(job_recoveries(node_recoveries(events)), faults_from(journal), progress, resumes)
+    """Everything above in one call: the job's recoveries (and unrecovered faults) from the raw records.
+    Without worker logs the checkpoint load is the agents' ``restore_completed`` events (workers restoring
+    through ``checkpoint.memory.restore``), which also name each recovery's restore source."""
+    restored = sorted((float(e["t_wall"]), str(e.get("restore_source", "?"))) for e in events
+                      if e.get("event") == "restore_completed")
+    if resumes is None and restored:
+        resumes = [t for t, _ in restored]
+    recs = attribute(job_recoveries(node_recoveries(events)), faults_from(journal), progress, resumes)
+    for rec in recs:
+        start = rec.stages.get("process_start")
+        if rec.cause == NO_RECOVERY or start is None:
+            continue
+        after = [src for t, src in restored if t >= rec.origin + start]
+        rec.restore_source = after[0] if after else None
+    return recs
 
 
 Row = dict[str, "tuple[float, float, int] | None"]
@@ -480,7 +496,8 @@ def render_recoveries(recs: Sequence[Recovery], per_step: float | None, t0: floa
         stages = "  ".join(f"{names[s]} {v:6.2f}" if (v := rec.stages.get(s)) is not None else f"{names[s]}    n/a"
                            for s in STAGES)
         redone = "n/a" if rec.steps_lost is None else str(rec.steps_lost)
-        lines.append(f"{head} {stages}  redone {redone:>4}  cost {recovery_cost(rec, per_step):6.2f}s")
+        source = f"  from {rec.restore_source}" if rec.restore_source else ""
+        lines.append(f"{head} {stages}  redone {redone:>4}  cost {recovery_cost(rec, per_step):6.2f}s{source}")
     return "\n".join(lines)
 
 

@@ -311,6 +311,13 @@ def main(argv: list[str] | None = None) -> None:
                 memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
         if ckpt is not None:
             ckpt.wait()
+    except BaseException as exc:
+        # A peer died mid-step: the collective raised before optimizer.step(), so the state is still that of
+        # trainer.step. Snapshot it into memory (no collective; only for a failed collective) and go on failing:
+        # the group restores from it, losing no completed step even with --memory-snapshot-every K > 1.
+        if memory is not None:
+            memory.snapshot_on_failure(trainer.step, state, exc)
+        raise
     finally:
         if memory is not None:
             memory.close()

@@ -67,6 +67,8 @@ class RestoreSource(str, enum.Enum):
     """Where a restore came from (``restore_source`` in progress lines and events; values are only added)."""
 
     MEMORY_LOCAL = "memory_local"
+    MEMORY_PEER = "memory_peer"
+    """Some bytes came from another node's keeper (peer replication, issue 17)."""
     DURABLE = "durable"
 
 
@@ -168,6 +170,11 @@ class MemoryTier(Protocol):
     def restore(self, state: Mapping[str, Any], *, not_older_than: int | None) -> RestoreReport | None:
         """Restore ``state`` from the newest snapshot every rank can read, if it is not older than
         ``not_older_than``; None (state untouched) when there is none."""
+        ...
+
+    def snapshot_on_failure(self, step: int, state: Mapping[str, Any], exc: BaseException | None = None) -> bool:
+        """After a collective failed (a peer died mid-step), snapshot the last completed ``step`` without a
+        collective (``checkpoint.memory.jit``); True when this node holds it whole. Never raises."""
         ...
 
     def wait(self) -> None:

@@ -40,6 +40,10 @@ class MemoryTierConfig:
     """Parallel ranged reads per rank on restore (>= 1). None: one per CPU core, at most 4 (reads from shared
     memory are CPU-bound: more threads than cores only contend)."""
 
+    jit_peer_wait: float = 2.0
+    """Seconds a just-in-time snapshot (``snapshot_on_failure``) waits for the node's other ranks to publish the
+    same step before the worker goes on failing (>= 0). Keep it below the agent's ``--stop-grace`` (3 s)."""
+
     collective_timeout: timedelta = timedelta(minutes=30)
     """Timeout of the tier's own gloo group (votes, restore agreement), like ``CheckpointConfig``'s."""
 
@@ -56,6 +60,9 @@ class MemoryTierConfig:
             raise CheckpointConfigError(f"verify_on_restore={self.verify_on_restore!r} must be True or False")
         if self.read_threads is not None:
             _check_int("read_threads", self.read_threads, 1, "use None for the default, 1 reads sequentially")
+        wait = self.jit_peer_wait
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 3600:
+            raise CheckpointConfigError(f"jit_peer_wait={wait!r} is invalid: use seconds in [0, 3600), e.g. 2.0")
         value = self.collective_timeout
         if not isinstance(value, timedelta) or value.total_seconds() <= 0:
             raise CheckpointConfigError(f"collective_timeout={value!r} must be a positive datetime.timedelta")

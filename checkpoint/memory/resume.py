@@ -16,11 +16,13 @@ bytes and seconds: the examples add it to their progress lines (``restore_source
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from checkpoint.memory.api import MemoryTier, PartialRestoreError, RestoreReport, RestoreSource
+from checkpoint.memory.api import ENV_MEMORY_DIR, MemoryTier, PartialRestoreError, RestoreReport, RestoreSource
+from checkpoint.memory.records import write_restore_record
 
 if TYPE_CHECKING:
     from checkpoint.checkpointer import Checkpointer
@@ -31,10 +33,31 @@ logger = logging.getLogger(__name__)
 def restore(ckpt: Checkpointer | None, state: Mapping[str, Any], *, memory: MemoryTier | None) -> RestoreReport | None:
     """Restore ``state`` from memory, else from ``ckpt``; None (state untouched) when neither has a step.
 
+    Under the spotrun agent the report also reaches the agent (``restore_completed`` in events.jsonl,
+    ``checkpoint.memory.records``).
+
     Collective: every rank calls it with the same arguments' kinds (both tiers present or absent everywhere).
     Raises what ``Checkpointer.load`` raises, and PartialRestoreError when a memory restore failed after
     overwriting part of the state and the durable tier has nothing to restore it with.
     """
+    report = _restore(ckpt, state, memory=memory)
+    if report is not None:
+        _tell_agent(report, memory)
+    return report
+
+
+def _tell_agent(report: RestoreReport, memory: MemoryTier | None) -> None:
+    directory = getattr(memory, "directory", None) or os.environ.get(ENV_MEMORY_DIR)
+    if not directory or not os.path.isdir(directory):
+        return  # not under spotrun: nobody to tell
+    rank = getattr(memory, "rank", None)
+    world = getattr(memory, "world_size", None)
+    if not isinstance(rank, int) or not isinstance(world, int):
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    write_restore_record(directory, rank, world, report)
+
+
+def _restore(ckpt: Checkpointer | None, state: Mapping[str, Any], *, memory: MemoryTier | None) -> RestoreReport | None:
     started = time.perf_counter()
     floor = ckpt.latest() if ckpt is not None else None
     partial: PartialRestoreError | None = None

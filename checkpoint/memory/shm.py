@@ -175,6 +175,10 @@ class LocalShmTier:
         self._layout: ShardLayout | None = None
         self._signature: tuple[Any, ...] | None = None
         self._is_node_leader = False
+        self._node_ranks: list[int] = []
+        """The ranks of this rank's node (from the last plan): a just-in-time snapshot waits for their files."""
+        self._complete = -1
+        """The newest step every rank had published at the last vote (its slot is never overwritten)."""
         self._published = -1
         """The newest step this rank published in this generation (-1: none yet)."""
         self._starved = False
@@ -193,7 +197,9 @@ class LocalShmTier:
 
     # ------------------------------------------------------------------ snapshot
     def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
-        if not self.enabled or step % self.config.every:
+        # The first call plans even at a step it does not snapshot: a just-in-time snapshot (which has no
+        # collective to plan with) is then possible from the first step on. Every rank makes the same calls.
+        if not self.enabled or (step % self.config.every and self._signature is not None):
             return False
         started = time.perf_counter()
         flat: FlatState | None
@@ -210,6 +216,7 @@ class LocalShmTier:
             flat is None, signature != self._signature, busy, self._starved, -self._published
         )
         complete = -neg_complete
+        self._complete = complete
         if starved:
             self.enabled = False
             self._warn_once("starved", "[rank %d step %d] memory tier off: a rank had no room for its snapshot", self.rank, step)
@@ -220,6 +227,8 @@ class LocalShmTier:
         if changed:
             self._replan(flat)
             self._signature = signature
+        if step % self.config.every:
+            return False  # the first call, planned only
         try:  # no collective from here on: a local failure skips this rank's snapshot only
             self._housekeep(complete)
             slot = self._slot_for(complete)
@@ -248,6 +257,67 @@ class LocalShmTier:
         except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop training
             self._warn_once("publish", "[rank %d] memory snapshot failed: %s", self.rank, exc)
 
+    def snapshot_on_failure(self, step: int, state: Mapping[str, Any], exc: BaseException | None = None) -> bool:
+        """After a collective failed (``exc``; a peer died mid-step), snapshot ``step`` without any collective
+        (``checkpoint.memory.jit``); True when this node's ranks all hold ``step`` when it returns.
+
+        Call it from the handler of the exception that the broken collective raised, with the state of the
+        last completed ``step``; then re-raise. Does nothing (False) when ``exc`` is not a collective failure,
+        when the tier is off or has not planned yet, or when the state's items changed since the last plan.
+        SIGTERM/SIGINT are held back while it writes and delivered after. Never raises.
+        """
+        from checkpoint.memory import jit
+
+        if not self.enabled or self._layout is None or self.directory is None:
+            return False
+        if exc is not None and not jit.is_collective_failure(exc):
+            logger.info("[rank %d step %d] no just-in-time memory snapshot: %s is not a failed collective",
+                        self.rank, step, type(exc).__name__)
+            return False
+        started = time.perf_counter()
+        with jit.DeferredSignals():
+            try:
+                wrote = self._snapshot_now(step, state)
+            except Exception as e:  # noqa: BLE001 - the worker is failing anyway: say why and go on failing
+                logger.warning("[rank %d step %d] just-in-time memory snapshot failed: %s", self.rank, step, e)
+                return False
+            names = jit.node_group_names(SnapshotId(step, self.gen), self._node_ranks, self.world_size)
+            missing = jit.wait_for_names(self.directory, names, self.config.jit_peer_wait)
+        logger.warning(
+            "[rank %d] just-in-time memory snapshot of step %d after a failed collective: %s in %.3fs; node copy %s",
+            self.rank, step, "written" if wrote else "already held", time.perf_counter() - started,
+            "complete" if not missing else f"incomplete ({len(missing)} of {len(names)} rank file(s) missing)",
+        )
+        return not missing
+
+    def _snapshot_now(self, step: int, state: Mapping[str, Any]) -> bool:
+        """This rank's snapshot of ``step`` with the current plan, published before returning; False when it
+        already published ``step``. Raises MemoryTierError when the state no longer fits the plan."""
+        self.wait()  # a periodic snapshot in flight finishes first (it may be this very step)
+        if self._published >= step:
+            return False
+        flat = flatten(state)
+        signature = tuple((i.key, i.dtype, i.global_shape, i.replicated) for i in flat.items)
+        if signature != self._signature:
+            raise MemoryTierError("the state's items changed since the last snapshot plan")
+        # Keep both the last complete step and this rank's newest one (another rank may hold only that one, so
+        # it can still be the newest common step): overwrite neither; when both slots hold them, take a third.
+        keep = {self._complete, self._published} - {-1}
+        index = next((i for i, s in enumerate(self._slots) if s is None or s.step not in keep), None)
+        if index is None:
+            self._slots.append(None)
+            index = len(self._slots) - 1
+        slot = self._slots[index]
+        if slot is None:
+            slot = self._slots[index] = self._allocate(index)
+        if slot is None:
+            raise MemoryTierError("no room for a snapshot")
+        self._unpublish(slot)
+        assert self._layout is not None
+        copy_pieces([self._layout], [slot.views], flat.items)
+        self._publish(slot, step, flat.objects, flat.rank_objects)
+        return True
+
     def _replan(self, flat: FlatState) -> None:
         """Gather every rank's item metadata and node once; lay out the pieces this rank snapshots."""
         mine = [[i.key.fqn, list(i.key.offsets), list(i.key.lengths), i.nbytes, i.replicated] for i in flat.items]
@@ -263,7 +333,8 @@ class LocalShmTier:
             if item.key in writes
         ]
         self._layout = build_layout("snapshot", pieces)
-        self._is_node_leader = self.rank == min(r for r, n in enumerate(nodes) if n == self.node)
+        self._node_ranks = [r for r, n in enumerate(nodes) if n == self.node]
+        self._is_node_leader = self.rank == min(self._node_ranks)
         self._release_slots()
         logger.info(
             "[rank %d] memory snapshot plan: %d of %d local pieces, %d bytes per snapshot (node %s, %d rank(s))",

@@ -84,6 +84,11 @@ def test_worker_sigkill_resumes_from_memory_bit_identical(tmp_path: Path, etcd_s
     redone = before - restores[0]["restore_step"]
     assert 0 <= redone <= 1, f"trained up to step {before}, resumed after step {restores[0]['restore_step']}"
     assert _losses(progress) == _losses(ref / "progress.jsonl")  # float equality of every step's loss
+    # the agent reported the restart's restore once, for both local workers
+    events = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "restore_completed"]
+    assert len(events) == 1 and events[0]["ranks"] == [0, 1], events
+    assert events[0]["restore_source"] == "memory_local"
+    assert events[0]["restore_step"] == restores[0]["restore_step"]
 
     ref_step, ref_state = final_state(str(ref / "ckpt"))
     step, state = final_state(str(run / "ckpt"))
