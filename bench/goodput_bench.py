@@ -92,8 +92,11 @@ class Fault:
     """``notice`` (SIGTERM to an agent), ``kill`` (SIGKILL to an agent and its workers), ``rejoin`` (a new agent)."""
 
 
-def make_schedule(seed: int, duration: float, fault_every: float, rejoin_after: float) -> list[Fault]:
-    """Faults at ``fault_every`` +-20 %, notice or kill drawn from ``seed``, each followed by a rejoin."""
+def make_schedule(seed: int, duration: float, fault_every: float, rejoin_after: float,
+                  kinds: tuple[str, ...] = ("notice", "kill")) -> list[Fault]:
+    """Faults at ``fault_every`` +-20 %, one of ``kinds`` drawn from ``seed``, each followed by a rejoin."""
+    if not kinds or any(k not in ("notice", "kill") for k in kinds):
+        raise ValueError(f"--faults must name notice and/or kill, not {','.join(kinds) or 'nothing'}")
     if fault_every <= 0 or rejoin_after <= 0 or rejoin_after >= fault_every * 0.8:
         raise ValueError("--fault-every and --rejoin-after must be > 0, and the rejoin must come before the next fault "
                          f"(--rejoin-after {rejoin_after} >= 0.8 x --fault-every {fault_every})")
@@ -102,7 +105,7 @@ def make_schedule(seed: int, duration: float, fault_every: float, rejoin_after: 
     t = fault_every
     while t < duration:
         at = t + rng.uniform(-0.2, 0.2) * fault_every
-        out.append(Fault(at, rng.choice(("notice", "kill"))))
+        out.append(Fault(at, rng.choice(kinds)))
         if at + rejoin_after < duration:
             out.append(Fault(at + rejoin_after, "rejoin"))
         t += fault_every
@@ -226,7 +229,9 @@ class Run:
                "--progress-file", str(self.workdir / "progress.jsonl"), "--pg-timeout", "60",
                "--global-batch", "8", "--context", "32", "--d-model", "32", "--corpus-chars", "16384"]
         n = f"1:{self.args.nodes}"
-        if self.kind == "spotrun":
+        if self.kind == "spotrun-mem":  # spotrun with the memory tier (issue 17): unplanned faults redo ~0 steps
+            job += ["--memory-snapshot-every", str(self.args.memory_every)]
+        if self.kind.startswith("spotrun"):
             return [*SPOTRUN, "--nnodes", n, "--nproc-per-node", "1", "--rdzv-endpoint", self.endpoint,
                     "--rdzv-id", "goodput", "--max-restarts", "100", "--rdzv-conf", "lease_ttl=3",
                     "--events-file", str(self.workdir / "events.jsonl"), *job]
@@ -375,7 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint interval (both launchers)")
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--launchers", default="spotrun,torchrun")
+    p.add_argument("--launchers", default="spotrun,torchrun",
+                   help="comma-separated: spotrun, spotrun-mem (spotrun + memory tier), torchrun")
+    p.add_argument("--memory-every", type=int, default=10,
+                   help="spotrun-mem: memory snapshot every K steps (a node loss still redoes ~0: just-in-time "
+                        "snapshots)")
+    p.add_argument("--faults", default="notice,kill",
+                   help="fault kinds drawn (comma-separated, of notice, kill); 'kill' alone: unplanned faults only")
     p.add_argument("--omp-threads", type=int, default=1,
                    help="OMP_NUM_THREADS of every worker, both launchers (default 1: the simulated nodes share this "
                         "host's cores; with torch's default each of N workers runs as many OpenMP threads as the "
@@ -387,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes < 2 or args.duration <= 0:
         p.error("--nodes must be >= 2 and --duration > 0")
     try:
-        schedule = make_schedule(args.seed, args.duration, args.fault_every, rejoin)
+        schedule = make_schedule(args.seed, args.duration, args.fault_every, rejoin,
+                                 tuple(k for k in args.faults.split(",") if k))
     except ValueError as exc:
         p.error(str(exc))
     print("schedule: " + ", ".join(f"+{f.at:.0f}s {f.kind}" for f in schedule), flush=True)
@@ -396,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.launchers.split(","):
         workdir = root / kind
         workdir.mkdir(parents=True, exist_ok=True)
-        with rendezvous_endpoint(kind) as endpoint:
+        with rendezvous_endpoint("spotrun" if kind.startswith("spotrun") else kind) as endpoint:
             run = Run(kind=kind, workdir=workdir, endpoint=endpoint, args=args)
             try:
                 execute(run, schedule)

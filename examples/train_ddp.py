@@ -126,9 +126,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true",
                    help="bit-identical at any world size: --shards fixed micro-batches reduced in shard order")
     p.add_argument("--shards", type=int, default=8, help="virtual micro-batches per global batch (--deterministic)")
-    p.add_argument("--memory-snapshot-every", type=int, default=0, metavar="K",
+    p.add_argument("--memory-snapshot-every", type=snapshot_interval, default=0, metavar="K",
                    help="snapshot the state into host shared memory every K steps (spotrun's memory tier; a restart "
-                        "resumes from it before the durable checkpoint); 0: off")
+                        "resumes from it before the durable checkpoint); 'auto': every step while it costs under 2%% "
+                        "of the step time, else the smallest K that does; 0: off")
     args = p.parse_args(argv)
     if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 1 or args.log_every < 1:
         p.error("--steps must be >= 0 and --global-batch, --ckpt-every, --log-every >= 1")
@@ -138,8 +139,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--loader-workers must be >= 0")
     if not args.ckpt_retry_timeout > 0:
         p.error("--ckpt-retry-timeout must be > 0 seconds")
-    if args.memory_snapshot_every < 0:
-        p.error("--memory-snapshot-every must be >= 0 (0: off)")
     try:
         args.batch_config = BatchConfig(
             global_batch=args.global_batch,
@@ -182,7 +181,20 @@ def open_checkpointer(uri: str | None, storage_options: dict[str, Any] | None = 
                                               retry_timeout=timedelta(seconds=retry_timeout)))
 
 
-def open_memory_tier(every: int) -> Any:
+def snapshot_interval(text: str) -> int | str:
+    """``--memory-snapshot-every``: an integer >= 0 (0: off) or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0 or 'auto'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0 (0: off) or 'auto'")
+    return value
+
+
+def open_memory_tier(every: int | str) -> Any:
     """spotrun's memory tier (``checkpoint.memory``) snapshotting every ``every`` steps; None when 0. Off (said
     once) outside spotrun, which gives every worker its node's keeper directory."""
     if not every:

@@ -60,6 +60,8 @@ from train_ddp import (
     global_mean_loss,
     init_distributed,
     open_checkpointer,
+    open_memory_tier,
+    snapshot_interval,
     storage_option,
 )
 
@@ -311,6 +313,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="append one JSON line per step and rank (rank, world_size, step, pid, t_wall, loss): benchmarks")
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process group (collective) timeout, seconds")
     p.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes per rank")
+    p.add_argument("--memory-snapshot-every", type=snapshot_interval, default=0, metavar="K",
+                   help="snapshot the state into host shared memory every K steps (spotrun's memory tier; a restart "
+                        "after a crash or a lost node resumes from memory; with the spotrun checkpointer only); 'auto' picks "
+                        "K; 0: off")
     p.add_argument("--preempt-sync-every", type=int, default=8,
                    help="steps between two checks (one tiny all-reduce) for a preemption notice or a joining node")
     args = p.parse_args(argv)
@@ -320,6 +326,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--context, --d-model, --layers, --heads, --corpus-chars must be >= 1 and --loader-workers >= 0")
     if args.preempt_sync_every < 1:
         p.error("--preempt-sync-every must be >= 1")
+    if args.memory_snapshot_every and args.ckpt_backend == "dcp":
+        p.error("--memory-snapshot-every needs --ckpt-backend spotrun")
     if args.storage_option and (args.ckpt_dir is None or args.ckpt_backend == "dcp"):
         p.error("--storage-option configures the --ckpt-dir location of the spotrun Checkpointer; pass --ckpt-dir too")
     try:
@@ -356,8 +364,16 @@ def main(argv: list[str] | None = None) -> None:
             logger.info("%s resumed from %s (step %s)", ctx, path, trainer.step)
     else:
         ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option))
-        if ckpt is not None and (restored := ckpt.load(state)) is not None:
-            logger.info("%s resumed from step %s", ctx, restored)
+    memory = open_memory_tier(args.memory_snapshot_every)
+    restored_fields: dict[str, Any] = {}  # the restore's report (restore_source...): on the first progress line
+    if memory is not None:
+        from checkpoint.memory import restore
+
+        if (report := restore(ckpt, state, memory=memory)) is not None:
+            restored_fields = report.to_json()
+            logger.info("%s resumed from step %s (%s)", ctx, report.step, report.source.value)
+    elif ckpt is not None and (restored := ckpt.load(state)) is not None:
+        logger.info("%s resumed from step %s", ctx, restored)
     # A notice (or a node joining) stops every rank at the same, committed step (SIGTERM under torchrun).
     preemption = Preemption(sync_every=args.preempt_sync_every) if ckpt is not None else None
     sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))
@@ -379,7 +395,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.progress_file:
                 append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
                                                      "pid": os.getpid(), "t_wall": time.time(),
-                                                     "loss": loss.item()})
+                                                     "loss": loss.item(), **restored_fields})
+                restored_fields = {}
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
             if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
@@ -389,9 +406,19 @@ def main(argv: list[str] | None = None) -> None:
                     ckpt.save(trainer.step, state)
                 elif dcp_ckpt is not None:
                     dcp_ckpt.save(trainer.step, {"trainer": trainer, "data": batches})
+            if memory is not None:
+                memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
         if ckpt is not None:
             ckpt.wait()
+    except BaseException as exc:
+        # A peer died mid-step: the state is still that of trainer.step (see train_ddp.py): snapshot it into
+        # memory just in time (only for a failed collective), then go on failing.
+        if memory is not None:
+            memory.snapshot_on_failure(trainer.step, state, exc)
+        raise
     finally:
+        if memory is not None:
+            memory.close()
         if ckpt is not None:
             ckpt.close()
         if dist.is_initialized():

@@ -15,8 +15,16 @@ _MIB = 1 << 20
 class MemoryTierConfig:
     """How a rank snapshots its state into host shared memory (``checkpoint.memory``)."""
 
-    every: int = 1
-    """Snapshot every ``every`` steps (the steps divisible by it); 1: every step (>= 1)."""
+    every: int | Literal["auto"] = 1
+    """Snapshot every ``every`` steps (the steps divisible by it); 1: every step (>= 1). ``"auto"``: every step
+    while staging costs at most ``overhead_target`` of the step time, else the smallest interval that does
+    (measured on every rank, the slowest decides; settles after the first snapshots)."""
+
+    overhead_target: float = 0.02
+    """``every="auto"``: the fraction of training time snapshots may block (0 < x < 1)."""
+
+    max_every: int = 100
+    """``every="auto"``: the largest interval it picks (>= 1)."""
 
     when_busy: Literal["wait", "skip"] = "wait"
     """What a snapshot does while the previous one is still being checksummed: ``"wait"`` for it (every
@@ -48,7 +56,12 @@ class MemoryTierConfig:
     """Timeout of the tier's own gloo group (votes, restore agreement), like ``CheckpointConfig``'s."""
 
     def __post_init__(self) -> None:
-        _check_int("every", self.every, 1, "1 snapshots every step")
+        if self.every != "auto":
+            _check_int("every", self.every, 1, '1 snapshots every step, "auto" picks it')
+        target = self.overhead_target
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < 1:
+            raise CheckpointConfigError(f"overhead_target={target!r} is invalid: use a fraction in (0, 1), e.g. 0.02")
+        _check_int("max_every", self.max_every, 1, "e.g. 100")
         if self.when_busy not in ("wait", "skip"):
             raise CheckpointConfigError(f'when_busy={self.when_busy!r} is invalid: use "wait" or "skip"')
         _check_int("min_free_bytes", self.min_free_bytes, 0, "e.g. 64 MiB (67108864)")

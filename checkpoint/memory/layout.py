@@ -5,6 +5,7 @@ No I/O here: ``shm`` does the files, these functions decide from plain data (uni
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 from collections.abc import Sequence
@@ -118,3 +119,14 @@ def choose_snapshot(candidates: Sequence[Sequence[SnapshotId]], *, not_older_tha
     if not usable:
         return None
     return max(usable, key=lambda s: (s.step, s.gen))
+
+
+def choose_every(step_seconds: float, stage_seconds: float, target: float, max_every: int) -> int:
+    """The smallest snapshot interval (in steps) whose staging, ``stage_seconds`` per snapshot, blocks at most
+    ``target`` of the training time (``step_seconds`` per step); 1 when every step fits; at most ``max_every``
+    (pure). A zero step time (nothing measured) gives ``max_every`` unless staging is free too."""
+    if stage_seconds <= 0:
+        return 1
+    if step_seconds <= 0:
+        return max_every
+    return max(1, min(max_every, math.ceil(stage_seconds / (target * step_seconds))))

@@ -37,6 +37,7 @@ import mmap
 import os
 import secrets
 import socket
+import statistics
 import time
 import zlib
 from collections.abc import Mapping
@@ -65,6 +66,7 @@ from checkpoint.memory.api import (
 from checkpoint.memory.config import MemoryTierConfig
 from checkpoint.memory.layout import (
     FOOTER,
+    choose_every,
     choose_snapshot,
     decode_footer,
     encode_footer,
@@ -90,6 +92,8 @@ SLOTS = 2
 MANIFEST_MAX_BYTES = 256 << 20
 """Largest snapshot manifest a restore reads (block crc32s of a huge rank, per-rank objects)."""
 GROUPS_LOOKED_AT = 4
+STEP_SAMPLES = 16
+"""Recent step times ``every="auto"`` takes the median of."""
 """Newest snapshot groups a restore examines (normally there are one or two)."""
 
 
@@ -181,6 +185,11 @@ class LocalShmTier:
         """The newest step every rank had published at the last vote (its slot is never overwritten)."""
         self._published = -1
         """The newest step this rank published in this generation (-1: none yet)."""
+        self._every = 1 if self.config.every == "auto" else int(self.config.every)
+        """The interval in use (``"auto"`` starts at 1 and settles once step and staging times are measured)."""
+        self._last_call: float | None = None
+        self._staged_at: float | None = None
+        self._intervals: list[float] = []
         self._starved = False
         self._warned: set[str] = set()
         self.last_stage_seconds = 0.0
@@ -199,9 +208,10 @@ class LocalShmTier:
     def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
         # The first call plans even at a step it does not snapshot: a just-in-time snapshot (which has no
         # collective to plan with) is then possible from the first step on. Every rank makes the same calls.
-        if not self.enabled or (step % self.config.every and self._signature is not None):
-            return False
         started = time.perf_counter()
+        self._clock_step(started)
+        if not self.enabled or (step % self._every and self._signature is not None):
+            return False
         flat: FlatState | None
         try:
             flat = flatten(state)
@@ -212,11 +222,16 @@ class LocalShmTier:
             self.wait()
         busy = self._future is not None and not self._future.done()
         signature = None if flat is None else tuple((i.key, i.dtype, i.global_shape, i.replicated) for i in flat.items)
-        bad, changed, any_busy, starved, neg_complete = self._fg.max_each(
-            flat is None, signature != self._signature, busy, self._starved, -self._published
+        bad, changed, any_busy, starved, neg_complete, every = self._fg.max_each(
+            flat is None, signature != self._signature, busy, self._starved, -self._published, self._proposed_every()
         )
         complete = -neg_complete
         self._complete = complete
+        if every != self._every:  # "auto": the slowest rank's choice, the same on every rank from the next step
+            logger.info("[rank %d step %d] memory snapshot every %d step(s) (was %d): %.4fs staging per snapshot, "
+                        "%.4fs per step, overhead target %.1f%%", self.rank, step, every, self._every,
+                        self.last_stage_seconds, self._step_seconds(), 100 * self.config.overhead_target)
+            self._every = int(every)
         if starved:
             self.enabled = False
             self._warn_once("starved", "[rank %d step %d] memory tier off: a rank had no room for its snapshot", self.rank, step)
@@ -227,8 +242,8 @@ class LocalShmTier:
         if changed:
             self._replan(flat)
             self._signature = signature
-        if step % self.config.every:
-            return False  # the first call, planned only
+        if step % self._every:
+            return False  # the first call, planned only (or "auto" just chose a larger interval)
         try:  # no collective from here on: a local failure skips this rank's snapshot only
             self._housekeep(complete)
             slot = self._slot_for(complete)
@@ -242,6 +257,7 @@ class LocalShmTier:
         assert self._layout is not None
         copy_pieces([self._layout], [slot.views], flat.items)
         self.last_stage_seconds = time.perf_counter() - started
+        self._staged_at = time.perf_counter()
         objects = flat.objects
         rank_objects = flat.rank_objects
         self._future = self._executor.submit(self._publish, slot, step, objects, rank_objects)
@@ -256,6 +272,27 @@ class LocalShmTier:
             future.result()
         except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop training
             self._warn_once("publish", "[rank %d] memory snapshot failed: %s", self.rank, exc)
+
+    def _clock_step(self, now: float) -> None:
+        """Time the step since the previous call (without the staging it blocked for): ``every="auto"``."""
+        if self._last_call is not None:
+            staged = self.last_stage_seconds if self._staged_at is not None and self._staged_at > self._last_call else 0.0
+            self._intervals.append(max(0.0, now - self._last_call - staged))
+            del self._intervals[:-STEP_SAMPLES]
+        self._last_call = now
+
+    def _step_seconds(self) -> float:
+        return statistics.median(self._intervals) if self._intervals else 0.0
+
+    def _proposed_every(self) -> int:
+        """This rank's interval for the next snapshots: the configured one, or with ``"auto"`` the smallest
+        that keeps staging under ``overhead_target`` of the training time (``layout.choose_every``)."""
+        if self.config.every != "auto":
+            return int(self.config.every)
+        if len(self._intervals) < 2 or self.snapshots_published < 2:
+            return self._every  # nothing measured yet: keep snapshotting to measure
+        return choose_every(self._step_seconds(), self.last_stage_seconds, self.config.overhead_target,
+                            self.config.max_every)
 
     def snapshot_on_failure(self, step: int, state: Mapping[str, Any], exc: BaseException | None = None) -> bool:
         """After a collective failed (``exc``; a peer died mid-step), snapshot ``step`` without any collective

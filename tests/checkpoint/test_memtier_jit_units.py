@@ -245,3 +245,38 @@ def test_restores_are_counted_by_source_in_the_metrics() -> None:
     assert value("spotrun_restores_total", {"source": "memory_local"}) == 1.0
     assert value("spotrun_restores_total", {"source": "durable"}) == 1.0
     assert value("spotrun_restore_seconds_count", {"source": "memory_local"}) == 1.0
+
+
+# --------------------------------------------------------------------------- every="auto"
+def test_auto_interval_is_the_smallest_that_meets_the_overhead_target() -> None:
+    from checkpoint.memory.layout import choose_every
+
+    assert choose_every(1.0, 0.01, 0.02, 100) == 1  # 1 % of a step: every step
+    assert choose_every(1.0, 0.05, 0.02, 100) == 3  # 0.05 / 3 steps = 1.7 % <= 2 %
+    assert choose_every(0.1, 1.0, 0.02, 100) == 100  # capped
+    assert choose_every(0.0, 0.01, 0.02, 100) == 100  # no step time measured: as rarely as allowed
+    assert choose_every(0.5, 0.0, 0.02, 100) == 1
+
+
+def test_auto_interval_grows_when_staging_dominates_and_stays_the_same_on_every_call(shm_dir: str) -> None:
+    state = _state(0)
+    tier = LocalShmTier(shm_dir, MemoryTierConfig(every="auto", overhead_target=0.01, max_every=7))
+    acted = []
+    try:
+        for step in range(1, 60):  # steps of microseconds: staging costs far more than 1 % of them
+            if tier.snapshot(step, state):
+                acted.append(step)
+        tier.wait()
+    finally:
+        tier.close()
+    assert acted[:2] == [1, 2]  # measures first
+    assert tier._every == 7 and all(s % 7 == 0 for s in acted[3:])  # then the cap, on the steps divisible by it
+
+
+def test_config_rejects_bad_auto_settings() -> None:
+    from checkpoint.api import CheckpointConfigError
+
+    for bad in ({"every": "sometimes"}, {"overhead_target": 0}, {"overhead_target": 1.5}, {"max_every": 0},
+                {"jit_peer_wait": -1}):
+        with pytest.raises(CheckpointConfigError):
+            MemoryTierConfig(**bad)  # type: ignore[arg-type]
