@@ -66,6 +66,11 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
+if __name__ == "__main__":  # `python -m elastic.cli`: start the warm forkserver before the imports below (boot.py)
+    from elastic.boot import start_early
+
+    start_early(sys.argv[1:])
+
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 from torch.distributed.run import config_from_args, get_args_parser

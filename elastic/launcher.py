@@ -40,6 +40,7 @@ from elastic.api import (
     PlannedLeaveExit,
     RendezvousUnavailableError,
 )
+from elastic.boot import discard as discard_early_forkserver
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
 from elastic.metrics import AgentMetrics, MetricsServer, MetricsSink, serve
@@ -226,6 +227,8 @@ def launch(
         logger.warning("config has no run_id, generated a random run_id: %s", config.run_id)
     entrypoint_name = torch_entrypoint_name(entrypoint, args)
     entrypoint, args = _maybe_warm(config, entrypoint, args, settings)
+    if config.start_method != "forkserver":
+        discard_early_forkserver()  # elastic.boot guessed warm workers; the launcher decided otherwise
 
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,

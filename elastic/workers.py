@@ -341,20 +341,24 @@ def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_ti
     import time
     from multiprocessing import forkserver, resource_tracker
 
+    from elastic.boot import adopt
     from elastic.warm import note_forkserver_environ
 
     began = time.monotonic()
-    started_with = dict(os.environ)
-    forkserver.set_forkserver_preload(list(preload))
-    # The signal mask survives fork and exec: the forkserver starts with these blocked. The resource tracker
-    # first: starting it unblocks SIGINT and SIGTERM in the caller (multiprocessing.resource_tracker).
-    resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, list(shielded)) if shielded else None
-    try:
-        forkserver.ensure_running()
-    finally:
-        if previous is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    # A forkserver started before the agent's imports (elastic.boot), used when it matches this one exactly.
+    early = adopt(preload, [int(s) for s in shielded], os.environ)
+    started_with = dict(os.environ) if early is None else early
+    if early is None:
+        forkserver.set_forkserver_preload(list(preload))
+        # The signal mask survives fork and exec: the forkserver starts with these blocked. The resource tracker
+        # first: starting it unblocks SIGINT and SIGTERM in the caller (multiprocessing.resource_tracker).
+        resource_tracker.ensure_running()
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, list(shielded)) if shielded else None
+        try:
+            forkserver.ensure_running()
+        finally:
+            if previous is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     ctx = multiprocessing.get_context("forkserver")
     receive, send = ctx.Pipe(duplex=False)
     probe = ctx.Process(target=_send_environ, args=(send,), name="spotrun-warmup")

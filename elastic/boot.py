@@ -1,0 +1,275 @@
+"""A speculative warm forkserver, started before the agent imports torch (issue 18: agents that start fast).
+
+Why: a warm worker is forked from a forkserver that imported torch (``elastic.workers.start_warm_forkserver``,
+~4 s of CPU for its preloads). The agent needs its own ``import torch`` first (~2 s) to parse torchrun's flags
+(torch's parser lives in ``torch.distributed.run``) and only then started the forkserver: the two imports ran
+one after the other, and a node that joins a running job waited for both before its first step. Here the
+forkserver is started from the command line alone, before the agent's imports, so the two overlap (on a node
+with two or more cores, nearly all of it).
+
+What the forkserver must have at its start is what its preloaded modules and children inherit: the import-time
+environment (``OMP_NUM_THREADS``, which torchrun sets to 1 with more than one local worker,
+``TORCHELASTIC_SIGNALS_TO_HANDLE``) and the blocked notice signals (``--preempt-signal``). They are *guessed*
+from argv by a small pre-parser (:func:`guess`: the flags that take a value are torchrun's and spotrun's, a
+test keeps the table equal to the real parser's); the launcher later compares the guess with what it really
+decided (:func:`adopt`) and uses the early forkserver only when everything matches, else stops it and starts
+one as before, saying why once. A wrong guess costs CPU, never behaviour.
+
+This module must not import torch (nor anything that does): it runs before the agent's imports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+logger = logging.getLogger(__name__)
+
+FLAG_OPTIONS: Final = frozenset({
+    "-h", "--help", "--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path",
+    "--virtual-local-rank", "--virtual_local_rank", "--hang-detection", "--hang_detection", "--no-hang-detection",
+    "--no-hang_detection", "--warm-workers", "--warm_workers", "--no-warm-workers", "--no-warm_workers",
+})
+"""Options of ``spotrun`` that take no value (``tests/elastic/test_boot.py`` keeps this equal to the parser)."""
+VALUE_OPTIONS: Final = frozenset({
+    "--duplicate-stderr-filters", "--duplicate-stdout-filters", "--duplicate_stderr_filters",
+    "--duplicate_stdout_filters", "--event-log-handler", "--event_log_handler", "--events-file", "--events_file",
+    "--hang-startup-timeout", "--hang-timeout", "--hang_startup_timeout", "--hang_timeout", "--local-addr",
+    "--local-ranks-filter", "--local_addr", "--local_ranks_filter", "--log-dir", "--log_dir", "--logs-specs",
+    "--logs_specs", "--master-addr", "--master-port", "--master_addr", "--master_port", "--max-restarts",
+    "--max_restarts", "--metrics-port", "--metrics_port", "--monitor-interval", "--monitor_interval", "--nnodes",
+    "--node-rank", "--node_rank", "--nproc-per-node", "--nproc_per_node", "--numa-binding", "--numa_binding",
+    "--peer-loss-grace", "--peer_loss_grace", "--planned-leave-exit-code", "--planned_leave_exit_code",
+    "--preempt-grace", "--preempt-notice", "--preempt-poll-interval", "--preempt-signal", "--preempt_grace",
+    "--preempt_notice", "--preempt_poll_interval", "--preempt_signal", "--rdzv-backend", "--rdzv-conf",
+    "--rdzv-endpoint", "--rdzv-id", "--rdzv_backend", "--rdzv_conf", "--rdzv_endpoint", "--rdzv_id", "--redirects",
+    "--resize-timeout", "--resize_timeout", "--role", "--shutdown-timeout", "--shutdown_timeout",
+    "--signals-to-handle", "--signals_to_handle", "--start-method", "--start_method", "--stop-grace",
+    "--stop_grace", "--tee", "-r", "-t",
+})
+"""Options of ``spotrun`` that take a value (``tests/elastic/test_boot.py`` keeps this equal to the parser)."""
+DEFAULT_SIGNALS_TO_HANDLE: Final = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""torchrun's ``--signals-to-handle`` default."""
+ENV_EARLY_FORKSERVER: Final = "SPOTRUN_EARLY_FORKSERVER"
+"""``0`` turns the speculative forkserver off (the forkserver then starts after the agent's imports)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WarmGuess:
+    """What the launcher will most likely decide for the workers' forkserver, from argv and the environment."""
+
+    env: dict[str, str]
+    """Environment variables the launcher sets before it starts the forkserver (name -> value)."""
+    shielded: tuple[int, ...]
+    """Signal numbers blocked in the forkserver (the agent's notice signals)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    options: dict[str, str | None]
+    script: str | None
+    module: bool
+
+
+def _canonical(token: str, known: Sequence[str]) -> str | None:
+    """``token``'s option as argparse (``allow_abbrev``) would read it; None when unknown or ambiguous."""
+    if token in known:
+        return token
+    matches = [k for k in known if k.startswith(token) and k.startswith("--")]
+    return matches[0] if len(matches) == 1 else None
+
+
+def pre_parse(argv: Sequence[str], value_options: frozenset[str]) -> _Parsed | None:
+    """The options before the script and the script itself; None when argv cannot be read with certainty
+    (an unknown or ambiguous option: the guess is then not made). Pure."""
+    known = sorted(FLAG_OPTIONS | value_options)
+    options: dict[str, str | None] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return _Parsed(options, argv[i + 1] if i + 1 < len(argv) else None, "--module" in options)
+        if not token.startswith("-") or token == "-":
+            return _Parsed(options, token, "--module" in options or "-m" in options)
+        name, eq, value = token.partition("=")
+        if not name.startswith("--") and len(name) > 2 and name[:2] in known:  # -r3, -t3
+            name, eq, value = name[:2], "=", name[2:]
+        canon = _canonical(name, known)
+        if canon is None:
+            return None
+        if canon in FLAG_OPTIONS:
+            if eq:
+                return None
+            options[canon] = None
+        elif eq:
+            options[canon] = value
+        else:
+            if i + 1 >= len(argv):
+                return None
+            options[canon] = argv[i + 1]
+            i += 1
+        i += 1
+    return _Parsed(options, None, False)
+
+
+def _last(options: Mapping[str, str | None], *names: str) -> str | None:
+    for name in names:
+        if name in options:
+            return options[name]
+    return None
+
+
+def guess(argv: Sequence[str], environ: Mapping[str, str], value_options: frozenset[str]) -> WarmGuess | None:
+    """The forkserver the launcher will start, or None when it will start none or argv leaves doubt. Pure."""
+    from elastic.api import ENV_PREEMPT_SIGNAL, ENV_WARM_WORKERS
+    from elastic.notice import notice_signals
+
+    parsed = pre_parse(argv, value_options)
+    if parsed is None or parsed.script is None:
+        return None
+    opts = parsed.options
+    if any(k in opts for k in ("-h", "--help", "--no-python", "--no_python", "--run-path", "--run_path")):
+        return None
+    if any(k in opts for k in ("--no-warm-workers", "--no-warm_workers")):
+        return None
+    if not any(k in opts for k in ("--warm-workers", "--warm_workers")):
+        flag = environ.get(ENV_WARM_WORKERS, "").strip().lower()
+        if flag in ("0", "false", "no", "off"):
+            return None
+    if not parsed.module and not os.path.isfile(parsed.script):
+        return None  # the launcher starts no forkserver for a missing script
+    nproc_text = _last(opts, "--nproc-per-node", "--nproc_per_node") or environ.get("PET_NPROC_PER_NODE", "1")
+    try:
+        nproc = int(nproc_text)
+    except ValueError:
+        return None  # "auto", "gpu"...: torch decides with devices it must import to count
+    env: dict[str, str] = {}
+    if nproc > 1 and "OMP_NUM_THREADS" not in environ:
+        env["OMP_NUM_THREADS"] = "1"
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = (_last(opts, "--signals-to-handle", "--signals_to_handle")
+                                             or environ.get("PET_SIGNALS_TO_HANDLE") or DEFAULT_SIGNALS_TO_HANDLE)
+    preempt = _last(opts, "--preempt-signal", "--preempt_signal") or environ.get(ENV_PREEMPT_SIGNAL) or None
+    try:
+        shielded = tuple(int(s) for s in notice_signals(preempt))
+    except Exception:  # noqa: BLE001 - a bad --preempt-signal: the launcher reports it; no guess
+        return None
+    return WarmGuess(env, shielded)
+
+
+@dataclass(slots=True)
+class _Early:
+    guess: WarmGuess
+    environ: dict[str, str]
+    """The forkserver's environment at its start."""
+    preload: tuple[str, ...]
+
+
+_early: _Early | None = None
+
+
+def start_early(argv: Sequence[str]) -> bool:
+    """Start the forkserver now if argv says the launcher will want one (never raises; True when started)."""
+    global _early
+    if os.environ.get(ENV_EARLY_FORKSERVER, "1").strip() == "0" or _early is not None:
+        return False
+    try:
+        from elastic.workers import DEFAULT_PRELOAD
+
+        wanted = guess(argv, os.environ, VALUE_OPTIONS)
+        if wanted is None:
+            return False
+        import multiprocessing.forkserver as forkserver
+        from multiprocessing import resource_tracker
+
+        forkserver.set_forkserver_preload(list(DEFAULT_PRELOAD))
+        resource_tracker.ensure_running()  # first: starting it unblocks SIGINT/SIGTERM in the caller
+        saved = {k: os.environ.get(k) for k in wanted.env}
+        os.environ.update(wanted.env)
+        environ = dict(os.environ)
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, list(wanted.shielded))
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            for k, v in saved.items():  # the launcher sets them itself, as before (torchrun's own messages)
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        _early = _Early(wanted, environ, tuple(DEFAULT_PRELOAD))
+        return True
+    except Exception as exc:  # noqa: BLE001 - an optimisation: the launcher starts one as before
+        logger.debug("no early forkserver: %s", exc)
+        return False
+
+
+def adopt(preload: Sequence[str], shielded: Sequence[int], environ: Mapping[str, str]) -> dict[str, str] | None:
+    """Launcher side, where it starts the forkserver: the early forkserver's start environment when it was
+    started exactly as the launcher would now (preloads, blocked signals, import-time environment); else stop
+    it (when there is one) and return None: the caller starts one as before."""
+    global _early
+    early, _early = _early, None
+    if early is None:
+        return None
+    why = mismatch(early, preload, shielded, environ)
+    if why is None:
+        logger.info("warm workers: using the forkserver started before the agent's imports")
+        return early.environ
+    logger.info("warm workers: the forkserver started before the agent's imports does not match (%s): restarting it",
+                why)
+    stop_forkserver()
+    return None
+
+
+def mismatch(early: _Early, preload: Sequence[str], shielded: Sequence[int], environ: Mapping[str, str]) -> str | None:
+    """Why the early forkserver differs from the one the launcher wants (None: it does not). Pure."""
+    from elastic.warm import IMPORT_TIME_ENV_PREFIXES, PER_WORKER_ENV
+
+    if tuple(preload) != early.preload:
+        return "preloaded modules"
+    if sorted(set(shielded)) != sorted(set(early.guess.shielded)):
+        return "blocked signals"
+
+    def relevant(env: Mapping[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV_PREFIXES) and k not in PER_WORKER_ENV}
+
+    now, then = relevant(environ), relevant(early.environ)
+    if now != then:
+        changed = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
+        return "environment " + ", ".join(changed)
+    return None
+
+
+def stop_forkserver() -> None:
+    """Stop multiprocessing's forkserver of this process, if one runs (CPython's own test hook)."""
+    import multiprocessing.forkserver as forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if callable(stop):
+        try:
+            stop()
+        except OSError as exc:
+            logger.debug("stopping the early forkserver: %s", exc)
+
+
+def discard() -> None:
+    """The launcher starts no forkserver after all (cold workers): stop the early one."""
+    global _early
+    if _early is not None:
+        _early = None
+        logger.info("warm workers off: stopping the forkserver started before the agent's imports")
+        stop_forkserver()
+
+
+def main() -> None:
+    """The ``spotrun`` command: start the warm forkserver, then the launcher (``elastic.cli.main``)."""
+    import sys
+
+    start_early(sys.argv[1:])
+    from elastic.cli import main as cli_main
+
+    cli_main()
