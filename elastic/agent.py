@@ -704,8 +704,10 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _on_notice_signal(self, signum: int, frame: object) -> None:
         source, grace = self._notice_signals[signum]
-        if self._in_rendezvous and self._own_notice is None and self._round_members() is not None:
-            # Between rounds (a recovery, a spare): no worker to save anything; leave now (_invoke_run).
+        if self._in_rendezvous and self._own_notice is None:
+            # Between rounds (a recovery, a spare, a node that never joined a round yet): no worker to save
+            # anything; leave now (_invoke_run), as a planned leave. A node that had not joined yet used to take
+            # torch's immediate shutdown (exit -15), which a scheduler counts as a failure (overlapping soak).
             self.receive_notice(Notice(source, time.time() + grace, f"signal {signal.Signals(signum).name}"))
             raise _NoticeWhileNotTraining
         if signum == signal.SIGTERM and (self._own_notice is not None or not self._helpers_ready()):

@@ -326,3 +326,22 @@ def test_a_notice_between_rounds_leaves_at_once_as_a_planned_leave(tmp_path: Pat
     (leave,) = [e for e in events.records if e["event"] == "planned_leave"]
     assert leave["saved"] is False and "between rounds" in leave["why"], leave
     assert [e["exit_code"] for e in events.records if e["event"] == "run_finished"] == [75]
+
+
+class FirstRoundHandler(SpareHandler):
+    """A node that never was in a round (a replacement joining, a spare of a full job): SIGTERM in its first wait."""
+
+    participants = ()
+
+
+def test_a_notice_before_the_first_round_leaves_as_a_planned_leave(tmp_path: Path) -> None:
+    """A replacement node preempted while it waits for its first round has nothing to save either: planned-leave
+    code, not torch's exit by signal (which a Kubernetes Job or Slurm counts as a failure)."""
+    handler = FirstRoundHandler()
+    agent, _, events = _agent(tmp_path, handler, planned_leave_exit_code=75)
+    handler.agent = agent
+    result = agent._invoke_run()
+    assert result.state is WorkerState.SUCCEEDED and agent.exit_status == 75
+    assert handler.left == 1
+    (leave,) = [e for e in events.records if e["event"] == "planned_leave"]
+    assert leave["saved"] is False and "between rounds" in leave["why"], leave
