@@ -67,6 +67,9 @@ class RestoreSource(str, enum.Enum):
     """Where a restore came from (``restore_source`` in progress lines and events; values are only added)."""
 
     MEMORY_LOCAL = "memory_local"
+    MEMORY_PEER = "memory_peer"
+    """Some bytes came from another node's keeper (``peer.PeerShmTier``): a replacement node, or a lost
+    node's sharded state from its buddy's copy."""
     DURABLE = "durable"
 
 
