@@ -222,32 +222,40 @@ def _ddp_snapshot(rank: int, world: int, dirs: list[str], nodes: list[str], step
     state = _ddp_state(0, per_rank)
     tier = _tier(dirs[rank], nodes[rank])
     try:
-        snaps: dict[int, dict[str, torch.Tensor]] = {}
+        snaps: dict[int, Any] = {}
         for step in range(1, steps + 1):
             _ddp_train(state, step, rank)
             assert tier.snapshot(step, state)
-            snaps[step] = _ddp_tensors(state)
+            snaps[step] = _plain(_ddp_tensors(state))
         tier.wait()
         return {"snaps": snaps, "sent": tier.buddy_bytes_sent, "received": tier.buddy_copies_received}
     finally:
         tier.close()
 
 
-def _ddp_restore(rank: int, world: int, dirs: list[str], nodes: list[str], config: list[dict[str, Any]]) -> dict[str, Any]:
-    state = _ddp_state(1)
+def _ddp_restore(rank: int, world: int, dirs: list[str], nodes: list[str], config: list[dict[str, Any]],
+                 per_rank: bool = True) -> dict[str, Any]:
+    state = _ddp_state(1, per_rank)
     tier = _tier(dirs[rank], nodes[rank], **config[rank])
     try:
         report = tier.restore(state, not_older_than=None)
-        return {"report": None if report is None else report.to_json(), "tensors": _ddp_tensors(state),
-                "meta": state["meta"], "mine": state["mine"].value, "reason": tier.last_fallback_reason}
+        return {"report": None if report is None else report.to_json(), "tensors": _plain(_ddp_tensors(state)),
+                "meta": state["meta"], "mine": state["mine"].value if per_rank else None, "reason": tier.last_fallback_reason}
     finally:
         tier.close()
 
 
-def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def _plain(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int], bytes]]:
+    """Tensors as plain data for the result queue (torch would share their storage by file descriptor, which
+    dies with the worker): dtype, shape and the exact bytes."""
+    return {k: (str(v.dtype), list(v.shape), v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            for k, v in tensors.items()}
+
+
+def _assert_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert sorted(a) == sorted(b)
     for name in a:
-        assert torch.equal(a[name], b[name]), name
+        assert a[name] == b[name], name  # dtype, shape and every byte
 
 
 def _files(directory: str) -> list[str]:
@@ -284,7 +292,7 @@ def test_without_a_replacement_the_restore_is_local(keepers: dict[str, str], tmp
     out = run_workers(_ddp_snapshot, 2, ([a, b], ["A", "B"], 2, False), tmpdir=str(tmp_path), timeout=120)
     assert out[0]["sent"] == out[1]["sent"] == 0  # pure DDP: nothing unique to a node, no copies
     assert not [f for d in (a, b) for f in _files(d) if f.startswith("peer-")]
-    back = run_workers(_ddp_restore, 2, ([a, b], ["A", "B"], [{}, {}]), tmpdir=str(tmp_path), timeout=120)
+    back = run_workers(_ddp_restore, 2, ([a, b], ["A", "B"], [{}, {}], False), tmpdir=str(tmp_path), timeout=120)
     for r in back:
         assert r["report"]["restore_source"] == "memory_local" and r["report"]["restore_step"] == 2
         _assert_equal(r["tensors"], out[0]["snaps"][2])
@@ -366,12 +374,12 @@ def _fsdp_snapshot(rank: int, world: int, dirs: list[str], nodes: list[str], ckp
 
     state = _fsdp_state(0)
     tier = _tier(dirs[rank], nodes[rank])
-    saved: dict[int, dict[str, torch.Tensor]] = {}
+    saved: dict[int, Any] = {}
     try:
         for step in (1, 2, 3):
             _fsdp_train(state, step, rank)
             assert tier.snapshot(step, state)
-            saved[step] = _full(state)
+            saved[step] = _plain(_full(state))
             if ckpt is not None and step == 1:
                 with Checkpointer(ckpt) as durable:
                     durable.save(step, state)
@@ -394,7 +402,7 @@ def _fsdp_restore(rank: int, world: int, dirs: list[str], nodes: list[str], ckpt
         finally:
             if durable is not None:
                 durable.close()
-        return {"report": None if report is None else report.to_json(), "full": _full(state),
+        return {"report": None if report is None else report.to_json(), "full": _plain(_full(state)),
                 "mine": state["mine"].value, "reason": tier.last_fallback_reason}
     finally:
         tier.close()
