@@ -453,9 +453,9 @@ class PeerShmTier(LocalShmTier):
         flat.objects = plan.objects
         rank_objects: dict[str, JSON] = {}
         for key, rule in flat.per_rank.items():
-            src = per_rank_source(self.rank, self.world_size, plan.manifest.world_size, rule)
-            if src is not None:
-                rank_objects[key] = plan.rank_objects[src][key]
+            saved = per_rank_source(self.rank, self.world_size, plan.manifest.world_size, rule)
+            if saved is not None:
+                rank_objects[key] = plan.rank_objects[saved][key]
         flat.rank_objects = rank_objects
         try:
             apply(state, flat)
@@ -510,7 +510,7 @@ class PeerShmTier(LocalShmTier):
                 if t.file not in maps:
                     maps[t.file] = _map_file(os.path.join(self.directory, t.file))
                 mapped = maps[t.file]
-                works = []
+                works: list[Any] = []
                 for a, b in pieces(t.start, t.end, PIECE_BYTES):
                     if mapped is not None and b <= mapped[1].numel():
                         piece = mapped[1][a:b]
