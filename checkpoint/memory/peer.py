@@ -36,6 +36,7 @@ import os
 import socket
 import time
 import zlib
+from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint.api import JSON, ChunkKey, CorruptCheckpointError
+from checkpoint.api import JSON, ChunkKey, CorruptCheckpointError, ReadRequest
 from checkpoint.collective import open_collectives
 from checkpoint.config import CheckpointConfig
 from checkpoint.memory.api import (
@@ -84,7 +85,10 @@ from checkpoint.verify import BlockVerifier
 logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 16 << 20
-"""Largest message of a transfer: a receiver holds at most one piece beyond its destination tensors."""
+"""Largest message of a transfer (a receiver verifies each piece as it completes, while it is in the cache)."""
+BOUNCE_BYTES = 256 << 20
+"""Most bytes of receive buffers a restoring rank holds at once (for pieces that cannot land in their tensor
+as they are: a read across chunks of another layout); receives straight into the destination need none."""
 BUDDY_TAG = 1
 RESTORE_TAG = 2
 
@@ -426,15 +430,13 @@ class PeerShmTier(LocalShmTier):
                 verify, threads,
             )
             with torch.no_grad():
+                receiver = _Receiver(storage, self._xfer.group, block, verify)
                 for req, (_, start, end, src) in zip(remote, needs):
-                    if out.error is not None:
-                        _drain([b - a for a, b in pieces(start, end, PIECE_BYTES)], src, self._xfer.group, RESTORE_TAG)
-                        continue
-                    try:
-                        out.peer_bytes += self._receive_range(storage, req, destinations[req.dst], src, start, end,
-                                                              block, verify)
-                    except Exception as exc:  # noqa: BLE001 - voted on by the caller
-                        out.error, out.bad = exc, (req.file, plan.holders[req.file])
+                    receiver.post(req, destinations[req.dst], src, start, end, plan.holders[req.file])
+                receiver.finish()
+                out.peer_bytes = receiver.nbytes
+                if receiver.error is not None:
+                    out.error, out.bad = receiver.error, (receiver.error_file, plan.holders[receiver.error_file])
             try:
                 out.nbytes = reading.result() + out.peer_bytes
             except Exception as exc:  # noqa: BLE001 - voted on by the caller
@@ -463,40 +465,6 @@ class PeerShmTier(LocalShmTier):
             out.error = exc
         return out
 
-    def _receive_range(
-        self, storage: Storage, req: Any, dst: torch.Tensor, src: int, start: int, end: int, block: int, verify: bool
-    ) -> int:
-        """Receive ``[start, end)`` of ``req.file`` from rank ``src`` in pieces and put ``req``'s part of it into
-        ``dst``: straight into the tensor when the bytes line up (no bounce buffer), each piece's blocks
-        checked as it arrives; else into one buffer, then the durable read path's copy. Drains the rest of
-        the range before raising, so the sender is never left waiting."""
-        group = self._xfer.group
-        index = tuple(slice(a, b) for a, b in req.dst_slices)
-        target = dst.detach()[index] if index else dst.detach()
-        parts = pieces(start, end, PIECE_BYTES)
-        direct = (
-            target.device.type == "cpu" and target.is_contiguous()
-            and (start, end) == tuple(req.read_range) and end - start == target.numel() * target.element_size()
-        )
-        buf = target.reshape(-1).view(torch.uint8) if direct else torch.empty(end - start, dtype=torch.uint8)
-        verifier = None
-        if verify and direct:
-            verifier = BlockVerifier(req.block_crc32, path=f"{self.node}/{req.file}", file=req.file, fqn=req.fqn,
-                                     chunk_start=req.chunk_byte_range[0], start=start, end=end, block_bytes=block)
-        for i, (a, b) in enumerate(parts):
-            piece = buf[a - start : b - start]
-            dist.recv(piece, group=group, group_src=src, tag=RESTORE_TAG)
-            if verifier is not None:
-                try:
-                    verifier.feed(piece.numpy().data)
-                except BaseException:
-                    _drain([y - x for x, y in parts[i + 1 :]], src, group, RESTORE_TAG)
-                    raise
-        if not direct:
-            view = memoryview(buf.numpy().data)
-            apply_read(storage, "peer", req, dst, block, verify, lambda _f, s, e: view[s - start : e - start])
-        return end - start
-
     def _send_all(self, sends: Sequence[Transfer]) -> str | None:
         """Helper thread: send every range asked of this rank, in the global order; zeros (which fail the
         reader's crc32 check) for a file this node cannot read. Returns the first unreadable file, if any."""
@@ -505,23 +473,23 @@ class PeerShmTier(LocalShmTier):
         unreadable: str | None = None
         maps: dict[str, tuple[mmap.mmap, torch.Tensor] | None] = {}
         zeros: torch.Tensor | None = None
+        works: list[Any] = []
         try:
-            for t in sends:
+            for t in sends:  # all posted at once (views of the mapped files: no copies), in the global order
                 if t.file not in maps:
                     maps[t.file] = _map_file(os.path.join(self.directory, t.file))
                 mapped = maps[t.file]
-                works: list[Any] = []
                 for a, b in pieces(t.start, t.end, PIECE_BYTES):
                     if mapped is not None and b <= mapped[1].numel():
                         piece = mapped[1][a:b]
                     else:
                         unreadable = unreadable or t.file
-                        if zeros is None or zeros.numel() < b - a:
+                        if zeros is None:
                             zeros = torch.zeros(PIECE_BYTES, dtype=torch.uint8)
                         piece = zeros[: b - a]
                     works.append(dist.isend(piece, group=group, group_dst=t.dst, tag=RESTORE_TAG))
-                for work in works:
-                    work.wait()
+            for work in works:
+                work.wait()
         finally:
             for entry in maps.values():
                 if entry is not None:
@@ -574,6 +542,85 @@ def _fallback_reason(held: Mapping[SnapshotId, Sequence[HeldFile]], floor: int |
     if touched:
         return f"every memory snapshot failed its checks (newest: step {newest.step})"
     return f"no memory snapshot every rank can restore (newest: step {newest.step})"
+
+
+class _Receiver:
+    """The receiving side of a restore's transfers: receives are posted ahead (straight into the destination
+    tensors when the bytes line up, else into bounce buffers, at most ``BOUNCE_BYTES`` of them at a time) and
+    completed in order, each piece's blocks checked against their crc32s as it completes. After a failure the
+    rest is still received (and ignored): the senders must never be left waiting."""
+
+    def __init__(self, storage: Storage, group: Any, block: int, verify: bool) -> None:
+        self.storage, self.group, self.block, self.verify = storage, group, block, verify
+        self.window: deque[_Pending] = deque()
+        self.bounce = 0
+        self.nbytes = 0
+        self.error: BaseException | None = None
+        self.error_file = ""
+
+    def post(self, req: ReadRequest, dst: torch.Tensor, src: int, start: int, end: int, holder: str) -> None:
+        """Post the receives of ``[start, end)`` of ``req.file`` (on node ``holder``) from rank ``src``, for
+        ``req``'s part of ``dst``."""
+        index = tuple(slice(a, b) for a, b in req.dst_slices)
+        target = dst.detach()[index] if index else dst.detach()
+        direct = (
+            target.device.type == "cpu" and target.is_contiguous()
+            and (start, end) == tuple(req.read_range) and end - start == target.numel() * target.element_size()
+        )
+        if not direct:
+            while self.window and self.bounce + (end - start) > BOUNCE_BYTES:
+                self._complete(self.window.popleft())
+            self.bounce += end - start
+        buf = target.reshape(-1).view(torch.uint8) if direct else torch.empty(end - start, dtype=torch.uint8)
+        works = [
+            dist.irecv(buf[a - start : b - start], group=self.group, group_src=src, tag=RESTORE_TAG)
+            for a, b in pieces(start, end, PIECE_BYTES)
+        ]
+        self.window.append(_Pending(req, dst, buf, works, start, end, direct, f"{holder}:{req.file}"))
+
+    def finish(self) -> None:
+        while self.window:
+            self._complete(self.window.popleft())
+
+    def _complete(self, p: _Pending) -> None:
+        req = p.req
+        verifier = None
+        if self.verify and p.direct and self.error is None:
+            verifier = BlockVerifier(req.block_crc32, path=p.where, file=req.file, fqn=req.fqn,
+                                     chunk_start=req.chunk_byte_range[0], start=p.start, end=p.end,
+                                     block_bytes=self.block)
+        waited = 0
+        try:
+            for (a, b), work in zip(pieces(p.start, p.end, PIECE_BYTES), p.works):
+                work.wait()
+                waited += 1
+                if verifier is not None and self.error is None:
+                    verifier.feed(p.buf[a - p.start : b - p.start].numpy().data)
+            if not p.direct:
+                self.bounce -= p.end - p.start
+                if self.error is None:
+                    view = memoryview(p.buf.numpy().data)
+                    apply_read(self.storage, "peer", req, p.dst, self.block, self.verify,
+                               lambda _f, s, e: view[s - p.start : e - p.start])
+            self.nbytes += p.end - p.start
+        except Exception as exc:  # noqa: BLE001 - voted on by the caller; the remaining pieces still arrive
+            if self.error is None:
+                self.error, self.error_file = exc, req.file
+            for work in p.works[waited:]:  # each once: a second wait() on a gloo receive blocks
+                work.wait()
+
+
+@dataclass(slots=True)
+class _Pending:
+    req: ReadRequest
+    dst: torch.Tensor
+    buf: torch.Tensor
+    works: list[Any]
+    start: int
+    end: int
+    direct: bool
+    where: str
+    """``node:file``, for messages."""
 
 
 def _drain(sizes: Sequence[int], src: int, group: Any, tag: int = BUDDY_TAG) -> None:
