@@ -183,7 +183,7 @@ def _peer_worker(rank: int, world: int, dirs: list[str], size_mib: int, reps: in
         tier.wait()
     finally:
         tier.close()
-    out: dict[str, list[float]] = {"link": [], "memory_local": [], "memory_peer": []}
+    out: dict[str, list[float]] = {"link": [], "memory_local": [], "memory_peer": [], "plan": []}
     wire = torch.empty(nbytes, dtype=torch.uint8)
     for rep in range(reps):
         dist.barrier()
@@ -205,6 +205,8 @@ def _peer_worker(rank: int, world: int, dirs: list[str], size_mib: int, reps: in
             if report is None or report.source.value != mode or not all(torch.equal(dst[k], state[k]) for k in state):
                 raise RuntimeError(f"rank {rank}: {mode} restore gave {report}")
             out[mode].append(report.seconds)
+            if mode == "memory_peer":
+                out["plan"].append(restorer.last_plan_seconds)
     return out
 
 
@@ -223,14 +225,17 @@ def bench_peer(reps: int, size_mib: int) -> None:
         shutil.rmtree(root, ignore_errors=True)
     nbytes = size_mib * (1 << 20)
     got = out[1]
-    rate = {k: [nbytes / s / 1e9 for s in v] for k, v in got.items()}
+    rate = {k: [nbytes / s / 1e9 for s in v] for k, v in got.items() if k != "plan"}
+    moving = [nbytes / (s - p) / 1e9 for s, p in zip(got["memory_peer"], got["plan"])]
     print(f"\n### Restore of a {size_mib} MiB replicated state from a peer's memory (2 gloo processes, rank 1), GB/s\n")
-    print("| link (gloo send/recv) | memory_local | memory_peer (replacement node) | peer / link | memory_peer seconds |")
-    print("|---|---|---|---|---|")
+    print("| link (gloo send/recv) | memory_local | memory_peer (replacement node) | peer / link | memory_peer "
+          "seconds | of which agreeing (s) | peer without agreeing / link |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| {spread(rate['link'], '{:.2f}')} | {spread(rate['memory_local'], '{:.2f}')} | "
           f"{spread(rate['memory_peer'], '{:.2f}')} | "
           f"{spread([p / link for p, link in zip(rate['memory_peer'], rate['link'])], '{:.2f}')} | "
-          f"{spread(got['memory_peer'])} |")
+          f"{spread(got['memory_peer'])} | {spread(got['plan'])} | "
+          f"{spread([m / link for m, link in zip(moving, rate['link'])], '{:.2f}')} |")
 
 
 def main(argv: list[str] | None = None) -> None:

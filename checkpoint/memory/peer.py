@@ -130,8 +130,11 @@ class PeerShmTier(LocalShmTier):
         """The ranks that send their buddy copies to this rank, in rank order."""
         self._unique: set[ChunkKey] = set()
         self._complete_step = -1
+        self._exchange_due = False
         self.last_fallback_reason: str | None = None
         """Why the last ``restore`` found no memory snapshot (None when it restored from memory)."""
+        self.last_plan_seconds = 0.0
+        """Seconds the last ``restore`` took to agree on a group (offers, plans, votes) before reading it."""
         self.buddy_bytes_sent = 0
         self.buddy_copies_received = 0
 
@@ -139,6 +142,19 @@ class PeerShmTier(LocalShmTier):
         return f"PeerShmTier({self.directory!r}, rank={self.rank}/{self.world_size}, gen={self.gen}, node={self.node})"
 
     # ------------------------------------------------------------------ buddy copies
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
+        self._exchange_due = False
+        started = super().snapshot(step, state)
+        if self._exchange_due and not started:
+            # Every rank agreed to snapshot but this one failed locally (no room, an I/O error): its buddy still
+            # waits for its message, and it still keeps the copies its sources send.
+            self._future = self._executor.submit(self._exchange_only, step)
+        return started
+
+    def _exchange_only(self, step: int) -> int:
+        self._exchange(None, step)
+        return -1
+
     def _replan(self, flat: FlatState) -> None:
         super()._replan(flat)
         unique = {i.key for i in flat.items if not i.replicated and i.nbytes > 0}
@@ -150,10 +166,10 @@ class PeerShmTier(LocalShmTier):
         self._buddy = pairs.get(self.rank)
         self._sources = sorted(src for src, dst in pairs.items() if dst == self.rank)
         if not any(g["sends"] for g in gathered):
-            self._warn_once(
-                "no-buddy", "[rank %d] memory tier: no buddy copies (no sharded state or per-rank objects: every "
-                "node's snapshots hold the whole replicated state)", self.rank,
-            )
+            if "no-buddy" not in self._warned:
+                self._warned.add("no-buddy")
+                logger.info("[rank %d] memory tier: no buddy copies (no sharded state or per-rank objects: every "
+                            "node's snapshots hold the whole replicated state)", self.rank)
         elif len(set(nodes)) < 2:
             self._warn_once("one-node", "[rank %d] memory tier: one node, no buddy copies (a node loss restores "
                             "from the durable tier)", self.rank)
@@ -162,6 +178,7 @@ class PeerShmTier(LocalShmTier):
                         self.rank, self._buddy, self._sources, self.node)
 
     def _housekeep(self, complete: int) -> None:
+        self._exchange_due = True  # called once the vote agreed on a snapshot: the exchange must happen
         self._complete_step = complete
         super()._housekeep(complete)
         if complete < 0 or self.directory is None or not self._is_node_leader:
@@ -337,6 +354,7 @@ class PeerShmTier(LocalShmTier):
         gathered = self._fg.all_gather({"groups": [[s.step, s.gen] for s in plans], "why": why})
         lists = [{SnapshotId(int(s), str(g)) for s, g in x["groups"]} for x in gathered]
         touched = False
+        self.last_plan_seconds = time.perf_counter() - started
         while True:
             choice = choose_snapshot([sorted(x, key=lambda s: s.step) for x in lists], not_older_than=floor)
             if choice is None:
@@ -361,8 +379,9 @@ class PeerShmTier(LocalShmTier):
                 seconds = time.perf_counter() - started
                 source = RestoreSource.MEMORY_PEER if any(v["peer"] for v in votes) else RestoreSource.MEMORY_LOCAL
                 logger.info(
-                    "[rank %d] restored step %d from memory (gen %s, %s): %d bytes, %d from another node, in %.3fs",
-                    self.rank, choice.step, choice.gen, source.value, loaded.nbytes, loaded.peer_bytes, seconds,
+                    "[rank %d] restored step %d from memory (gen %s, %s): %d bytes, %d from another node, in %.3fs "
+                    "(%.3fs to agree on it)", self.rank, choice.step, choice.gen, source.value, loaded.nbytes,
+                    loaded.peer_bytes, seconds, self.last_plan_seconds,
                 )
                 return RestoreReport(source, choice.step, loaded.nbytes, seconds)
             logger.warning(

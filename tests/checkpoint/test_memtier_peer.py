@@ -298,6 +298,32 @@ def test_without_a_replacement_the_restore_is_local(keepers: dict[str, str], tmp
         _assert_equal(r["tensors"], out[0]["snaps"][2])
 
 
+def _ddp_one_rank_starved(rank: int, world: int, dirs: list[str], nodes: list[str]) -> dict[str, Any]:
+    state = _ddp_state(0)
+    fs = os.statvfs(dirs[rank])
+    room = {"min_free_bytes": fs.f_blocks * fs.f_frsize} if rank == 1 else {}  # rank 1 never has room
+    tier = _tier(dirs[rank], nodes[rank], **room)
+    try:
+        started = []
+        for step in (1, 2, 3):
+            _ddp_train(state, step, rank)
+            started.append(tier.snapshot(step, state))
+        tier.wait()
+        return {"started": started, "enabled": tier.enabled}
+    finally:
+        tier.close()
+
+
+def test_a_rank_that_cannot_snapshot_still_answers_its_buddy(keepers: dict[str, str], tmp_path: Path) -> None:
+    """Rank 1 runs out of room after the vote: its buddy (rank 0) still gets its (empty) message, so rank 0's
+    background thread does not wait for it and the next snapshot turns the tier off on both, promptly."""
+    a, b = keepers["A"], keepers["B"]
+    out = run_workers(_ddp_one_rank_starved, 2, ([a, b], ["A", "B"]), tmpdir=str(tmp_path), timeout=120)
+    assert out[0] == {"started": [True, False, False], "enabled": False}
+    assert out[1] == {"started": [False, False, False], "enabled": False}
+    assert not [f for f in _files(b)]  # rank 0's copy was received and dropped: no room on B either
+
+
 def _flip_data_byte(path: str) -> None:
     with open(path, "r+b") as f:
         header = int.from_bytes(f.read(8), "little")
