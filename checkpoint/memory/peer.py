@@ -66,6 +66,7 @@ from checkpoint.memory.peerplan import (
     Transfer,
     buddy_pairs,
     node_ring,
+    node_unique,
     parse_any_name,
     parse_peer_name,
     peer_name,
@@ -157,23 +158,27 @@ class PeerShmTier(LocalShmTier):
 
     def _replan(self, flat: FlatState) -> None:
         super()._replan(flat)
-        unique = {i.key for i in flat.items if not i.replicated and i.nbytes > 0}
-        sends = bool(unique) or bool(flat.rank_objects)
-        gathered = self._fg.all_gather({"node": self.node, "host": self.host, "sends": sends})
+        mine = [[i.key.fqn, list(i.key.offsets), list(i.key.lengths)] for i in flat.items if i.nbytes > 0]
+        gathered = self._fg.all_gather({"node": self.node, "host": self.host, "items": mine})
         nodes = [str(g["node"]) for g in gathered]
-        pairs = buddy_pairs(nodes, [str(g["host"]) for g in gathered], [bool(g["sends"]) for g in gathered])
-        self._unique = unique
+        held = [[ChunkKey(f, tuple(o), tuple(n)) for f, o, n in g["items"]] for g in gathered]
+        writes = {e.key for e in self._layout.entries} if self._layout is not None else set()
+        unique = [keys & writes if r == self.rank else keys for r, keys in enumerate(node_unique(held, nodes))]
+        # every rank's flag must be the same everywhere: a rank sends when its own snapshot has unique pieces
+        sends = self._fg.all_gather(bool(unique[self.rank]) or bool(flat.rank_objects))
+        pairs = buddy_pairs(nodes, [str(g["host"]) for g in gathered], [bool(x) for x in sends])
+        self._unique = unique[self.rank]
         self._buddy = pairs.get(self.rank)
         self._sources = sorted(src for src, dst in pairs.items() if dst == self.rank)
-        if not any(g["sends"] for g in gathered):
-            if "no-buddy" not in self._warned:
-                self._warned.add("no-buddy")
-                logger.info("[rank %d] memory tier: no buddy copies (no sharded state or per-rank objects: every "
-                            "node's snapshots hold the whole replicated state)", self.rank)
-        elif len(set(nodes)) < 2:
-            self._warn_once("one-node", "[rank %d] memory tier: one node, no buddy copies (a node loss restores "
-                            "from the durable tier)", self.rank)
-        else:
+        if not any(sends) and "no-buddy" not in self._warned:
+            self._warned.add("no-buddy")
+            logger.info("[rank %d] memory tier: no buddy copies (nothing is on one node only: every node's "
+                        "snapshots hold the whole replicated state)", self.rank)
+        elif len(set(nodes)) < 2 and "one-node" not in self._warned:
+            self._warned.add("one-node")
+            logger.info("[rank %d] memory tier: one node, no buddy copies (a node loss restores from the durable "
+                        "tier)", self.rank)
+        elif pairs:
             logger.info("[rank %d] memory tier buddies: sends to rank %s, keeps copies of ranks %s (node %s)",
                         self.rank, self._buddy, self._sources, self.node)
 

@@ -104,6 +104,19 @@ def buddy_nodes(hosts: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def node_unique(all_ranks: Sequence[Sequence[ChunkKey]], nodes: Sequence[str]) -> list[set[ChunkKey]]:
+    """Per rank, the pieces it holds that no rank of another node holds: what a node loss would lose. FSDP2
+    shards (one holder), and replicated pieces whose replicas are all on one node (HSDP with its replicate
+    dimension inside a node); not DDP parameters on a job of several nodes."""
+    if len(all_ranks) != len(nodes):
+        raise ValueError(f"{len(all_ranks)} ranks but {len(nodes)} node names")
+    where: dict[ChunkKey, set[str]] = {}
+    for keys, node in zip(all_ranks, nodes):
+        for key in keys:
+            where.setdefault(key, set()).add(node)
+    return [{k for k in keys if where[k] == {node}} for keys, node in zip(all_ranks, nodes)]
+
+
 def buddy_pairs(rank_nodes: Sequence[str], rank_hosts: Sequence[str], senders: Sequence[bool]) -> dict[int, int]:
     """``sending rank -> receiving rank``: the k-th sending rank of node N sends its unique pieces to the
     (k mod m)-th of the m ranks of N's buddy node. Ranks with ``senders[r]`` False (nothing only they hold)

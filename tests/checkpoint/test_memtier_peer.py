@@ -30,6 +30,7 @@ from checkpoint.memory.peerplan import (
     buddy_nodes,
     buddy_pairs,
     node_ring,
+    node_unique,
     parse_any_name,
     parse_peer_name,
     peer_name,
@@ -83,6 +84,15 @@ def test_buddies_form_a_ring_on_one_host_and_cross_hosts_when_they_can() -> None
     assert all(two_hosts[n] != two_hosts[b] for n, b in buddies.items())
     lopsided = {"a1": "h1", "a2": "h1", "a3": "h1", "b1": "h2"}
     assert all(lopsided[b] != lopsided[n] for n, b in buddy_nodes(lopsided).items())  # never the same host
+
+
+def test_node_unique_pieces_are_what_a_node_loss_would_lose() -> None:
+    w, s0, s1 = ChunkKey("w", (0,), (4,)), ChunkKey("s", (0,), (2,)), ChunkKey("s", (2,), (2,))
+    # DDP over two nodes: nothing unique; FSDP shards: each rank's own; HSDP replicas inside node A: A's pieces
+    assert node_unique([[w], [w]], ["A", "B"]) == [set(), set()]
+    assert node_unique([[w, s0], [w, s1]], ["A", "B"]) == [{s0}, {s1}]
+    assert node_unique([[s0], [s0], [s1]], ["A", "A", "B"]) == [{s0}, {s0}, {s1}]
+    assert node_unique([[w], [w]], ["A", "A"]) == [{w}, {w}]  # one node: everything (but no buddy to send to)
 
 
 def test_buddy_pairs_spread_a_nodes_ranks_over_its_buddys_ranks() -> None:
