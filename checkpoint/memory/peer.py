@@ -302,7 +302,8 @@ class PeerShmTier(LocalShmTier):
                 dist.recv(whole[offset : offset + size], group=group, group_src=src, tag=BUDDY_TAG)
                 offset += size
             del whole
-            mm.close()
+            with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
+                mm.close()
             os.close(fd)
             fd = -1
             os.rename(tmp, final)
