@@ -334,6 +334,7 @@ class PeerShmTier(LocalShmTier):
     # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], *, not_older_than: int | None) -> RestoreReport | None:
         if not self.enabled:
+            self.last_fallback_reason = "the memory tier is off (no keeper directory on some rank, or no room)"
             return None
         self.wait()
         started = time.perf_counter()
