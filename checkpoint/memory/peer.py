@@ -35,6 +35,7 @@ import mmap
 import os
 import socket
 import time
+import warnings
 import zlib
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -659,7 +660,8 @@ def _drain(sizes: Sequence[int], src: int, group: Any, tag: int = BUDDY_TAG) -> 
 
 
 def _map_file(path: str) -> tuple[mmap.mmap, torch.Tensor] | None:
-    """A private read mapping of ``path`` as a byte tensor (no copy); None when it cannot be read."""
+    """A read-only mapping of ``path`` as a byte tensor (no copy; pages mapped up front, not faulted in one by
+    one while sending); None when it cannot be read. The tensor is only ever sent from."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
@@ -668,12 +670,14 @@ def _map_file(path: str) -> tuple[mmap.mmap, torch.Tensor] | None:
         size = os.fstat(fd).st_size
         if size == 0:
             return None
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
     except OSError:
         return None
     finally:
         os.close(fd)
-    return mm, torch.frombuffer(mm, dtype=torch.uint8, count=size)
+    with warnings.catch_warnings():  # "non-writable buffer": torch warns once, but nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        return mm, torch.frombuffer(mm, dtype=torch.uint8, count=size)
 
 
 __all__ = ["PEER_PREFIX", "PIECE_BYTES", "PeerShmTier"]

@@ -45,7 +45,7 @@ def test_replacement_node_restores_from_the_survivors_memory(tmp_path: Path, etc
     assert len(restores) == 2, restores  # the first line of each rank of the new group
     for r in restores:
         assert r["restore_source"] == "memory_peer", r
-        assert DURABLE_BEFORE < r["restore_step"] and r["step"] == r["restore_step"] + 1, r
+        assert r["restore_step"] > DURABLE_BEFORE and r["step"] == r["restore_step"] + 1, r
     step, tensors = final_state(nodes.ckpt)
     ref_step, ref_tensors = final_state(ref.ckpt)
     assert step == ref_step == STEPS
