@@ -361,7 +361,7 @@ def test_damaged_bytes_from_a_peer_fail_the_group_on_every_rank(keepers: dict[st
 
 
 # --------------------------------------------------------------------------- real processes: FSDP2
-def _fsdp_state(seed: int) -> dict[str, Any]:
+def _fsdp_state(seed: int, hsdp: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -370,7 +370,11 @@ def _fsdp_state(seed: int) -> dict[str, Any]:
 
     torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(6, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if hsdp:  # ranks r and r + world/2 hold the same shard (replicate dimension first)
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for layer in (net[0], net[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
@@ -405,10 +409,11 @@ def _full(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fsdp_snapshot(rank: int, world: int, dirs: list[str], nodes: list[str], ckpt: str | None) -> dict[str, Any]:
+def _fsdp_snapshot(rank: int, world: int, dirs: list[str], nodes: list[str], ckpt: str | None,
+                   hsdp: bool = False) -> dict[str, Any]:
     from checkpoint.checkpointer import Checkpointer
 
-    state = _fsdp_state(0)
+    state = _fsdp_state(0, hsdp)
     tier = _tier(dirs[rank], nodes[rank])
     saved: dict[int, Any] = {}
     try:
@@ -471,3 +476,18 @@ def test_a_node_lost_with_its_buddy_falls_back_to_the_durable_tier(keepers: dict
     assert r["report"]["restore_source"] == "durable" and r["report"]["restore_step"] == 1
     assert "saved rank(s) [0] have neither their snapshot nor a buddy copy" in r["reason"], r["reason"]
     _assert_equal(r["full"], out[0]["full"][1])
+
+
+@pytest.mark.slow
+def test_hsdp_replicas_on_one_node_are_copied_to_its_buddy(keepers: dict[str, str], tmp_path: Path) -> None:
+    """HSDP whose replicas of a shard live on one node (ranks 0 and 2 on A, 1 and 3 on B): the pieces are
+    replicated, yet a loss of A would lose them; they go to B, and a restore without A finds them there."""
+    a, b, c = keepers["A"], keepers["B"], keepers["C"]
+    out = run_workers(_fsdp_snapshot, 4, ([a, b, a, b], ["A", "B", "A", "B"], None, True), tmpdir=str(tmp_path),
+                      timeout=240)
+    assert all(o["sent"] > 0 for o in out)
+    shutil.rmtree(a)
+    back = run_workers(_fsdp_restore, 2, ([c, b], ["C", "B"], None), tmpdir=str(tmp_path), timeout=240)
+    for r in back:
+        assert r["report"]["restore_source"] == "memory_peer" and r["report"]["restore_step"] == 3, r
+        _assert_equal(r["full"], out[0]["full"][3])
