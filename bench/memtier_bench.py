@@ -14,7 +14,12 @@ Measures, each as median [min-max] over ``--reps`` runs (modes interleaved, orde
   (flatten, vote, copy into the shared-memory slot) and how long the background checksum + publish takes;
 * restore: the same state restored from its memory snapshot (``LocalShmTier.restore``, crc32-verified) vs
   ``Checkpointer.load`` from a local-disk checkpoint of it, warm (files in the page cache) and cold (their
-  pages dropped with ``posix_fadvise(DONTNEED)`` first), in GB/s and as ratios memory / durable.
+  pages dropped with ``posix_fadvise(DONTNEED)`` first), in GB/s and as ratios memory / durable;
+* restore from a peer (``--peer``): two gloo processes, each a "node" with its own keeper directory, snapshot a
+  replicated ``--size-mib`` state (``PeerShmTier``); then each rep restores it once with both keepers
+  (``memory_local``) and once with rank 1 on a replacement node whose keeper is empty (``memory_peer``: every
+  byte received from rank 0 over gloo, crc32-verified), beside the link itself (gloo send/recv of the same
+  bytes, rank 0 -> rank 1, loopback here). Seconds and GB/s of rank 1, and peer / link.
 
 Prints Markdown tables; the machine's load average is printed with them (timings on a shared machine are noisy).
 """
@@ -163,6 +168,76 @@ def bench_restore(reps: int, size_mib: int, disk_dir: str) -> None:
           f"{spread([a / b for a, b in zip(mem, warm)], '{:.2f}')} | {spread([a / b for a, b in zip(mem, cold)], '{:.2f}')} |")
 
 
+# --------------------------------------------------------------------------- restore from a peer (two processes)
+def _peer_worker(rank: int, world: int, dirs: list[str], size_mib: int, reps: int) -> dict[str, list[float]]:
+    """Rank ``rank`` of the peer bench (see the module docstring); rank 1's timings are the ones reported."""
+    import torch.distributed as dist
+
+    from checkpoint.memory import MemoryTierConfig, PeerShmTier
+
+    state = make_state(size_mib)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    tier = PeerShmTier(dirs[rank], MemoryTierConfig(), node=f"node{rank}")
+    try:
+        tier.snapshot(1, state)
+        tier.wait()
+    finally:
+        tier.close()
+    out: dict[str, list[float]] = {"link": [], "memory_local": [], "memory_peer": [], "plan": []}
+    wire = torch.empty(nbytes, dtype=torch.uint8)
+    for rep in range(reps):
+        dist.barrier()
+        started = time.perf_counter()
+        if rank == 0:
+            dist.send(wire, dst=1)
+        else:
+            dist.recv(wire, src=0)
+        out["link"].append(time.perf_counter() - started)
+        for mode in ("memory_local", "memory_peer") if rep % 2 == 0 else ("memory_peer", "memory_local"):
+            replaced = mode == "memory_peer" and rank == 1
+            restorer = PeerShmTier(dirs[2] if replaced else dirs[rank], node="node1-replacement" if replaced else f"node{rank}")
+            try:
+                dst = zeros_like(state)
+                dist.barrier()
+                report = restorer.restore(dst, not_older_than=None)
+            finally:
+                restorer.close()
+            if report is None or report.source.value != mode or not all(torch.equal(dst[k], state[k]) for k in state):
+                raise RuntimeError(f"rank {rank}: {mode} restore gave {report}")
+            out[mode].append(report.seconds)
+            if mode == "memory_peer":
+                out["plan"].append(restorer.last_plan_seconds)
+    return out
+
+
+def bench_peer(reps: int, size_mib: int) -> None:
+    sys.path.insert(0, str(REPO))
+    from tests.harness.dist import run_workers, shutdown
+
+    root = tempfile.mkdtemp(prefix="spotrun-memtier-bench-", dir=SHM)
+    dirs = [os.path.join(root, n) for n in ("node0", "node1", "replacement")]
+    for d in dirs:
+        os.mkdir(d)
+    try:
+        out = run_workers(_peer_worker, 2, (dirs, size_mib, reps), tmpdir=root, timeout=1200, start_method="spawn")
+    finally:
+        shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+    nbytes = size_mib * (1 << 20)
+    got = out[1]
+    rate = {k: [nbytes / s / 1e9 for s in v] for k, v in got.items() if k != "plan"}
+    moving = [nbytes / (s - p) / 1e9 for s, p in zip(got["memory_peer"], got["plan"])]
+    print(f"\n### Restore of a {size_mib} MiB replicated state from a peer's memory (2 gloo processes, rank 1), GB/s\n")
+    print("| link (gloo send/recv) | memory_local | memory_peer (replacement node) | peer / link | memory_peer "
+          "seconds | of which agreeing (s) | peer without agreeing / link |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {spread(rate['link'], '{:.2f}')} | {spread(rate['memory_local'], '{:.2f}')} | "
+          f"{spread(rate['memory_peer'], '{:.2f}')} | "
+          f"{spread([p / link for p, link in zip(rate['memory_peer'], rate['link'])], '{:.2f}')} | "
+          f"{spread(got['memory_peer'])} | {spread(got['plan'])} | "
+          f"{spread([m / link for m, link in zip(moving, rate['link'])], '{:.2f}')} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=3)
@@ -170,13 +245,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size-mib", type=int, default=512, help="state size of the snapshot/restore parts")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="local disk directory for the durable checkpoint")
     p.add_argument("--skip-overhead", action="store_true", help="leave out the train_ddp runs")
+    p.add_argument("--peer", action="store_true", help="also restore from a peer's memory (two processes)")
+    p.add_argument("--peer-only", action="store_true", help="only the restore-from-a-peer part")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     print(f"load average {os.getloadavg()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
+    if args.peer_only:
+        bench_peer(args.reps, args.size_mib)
+        return
     if not args.skip_overhead:
         with tempfile.TemporaryDirectory(prefix="memtier-bench-") as workdir:
             bench_overhead(args.reps, args.steps, Path(workdir))
     bench_restore(args.reps, args.size_mib, args.dir)
+    if args.peer:
+        bench_peer(args.reps, args.size_mib)
 
 
 if __name__ == "__main__":

@@ -196,12 +196,13 @@ def snapshot_interval(text: str) -> int | str:
 
 def open_memory_tier(every: int | str) -> Any:
     """spotrun's memory tier (``checkpoint.memory``) snapshotting every ``every`` steps; None when 0. Off (said
-    once) outside spotrun, which gives every worker its node's keeper directory."""
+    once) outside spotrun, which gives every worker its node's keeper directory. A node that replaces a lost one
+    restores from the other nodes' memory (``PeerShmTier``); this model is replicated (DDP), so no buddy copies."""
     if not every:
         return None
-    from checkpoint.memory import LocalShmTier, MemoryTierConfig
+    from checkpoint.memory import MemoryTierConfig, PeerShmTier
 
-    return LocalShmTier(config=MemoryTierConfig(every=every))
+    return PeerShmTier(config=MemoryTierConfig(every=every))
 
 
 def append_progress(path: str, record_: dict[str, Any]) -> None:

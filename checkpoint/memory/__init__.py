@@ -24,6 +24,10 @@ def __getattr__(name: str) -> Any:  # lazy: the tier and the restore import torc
         from checkpoint.memory.shm import LocalShmTier
 
         return LocalShmTier
+    if name == "PeerShmTier":
+        from checkpoint.memory.peer import PeerShmTier
+
+        return PeerShmTier
     if name == "restore":
         from checkpoint.memory.resume import restore
 
@@ -39,6 +43,7 @@ __all__ = [
     "MemoryTierConfig",
     "MemoryTierError",
     "PartialRestoreError",
+    "PeerShmTier",
     "RestoreReport",
     "RestoreSource",
     "ShmSpaceError",

@@ -13,9 +13,10 @@ locates and checksums the manifest. The snapshots of one step on a node merge in
 ``shard.read_requests``, ``state.apply``) is the durable one and reshards the same way. A snapshot is never
 a committed checkpoint: it has no commit marker and lives outside the checkpoint root.
 
-Seams for what comes next (issue 17): peer replication (a second :class:`MemoryTier` that copies a buddy's
-snapshots into this node's keeper, ``restore_source: memory_peer``), just-in-time snapshots from survivors,
-FSDP2 sharded state (``node_writers`` already gives non-replicated pieces to their owner).
+Across nodes (``peerplan``, pure, and ``peer.PeerShmTier``): what exists on one node only is copied to a buddy
+node's keeper (``peer-...`` files, the same format), and a restore plans over the union of the current nodes'
+keepers, receiving the byte ranges its node lacks from a peer (``restore_source: memory_peer``). Seam for what
+comes next (issue 17): just-in-time snapshots from survivors.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class RestoreSource(str, enum.Enum):
 
     MEMORY_LOCAL = "memory_local"
     MEMORY_PEER = "memory_peer"
-    """Some bytes came from another node's keeper (peer replication, issue 17)."""
+    """Some bytes came from another node's keeper (``peer.PeerShmTier``): a replacement node, or a lost
+    node's sharded state from its buddy's copy."""
     DURABLE = "durable"
 
 
