@@ -42,6 +42,7 @@ import time
 import zlib
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +176,8 @@ class LocalShmTier:
         self.node = node or f"{socket.gethostname()}:{self.directory}"
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="memtier")
         self._future: Future[int] | None = None
+        self._inflight: _Slot | None = None
+        """The slot the snapshot in flight (``_future``) writes."""
         self._slots: list[_Slot | None] = [None] * SLOTS
         self._layout: ShardLayout | None = None
         self._signature: tuple[Any, ...] | None = None
@@ -260,6 +263,7 @@ class LocalShmTier:
         self._staged_at = time.perf_counter()
         objects = flat.objects
         rank_objects = flat.rank_objects
+        self._inflight = slot
         self._future = self._executor.submit(self._publish, slot, step, objects, rank_objects)
         return True
 
@@ -330,7 +334,9 @@ class LocalShmTier:
     def _snapshot_now(self, step: int, state: Mapping[str, Any]) -> bool:
         """This rank's snapshot of ``step`` with the current plan, published before returning; False when it
         already published ``step``. Raises MemoryTierError when the state no longer fits the plan."""
-        self.wait()  # a periodic snapshot in flight finishes first (it may be this very step)
+        # A periodic snapshot in flight finishes first (it may be this very step), but not for long: its
+        # background thread may be stuck exchanging with a buddy that just died (``peer.PeerShmTier``).
+        busy_slot = self._wait_briefly(self.config.jit_peer_wait)
         if self._published >= step:
             return False
         flat = flatten(state)
@@ -340,7 +346,8 @@ class LocalShmTier:
         # Keep both the last complete step and this rank's newest one (another rank may hold only that one, so
         # it can still be the newest common step): overwrite neither; when both slots hold them, take a third.
         keep = {self._complete, self._published} - {-1}
-        index = next((i for i, s in enumerate(self._slots) if s is None or s.step not in keep), None)
+        index = next((i for i, s in enumerate(self._slots)
+                      if s is None or (s.step not in keep and s is not busy_slot)), None)
         if index is None:
             self._slots.append(None)
             index = len(self._slots) - 1
@@ -352,8 +359,25 @@ class LocalShmTier:
         self._unpublish(slot)
         assert self._layout is not None
         copy_pieces([self._layout], [slot.views], flat.items)
-        self._publish(slot, step, flat.objects, flat.rank_objects)
+        # This node's copy only: a subclass's _publish may also talk to other ranks, whose group is broken.
+        LocalShmTier._publish(self, slot, step, flat.objects, flat.rank_objects)
         return True
+
+    def _wait_briefly(self, timeout: float) -> _Slot | None:
+        """Wait up to ``timeout`` s for the snapshot in flight; the slot it still writes, if it did not finish."""
+        future = self._future
+        if future is None:
+            return None
+        try:
+            future.result(timeout=timeout)
+        except FutureTimeout:
+            logger.warning("[rank %d] the memory snapshot in flight did not finish within %.1fs: left alone",
+                           self.rank, timeout)
+            return self._inflight
+        except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop this one
+            self._warn_once("publish", "[rank %d] memory snapshot failed: %s", self.rank, exc)
+        self._future = None
+        return None
 
     def _replan(self, flat: FlatState) -> None:
         """Gather every rank's item metadata and node once; lay out the pieces this rank snapshots."""

@@ -280,3 +280,29 @@ def test_config_rejects_bad_auto_settings() -> None:
                 {"jit_peer_wait": -1}):
         with pytest.raises(CheckpointConfigError):
             MemoryTierConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_jit_leaves_a_stuck_snapshot_in_flight_alone(shm_dir: str) -> None:
+    """A periodic snapshot whose background thread is stuck (a buddy exchange with a dead peer) is waited for
+    only ``jit_peer_wait``; the just-in-time snapshot then writes another slot, never the one in use."""
+    from concurrent.futures import Future
+
+    state = _state(0)
+    tier = LocalShmTier(shm_dir, MemoryTierConfig(every=1, jit_peer_wait=0.2))
+    try:
+        for step in range(1, 4):
+            _train(state, step)
+            tier.snapshot(step, state)
+        tier.wait()
+        stuck: Future[int] = Future()  # never completes
+        tier._future, tier._inflight = stuck, tier._slots[0]
+        _train(state, 4)
+        assert tier.snapshot_on_failure(4, state, GLOO_ERROR) is True
+        assert tier._slots[0] is not None and tier._slots[0].step != 4  # the stuck slot was not touched
+        assert 4 in _steps(shm_dir)
+        stuck.set_result(-1)
+    finally:
+        tier.close()
+    report, fresh = _restored(shm_dir)
+    assert report is not None and report.step == 4
+    _assert_equal(_tensors(fresh), _tensors(_reference(4)))
