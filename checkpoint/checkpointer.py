@@ -113,7 +113,8 @@ class Checkpointer:
             uri: the checkpoint root (local path, ``file://``, ``s3://``, ``memory://``, any fsspec URL).
             config: how to save, keep and load (default ``CheckpointConfig()``).
             process_group: the group whose ranks save together (default: the world, if initialised).
-            sleep, clock: the storage retries' (injected by tests).
+            sleep: the storage retries' sleep (injected by tests).
+            clock: the storage retries' clock (injected by tests).
             on_save_failure: called on the training thread, at the next ``save``, with each background save
                 that failed while training went on (see ``CheckpointConfig.max_consecutive_failed_saves``).
 
