@@ -14,7 +14,14 @@ _S3_MIN_PART = 5 * _MIB
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    """How the :class:`~checkpoint.checkpointer.Checkpointer` saves, keeps and loads steps."""
+    """How the :class:`~checkpoint.checkpointer.Checkpointer` saves, keeps and loads steps.
+
+    Every field is keyword-only and checked on construction.
+
+    Raises:
+        CheckpointConfigError: a field has a wrong type or is out of range (the message names the field and
+            the accepted values).
+    """
 
     keep_last: int = 3
     """Keep the newest ``keep_last`` committed steps; older ones are deleted after each commit (>= 1)."""

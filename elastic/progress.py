@@ -139,7 +139,13 @@ def _register_stack_dump(path: str) -> None:
 
 
 def heartbeat() -> None:
-    """Report progress (for loops without a ``torch.optim`` optimizer step). Cheap; a no-op outside spotrun."""
+    """Report progress (for loops without a ``torch.optim`` optimizer step). Cheap; a no-op outside spotrun.
+
+    Under spotrun the agent's hang detection counts these beats (and optimizer steps, which beat on their
+    own in warm workers): a worker without beats or CPU time past its budget is hung. Call it where real
+    progress is made, not in a loop that polls while stuck. Never raises: without the agent's progress file
+    (torchrun, a single process) it does nothing.
+    """
     mm = _Worker.mm if _Worker.attached else _attach()
     if mm is not None:
         struct.pack_into("<Q", mm, _BEATS, struct.unpack_from("<Q", mm, _BEATS)[0] + 1)
