@@ -137,9 +137,6 @@ def _options(action: argparse.Action) -> str:
         name = action.metavar or action.dest
         return code(name if action.nargs != argparse.REMAINDER else f"-- {name}...")
     spellings = list(action.option_strings)
-    if isinstance(action, argparse.BooleanOptionalAction):
-        spellings = [s for s in spellings if not s.startswith("--no-") and not s.startswith("--no_")]
-        spellings = [s.replace("--", "--[no-]", 1) for s in spellings]
     metavar = ""
     if action.nargs != 0 and not isinstance(action, argparse.BooleanOptionalAction):
         mv = action.metavar or action.dest.upper()

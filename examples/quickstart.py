@@ -26,7 +26,6 @@ from torch.nn.parallel import DistributedDataParallel
 from checkpoint import CheckpointConfig, Checkpointer
 from elastic.preemption import Preemption
 
-
 _first_step = True
 
 
