@@ -136,13 +136,9 @@ def _options(action: argparse.Action) -> str:
     if not action.option_strings:
         name = action.metavar or action.dest
         return code(name if action.nargs != argparse.REMAINDER else f"-- {name}...")
-    spellings = list(action.option_strings)
-    metavar = ""
-    if action.nargs != 0 and not isinstance(action, argparse.BooleanOptionalAction):
-        mv = action.metavar or action.dest.upper()
-        metavar = " " + (mv if isinstance(mv, str) else " ".join(mv))
-    # the first spelling with its argument, the others (torchrun's underscores, short forms) bare
-    return "<br>".join([code(spellings[0] + metavar), *map(code, spellings[1:])])
+    # Every spelling (torchrun's underscores, short forms, --no-); whether it takes a value shows in the default
+    # column (on/off for switches).
+    return "<br>".join(map(code, action.option_strings))
 
 
 def parser_table(parser: argparse.ArgumentParser, *, env: Callable[[argparse.Action], str | None] | None = None,

@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
 
     For manual multi-node tests and small clusters: ``--host 0.0.0.0 --port 2379`` serves other machines;
     ``--cert-file/--key-file[/--trusted-ca-file]`` turn on TLS (and client certificates). Enable etcd auth
-    with ``etcdctl`` afterwards (see the README). A ``--data-dir`` you give is kept on exit; the temporary
+    with ``etcdctl`` afterwards (see docs/guides/etcd.md). A ``--data-dir`` you give is kept on exit; the temporary
     one used otherwise is removed.
     """
     parser = build_parser()

@@ -7,7 +7,7 @@ bumps the beat counter (one ``struct.pack_into`` per optimizer step, about a mic
 reads. Loops without an optimizer (or cold workers, which run the script in a fresh interpreter spotrun
 cannot reach into) call :func:`heartbeat`; under stock torchrun, or when the file is absent, it is a no-op.
 
-Drop-in trade-off (documented in README): the worker has one extra handler for a real-time signal
+Drop-in trade-off (documented in docs/concepts/launcher.md): the worker has one extra handler for a real-time signal
 (``SIGRTMIN+6``; ``signal.getsignal`` still reports the default, as faulthandler installs it below Python's
 signal table), one global optimizer hook (``torch.optim.optimizer._global_optimizer_post_hooks``) and one
 open file descriptor. No thread is started and no environment variable is added: the file is found from
