@@ -1,6 +1,6 @@
-"""Chaos soak: one long seeded run of examples/train_ddp.py under spotrun, faults of every kind, the README figures.
+"""Chaos soak: one long seeded run of examples/train_ddp.py under spotrun, faults of every kind, the figures of docs/guides/chaos.md.
 
-    python bench/chaos_soak.py --duration 300 --seed 1      # the README figures (~10 min on a quiet machine)
+    python bench/chaos_soak.py --duration 300 --seed 1      # the docs figures (~10 min on a quiet machine)
     python bench/chaos_soak.py --duration 40 --seed 1       # a smoke run (every kind once)
 
 Two agents of one worker each (``--nnodes 2``: world size 2) on a real 3-member etcd cluster (loopback),
@@ -12,7 +12,7 @@ kill_worker, kill_agent (a node lost), term_agent (a preemption: planned leave),
 storage_latency and storage_error (transient). A fault waits until the job has recovered from the last one
 (every node up, a step made), so each one meets a healthy job.
 
-Prints a markdown table for the README (faults injected by type, survived, restarts, steps lost per fault,
+Prints a markdown table for docs/guides/chaos.md (faults injected by type, survived, restarts, steps lost per fault,
 detection and MTTR to the first step: median / worst), the stage breakdown of bench/mttr_report.py,
 corrupt checkpoints and leftover processes, then checks the targets and prints PASS or FAIL (exit 0/1):
 final weights bit-identical to the reference, restarts == faults (one recovery for each worker or agent

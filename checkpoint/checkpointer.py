@@ -113,7 +113,8 @@ class Checkpointer:
             uri: the checkpoint root (local path, ``file://``, ``s3://``, ``memory://``, any fsspec URL).
             config: how to save, keep and load (default ``CheckpointConfig()``).
             process_group: the group whose ranks save together (default: the world, if initialised).
-            sleep, clock: the storage retries' (injected by tests).
+            sleep: the storage retries' sleep (injected by tests).
+            clock: the storage retries' clock (injected by tests).
             on_save_failure: called on the training thread, at the next ``save``, with each background save
                 that failed while training went on (see ``CheckpointConfig.max_consecutive_failed_saves``).
 
@@ -188,6 +189,13 @@ class Checkpointer:
         ahead; once ``max_consecutive_failed_saves`` saves in a row failed, it is raised instead (on every
         rank: every rank learns the same outcome of each save).
 
+        Collective: call it on every rank of the group with the same ``step``.
+
+        Args:
+            step: the step number to save as (a non-negative int, not yet committed at this location).
+            state: top-level name -> value: objects with ``state_dict()``/``load_state_dict()`` (models, DDP
+                or FSDP2, optimizers, schedulers), tensors, JSON values, ``PerRank(...)`` and ``RNGState()``.
+
         Raises:
             CheckpointError: the previous saves failed too often (their last error), the state was rejected
                 on some rank, or this Checkpointer is broken.
@@ -239,7 +247,12 @@ class Checkpointer:
             self.wait()
 
     def wait(self) -> None:
-        """Block until the in-flight save is committed; re-raise its error (once)."""
+        """Block until the in-flight save is committed; re-raise its error (once).
+
+        Raises:
+            CheckpointError: the in-flight save failed (storage past its retries, a rank failed, the commit
+                was aborted); the step is not committed and the previous commit stays the latest.
+        """
         future, self._future = self._future, None
         if future is None:
             return
@@ -395,7 +408,15 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ discover / load
     def latest(self) -> int | None:
-        """Newest committed step that is intact (uncommitted and corrupt steps are skipped), or None."""
+        """Newest committed step that is intact (uncommitted and corrupt steps are skipped), or None.
+
+        Returns:
+            The step number, or None when the location holds no committed step.
+
+        Raises:
+            CheckpointStorageError: storage failed past its retries, or no committed step could be read
+                (rather than starting fresh over checkpoints it cannot see).
+        """
         self._check_open()
         return latest_good_step(self.storage)
 
@@ -406,6 +427,23 @@ class Checkpointer:
         ``step=None``, damage found only while reading (a checksum mismatch, a truncated shard) makes every
         rank fall back to the next older good step, with a warning: a job that keeps restarting must not
         stay stuck on one bad checkpoint. A named ``step`` is loaded or raises.
+
+        Collective: call it on every rank of the group.
+
+        Args:
+            state: the live state to restore into, with the same top-level names as at save time (each rank
+                reads only the byte ranges of the pieces it holds, at any world size).
+            step: the step to load; None (default): the newest good step.
+
+        Returns:
+            The step loaded, or None when there is no checkpoint yet (``step=None`` only).
+
+        Raises:
+            CheckpointNotFoundError: the named ``step`` does not exist.
+            CorruptCheckpointError: the named ``step`` is damaged.
+            IncompatibleCheckpointError: the step does not match ``state`` (names, shapes) or has a newer
+                format version; ``state`` may be partly overwritten.
+            CheckpointStorageError: storage failed past its retries.
         """
         self._check_open()
         self.wait()
@@ -432,7 +470,17 @@ class Checkpointer:
         For callers with no live state to load into (Lightning's ``CheckpointIO.load_checkpoint``): the load
         path of :meth:`load` into a state built from the step's own manifest. On this process only (no
         collective, no fallback to an older step): every rank that calls it reads the whole step. Per-rank
-        entries are not included. CheckpointNotFoundError when there is no committed step.
+        entries are not included.
+
+        Args:
+            step: the step to read; None (default): the newest good step.
+
+        Returns:
+            ``(step, state)``: the step read and its shared entries, tensors whole.
+
+        Raises:
+            CheckpointNotFoundError: there is no committed step (or not ``step``).
+            CorruptCheckpointError: the step is damaged.
         """
         self._check_open()
         self._validated = None

@@ -2,7 +2,7 @@
 
 The manifest stores plain zlib crc32 values, so any tool can check a shard with ``zlib.crc32``. We compute
 them with ISA-L (``isal.isal_zlib.crc32``, the same function, PCLMULQDQ-folded: several times faster than
-``zlib.crc32``, see the README's benchmarks) when the ``isal`` wheel is installed, and fall back to zlib
+``zlib.crc32``, see docs/benchmarks.md) when the ``isal`` wheel is installed, and fall back to zlib
 otherwise. Verification on load costs one crc pass over every byte read, so this is what sets the verified
 load's throughput.
 

@@ -14,7 +14,14 @@ _S3_MIN_PART = 5 * _MIB
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    """How the :class:`~checkpoint.checkpointer.Checkpointer` saves, keeps and loads steps."""
+    """How the :class:`~checkpoint.checkpointer.Checkpointer` saves, keeps and loads steps.
+
+    Every field is keyword-only and checked on construction.
+
+    Raises:
+        CheckpointConfigError: a field has a wrong type or is out of range (the message names the field and
+            the accepted values).
+    """
 
     keep_last: int = 3
     """Keep the newest ``keep_last`` committed steps; older ones are deleted after each commit (>= 1)."""
@@ -32,12 +39,12 @@ class CheckpointConfig:
 
     verify_on_load: bool = True
     """Check the crc32 of every checksum block a load reads (one crc32 pass over the bytes read; fast with the
-    ``isal`` wheel, see the README's benchmarks)."""
+    ``isal`` wheel, see docs/benchmarks.md)."""
 
     checksum_block_bytes: int = 1 * _MIB
     """Granularity of the per-chunk crc32 blocks: a ranged read verifies only the blocks it touches, so a
     resharded load reads up to one block too many at each end of every piece it takes from a saved chunk
-    (smaller blocks read fewer extra bytes; the README's benchmarks give the figures)."""
+    (smaller blocks read fewer extra bytes; docs/benchmarks.md gives the figures)."""
 
     max_retries: int | None = None
     """Attempts per storage operation for transient errors (connection reset, throttling, EIO), first

@@ -89,7 +89,20 @@ def weight_files(directory: str) -> list[str]:
 def from_hf(directory: str, *, ties: dict[str, str] | None = None) -> dict[str, Any]:
     """The state dict stored in a HF safetensors directory (CPU tensors). ``ties`` (target -> source, default:
     from the directory's ``config.json``) re-adds tied weights ``save_pretrained`` wrote once, sharing the
-    source's tensor, so the dict matches the model's own ``state_dict()``."""
+    source's tensor, so the dict matches the model's own ``state_dict()``.
+
+    Args:
+        directory: a local directory with ``model.safetensors`` or ``model.safetensors.index.json`` and its
+            shards (only safetensors is read: no ``pytorch_model.bin``, no pickle).
+        ties: tied weights as target -> source; None: from the directory's ``config.json`` (none without it).
+
+    Returns:
+        Tensor name -> CPU tensor, tied targets sharing their source's tensor.
+
+    Raises:
+        IncompatibleCheckpointError: the directory has no safetensors weights, or two files hold the same
+            tensor.
+    """
     from safetensors.torch import load_file
 
     state: dict[str, Any] = {}
@@ -111,7 +124,16 @@ def from_hf(directory: str, *, ties: dict[str, str] | None = None) -> dict[str, 
 
 def load_hf(model: Any, directory: str) -> None:
     """Load a HF safetensors directory into ``model`` in place; IncompatibleCheckpointError naming missing or
-    unexpected keys (a key tied to a loaded one in the live model is not missing)."""
+    unexpected keys (a key tied to a loaded one in the live model is not missing).
+
+    Args:
+        model: an ``nn.Module`` (e.g. a transformers model) with the directory's architecture.
+        directory: a HF safetensors directory (see :func:`from_hf`).
+
+    Raises:
+        IncompatibleCheckpointError: keys are missing or unexpected, or the directory has no safetensors
+            weights.
+    """
     state = from_hf(directory, ties={})
     result = model.load_state_dict(state, strict=False)
     live = model.state_dict()

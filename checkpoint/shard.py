@@ -281,8 +281,8 @@ def _can_read_direct(req: ReadRequest, target: torch.Tensor, block_bytes: int, v
 
 _VERIFY_PIECE_BYTES = 1 << 20
 """A verified direct read checks each piece of about this size (whole checksum blocks) right after reading
-it, while the bytes are still in the CPU cache: one pass over memory instead of two (figures in the README's
-benchmarks)."""
+it, while the bytes are still in the CPU cache: one pass over memory instead of two (figures in
+docs/benchmarks.md)."""
 
 
 def _read_direct(

@@ -130,6 +130,15 @@ class PerRank:
     __slots__ = ("on_resize", "value")
 
     def __init__(self, value: Any, *, on_resize: str = "rank_modulo"):
+        """Args:
+            value: the rank's own state: a JSON value, tensors, or an object with ``state_dict()`` /
+                ``load_state_dict()`` (not a model or an optimizer: those are sharded state).
+            on_resize: ``"rank_modulo"``, ``"rank0"`` or ``"skip"`` (see the class).
+
+        Raises:
+            TypeError: ``value`` is a ``PerRank``, a model, an optimizer or a ``ModelOptimizer``.
+            CheckpointConfigError: ``on_resize`` is not one of the rules.
+        """
         if isinstance(value, PerRank):
             raise TypeError("PerRank(PerRank(...)): wrap the value once")
         if isinstance(value, (nn.Module, torch.optim.Optimizer, ModelOptimizer)):
@@ -168,6 +177,13 @@ class ModelOptimizer:
     __slots__ = ("model", "optimizers")
 
     def __init__(self, model: nn.Module, optim: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]):
+        """Args:
+            model: the model (plain, DDP or FSDP2) whose parameters the optimizers update.
+            optim: one optimizer, or several for that model.
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``, or ``optim`` holds no optimizer or a non-optimizer.
+        """
         if not isinstance(model, nn.Module):
             raise TypeError(f"ModelOptimizer needs an nn.Module as model, got {type(model).__name__}")
         optims = (optim,) if isinstance(optim, torch.optim.Optimizer) else tuple(optim)
@@ -177,7 +193,11 @@ class ModelOptimizer:
         self.optimizers: tuple[torch.optim.Optimizer, ...] = optims
 
     def state_dict(self) -> dict[str, Any]:
-        """FQN-keyed optimizer state; initialises empty optimizer state (zero-lr step) like DCP does."""
+        """FQN-keyed optimizer state; initialises empty optimizer state (zero-lr step) like DCP does.
+
+        Returns:
+            ``get_optimizer_state_dict(model, optimizers)``: state keyed by parameter FQN.
+        """
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         # DCP skips the initialisation when gradients exist (load after a backward, save before the
@@ -197,7 +217,11 @@ class ModelOptimizer:
                 p.grad = g
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load FQN-keyed optimizer state (DTensor values for FSDP2 parameters)."""
+        """Load FQN-keyed optimizer state (DTensor values for FSDP2 parameters).
+
+        Args:
+            state_dict: what ``state_dict`` returned (as the Checkpointer restores it).
+        """
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(self.model, self.optimizers, state_dict)
@@ -594,6 +618,11 @@ class RNGState:
     __slots__ = ()
 
     def state_dict(self) -> dict[str, Any]:
+        """The generators' states now.
+
+        Returns:
+            ``{"torch": ..., "python": ..., "cuda": [...]}`` (``cuda`` only where CUDA is available).
+        """
         import random
 
         sd: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -602,6 +631,11 @@ class RNGState:
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Set the generators to a saved state (CUDA's only where it was saved and CUDA is available).
+
+        Args:
+            state_dict: what ``state_dict`` returned.
+        """
         import random
 
         torch.set_rng_state(state_dict["torch"])

@@ -655,7 +655,7 @@ class SpotrunAgent(LocalElasticAgent):
                     # code (a failure here would count against a Kubernetes Job's backoff limit and keep Slurm
                     # from requeueing), recording saved: false and why. It does not wait to join the
                     # survivors' re-formed round to save there: its deadline is short and the survivors restore
-                    # without it (README, "Overlapping faults").
+                    # without it (docs/guides/preemption.md, "Overlapping faults").
                     self._stop_workers(self._worker_group)
                     self._leave(step=None, why=self._why_failed_during_stop(run_result))
                     return self._left_result(workers_finished=False)

@@ -85,7 +85,12 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 # --------------------------------------------------------------------------- config and cursor
 @dataclass(kw_only=True, slots=True, frozen=True)
 class BatchConfig:
-    """How the data is batched; fixed for the whole job, whatever the world size."""
+    """How the data is batched; fixed for the whole job, whatever the world size.
+
+    Raises:
+        ElasticDataError: a field is not a whole number in range, ``num_shards`` exceeds ``global_batch``, or
+            both ``num_shards`` and ``max_micro_batch`` are set.
+    """
 
     global_batch: int
     """Samples per optimizer step across all ranks (the batch the update is the mean of)."""
@@ -134,21 +139,54 @@ class DataCursor:
     """Seed of the per-epoch permutations; saved so a resume with another seed is caught, not silently mixed."""
 
     def position(self, dataset_size: int) -> int:
-        """Samples consumed since the start of the job."""
+        """Samples consumed since the start of the job.
+
+        Args:
+            dataset_size: samples per epoch.
+
+        Returns:
+            ``epoch * dataset_size + consumed``.
+        """
         return self.epoch * dataset_size + self.consumed
 
     def advanced(self, samples: int, dataset_size: int) -> DataCursor:
-        """The cursor after ``samples`` more samples of the stream (crossing epoch boundaries as needed)."""
+        """The cursor after ``samples`` more samples of the stream (crossing epoch boundaries as needed).
+
+        Args:
+            samples: how many samples to move past (>= 0).
+            dataset_size: samples per epoch.
+
+        Returns:
+            A new cursor (this one is unchanged).
+
+        Raises:
+            ElasticDataError: ``samples`` is negative or not an int.
+        """
         _check_int("samples", samples, 0)
         epochs, consumed = divmod(self.consumed + samples, dataset_size)
         return replace(self, epoch=self.epoch + epochs, consumed=consumed)
 
     def to_json(self) -> dict[str, int]:
+        """Returns:
+            ``{"epoch", "consumed", "seed"}``: what a checkpoint stores.
+        """
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], dataset_size: int) -> DataCursor:
-        """Parse a saved cursor; ElasticDataError naming the field when it is missing or out of range."""
+        """Parse a saved cursor.
+
+        Args:
+            d: what ``to_json`` wrote.
+            dataset_size: this run's samples per epoch.
+
+        Returns:
+            The cursor.
+
+        Raises:
+            ElasticDataError: naming the field when it is missing or out of range, or when ``consumed`` does
+                not fit in an epoch of ``dataset_size`` (another dataset).
+        """
         try:
             epoch, consumed, seed = d["epoch"], d["consumed"], d["seed"]
         except (KeyError, TypeError):
@@ -328,7 +366,15 @@ class ElasticBatches:
             raise ElasticDataError(f"cursor seed {self.cursor.seed} differs from BatchConfig.seed {self.config.seed}")
 
     def plan(self, rank: int, world_size: int) -> StepPlan:
-        """This rank's part of the next step (call once per step, before ``advance``)."""
+        """This rank's part of the next step (call once per step, before ``advance``).
+
+        Args:
+            rank: this rank (``RANK``).
+            world_size: the current world size (``WORLD_SIZE``).
+
+        Returns:
+            The step plan: this rank's indices, its micro-batches and the loss scale.
+        """
         return plan_step(self.config, self.cursor, rank, world_size)
 
     def advance(self) -> None:
@@ -336,13 +382,36 @@ class ElasticBatches:
         self.cursor = self.cursor.advanced(self.config.global_batch, self.config.dataset_size)
 
     def sampler(self, rank: int, world_size: int, steps: int | None = None) -> ElasticBatchSampler:
-        """A batch sampler yielding this rank's micro-batches from the current cursor on (see the class)."""
+        """A batch sampler yielding this rank's micro-batches from the current cursor on (see the class).
+
+        Args:
+            rank: this rank.
+            world_size: the current world size.
+            steps: how many steps to yield (None: an endless stream).
+
+        Returns:
+            An ``ElasticBatchSampler`` for ``DataLoader(ds, batch_sampler=...)``.
+
+        Raises:
+            ElasticDataError: the global batch is too small for the world size and ``max_micro_batch``.
+        """
         return ElasticBatchSampler(self, rank, world_size, steps=steps)
 
     def state_dict(self) -> dict[str, Any]:
+        """Returns:
+            The cursor and the dataset size, as JSON (the same on every rank).
+        """
         return {**self.cursor.to_json(), "dataset_size": self.config.dataset_size}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the cursor (the ``Checkpointer`` calls it on ``load``).
+
+        Args:
+            state: what ``state_dict`` returned.
+
+        Raises:
+            ElasticDataError: the saved cursor is for another dataset size or seed, or is malformed.
+        """
         saved_size = state.get("dataset_size", self.config.dataset_size)
         if saved_size != self.config.dataset_size:
             raise ElasticDataError(
@@ -372,6 +441,16 @@ class ElasticBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, batches: ElasticBatches, rank: int, world_size: int, *, steps: int | None = None) -> None:
+        """Args:
+            batches: the job's batches; iteration starts at its cursor as it is when ``iter()`` is called.
+            rank: this rank.
+            world_size: the current world size.
+            steps: how many steps to yield (None: an endless stream).
+
+        Raises:
+            ElasticDataError: ``steps`` is negative, ``rank`` is out of range, or a rank's share is smaller
+                than the number of micro-batches (raise ``max_micro_batch`` or the global batch).
+        """
         if steps is not None:
             _check_int("steps (or None for an endless stream)", steps, 0)
         cfg = batches.config

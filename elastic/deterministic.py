@@ -113,6 +113,16 @@ class ShardGradReducer:
         global_batch: int,
         process_group: Any = None,
     ) -> None:
+        """Args:
+            params: the bare model's parameters (those without ``requires_grad`` are left out).
+            num_shards: virtual shards per global batch (``BatchConfig.num_shards``; fixed for the job).
+            global_batch: samples per optimizer step across all ranks (``BatchConfig.global_batch``).
+            process_group: the group to reduce over (None: the default group, or a single process).
+
+        Raises:
+            ElasticDataError: no trainable parameter, parameters of several dtypes or devices, or not
+                ``1 <= num_shards <= global_batch``.
+        """
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ElasticDataError("ShardGradReducer needs at least one parameter that requires grad")
@@ -148,7 +158,15 @@ class ShardGradReducer:
         self._leaves.clear()
 
     def add_shard(self, shard: int, loss_sum: torch.Tensor) -> None:
-        """Backpropagate one shard's *summed* loss alone and keep its gradient as the shard's leaf."""
+        """Backpropagate one shard's *summed* loss alone and keep its gradient as the shard's leaf.
+
+        Args:
+            shard: the shard's id (``StepPlan.shard_ids``).
+            loss_sum: the shard's loss summed over its samples (``reduction="sum"``).
+
+        Raises:
+            ElasticDataError: ``shard`` is out of range or was already added this step.
+        """
         if not 0 <= shard < self.num_shards:
             raise ElasticDataError(f"shard {shard} is outside 0..{self.num_shards - 1}")
         if (shard, 1) in self._leaves:
@@ -173,8 +191,16 @@ class ShardGradReducer:
 
     def finish(self) -> torch.Tensor:
         """Sum the shards along the fixed tree across ranks, set every parameter's ``.grad`` to the
-        global-batch mean gradient; returns the global-batch mean loss (a 0-d tensor, bit-identical at any
-        world size)."""
+        global-batch mean gradient.
+
+        Collective: call it on every rank once per step, after its ``add_shard`` calls.
+
+        Returns:
+            The global-batch mean loss (a 0-d tensor, bit-identical at any world size).
+
+        Raises:
+            ElasticDataError: this rank did not add exactly its shards of the step.
+        """
         rank, world = self._world()
         start, end = rank_bounds(self.num_shards, world, rank)
         added = sorted(first for first, _ in self._leaves)

@@ -11,6 +11,7 @@ cleaned up before the next one, and cleanup is registered as soon as anything ex
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import logging
 import os
@@ -418,17 +419,10 @@ def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
     proc.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m elastic.etcd_server``: run a single-member etcd until Ctrl-C or SIGTERM.
-
-    For manual multi-node tests and small clusters: ``--host 0.0.0.0 --port 2379`` serves other machines;
-    ``--cert-file/--key-file[/--trusted-ca-file]`` turn on TLS (and client certificates). Enable etcd auth
-    with ``etcdctl`` afterwards (see the README). A ``--data-dir`` you give is kept on exit; the temporary
-    one used otherwise is removed.
-    """
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m elastic.etcd_server`` parser (also read by ``docs/gen_reference.py``)."""
+    parser = argparse.ArgumentParser(prog="python -m elastic.etcd_server", description=main.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (IPv6 as ::1)")
     parser.add_argument("--port", type=int, default=None, help="client port (default: a free one)")
     parser.add_argument("--data-dir", default=None, help="member data directory, kept on exit (default: temporary)")
@@ -437,6 +431,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trusted-ca-file", default=None, help="CA of client certificates (enables client-cert auth)")
     parser.add_argument("--fsync", action="store_true",
                         help="fsync writes (on with --data-dir, whose data outlives the process; off otherwise: faster)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m elastic.etcd_server``: run a single-member etcd until Ctrl-C or SIGTERM.
+
+    For manual multi-node tests and small clusters: ``--host 0.0.0.0 --port 2379`` serves other machines;
+    ``--cert-file/--key-file[/--trusted-ca-file]`` turn on TLS (and client certificates). Enable etcd auth
+    with ``etcdctl`` afterwards (see docs/guides/etcd.md). A ``--data-dir`` you give is kept on exit; the temporary
+    one used otherwise is removed.
+    """
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     if (args.cert_file is None) != (args.key_file is None):

@@ -75,7 +75,17 @@ def read_events(path: str) -> list[dict[str, Any]]:
     """All complete events in ``path``, in file order (a line still being appended is skipped).
 
     Public: ``events.jsonl`` is an interface (event names and fields are only ever added to), and this is
-    its reader for reports and tools; missing file -> no events."""
+    its reader for reports and tools; missing file -> no events.
+
+    Args:
+        path: an ``events.jsonl`` file (or a ``spotrun-chaos`` journal: same format).
+
+    Returns:
+        One dict per complete line, in file order; ``[]`` when the file does not exist.
+
+    Raises:
+        OSError: the file exists but cannot be read.
+    """
     try:
         with open(path, encoding="utf-8") as handle:
             lines = handle.readlines()

@@ -149,7 +149,7 @@ def lease_ttl_of(handler: RendezvousHandler) -> float | None:
 def _preimport_log_formatter_dependencies() -> None:
     """torch's log formatter (``TorchLogsFormatter``) imports ``torch._dynamo`` the first time it formats a
     record with an exception, and torch logs a worker failure with ``logger.exception``: the first worker
-    crash would cost the agent that import (seconds, see README) before it even starts recovering. Import it
+    crash would cost the agent that import (seconds, see docs/benchmarks.md) before it even starts recovering. Import it
     in a daemon thread while the first rendezvous and worker start are under way. What the import writes into
     the agent's environment (``TORCHINDUCTOR_CACHE_DIR``) is undone: torchrun's workers never see it."""
 

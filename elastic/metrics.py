@@ -21,7 +21,7 @@ Exposed (Prometheus text format, ``GET /metrics``)::
     spotrun_etcd_outages_total / spotrun_etcd_outage_seconds_total
                                                   rendezvous outages ridden out (or fatal) and their length
 
-Checkpoint save/load metrics are worker-side (the checkpointer runs in the workers): see the README.
+Checkpoint save/load metrics are worker-side (the checkpointer runs in the workers): see docs/guides/operating.md.
 """
 
 from __future__ import annotations

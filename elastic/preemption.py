@@ -540,6 +540,19 @@ class Preemption:
     def __init__(self, *, sync_every: int = DEFAULT_SYNC_EVERY, process_group: Any = None,
                  mailbox_dir: str | None = None, timeout: timedelta = DEFAULT_VOTE_TIMEOUT,
                  save_margin: float = DEFAULT_SAVE_MARGIN) -> None:
+        """Args:
+            sync_every: check for a notice every this many steps (one small all-reduce then; between those
+                ``should_stop`` is an integer modulo).
+            process_group: the training's group (default: the world); the votes run on a gloo group of its
+                own made from it.
+            mailbox_dir: the agent's mailbox (default: ``SPOTRUN_NOTICE_DIR``, or found through its link;
+                none under stock torchrun, where a SIGTERM to the worker is the notice).
+            timeout: how long a vote waits for the peer ranks.
+            save_margin: how many times the slowest recent save a planned save may take before the deadline.
+
+        Raises:
+            ValueError: ``sync_every`` < 1, ``timeout`` not a positive ``timedelta``, ``save_margin`` < 1.
+        """
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1 (steps between notice checks), got {sync_every!r}")
         if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
@@ -608,7 +621,19 @@ class Preemption:
         return None
 
     def should_stop(self, step: int) -> bool:
-        """True from the agreed step on (same answer on every rank at the same step). Call once per step."""
+        """True from the agreed step on (same answer on every rank at the same step). Call once per step.
+
+        Collective at every ``sync_every``-th step (a one-int all-reduce): call it on every rank.
+
+        Args:
+            step: the step just completed (the same number on every rank).
+
+        Returns:
+            True when the group stops at ``step`` (and from then on), False otherwise.
+
+        Raises:
+            PlannedStopVoteError: a peer rank did not reach the vote within ``timeout``, or left.
+        """
         if self.stop_step is not None:
             return True
         if not is_sync_step(step, self.sync_every):
@@ -645,7 +670,13 @@ class Preemption:
 
     def acknowledge(self, step: int, *, saved: bool = True, why: str | None = None) -> None:
         """Tell the agent this worker committed ``step`` (or, ``saved=False``, stopped at it without a save,
-        because of ``why``) and is leaving for the planned change."""
+        because of ``why``) and is leaving for the planned change. No-op without a mailbox (stock torchrun).
+
+        Args:
+            step: the agreed step.
+            saved: whether ``step`` was committed.
+            why: why it was not (shown in the agent's ``planned_leave`` event).
+        """
         if self.mailbox is not None:
             self.mailbox.acknowledge(self.local_rank, step, saved=saved, why=why)
 
@@ -654,7 +685,21 @@ class Preemption:
         the commit, acknowledge, and return True (leave the training loop). Otherwise False (microseconds).
 
         When the save cannot commit before the agent's ``save_by`` (see the module docstring), no rank starts
-        it: the step is acknowledged as not saved (``skipped`` says why) and True is returned all the same."""
+        it: the step is acknowledged as not saved (``skipped`` says why) and True is returned all the same.
+
+        Args:
+            ckpt: the ``Checkpointer`` (any object with ``save(step, state)`` and ``wait()``; None: stop
+                without saving).
+            step: the step just completed (the same number on every rank).
+            state: what to save (as for ``Checkpointer.save``).
+
+        Returns:
+            True: leave the training loop (the step is committed, or ``skipped`` says why not); False: go on.
+
+        Raises:
+            PlannedStopVoteError: a peer rank did not reach the vote within ``timeout``, or left.
+            CheckpointError: the planned save failed (from ``ckpt.save``/``ckpt.wait``).
+        """
         if not self.should_stop(step):
             return False
         if ckpt is not None:

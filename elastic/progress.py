@@ -7,7 +7,7 @@ bumps the beat counter (one ``struct.pack_into`` per optimizer step, about a mic
 reads. Loops without an optimizer (or cold workers, which run the script in a fresh interpreter spotrun
 cannot reach into) call :func:`heartbeat`; under stock torchrun, or when the file is absent, it is a no-op.
 
-Drop-in trade-off (documented in README): the worker has one extra handler for a real-time signal
+Drop-in trade-off (documented in docs/concepts/launcher.md): the worker has one extra handler for a real-time signal
 (``SIGRTMIN+6``; ``signal.getsignal`` still reports the default, as faulthandler installs it below Python's
 signal table), one global optimizer hook (``torch.optim.optimizer._global_optimizer_post_hooks``) and one
 open file descriptor. No thread is started and no environment variable is added: the file is found from
@@ -139,7 +139,13 @@ def _register_stack_dump(path: str) -> None:
 
 
 def heartbeat() -> None:
-    """Report progress (for loops without a ``torch.optim`` optimizer step). Cheap; a no-op outside spotrun."""
+    """Report progress (for loops without a ``torch.optim`` optimizer step). Cheap; a no-op outside spotrun.
+
+    Under spotrun the agent's hang detection counts these beats (and optimizer steps, which beat on their
+    own in warm workers): a worker without beats or CPU time past its budget is hung. Call it where real
+    progress is made, not in a loop that polls while stuck. Never raises: without the agent's progress file
+    (torchrun, a single process) it does nothing.
+    """
     mm = _Worker.mm if _Worker.attached else _attach()
     if mm is not None:
         struct.pack_into("<Q", mm, _BEATS, struct.unpack_from("<Q", mm, _BEATS)[0] + 1)

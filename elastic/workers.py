@@ -19,7 +19,7 @@ Function entrypoints (``--run-path``) are started by multiprocessing; :class:`Pd
 same two steps at the top of the child.
 
 Warm workers (spotrun default for Python scripts, ``--no-warm-workers`` to disable): instead of a fresh
-interpreter per worker (``python -u script.py``, which imports torch again on every restart: README), the
+interpreter per worker (``python -u script.py``, which imports torch again on every restart: docs/benchmarks.md), the
 script runs as a function entrypoint (:class:`ScriptEntrypoint`) in a process forked from a multiprocessing
 *forkserver* that imported torch (and torch._dynamo) once, at agent start, in parallel with the first
 rendezvous. Each restart then costs a fork. Before the script runs, the child is made indistinguishable from

@@ -154,7 +154,7 @@ class RangeWriteback:
 
     Why: with the default dirty-page thresholds (10 % of RAM) a 1 GiB shard sits in the page cache until
     our ``fsync``, which then writes all of it while we wait. Starting writeback of each 32 MiB as soon
-    as it is written overlaps the disk with the rest of the write (figures in the README's benchmarks).
+    as it is written overlaps the disk with the rest of the write (figures in docs/benchmarks.md).
     RocksDB's ``bytes_per_sync`` does the same. It only starts I/O, so durability still comes from ``fsync``.
     Linux only; any failure (other OS, a file system without it) switches it off for the process.
     """

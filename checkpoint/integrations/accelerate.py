@@ -82,13 +82,39 @@ def accelerator_state(accelerator: Any, **extra: Any) -> dict[str, Any]:
 
 
 def save_state(accelerator: Any, checkpointer: Checkpointer, step: int, **extra: Any) -> None:
-    """Save ``accelerator``'s state and ``extra`` as ``step`` (asynchronously, like ``Checkpointer.save``)."""
+    """Save ``accelerator``'s state and ``extra`` as ``step`` (asynchronously, like ``Checkpointer.save``).
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` whose prepared models, optimizers, schedulers and
+            ``register_for_checkpointing`` objects are saved, with ``accelerator.step`` and per-rank RNG.
+        checkpointer: where to save (constructed on every rank).
+        step: the step number to save as.
+        **extra: more top-level entries (e.g. the data position).
+
+    Raises:
+        ValueError: an ``extra`` name is taken by the Accelerator's own entries.
+        CheckpointError: from ``Checkpointer.save``.
+    """
     checkpointer.save(step, accelerator_state(accelerator, **extra))
 
 
 def load_state(accelerator: Any, checkpointer: Checkpointer, step: int | None = None, **extra: Any) -> int | None:
     """Restore ``accelerator``'s state and ``extra`` in place from ``step`` (default: latest good); the step
-    loaded, or None when there is no checkpoint yet."""
+    loaded, or None when there is no checkpoint yet.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``, prepared as when the step was saved.
+        checkpointer: where to load from.
+        step: the step to load; None: the newest good step.
+        **extra: the extra entries given to ``save_state``, restored in place.
+
+    Returns:
+        The step loaded, or None when there is no checkpoint yet.
+
+    Raises:
+        ValueError: an ``extra`` name is taken by the Accelerator's own entries.
+        CheckpointError: from ``Checkpointer.load``.
+    """
     loaded = checkpointer.load(accelerator_state(accelerator, **extra), step)
     if loaded is not None:
         logger.info("[step %d] Accelerator state restored from %r", loaded, checkpointer)
@@ -105,6 +131,14 @@ def skip_batches(accelerator: Any, loader: Any, skip: int) -> Iterator[Any]:
     Starting a DataLoader's iterator draws its base seed from the global RNG. The interrupted run did that at the
     start of the epoch, before the state it saved; a resumed run that starts the iterator after restoring the RNG
     would draw once more and diverge (the HF Trainer restores its RNG after fast-forwarding for the same reason).
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that prepared ``loader``.
+        loader: the prepared DataLoader of the interrupted epoch.
+        skip: batches of this epoch already trained (0: the whole epoch).
+
+    Yields:
+        The remaining batches of the epoch.
     """
     if skip <= 0:
         yield from loader

@@ -60,6 +60,11 @@ class CheckpointerCallback(TrainerCallback):
     """
 
     def __init__(self, checkpointer: Checkpointer, *, keep_trainer_checkpoints: bool = False) -> None:
+        """Args:
+            checkpointer: where the Trainer's state goes (constructed on every rank).
+            keep_trainer_checkpoints: also let the Trainer write its own (pickled) ``checkpoint-N/``
+                directories.
+        """
         self.checkpointer = checkpointer
         self.keep_trainer_checkpoints = keep_trainer_checkpoints
         self._due: str | None = None  # event after which the step's save runs: "log" or "evaluate"
@@ -88,6 +93,7 @@ class CheckpointerCallback(TrainerCallback):
         logger.info("[step %d] Trainer state handed to %r", state.global_step, self.checkpointer)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """TrainerCallback event: takes over the save the Trainer would make at this step (``save_steps``)."""
         if not control.should_save:
             return
         if not self.keep_trainer_checkpoints:
@@ -102,16 +108,19 @@ class CheckpointerCallback(TrainerCallback):
             self._save(state, **kwargs)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """TrainerCallback event: runs a save that waited for the step's logging."""
         if self._due == "log":
             self._due = None
             self._save(state, **kwargs)
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """TrainerCallback event: runs a save that waited for the step's evaluation."""
         if self._due == "evaluate":
             self._due = None
             self._save(state, **kwargs)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """TrainerCallback event: waits for the last save to commit; removes the resume directory."""
         self.checkpointer.wait()
         if self._resume_dir is not None:
             shutil.rmtree(self._resume_dir, ignore_errors=True)
@@ -120,7 +129,22 @@ class CheckpointerCallback(TrainerCallback):
     # ------------------------------------------------------------------ resume
     def resume_from(self, trainer: Any, step: int | None = None) -> str | None:
         """Load ``step`` (default: latest good) into ``trainer.model``; the directory to pass to
-        ``trainer.train(resume_from_checkpoint=...)``, or None when there is no checkpoint yet."""
+        ``trainer.train(resume_from_checkpoint=...)``, or None when there is no checkpoint yet.
+
+        The optimizer, scheduler and RNG are restored where the Trainer restores its own (its
+        ``on_train_begin``, ``on_epoch_begin``, ``on_step_begin`` events).
+
+        Args:
+            trainer: the ``transformers.Trainer`` this callback is registered with.
+            step: the step to resume from; None: the newest good step.
+
+        Returns:
+            A temporary directory with the Trainer's ``trainer_state.json`` and the loaded weights (removed at
+            ``on_train_end``), or None when there is no checkpoint yet.
+
+        Raises:
+            CheckpointError: the step was not saved by a ``CheckpointerCallback``, or loading it failed.
+        """
         holder: dict[str, Any] = {}
         state = {"model": trainer.model, "rng": PerRank(self._rng), TRAINER_STATE_KEY: holder}
         loaded = self.checkpointer.load(state, step)
@@ -145,6 +169,7 @@ class CheckpointerCallback(TrainerCallback):
         return directory
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """TrainerCallback event: restores the optimizer and scheduler of the step ``resume_from`` loaded."""
         if self._resume_step is None:
             return
         restore = self._state(kwargs["model"], kwargs.get("optimizer"), kwargs.get("lr_scheduler"))
@@ -156,9 +181,11 @@ class CheckpointerCallback(TrainerCallback):
         self._resume_step = None
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """TrainerCallback event: restores the RNG here when resuming on an epoch boundary."""
         if self._rng_at_epoch_begin and self._rng.restore():
             logger.debug("[step %d] RNG restored at the epoch boundary", state.global_step)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """TrainerCallback event: restores the RNG after the Trainer fast-forwarded the data loader."""
         if self._rng.restore():
             logger.debug("[step %d] RNG restored after fast-forwarding the data loader", state.global_step)

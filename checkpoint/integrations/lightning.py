@@ -50,11 +50,26 @@ class CheckpointerIO(CheckpointIO):
     """Lightning ``CheckpointIO`` backed by a spotrun ``Checkpointer`` (see the module docstring)."""
 
     def __init__(self, checkpointer: Checkpointer) -> None:
+        """Args:
+            checkpointer: where Lightning's checkpoints go (constructed on every rank).
+        """
         super().__init__()
         self.checkpointer = checkpointer
         self._paths: dict[str, int] = {}  # paths saved by this process (two paths may share a step)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Save Lightning's checkpoint dict as step ``checkpoint["global_step"]`` (asynchronously), with the
+        per-rank RNG states; a second path for the same step (``last.ckpt``) is only remembered.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict (its keys become top-level entries of the step).
+            path: the path Lightning names the checkpoint by (kept in the step, for ``load_checkpoint``).
+            storage_options: ignored (the ``Checkpointer``'s own storage options apply).
+
+        Raises:
+            ValueError: the dict already has a ``lightning_path`` or ``rng`` key.
+            CheckpointError: from ``Checkpointer.save``.
+        """
         step = int(checkpoint["global_step"])
         if step in self._paths.values():  # e.g. ModelCheckpoint's "last" beside the regular one: same state
             logger.debug("[step %d] already saved; %s is another name for it", step, path)
@@ -70,7 +85,11 @@ class CheckpointerIO(CheckpointIO):
         logger.info("[step %d] Lightning checkpoint %s handed to %r", step, path, self.checkpointer)
 
     def latest_path(self) -> str | None:
-        """The path of the newest committed step (for ``trainer.fit(ckpt_path=...)``), or None when there is none."""
+        """The path of the newest committed step (for ``trainer.fit(ckpt_path=...)``), or None when there is none.
+
+        Returns:
+            The path Lightning saved the newest good step under, or None.
+        """
         step = self.checkpointer.latest()
         if step is None:
             return None
@@ -94,6 +113,19 @@ class CheckpointerIO(CheckpointIO):
         )
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read the step saved under ``path`` back as Lightning's checkpoint dict and restore the RNG states.
+
+        Args:
+            path: a path ``save_checkpoint`` was given (e.g. from ``latest_path``).
+            map_location: ignored (tensors come back on the CPU).
+            weights_only: ignored (nothing is unpickled: the format has no pickle).
+
+        Returns:
+            Lightning's checkpoint dict.
+
+        Raises:
+            CheckpointNotFoundError: no committed step was saved under ``path``.
+        """
         self.checkpointer.wait()
         step, checkpoint = read_step(self.checkpointer, self._step_of(str(path)))
         checkpoint.pop(PATH_KEY, None)
@@ -103,7 +135,13 @@ class CheckpointerIO(CheckpointIO):
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
+        """Ignored: the ``Checkpointer``'s ``keep_last``/``keep_every`` decide deletions.
+
+        Args:
+            path: the checkpoint Lightning would delete.
+        """
         logger.debug("remove_checkpoint(%s) ignored: the Checkpointer's keep_last/keep_every decide deletions", path)
 
     def teardown(self) -> None:
+        """Wait for the save in flight to commit (Lightning calls it at the end of ``fit``)."""
         self.checkpointer.wait()

@@ -33,7 +33,8 @@ from elastic.chaos.targets import last_step
 logger = logging.getLogger(__name__)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``spotrun-chaos`` parser (also read by ``docs/gen_reference.py`` for the flag reference)."""
     p = argparse.ArgumentParser(prog="spotrun-chaos", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--schedule", required=True, help="JSON schedule: {\"seed\": N, \"faults\": [...]}")
@@ -47,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storage-control", default=None,
                    help="control file of the chaos:// filesystem (default: a temporary file given to the command)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the job to start (e.g. spotrun ... train.py)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]

@@ -1,6 +1,6 @@
 """Overlapping faults (issue 16): a second fault inside the first one's recovery, or at the same instant.
 
-What spotrun does (README, "Overlapping faults"):
+What spotrun does (docs/guides/preemption.md, "Overlapping faults"):
 
 * a notice and a peer crash together: the noticed node leaves for its notice with the planned-leave exit code
   (``saved: false`` and why, when its workers failed before the agreed step); the survivors re-form without

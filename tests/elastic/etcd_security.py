@@ -1,7 +1,7 @@
 """A secured etcd for tests: certificates made with openssl (a CA, a server certificate for loopback, a
 client certificate) and etcd users/roles set up with etcdctl.
 
-The same commands are in the README (multi-node etcd with TLS and auth).
+The same commands are in docs/guides/etcd.md (multi-node etcd with TLS and auth).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def etcdctl_path() -> str | None:
 
 
 def enable_auth(etcdctl: str, endpoint: str, certs: Certs | None = None) -> None:
-    """root user, a role for /spotrun/, the user ``USER`` with it, then ``auth enable`` (as the README says)."""
+    """root user, a role for /spotrun/, the user ``USER`` with it, then ``auth enable`` (as docs/guides/etcd.md says)."""
     tls = [f"--cacert={certs.ca}", f"--cert={certs.client_cert}", f"--key={certs.client_key}"] if certs else []
     scheme = "https" if certs else "http"
 

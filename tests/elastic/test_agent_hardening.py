@@ -32,7 +32,7 @@ def certs(tmp_path: Path) -> Certs:
 
 @pytest.fixture
 def secure_etcd(certs: Certs) -> Iterator[EmbeddedEtcd]:
-    """The README's setup: TLS with client certificates, auth with a non-root user, short-lived tokens."""
+    """The setup of docs/guides/etcd.md: TLS with client certificates, auth with a non-root user, short-lived tokens."""
     etcdctl = etcdctl_path()
     if etcdctl is None:
         pytest.skip("etcdctl not found next to the etcd binary nor on PATH; it enables etcd auth")

@@ -23,7 +23,7 @@ SCRIPT = Path(__file__).with_name("fidelity_worker.py")
 STDIN_TEXT = "fidelity-stdin-line\n"
 #: Variables that legitimately differ between the two launches: ports and run ids are per run, and the
 #: error file lives in each launcher's own temporary log directory. SPOTRUN_NOTICE_DIR is spotrun's one
-#: addition: the preemption mailbox that elastic.preemption reads (torchrun has no notices); the README lists it
+#: addition: the preemption mailbox that elastic.preemption reads (torchrun has no notices); docs/reference/environment.md lists it
 #: among what a script can see. (TORCHELASTIC_USE_AGENT_STORE is the same: both agents host the workers' store.)
 VOLATILE_ENV = {"MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
                 "SPOTRUN_NOTICE_DIR", "SPOTRUN_MEMORY_DIR"}
