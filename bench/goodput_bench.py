@@ -75,6 +75,9 @@ from tests.harness.procs import (
 
 JOB = str(EXAMPLES / "train_gpt.py")
 PLANNED = ("planned_leave", "planned_restart")
+FAULT_KINDS = ("notice", "kill", "crash")
+"""notice: SIGTERM to an agent; kill: SIGKILL of an agent and its workers (a node lost); crash: SIGKILL of one
+worker (its node stays)."""
 RESUME_TARGET_S = 1.0
 """Issue 8's target: survivors step within 1 s of the agreed (committed) step of a planned change."""
 STAGES = ("notice_received", "failure_detected", "planned_leave", "workers_stopped", "rendezvous_completed",
@@ -95,8 +98,8 @@ class Fault:
 def make_schedule(seed: int, duration: float, fault_every: float, rejoin_after: float,
                   kinds: tuple[str, ...] = ("notice", "kill")) -> list[Fault]:
     """Faults at ``fault_every`` +-20 %, one of ``kinds`` drawn from ``seed``, each followed by a rejoin."""
-    if not kinds or any(k not in ("notice", "kill") for k in kinds):
-        raise ValueError(f"--faults must name notice and/or kill, not {','.join(kinds) or 'nothing'}")
+    if not kinds or any(k not in FAULT_KINDS for k in kinds):
+        raise ValueError(f"--faults must name some of {', '.join(FAULT_KINDS)}, not {','.join(kinds) or 'nothing'}")
     if fault_every <= 0 or rejoin_after <= 0 or rejoin_after >= fault_every * 0.8:
         raise ValueError("--fault-every and --rejoin-after must be > 0, and the rejoin must come before the next fault "
                          f"(--rejoin-after {rejoin_after} >= 0.8 x --fault-every {fault_every})")
@@ -105,8 +108,9 @@ def make_schedule(seed: int, duration: float, fault_every: float, rejoin_after: 
     t = fault_every
     while t < duration:
         at = t + rng.uniform(-0.2, 0.2) * fault_every
-        out.append(Fault(at, rng.choice(kinds)))
-        if at + rejoin_after < duration:
+        kind = rng.choice(kinds)
+        out.append(Fault(at, kind))
+        if kind != "crash" and at + rejoin_after < duration:  # a crashed worker's node stays: nothing rejoins
             out.append(Fault(at + rejoin_after, "rejoin"))
         t += fault_every
     return out
@@ -227,7 +231,8 @@ class Run:
         job = [JOB, "--steps", "1000000000", "--step-time", str(self.args.step_time), "--log-every", "1000000",
                "--ckpt-every", str(self.args.ckpt_every), "--ckpt-dir", str(self.workdir / "ckpt"),
                "--progress-file", str(self.workdir / "progress.jsonl"), "--pg-timeout", "60",
-               "--global-batch", "8", "--context", "32", "--d-model", "32", "--corpus-chars", "16384"]
+               "--global-batch", "8", "--context", "32", "--d-model", "32", "--corpus-chars", "16384",
+               "--parallel", self.args.parallel]
         n = f"1:{self.args.nodes}"
         if self.kind == "spotrun-mem":  # spotrun with the memory tier (issue 17): unplanned faults redo ~0 steps
             job += ["--memory-snapshot-every", str(self.args.memory_every)]
@@ -293,6 +298,9 @@ def execute(run: Run, schedule: list[Fault]) -> None:
                 continue
             if fault.kind == "notice":
                 victim.signal(signal.SIGTERM)
+            elif fault.kind == "crash":
+                workers = sorted({x["pid"] for x in run.progress()} & set(descendants(victim.pid)))
+                signal_all(workers[-1:], signal.SIGKILL)  # its newest worker (the one training now)
             else:
                 signal_all([*victim.snapshot_tree()], signal.SIGKILL)
         time.sleep(max(0.0, run.window[1] - time.time()))
@@ -344,7 +352,7 @@ def print_report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -
     print("| effective training time ratio | " + " | ".join(f"{results[k]['ratio']:.3f}" for k in kinds) + " |")
     print("| productive steps | " + " | ".join(str(results[k]["productive_steps"]) for k in kinds) + " |")
     print("| steps trained again | " + " | ".join(str(results[k]["redone"]) for k in kinds) + " |")
-    for fault in ("notice", "kill", "rejoin"):
+    for fault in ("notice", "kill", "crash", "rejoin"):
         cells = []
         for k in kinds:
             lost = results[k]["lost"].get(fault, [])
@@ -354,7 +362,7 @@ def print_report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -
                 text += f" {len(lost) - len(resumed)}x not resumed in the window"
             cells.append(text.strip())
         print(f"| steps lost: {fault} | " + " | ".join(cells) + " |")
-    for fault in ("notice", "kill", "rejoin"):
+    for fault in ("notice", "kill", "crash", "rejoin"):
         names = sorted({s for k in kinds for s in results[k]["stages"].get(fault, {})},
                        key=lambda s: (STAGES + ("first_step_of_new_group",)).index(s))
         for stage in names:
@@ -382,11 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--launchers", default="spotrun,torchrun",
                    help="comma-separated: spotrun, spotrun-mem (spotrun + memory tier), torchrun")
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                   help="train_gpt.py's --parallel: replicate (DDP) or shard (FSDP2; the memory tier keeps buddy copies)")
     p.add_argument("--memory-every", type=int, default=10,
                    help="spotrun-mem: memory snapshot every K steps (a node loss still redoes ~0: just-in-time "
                         "snapshots)")
     p.add_argument("--faults", default="notice,kill",
-                   help="fault kinds drawn (comma-separated, of notice, kill); 'kill' alone: unplanned faults only")
+                   help="fault kinds drawn (comma-separated, of notice, kill, crash); 'kill,crash': unplanned faults only")
     p.add_argument("--omp-threads", type=int, default=1,
                    help="OMP_NUM_THREADS of every worker, both launchers (default 1: the simulated nodes share this "
                         "host's cores; with torch's default each of N workers runs as many OpenMP threads as the "

@@ -84,3 +84,14 @@ def test_the_report_shows_median_worst_and_the_target() -> None:
     assert gb._median_worst([]) == "-"
     assert gb._median_worst([0.5, 0.7, 1.4]) == "0.70 / 1.40 s (n=3, missed)"
     assert gb._median_worst([0.4, 0.6]) == "0.50 / 0.60 s (n=2, met)"
+
+
+def test_unplanned_schedules_have_no_rejoin_after_a_worker_crash() -> None:
+    s = gb.make_schedule(5, 1200, 60, 20, ("kill", "crash"))
+    kinds = [f.kind for f in s]
+    assert {"kill", "crash"} <= set(kinds) and "notice" not in kinds
+    for fault, after in zip(s, s[1:]):
+        if fault.kind == "crash":
+            assert after.kind != "rejoin"
+    with pytest.raises(ValueError, match="crash"):
+        gb.make_schedule(5, 600, 60, 20, ("reboot",))
