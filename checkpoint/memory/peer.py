@@ -368,8 +368,10 @@ class PeerShmTier(LocalShmTier):
             if choice is None:
                 reason = _fallback_reason(held, floor, gathered, touched)
                 self.last_fallback_reason = reason
-                logger.warning("[rank %d] no memory snapshot to restore, falling back to the durable tier: %s",
-                               self.rank, reason)
+                # A first start has nothing anywhere (info); anything else lost snapshots (warning).
+                level = logging.INFO if not held else logging.WARNING
+                logger.log(level, "[rank %d] no memory snapshot to restore, falling back to the durable tier: %s",
+                           self.rank, reason)
                 if touched:
                     raise PartialRestoreError(
                         f"rank {self.rank}: every memory snapshot failed while being restored and the live state "
