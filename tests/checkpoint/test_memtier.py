@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from checkpoint.api import CheckpointConfigError, ChunkKey
+from checkpoint.memory import keeper as keeper_module
 from checkpoint.memory.api import OWNER_LOCK, MemoryTier, RestoreSource, ShmSpaceError, SnapshotId
 from checkpoint.memory.config import MemoryTierConfig
 from checkpoint.memory.keeper import Keeper, keeper_prefix, remove_orphaned_keepers
@@ -345,9 +346,10 @@ time.sleep(120)
 """
 
 
-def _fake_agent(root: str, keeper: bool) -> tuple[subprocess.Popen[str], str, int]:
-    proc = subprocess.Popen([sys.executable, "-c", _AGENT, root, "1" if keeper else "0"], stdout=subprocess.PIPE,
-                            text=True)
+def _fake_agent(root: str, keeper: bool, cwd: str | None = None) -> tuple[subprocess.Popen[str], str, int]:
+    # -P: the fake agent itself imports spotrun, not the working directory's modules (as the spotrun script does)
+    proc = subprocess.Popen([sys.executable, "-P", "-c", _AGENT, root, "1" if keeper else "0"],
+                            stdout=subprocess.PIPE, text=True, cwd=cwd)
     assert proc.stdout is not None
     path, keeper_pid = proc.stdout.readline().split()
     return proc, path, int(keeper_pid)
@@ -378,6 +380,48 @@ def test_keeper_process_frees_the_memory_when_its_agent_is_sigkilled(shm_dir: st
         agent.kill()
         agent.wait(timeout=30)
         reap([keeper_pid], timeout=30)
+
+
+def test_keeper_ignores_the_users_modules_in_the_working_directory(shm_dir: str, tmp_path: Path) -> None:
+    # A training repository with its own checkpoint.py and elastic package, where the agent runs: the keeper
+    # once started with ``python -m`` imported them and died, so a SIGKILLed agent leaked its snapshots.
+    marker = tmp_path / "imported"
+    hostile = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\nraise SystemExit(1)\n"
+    (tmp_path / "checkpoint.py").write_text(hostile)
+    (tmp_path / "elastic").mkdir()
+    (tmp_path / "elastic" / "__init__.py").write_text(hostile)
+    agent, path, keeper_pid = _fake_agent(shm_dir, keeper=True, cwd=str(tmp_path))
+    try:
+        assert os.path.isdir(path) and keeper_pid > 0
+        assert Path(f"/proc/{keeper_pid}/stat").read_text().split(") ")[1][0] != "Z", "the keeper died at start"
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=30)
+        wait_for(lambda: not os.path.exists(path), timeout=30, what="the keeper removing its directory")
+        assert not marker.exists(), marker.read_text()
+    finally:
+        agent.kill()
+        agent.wait(timeout=30)
+        reap([keeper_pid], timeout=30)
+
+
+def test_a_keeper_that_dies_at_start_is_logged_as_an_error(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(keeper_module, "keeper_command", lambda path, pid: [sys.executable, "-c", "raise SystemExit(3)"])
+    with caplog.at_level(logging.ERROR, logger="checkpoint.memory.keeper"):
+        keeper = Keeper.create("memtier-test-run", shm_dir)
+    try:
+        assert "exited at start with code 3" in caplog.text and keeper.path in caplog.text
+    finally:
+        keeper.close()
+    assert not os.path.exists(keeper.path)
+
+
+def test_keeper_standalone_names_match_the_package() -> None:
+    import checkpoint.memory.api as api
+
+    text = Path(keeper_module.__file__).read_text()
+    assert f'MEMORY_KIND, OWNER_LOCK = "{api.MEMORY_KIND}", "{api.OWNER_LOCK}"' in text
 
 
 def test_orphans_of_dead_agents_are_swept_at_the_next_start(shm_dir: str) -> None:
