@@ -288,6 +288,35 @@ def test_no_room_skips_with_a_warning_and_turns_the_tier_off(shm_dir: str, caplo
     assert os.listdir(shm_dir) == []  # nothing allocated, nothing left
 
 
+@pytest.mark.parametrize("when_busy", ["skip", "wait"])
+def test_failing_publishes_are_logged_and_turn_the_tier_off(
+    shm_dir: str, when_busy: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = _state(0)
+    tier = LocalShmTier(shm_dir, MemoryTierConfig(when_busy=when_busy))  # type: ignore[arg-type]
+    calls = []
+
+    def failing_publish(*args: Any) -> int:
+        calls.append(args[1])
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(tier, "_publish", failing_publish)
+    try:
+        with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
+            for step in range(1, 6):
+                _train(state, step)
+                tier.snapshot(step, state)
+                if tier._future is not None:  # skip mode: the next snapshot must find this one finished
+                    wait_for(tier._future.done, timeout=10, what="the publish to fail")
+                if step == 1:
+                    continue
+                assert "memory snapshot failed: [Errno 28] No space left" in caplog.text  # read, not overwritten
+            assert calls == [1, 2, 3] and not tier.enabled  # three failures in a row, then off at the next vote
+    finally:
+        tier.close()
+    assert "tier turning off: 3 snapshots in a row failed to publish" in caplog.text and "memory tier off" in caplog.text
+
+
 def test_without_a_keeper_directory_the_tier_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SPOTRUN_MEMORY_DIR", raising=False)
     tier = LocalShmTier()
