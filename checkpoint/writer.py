@@ -155,7 +155,7 @@ def _layout_from_json(d: dict[str, JSON]) -> ShardLayout:
 
 
 class WriterProcess:
-    """Client of the per-rank writer process (``python -m checkpoint.writer``)."""
+    """Client of the per-rank writer process (``python -P -m checkpoint.writer``)."""
 
     def __init__(self, spec: StorageSpec) -> None:
         import subprocess
@@ -164,8 +164,10 @@ class WriterProcess:
 
         init = spec.to_json()  # before the child starts: a bad option fails here, naming itself
         self._lock = threading.Lock()
+        # -P: ``-m`` would put the working directory (the user's training repository) first on sys.path, and
+        # its own checkpoint.py or checkpoint/ would be imported in place of ours.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpoint.writer"],
+            [sys.executable, "-P", "-m", "checkpoint.writer"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

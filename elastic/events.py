@@ -72,7 +72,8 @@ class JsonlEventLog:
 
 
 def read_events(path: str) -> list[dict[str, Any]]:
-    """All complete events in ``path``, in file order (a line still being appended is skipped).
+    """All complete events in ``path``, in file order (a line still being appended, or one that is not valid
+    JSON, is skipped).
 
     Public: ``events.jsonl`` is an interface (event names and fields are only ever added to), and this is
     its reader for reports and tools; missing file -> no events.
@@ -87,14 +88,16 @@ def read_events(path: str) -> list[dict[str, Any]]:
         OSError: the file exists but cannot be read.
     """
     try:
-        with open(path, encoding="utf-8") as handle:
-            lines = handle.readlines()
+        with open(path, "rb") as handle:
+            data = handle.read()
     except FileNotFoundError:
         return []
     out = []
-    for line in lines:
+    # A damaged line (a byte that is not UTF-8, JSON nested past the parser's depth, a torn write) costs that
+    # line only: bytes are split first, and each line decoded on its own.
+    for line in data.splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            out.append(json.loads(line.decode("utf-8", errors="replace")))
+        except (ValueError, RecursionError):
             continue
     return out

@@ -11,6 +11,7 @@ the same root-cause summary (read from the failed worker's error file) and the p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
@@ -267,31 +268,44 @@ def launch(
         config.run_id, config.rdzv_backend, config.rdzv_endpoint, config.min_nodes, config.max_nodes,
         config.nproc_per_node, event_log.path,
     )
-    events, exporter = _with_metrics(event_log, settings.metrics_port)
-    # The workers' mailbox (elastic.preemption): set before the forkserver starts, warm workers inherit it.
-    shielded = notice_signals(settings.preempt_signal)
-    mailbox = Mailbox.create(notice_signals=shielded)
-    remove_orphaned_progress_files()  # hang detection's files of agents killed on this host (as the mailboxes)
-    os.environ[ENV_NOTICE_DIR] = mailbox.path
-    # The memory tier's shared memory on this node (checkpoint.memory.keeper): removed at exit, or by the keeper
-    # process when this agent dies; orphans of agents killed with their keeper are swept here first.
-    keeper = Keeper.create(config.run_id)
-    os.environ[ENV_MEMORY_DIR] = keeper.path
-    # LaunchConfig.__post_init__ fills both in (DefaultLogsSpecs; $TORCHELASTIC_SHUTDOWN_TIMEOUT or 30 s).
-    assert config.logs_specs is not None and config.shutdown_timeout is not None
-    agent = SpotrunAgent(
-        spec,
-        config.logs_specs,
-        settings=settings,
-        events=events,
-        start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,
-        mailbox=mailbox,
-        memory_dir=keeper.path,
-    )
-    poller = NoticePoller(make_sources(settings.preempt_sources, settings.preempt_grace), agent.receive_notice,
-                          interval=settings.preempt_poll_interval).start()
+    # What the agent holds outside its own objects (a port, a thread, files, the keeper process) is released
+    # in reverse order of setup, also when a later step of the setup fails.
+    cleanup = contextlib.ExitStack()
+    try:
+        events, exporter = _with_metrics(event_log, settings.metrics_port)
+        if exporter is not None:
+            cleanup.callback(exporter.close)
+        # The workers' mailbox (elastic.preemption): set before the forkserver starts, warm workers inherit it.
+        shielded = notice_signals(settings.preempt_signal)
+        mailbox = Mailbox.create(notice_signals=shielded)
+        cleanup.callback(mailbox.remove)
+        remove_orphaned_progress_files()  # hang detection's files of agents killed on this host (as the mailboxes)
+        os.environ[ENV_NOTICE_DIR] = mailbox.path
+        # The memory tier's shared memory on this node (checkpoint.memory.keeper): removed at exit, or by the
+        # keeper process when this agent dies; orphans of agents killed with their keeper are swept here first.
+        keeper = Keeper.create(config.run_id)
+        cleanup.callback(keeper.close)
+        os.environ[ENV_MEMORY_DIR] = keeper.path
+        # LaunchConfig.__post_init__ fills both in (DefaultLogsSpecs; $TORCHELASTIC_SHUTDOWN_TIMEOUT or 30 s).
+        assert config.logs_specs is not None and config.shutdown_timeout is not None
+        agent = SpotrunAgent(
+            spec,
+            config.logs_specs,
+            settings=settings,
+            events=events,
+            start_method=config.start_method,
+            log_line_prefix_template=config.log_line_prefix_template,
+            shutdown_timeout=config.shutdown_timeout,
+            mailbox=mailbox,
+            memory_dir=keeper.path,
+        )
+        cleanup.callback(agent.release)
+        poller = NoticePoller(make_sources(settings.preempt_sources, settings.preempt_grace), agent.receive_notice,
+                              interval=settings.preempt_poll_interval).start()
+        cleanup.callback(poller.stop)
+    except BaseException:
+        cleanup.close()
+        raise
 
     shutdown_rdzv = True
     try:
@@ -340,12 +354,7 @@ def launch(
         torch_events.record(agent.get_event_failed(), config.event_log_handler)
         raise
     finally:
-        poller.stop()
-        if exporter is not None:
-            exporter.close()
-        mailbox.remove()
-        keeper.close()
-        agent.release()
+        cleanup.close()  # the poller, the agent's files, the keeper, the mailbox, the metrics exporter
         if shutdown_rdzv:
             try:
                 spec.rdzv_handler.shutdown()

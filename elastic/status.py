@@ -154,6 +154,8 @@ def _json_object(raw: bytes) -> dict[str, Any]:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _Corrupt(f"not JSON ({exc})") from exc
+    except RecursionError as exc:
+        raise _Corrupt("JSON nested too deeply") from exc
     if not isinstance(data, dict):
         raise _Corrupt(f"expected a JSON object, got {type(data).__name__}")
     return data
@@ -236,7 +238,10 @@ def _decode_store(d: _Decoded, rel: str, kv: RawKey) -> None:
             data = _json_object(kv.value)
             d.local_sizes[_int(data, "rank")] = _int(data, "local_world_size", minimum=1)
         elif rel == _ASSIGNED + "0":
-            ranks = json.loads(kv.value)
+            try:
+                ranks = json.loads(kv.value)
+            except RecursionError as exc:
+                raise _Corrupt("JSON nested too deeply") from exc
             if not (isinstance(ranks, list) and len(ranks) == 4 and all(isinstance(r, int) for r in ranks)):
                 raise _Corrupt(f"expected [base_rank, world_size, role_rank, role_world_size], got {ranks!r}")
             d.world_size = int(ranks[1])
@@ -334,10 +339,18 @@ def _duration(seconds: float | None) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{sec:02d}s"
 
 
+def _printable(text: str) -> str:
+    """``text`` with its non-printable characters escaped (``\\x1b``): node ids, hosts and notices come from
+    etcd, where a terminal escape sequence could otherwise clear or rewrite the screen."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def render(status: JobStatus) -> str:
-    """One screen of text."""
+    """One screen of text (every string read from etcd with its non-printable characters escaped)."""
     when = time.strftime("%H:%M:%S", time.localtime(status.read_at))
-    head = f"spotrun job {status.run_id} at {status.endpoint} ({when})"
+    head = _printable(f"spotrun job {status.run_id} at {status.endpoint} ({when})")
     if status.state is RunState.RUNNING:
         state = f"running round {status.round} for {_duration(status.round_age())}"
     elif status.state is RunState.FORMING and status.round is not None:
@@ -351,7 +364,7 @@ def render(status: JobStatus) -> str:
     lines = [head, f"state:  {state}"]
     if status.round is not None:
         world = "?" if status.world_size is None else str(status.world_size)
-        lines.append(f"world:  {status.group_world_size} nodes, {world} workers; master {status.master}")
+        lines.append(f"world:  {status.group_world_size} nodes, {world} workers; master {_printable(status.master)}")
     if status.nodes:
         lines.append("")
         lines.append(f"{'rank':>4}  {'node':<30} {'host':<16} {'local':>5} {'lease':>6}  {'role':<10} notice")
@@ -361,16 +374,18 @@ def render(status: JobStatus) -> str:
             ttl = "-" if n.lease_ttl_left is None else f"{n.lease_ttl_left:.0f}s"
             notice = ""
             if n.notice is not None:
-                notice = f"{n.notice.source}, deadline in {_duration(n.notice.deadline - status.read_at)}"
+                source = _printable(n.notice.source)
+                notice = f"{source}, deadline in {_duration(n.notice.deadline - status.read_at)}"
                 if n.notice.deadline <= status.read_at:
-                    notice = f"{n.notice.source}, deadline passed {_duration(status.read_at - n.notice.deadline)} ago"
-            lines.append(f"{rank:>4}  {n.node_id[:30]:<30} {n.host[:16]:<16} {local:>5} {ttl:>6}  {n.role.value:<10} {notice}")
+                    notice = f"{source}, deadline passed {_duration(status.read_at - n.notice.deadline)} ago"
+            node_id, host = _printable(n.node_id), _printable(n.host)
+            lines.append(f"{rank:>4}  {node_id[:30]:<30} {host[:16]:<16} {local:>5} {ttl:>6}  {n.role.value:<10} {notice}")
     if status.pending_joins:
         lines.append("")
         for number, nodes in status.pending_joins.items():
-            lines.append(f"joined round {number}: {', '.join(nodes)}")
+            lines.append(f"joined round {number}: {_printable(', '.join(nodes))}")
     for problem in status.problems:
-        lines.append(f"problem: {problem}")
+        lines.append(f"problem: {_printable(problem)}")
     return "\n".join(lines)
 
 
@@ -405,7 +420,7 @@ def read_raw(conn: Any, config: EtcdRendezvousConfig) -> tuple[list[RawKey], lis
 def _round_number(raw: bytes) -> int | None:
     try:
         number = json.loads(raw).get("number")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, nested too deeply
         return None
     return number if isinstance(number, int) and not isinstance(number, bool) and number >= 1 else None
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any, Protocol, TypeVar
+
+import tenacity
 
 from checkpoint.api import Sink
 from checkpoint.backends.generic import FsspecBackend
@@ -70,6 +73,10 @@ class S3Backend(FsspecBackend):
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+ABORT_PART_WAIT_S = 60.0
+"""How long an abort waits for the parts still uploading before it aborts the multipart upload."""
 
 
 class MultipartSink:
@@ -144,11 +151,19 @@ class MultipartSink:
     def abort(self) -> None:
         for f in self.futures:
             f.cancel()
+        # A part still uploading when the upload is aborted may be stored after the abort (S3 says to abort
+        # again in that case): wait for the parts in flight first, bounded, then abort (retried once).
+        _, running = wait_futures([f for f in self.futures if not f.cancelled()], timeout=ABORT_PART_WAIT_S)
+        if running:
+            logger.warning("%d part(s) of %s still uploading after %.0f s: aborting its multipart upload anyway",
+                           len(running), self.backend.display(self.rel), ABORT_PART_WAIT_S)
         if self.upload_id is not None:
+            upload_id = self.upload_id
             try:
-                self.fs.call_s3(
-                    "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id
-                )
-            except Exception:  # noqa: BLE001 - the lifecycle rule cleans up what we cannot
-                logger.warning("could not abort multipart upload of %s", self.backend.display(self.rel))
+                for attempt in tenacity.Retrying(stop=tenacity.stop_after_attempt(2), wait=tenacity.wait_fixed(0.5),
+                                                 reraise=True):
+                    with attempt:
+                        self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id)
+            except Exception as exc:  # noqa: BLE001 - the lifecycle rule cleans up what we cannot
+                logger.warning("could not abort multipart upload of %s: %s", self.backend.display(self.rel), exc)
             self.upload_id = None

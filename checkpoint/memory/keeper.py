@@ -7,9 +7,12 @@ RAM without any process holding them, so what must be guaranteed is only that so
 Why a keeper process beside the agent, not the agent alone: an agent killed by SIGKILL (the OOM killer, a
 ``kill -9`` of the launcher) runs no cleanup, and on a node that is not reused for spotrun there is no next
 agent start to sweep it, so the snapshots (a whole model and optimizer per node) would hold RAM until reboot.
-The keeper (``python -m checkpoint.memory.keeper DIR``, standard library only, a few MB) waits on a pipe from
-the agent and on ``PR_SET_PDEATHSIG``; when the agent dies, however it dies, it removes the directory and
-exits. It is also the seam for what comes next: serving this node's snapshots to a peer (issue 17, peer
+The keeper (``python -I -S .../checkpoint/memory/keeper.py DIR AGENT_PID``, standard library only, a few MB)
+waits on a pipe from the agent and on ``PR_SET_PDEATHSIG``; when the agent dies, however it dies, it removes the
+directory and exits. It is started by file path in isolated mode, never with ``-m``: ``-m`` puts the agent's
+working directory (the user's training repository) first on ``sys.path``, and a repository with its own
+``checkpoint.py`` or ``elastic/`` would have its module imported in place of ours (the keeper would die at
+start, and nothing would free the shared memory after a SIGKILL). It is also the seam for what comes next: serving this node's snapshots to a peer (issue 17, peer
 replication) belongs in this process, which outlives the workers.
 
 Orphans (agent and keeper both killed, e.g. a process-group SIGKILL): the directory holds ``.owner.lock``,
@@ -32,13 +35,22 @@ import subprocess
 import sys
 from typing import Any
 
-from checkpoint.memory.api import MEMORY_KIND, OWNER_LOCK
+if __package__:
+    from checkpoint.memory.api import MEMORY_KIND, OWNER_LOCK
+else:
+    # The keeper process (``python -I -S keeper.py``): sys.path holds the standard library only, so nothing of
+    # the user's working directory, PYTHONPATH or site-packages can be imported in place of ours. The two
+    # names are checked against checkpoint.memory.api by a test.
+    MEMORY_KIND, OWNER_LOCK = "memtier", ".owner.lock"  # type: ignore[misc]  # the keeper process's copy
 
 logger = logging.getLogger(__name__)
 
 SWEEP_LIMIT = 256
 """Most candidate directories one sweep looks at (bounded work at agent start)."""
 KEEPER_EXIT_TIMEOUT = 10.0
+KEEPER_START_TIMEOUT = 10.0
+"""How long the agent waits for the keeper to say it is armed (an isolated interpreter starts in ~20 ms)."""
+KEEPER_READY = b"armed\n"
 
 
 def _default_root() -> str:
@@ -74,14 +86,7 @@ class Keeper:
         path = run_scoped_path(MEMORY_KIND, run_id, os.getpid(), secrets.token_hex(4), root=root)
         os.mkdir(path, 0o700)
         lock_fd = _hold_lock(path)
-        proc = None
-        if process:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "checkpoint.memory.keeper", path, str(os.getpid())],
-                stdin=subprocess.PIPE,
-                pass_fds=(lock_fd,),
-                close_fds=True,
-            )
+        proc = _start_keeper(path, lock_fd) if process else None
         logger.info("memory tier keeper directory %s (keeper pid %s)", path, proc.pid if proc else None)
         return cls(path, lock_fd, proc)
 
@@ -101,6 +106,44 @@ class Keeper:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # last: a sweep never sees the directory of a live agent unlocked
             self._lock_fd = None
+
+
+def keeper_command(path: str, agent_pid: int) -> list[str]:
+    """The keeper's command line: this file run in isolated mode (``-I``: no working directory, script
+    directory, PYTHONPATH or user site on ``sys.path``; ``-S``: no site-packages)."""
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), path, str(agent_pid)]
+
+
+def _start_keeper(path: str, lock_fd: int) -> subprocess.Popen[bytes]:
+    """Start the keeper and wait (bounded) for it to say it is armed; a keeper that died is logged as an error
+    (the tier still works, but a SIGKILLed agent would leave its snapshots until the next agent's sweep)."""
+    import selectors
+
+    proc = subprocess.Popen(
+        keeper_command(path, os.getpid()), stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(lock_fd,),
+        close_fds=True,
+    )
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        ready = sel.select(timeout=KEEPER_START_TIMEOUT)
+    line = proc.stdout.readline() if ready else b""
+    proc.stdout.close()
+    proc.stdout = None
+    if line == KEEPER_READY:
+        return proc
+    try:
+        code: int | None = proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        code = proc.poll()
+    if code is None:
+        logger.warning("memory tier keeper (pid %d) for %s did not report ready within %.0f s; going on with it",
+                       proc.pid, path, KEEPER_START_TIMEOUT)
+    else:
+        logger.error("memory tier keeper for %s exited at start with code %s (see its stderr above): the "
+                     "snapshots will not be freed if this agent is SIGKILLed (the next agent start on this host "
+                     "sweeps them)", path, code)
+    return proc
 
 
 def _hold_lock(path: str) -> int:
@@ -163,9 +206,25 @@ def remove_orphaned_keepers(root: str | None = None, *, limit: int = SWEEP_LIMIT
     return removed
 
 
+def _load_procutil() -> Any:
+    """``elastic/procutil.py`` (standard library only) loaded by its file path: the keeper runs without the
+    package on ``sys.path``."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("_spotrun_keeper_procutil", os.path.join(root, "elastic", "procutil.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _serve(path: str, agent_pid: int) -> None:
     """Keeper process: remove ``path`` when the agent goes (pipe closed, SIGTERM, or the agent's death)."""
-    from elastic.procutil import arm_parent_death_signal
+    if __package__:
+        from elastic.procutil import arm_parent_death_signal
+    else:
+        arm_parent_death_signal = _load_procutil().arm_parent_death_signal
 
     def leave(*_: Any) -> None:
         remove_dir(path)
@@ -176,6 +235,9 @@ def _serve(path: str, agent_pid: int) -> None:
     arm_parent_death_signal(sig=signal.SIGTERM)
     if os.getppid() != agent_pid:  # the agent died before the signal was armed
         leave()
+    with contextlib.suppress(OSError):
+        os.write(1, KEEPER_READY)
+        os.close(1)
     with contextlib.suppress(OSError):
         while os.read(0, 4096):
             pass

@@ -98,6 +98,10 @@ STEP_SAMPLES = 16
 """Newest snapshot groups a restore examines (normally there are one or two)."""
 
 
+PUBLISH_FAILURES_TO_STARVE = 3
+"""Consecutive failed publishes after which a rank turns the tier off at the next vote (as when it has no room)."""
+
+
 def check_room(directory: str, need: int, config: MemoryTierConfig) -> None:
     """Raise ShmSpaceError (sizes and the fix in the message) unless ``need`` more bytes in ``directory``'s
     filesystem leave the free space ``config`` asks for."""
@@ -194,6 +198,8 @@ class LocalShmTier:
         self._staged_at: float | None = None
         self._intervals: list[float] = []
         self._starved = False
+        self._publish_failures = 0
+        """Consecutive failed publishes of this rank (PUBLISH_FAILURES_TO_STARVE turn the tier off)."""
         self._warned: set[str] = set()
         self.last_stage_seconds = 0.0
         """Seconds the last snapshot blocked the caller (flatten, vote, copy)."""
@@ -223,6 +229,8 @@ class LocalShmTier:
             flat = None
         if self.config.when_busy == "wait":
             self.wait()
+        elif self._future is not None and self._future.done():
+            self.wait()  # read a finished publish's outcome before the vote (skip mode replaces the future)
         busy = self._future is not None and not self._future.done()
         signature = None if flat is None else tuple((i.key, i.dtype, i.global_shape, i.replicated) for i in flat.items)
         bad, changed, any_busy, starved, neg_complete, every = self._fg.max_each(
@@ -237,7 +245,8 @@ class LocalShmTier:
             self._every = int(every)
         if starved:
             self.enabled = False
-            self._warn_once("starved", "[rank %d step %d] memory tier off: a rank had no room for its snapshot", self.rank, step)
+            self._warn_once("starved", "[rank %d step %d] memory tier off: a rank had no room for its snapshot, or "
+                            "its publishes kept failing", self.rank, step)
             self.close()
             return False
         if bad or any_busy or flat is None:
@@ -275,7 +284,12 @@ class LocalShmTier:
         try:
             future.result()
         except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop training
+            self._publish_failures += 1
             self._warn_once("publish", "[rank %d] memory snapshot failed: %s", self.rank, exc)
+            if self._publish_failures >= PUBLISH_FAILURES_TO_STARVE:
+                self._starve(f"{self._publish_failures} snapshots in a row failed to publish (last: {exc})")
+        else:
+            self._publish_failures = 0
 
     def _clock_step(self, now: float) -> None:
         """Time the step since the previous call (without the staging it blocked for): ``every="auto"``."""

@@ -158,7 +158,7 @@ class Injector:
             if kind is FaultKind.TERM_AGENT:
                 os.kill(agent, signal.SIGTERM)
                 return {"pid": agent}
-            tree = [agent, *targets.descendants(agent)]
+            tree = targets.node_tree(agent)  # all but the resource tracker, which cleans up after them
             for pid in tree:  # the agent first: it must not see its workers die and restart them
                 _kill(pid, signal.SIGKILL)
             return {"pid": agent, "pids": tree}

@@ -40,6 +40,32 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+RESOURCE_TRACKER = "multiprocessing.resource_tracker"
+"""In the command line of multiprocessing's resource tracker (``python -c 'from multiprocessing.resource_tracker
+import main; main(FD)'``)."""
+
+
+def is_resource_tracker(pid: int) -> bool:
+    """True if ``pid`` is a multiprocessing resource tracker (False when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return RESOURCE_TRACKER.encode() in handle.read()
+    except OSError:
+        return False
+
+
+def node_tree(root: int) -> list[int]:
+    """``root`` and its live descendants, as a node loss would take them, except multiprocessing's resource
+    trackers.
+
+    A tracker unlinks the named semaphores (``/dev/shm/sem.mp-*``) of the processes that use it once they are
+    all gone (torch's worker contexts create them in the forkserver/spawn context; only their finalizers or the
+    tracker remove them). A real node loss also loses the tracker, but the machine, and its /dev/shm, go with
+    it; on a test host that stays up, killing the tracker too leaks the semaphores for good. Left alone, it
+    exits by itself when the last process holding its pipe dies."""
+    return [root, *(pid for pid in descendants(root) if not is_resource_tracker(pid))]
+
+
 def _environ(pid: int) -> dict[str, str]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as handle:

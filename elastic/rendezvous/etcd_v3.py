@@ -80,7 +80,7 @@ from .etcd_client import (
     is_transient,
     prefix_end,
 )
-from .liveness import LivenessListener, Peer, PeerWatch, Probe, peer_from_registration, probe_all
+from .liveness import LivenessListener, Peer, PeerWatch, Verdict, peer_from_registration, probe_all
 from .state import Action, Decision, RoundRecord, Snapshot, decide, membership
 from .store import EtcdV3Store
 from .worker_store import WorkerStoreHost, agent_hosts_store
@@ -536,7 +536,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if not self._config.liveness_probe or self._liveness is not None:
             return
         try:
-            self._liveness = LivenessListener()
+            self._liveness = LivenessListener(max_held=4 * self._config.max_nodes + 16)
         except OSError as exc:  # no port to listen on: the lease alone tells of this node's death
             log.warning("%sno liveness port (%s): peers learn of this node's death from its lease only", self._ctx(), exc)
             return
@@ -594,9 +594,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             mine = self._my_round
             peers = [] if mine is None else [self._mirror.peers[n] for n in mine.participants
                                              if n != self._node_id and n in self._mirror.peers]
-        if not peers or self._released or not self._config.liveness_probe:
+        watch = self._peer_watch
+        if not peers or self._released or not self._config.liveness_probe or watch is None:
             return set()
-        dead = {node for node, found in probe_all(peers).items() if found is Probe.REFUSED}
+        dead = {node for node, found in probe_all(peers, watch.seen).items() if found is Verdict.DEAD}
         return {p.node for p in peers if p.node in dead and self._revoke_dead_peer(p)}
 
     # ================================================================== test hooks
@@ -911,19 +912,20 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self._ctl))
         mirror = _Mirror(revision=int(resp.header.revision), loaded=True)
         for kv in resp.kvs:
-            self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision)
+            self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision, kv.lease)
         with self._cond:
             self._mirror = mirror
             self._cond.notify_all()
 
-    def _apply_put(self, mirror: _Mirror, key: str, value: bytes, mod_revision: int) -> None:
+    def _apply_put(self, mirror: _Mirror, key: str, value: bytes, mod_revision: int, lease: int = 0) -> None:
+        """Apply one key's value; ``lease``: the lease the key is attached to (etcd's metadata, 0: none)."""
         rel = key[len(self._ctl) :]
         try:
             if rel.startswith("nodes/"):
                 info = json.loads(value)
                 node = rel[len("nodes/") :]
                 mirror.nodes[node] = int(info.get("seq") or mod_revision)
-                peer = peer_from_registration(node, info)
+                peer = peer_from_registration(node, info, int(lease))
                 if peer is not None:
                     mirror.peers[node] = peer
                 else:
@@ -950,8 +952,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 mirror.closed = True
             elif rel.startswith("notice/"):
                 mirror.notices[rel[len("notice/") :]] = dict(json.loads(value))
-        except (ValueError, KeyError, TypeError) as exc:
-            # Someone wrote garbage under our prefix: refuse to guess.
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+            # Someone wrote garbage under our prefix (a value that is JSON but not an object, or nested past
+            # the parser's depth): refuse to guess.
             self._fatal = RendezvousStateError(f"{self._ctx()}corrupt rendezvous key {key!r} in etcd: {exc}")
 
     def _apply_delete(self, mirror: _Mirror, key: str) -> None:
@@ -1085,7 +1088,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             for ev in events:
                 key = ev.kv.key.decode()
                 if ev.type == kv_pb2.Event.PUT:
-                    self._apply_put(mirror, key, ev.kv.value, ev.kv.mod_revision)
+                    self._apply_put(mirror, key, ev.kv.value, ev.kv.mod_revision, ev.kv.lease)
                 else:
                     self._apply_delete(mirror, key)
                 mirror.revision = max(mirror.revision, int(ev.kv.mod_revision))

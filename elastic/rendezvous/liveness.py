@@ -6,10 +6,15 @@ agent also listens on a small TCP port (``LivenessListener``: it accepts connect
 is ever sent) and publishes that port and its lease id in its registration. Each agent of a round holds one
 connection to the next participant in rank order (``PeerWatch``; a ring: N connections for N agents, O(1) per
 agent). When that connection ends, the watcher probes the port once: a refused connection means the host is up
-and nothing listens there any more, i.e. the process is gone, and the watcher revokes the dead agent's lease;
+and nothing listens there any more, i.e. the process is gone, and the watcher revokes the dead agent's lease
+(the lease its registration key is held by, from etcd's key metadata: never an id the registration claims);
 every peer's etcd watch then sees the registration go at once and the next round starts without waiting for
 the TTL. On worker failure the agent can also probe every participant (``probe_all``): a collective broken
 by a dead peer is confirmed in milliseconds (and two dead neighbours of the ring are both found).
+
+A refusal proves a death only from a port this agent has seen accept, at the same address and for the same
+lease (:class:`SeenAccepting`): a firewall that rejects, or a registration whose address (``getfqdn()``) leads
+elsewhere, also refuses, for a peer that is alive. A peer never seen accepting is left to its lease TTL.
 
 No false positives: a paused process (SIGSTOP, a long GC) keeps its sockets, and the kernel still completes
 connections to its listening port, so nothing closes and a probe is accepted. A silent loss (power off, a
@@ -54,10 +59,13 @@ class Verdict(enum.Enum):
     UNKNOWN = "unknown"
 
 
-def verdict(probe: Probe) -> Verdict:
-    """A peer whose liveness port refuses connections is dead; one that accepts is alive; silence proves
-    nothing (the lease TTL decides). Pure."""
-    return {Probe.REFUSED: Verdict.DEAD, Probe.ACCEPTED: Verdict.ALIVE}.get(probe, Verdict.UNKNOWN)
+def verdict(probe: Probe, *, seen_accepting: bool) -> Verdict:
+    """A peer whose liveness port refuses connections is dead if that port was seen accepting before (else a
+    firewall or a wrong address may refuse for a live peer); one that accepts is alive; silence proves nothing
+    (the lease TTL decides). Pure."""
+    if probe is Probe.REFUSED:
+        return Verdict.DEAD if seen_accepting else Verdict.UNKNOWN
+    return Verdict.ALIVE if probe is Probe.ACCEPTED else Verdict.UNKNOWN
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +78,16 @@ class Peer:
     lease: int
 
 
-def peer_from_registration(node: str, info: object) -> Peer | None:
+def peer_from_registration(node: str, info: object, lease: int) -> Peer | None:
     """The peer's liveness endpoint from its registration JSON, or None when it has none or it is malformed
-    (an agent without the feature, or a damaged key: its death is then known by its lease only)."""
+    (an agent without the feature, or a damaged key: its death is then known by its lease only).
+
+    ``lease`` is the lease the registration key is attached to, from etcd's key metadata (``kv.lease``): the
+    ``lease`` field inside the JSON is ignored, since a registration naming another node's lease would make
+    its peers revoke that live node's lease."""
     if not isinstance(info, dict):
         return None
-    addr, port, lease = info.get("addr"), info.get("live_port"), info.get("lease")
+    addr, port = info.get("addr"), info.get("live_port")
     if not isinstance(addr, str) or not 0 < len(addr) <= 255 or any(c.isspace() for c in addr):
         return None
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
@@ -96,19 +108,63 @@ def probe(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> Probe:
         return Probe.SILENT
 
 
-def probe_all(peers: Sequence[Peer], timeout: float = PROBE_TIMEOUT_S) -> dict[str, Probe]:
-    """Probe every peer at once (bounded); node -> what its port said."""
+class SeenAccepting:
+    """The liveness endpoints (address, port, lease) this agent has seen accept a connection; thread-safe,
+    bounded (the oldest are forgotten first)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, int, int], None] = {}
+
+    @staticmethod
+    def _key(peer: Peer) -> tuple[str, int, int]:
+        return (peer.addr, peer.port, peer.lease)
+
+    def add(self, peer: Peer) -> None:
+        with self._lock:
+            self._seen.pop(self._key(peer), None)
+            self._seen[self._key(peer)] = None
+            while len(self._seen) > self._limit:
+                del self._seen[next(iter(self._seen))]
+
+    def __contains__(self, peer: object) -> bool:
+        with self._lock:
+            return isinstance(peer, Peer) and self._key(peer) in self._seen
+
+
+def probe_all(peers: Sequence[Peer], seen: SeenAccepting, timeout: float = PROBE_TIMEOUT_S) -> dict[str, Verdict]:
+    """Probe every peer at once (bounded); node -> the verdict (a refusal is death only for a peer in ``seen``;
+    those that accept are added to it)."""
     if not peers:
         return {}
     with ThreadPoolExecutor(max_workers=min(MAX_PROBES_IN_FLIGHT, len(peers)), thread_name_prefix="rdzv-probe") as pool:
-        results = pool.map(lambda p: probe(p.addr, p.port, timeout), peers)
-        return {peer.node: result for peer, result in zip(peers, results)}
+        results = list(pool.map(lambda p: probe(p.addr, p.port, timeout), peers))
+    out = {}
+    for peer, result in zip(peers, results):
+        if result is Probe.ACCEPTED:
+            seen.add(peer)
+        out[peer.node] = verdict(result, seen_accepting=peer in seen)
+    return out
+
+
+DEFAULT_MAX_HELD = 256
+"""Most connections a listener holds at once (the port listens on every interface: anyone can connect)."""
+ACCEPT_ERROR_PAUSE_S = 0.1
+"""Pause after a failed accept (EMFILE, ENOBUFS...) before the next one."""
 
 
 class LivenessListener:
-    """This agent's liveness port: accepts connections and holds them until :meth:`close` or the process dies."""
+    """This agent's liveness port: accepts connections and holds them until :meth:`close` or the process dies.
 
-    def __init__(self) -> None:
+    At most ``max_held`` connections are held (the oldest is closed first: its watcher, if it is one, sees it
+    end, probes, is accepted and connects again), so strangers connecting cannot exhaust this process's file
+    descriptors; an accept that fails is retried after a short pause, never the end of the listener."""
+
+    def __init__(self, max_held: int = DEFAULT_MAX_HELD) -> None:
+        if max_held < 1:
+            raise ValueError(f"max_held must be >= 1, got {max_held}")
+        self._max_held = max_held
         self._sock = _listening_socket()
         self.port: int = self._sock.getsockname()[1]
         self._held: list[socket.socket] = []
@@ -116,18 +172,40 @@ class LivenessListener:
         self._thread = threading.Thread(target=self._accept_loop, name="rdzv-liveness", daemon=True)
         self._thread.start()
 
+    @property
+    def held(self) -> int:
+        """How many connections are held now."""
+        return len(self._held)
+
     def _accept_loop(self) -> None:
+        failures = 0
         while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                failures += 1
+                if failures == 1:
+                    log.warning("liveness port %d: accept failed (%s); retrying", self.port, exc)
+                self._closed.wait(ACCEPT_ERROR_PAUSE_S)
+                continue
+            failures = 0
             if self._closed.is_set():
                 conn.close()
                 return
             # Held, never read: a watcher's connection ends only when this process does. Connections whose
-            # watcher went away are dropped from the list at the next accept (cheap, bounded by the peers).
-            self._held = [c for c in self._held if _still_open(c)] + [conn]
+            # watcher went away are dropped from the list at the next accept; past the cap, the oldest go.
+            held = []
+            for c in self._held:
+                if _still_open(c):
+                    held.append(c)
+                else:
+                    c.close()
+            held.append(conn)
+            for old in held[: -self._max_held]:
+                old.close()
+            self._held = held[-self._max_held :]
 
     def close(self) -> None:
         self._closed.set()
@@ -148,12 +226,16 @@ class LivenessListener:
 
 class PeerWatch:
     """Holds one connection to one peer's liveness port; when it ends and a probe is refused, calls
-    ``on_dead(peer)`` (once per watched peer). :meth:`watch` switches peers; :meth:`close` stops."""
+    ``on_dead(peer)`` (once per watched peer). :meth:`watch` switches peers; :meth:`close` stops. A peer whose
+    port refuses before it was ever seen accepting (``seen``) is not reported: it is tried again later."""
 
-    def __init__(self, on_dead: Callable[[Peer], object], *, probe_timeout: float = PROBE_TIMEOUT_S) -> None:
+    def __init__(self, on_dead: Callable[[Peer], object], *, probe_timeout: float = PROBE_TIMEOUT_S,
+                 seen: SeenAccepting | None = None) -> None:
         self._on_dead = on_dead
         self._probe_timeout = probe_timeout
+        self.seen = SeenAccepting() if seen is None else seen
         self._lock = threading.Lock()
+        self._holding: Peer | None = None
         self._target: Peer | None = None
         self._generation = 0
         self._closed = False
@@ -164,6 +246,11 @@ class PeerWatch:
     @property
     def target(self) -> Peer | None:
         return self._target
+
+    @property
+    def holding(self) -> Peer | None:
+        """The peer whose liveness port this watcher holds a connection to now, if any."""
+        return self._holding
 
     def watch(self, peer: Peer | None) -> None:
         with self._lock:
@@ -221,14 +308,19 @@ class PeerWatch:
         ``peer``: dead and reported, replaced, or unreachable (the lease decides; retried after a pause)."""
         first = probe_connect(peer, self._probe_timeout)
         if isinstance(first, Probe):
-            if first is Probe.REFUSED and self._current(generation):
+            if verdict(first, seen_accepting=peer in self.seen) is Verdict.DEAD and self._current(generation):
                 self._report(peer, generation)
-            else:  # silent: nothing to hold; try again a little later unless the target changes
+            else:  # silent, or refused by a port never seen accepting: try again a little later
+                if first is Probe.REFUSED:
+                    log.debug("%s's liveness port %s:%d refuses before it was ever seen accepting: its lease "
+                              "decides", peer.node, peer.addr, peer.port)
                 selector.select(timeout=1.0)
                 self._drain_wake()
             return
         conn = first
+        self.seen.add(peer)
         selector.register(conn, selectors.EVENT_READ)
+        self._holding = peer
         try:
             while self._current(generation):
                 ready = selector.select()
@@ -238,10 +330,12 @@ class PeerWatch:
                 if not _ended(conn):
                     continue
                 # The connection ended: a dead process, or (rarely) a listener that closed it. Ask once.
-                if verdict(probe(peer.addr, peer.port, self._probe_timeout)) is Verdict.DEAD and self._current(generation):
+                found = probe(peer.addr, peer.port, self._probe_timeout)
+                if verdict(found, seen_accepting=True) is Verdict.DEAD and self._current(generation):
                     self._report(peer, generation)
                 return
         finally:
+            self._holding = None
             selector.unregister(conn)
             conn.close()
 

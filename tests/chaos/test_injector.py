@@ -321,3 +321,35 @@ def test_cli_is_silent_when_the_job_has_restarts_enough(tmp_path: Path) -> None:
     kills = [{"kind": "kill_worker", "at_s": 30}, {"kind": "stop_worker", "at_s": 31, "duration_s": 5}]
     stderr = _warning_run(tmp_path, kills, ["--max-restarts", "1"])
     assert "--max-restarts" not in stderr, stderr
+
+
+_SEMAPHORE_USER = textwrap.dedent(
+    """
+    import multiprocessing, time
+    # As torch's worker contexts: named semaphores of a spawn/forkserver context, which only their finalizers
+    # or the resource tracker unlink
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+    print(queue._rlock._semlock.name, queue._wlock._semlock.name, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_killed_node_tree_spares_the_resource_tracker_which_unlinks_the_semaphores() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _SEMAPHORE_USER], stdout=subprocess.PIPE, text=True)
+    try:
+        names = proc.stdout.readline().split()  # type: ignore[union-attr]  # stdout=PIPE
+        files = [Path("/dev/shm/sem." + name.lstrip("/")) for name in names]
+        assert names and all(f.exists() for f in files), names
+        trackers = [pid for pid in targets.descendants(proc.pid) if targets.is_resource_tracker(pid)]
+        assert len(trackers) == 1
+        tree = targets.node_tree(proc.pid)
+        assert proc.pid in tree and trackers[0] not in tree
+        signal_all(tree, signal.SIGKILL)
+        proc.wait(timeout=30)
+        wait_for(lambda: not any(f.exists() for f in files), timeout=30, what="the tracker to unlink the semaphores")
+        reap(trackers, timeout=30)  # and then it exits by itself
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from checkpoint.api import CheckpointConfigError, ChunkKey
+from checkpoint.memory import keeper as keeper_module
 from checkpoint.memory.api import OWNER_LOCK, MemoryTier, RestoreSource, ShmSpaceError, SnapshotId
 from checkpoint.memory.config import MemoryTierConfig
 from checkpoint.memory.keeper import Keeper, keeper_prefix, remove_orphaned_keepers
@@ -287,6 +288,35 @@ def test_no_room_skips_with_a_warning_and_turns_the_tier_off(shm_dir: str, caplo
     assert os.listdir(shm_dir) == []  # nothing allocated, nothing left
 
 
+@pytest.mark.parametrize("when_busy", ["skip", "wait"])
+def test_failing_publishes_are_logged_and_turn_the_tier_off(
+    shm_dir: str, when_busy: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = _state(0)
+    tier = LocalShmTier(shm_dir, MemoryTierConfig(when_busy=when_busy))  # type: ignore[arg-type]
+    calls = []
+
+    def failing_publish(*args: Any) -> int:
+        calls.append(args[1])
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(tier, "_publish", failing_publish)
+    try:
+        with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
+            for step in range(1, 6):
+                _train(state, step)
+                tier.snapshot(step, state)
+                if tier._future is not None:  # skip mode: the next snapshot must find this one finished
+                    wait_for(tier._future.done, timeout=10, what="the publish to fail")
+                if step == 1:
+                    continue
+                assert "memory snapshot failed: [Errno 28] No space left" in caplog.text  # read, not overwritten
+            assert calls == [1, 2, 3] and not tier.enabled  # three failures in a row, then off at the next vote
+    finally:
+        tier.close()
+    assert "tier turning off: 3 snapshots in a row failed to publish" in caplog.text and "memory tier off" in caplog.text
+
+
 def test_without_a_keeper_directory_the_tier_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SPOTRUN_MEMORY_DIR", raising=False)
     tier = LocalShmTier()
@@ -345,9 +375,10 @@ time.sleep(120)
 """
 
 
-def _fake_agent(root: str, keeper: bool) -> tuple[subprocess.Popen[str], str, int]:
-    proc = subprocess.Popen([sys.executable, "-c", _AGENT, root, "1" if keeper else "0"], stdout=subprocess.PIPE,
-                            text=True)
+def _fake_agent(root: str, keeper: bool, cwd: str | None = None) -> tuple[subprocess.Popen[str], str, int]:
+    # -P: the fake agent itself imports spotrun, not the working directory's modules (as the spotrun script does)
+    proc = subprocess.Popen([sys.executable, "-P", "-c", _AGENT, root, "1" if keeper else "0"],
+                            stdout=subprocess.PIPE, text=True, cwd=cwd)
     assert proc.stdout is not None
     path, keeper_pid = proc.stdout.readline().split()
     return proc, path, int(keeper_pid)
@@ -378,6 +409,48 @@ def test_keeper_process_frees_the_memory_when_its_agent_is_sigkilled(shm_dir: st
         agent.kill()
         agent.wait(timeout=30)
         reap([keeper_pid], timeout=30)
+
+
+def test_keeper_ignores_the_users_modules_in_the_working_directory(shm_dir: str, tmp_path: Path) -> None:
+    # A training repository with its own checkpoint.py and elastic package, where the agent runs: the keeper
+    # once started with ``python -m`` imported them and died, so a SIGKILLed agent leaked its snapshots.
+    marker = tmp_path / "imported"
+    hostile = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\nraise SystemExit(1)\n"
+    (tmp_path / "checkpoint.py").write_text(hostile)
+    (tmp_path / "elastic").mkdir()
+    (tmp_path / "elastic" / "__init__.py").write_text(hostile)
+    agent, path, keeper_pid = _fake_agent(shm_dir, keeper=True, cwd=str(tmp_path))
+    try:
+        assert os.path.isdir(path) and keeper_pid > 0
+        assert Path(f"/proc/{keeper_pid}/stat").read_text().split(") ")[1][0] != "Z", "the keeper died at start"
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=30)
+        wait_for(lambda: not os.path.exists(path), timeout=30, what="the keeper removing its directory")
+        assert not marker.exists(), marker.read_text()
+    finally:
+        agent.kill()
+        agent.wait(timeout=30)
+        reap([keeper_pid], timeout=30)
+
+
+def test_a_keeper_that_dies_at_start_is_logged_as_an_error(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(keeper_module, "keeper_command", lambda path, pid: [sys.executable, "-c", "raise SystemExit(3)"])
+    with caplog.at_level(logging.ERROR, logger="checkpoint.memory.keeper"):
+        keeper = Keeper.create("memtier-test-run", shm_dir)
+    try:
+        assert "exited at start with code 3" in caplog.text and keeper.path in caplog.text
+    finally:
+        keeper.close()
+    assert not os.path.exists(keeper.path)
+
+
+def test_keeper_standalone_names_match_the_package() -> None:
+    import checkpoint.memory.api as api
+
+    text = Path(keeper_module.__file__).read_text()
+    assert f'MEMORY_KIND, OWNER_LOCK = "{api.MEMORY_KIND}", "{api.OWNER_LOCK}"' in text
 
 
 def test_orphans_of_dead_agents_are_swept_at_the_next_start(shm_dir: str) -> None:

@@ -399,3 +399,71 @@ def test_read_into_reports_each_completed_piece_and_stops_at_a_short_file(tmp_pa
     short = bytearray(8000)
     got = s.read_into("f.bin", 5000, memoryview(short), piece_bytes=3000, on_piece=lambda o, n: pieces.append((o, n, b"")))
     assert got == 5240 and [(o, n) for o, n, _ in pieces] == [(0, 3000)]  # the partial piece is not reported
+
+
+class _RecordingS3:
+    """The sink's s3fs, recording each ``abort_multipart_upload`` with the parts in flight at that moment."""
+
+    def __init__(self, fs: Any, in_flight: list[int], fail_first_abort: bool = False) -> None:
+        self._fs, self._in_flight, self._fail = fs, in_flight, fail_first_abort
+        self.aborts: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    def call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "abort_multipart_upload":
+            self.aborts.append(self._in_flight[0])
+            if self._fail and len(self.aborts) == 1:
+                raise ConnectionResetError("injected: the abort request was lost")
+        return self._fs.call_s3(method, *args, **kwargs)
+
+
+def _uploads(moto_endpoint: str, prefix: str) -> list[Any]:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    return list(client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", []))
+
+
+@pytest.mark.parametrize("fail_first_abort", [False, True])
+def test_s3_abort_waits_for_parts_in_flight_and_retries_once(moto_endpoint: str, fail_first_abort: bool) -> None:
+    import threading
+
+    prefix = uuid.uuid4().hex[:10]
+    storage = Storage(f"s3://{BUCKET}/{prefix}", storage_options=s3_options(moto_endpoint),
+                      multipart_chunk_bytes=5 << 20, upload_threads=4)
+    backend = storage.backend
+    assert isinstance(backend, S3Backend)
+    sink = backend.open_sink("big.bin")
+    in_flight = [0]
+    lock, release = threading.Lock(), threading.Event()
+    real_upload = sink._upload_part  # type: ignore[attr-defined]
+
+    def slow_upload(number: int, body: bytes) -> dict[str, Any]:
+        with lock:
+            in_flight[0] += 1
+        try:
+            release.wait(30)
+            return real_upload(number, body)  # type: ignore[no-any-return]
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    sink._upload_part = slow_upload  # type: ignore[attr-defined]
+    s3 = _RecordingS3(sink.fs, in_flight, fail_first_abort)  # type: ignore[attr-defined]
+    sink.fs = s3  # type: ignore[attr-defined]
+    try:
+        sink.write(bytes(11 << 20))  # two parts in flight, 1 MiB pending
+        assert len(_uploads(moto_endpoint, prefix)) == 1
+        releaser = threading.Timer(0.5, release.set)  # the parts finish a while after the abort started
+        releaser.start()
+        sink.abort()
+        releaser.join()
+        assert s3.aborts[0] == 0, "the upload was aborted while parts were still uploading"
+        assert len(s3.aborts) == (2 if fail_first_abort else 1)
+        assert _uploads(moto_endpoint, prefix) == []
+    finally:
+        release.set()
+        storage.close()

@@ -51,3 +51,21 @@ def test_open_writer_chooses_the_mode_once(tmp_path: Path) -> None:
     memory = StorageSpec.from_config("memory://spec-test", cfg)
     with pytest.raises(CheckpointConfigError, match="cannot write to memory://"):
         ProcessWriter(memory, CheckpointConfig(writer="process"), rank=0)
+
+
+def test_process_writer_ignores_the_users_modules_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A training repository with its own checkpoint.py: ``python -m checkpoint.writer`` from there imported it.
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    marker = tmp_path / "imported"
+    (repo / "checkpoint.py").write_text(f"open({str(marker)!r}, 'a').write(__name__)\nraise SystemExit(1)\n")
+    monkeypatch.chdir(repo)
+    spec = StorageSpec.from_config(str(tmp_path / "ckpt"), CheckpointConfig())
+    writer = ProcessWriter(spec, CheckpointConfig(writer="process"), rank=0)
+    try:
+        assert writer.write("step-000000001", [], []).files == {}
+    finally:
+        writer.close()
+    assert not marker.exists()

@@ -228,3 +228,27 @@ def test_slurm_script_signals_the_agents_and_requeues() -> None:
         "the emergency-save budget must end before the time limit"
     assert args.preempt_grace is not None and args.preempt_grace + 10 <= int(lead), \
         "the preemption helper's save budget must end before the time limit"
+
+
+def _comment_bullets(path: Path) -> dict[str, str]:
+    """The header comment's bullets (``# - name: text``, continued by ``#   ...``): first words -> whole text."""
+    bullets: dict[str, str] = {}
+    head = ""
+    for line in path.read_text().splitlines():
+        if line.startswith("# - "):
+            head = line[4:].split(":", 1)[0]
+            bullets[head] = line[4:]
+        elif line.startswith("#   ") and head:
+            bullets[head] += " " + line[4:]
+        else:
+            head = ""
+    return bullets
+
+
+def test_job_yaml_says_what_to_keep_below_the_preemption_notice_in_the_preemption_bullet() -> None:
+    # The grace period (budget + 30 s) must stay below the cloud's notice; a bullet inserted mid-paragraph once
+    # made the sentence read as if it were about finished_ttl (a day).
+    bullets = _comment_bullets(m.KUBERNETES / "job.yaml")
+    (owner,) = [head for head, text in bullets.items() if "Keep it below your cloud's preemption notice" in text]
+    assert owner == "preemption"
+    assert "terminationGracePeriodSeconds = budget + 30 s" in bullets[owner]

@@ -22,9 +22,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SCRIPT = Path(__file__).with_name("fidelity_worker.py")
 STDIN_TEXT = "fidelity-stdin-line\n"
 #: Variables that legitimately differ between the two launches: ports and run ids are per run, and the
-#: error file lives in each launcher's own temporary log directory. SPOTRUN_NOTICE_DIR is spotrun's one
-#: addition: the preemption mailbox that elastic.preemption reads (torchrun has no notices); docs/reference/environment.md lists it
-#: among what a script can see. (TORCHELASTIC_USE_AGENT_STORE is the same: both agents host the workers' store.)
+#: error file lives in each launcher's own temporary log directory. SPOTRUN_NOTICE_DIR and SPOTRUN_MEMORY_DIR
+#: are spotrun's two additions: the preemption mailbox that elastic.preemption reads (torchrun has no notices)
+#: and the memory tier's directory that checkpoint.memory reads; docs/concepts/launcher.md lists them among
+#: what a script can see. (TORCHELASTIC_USE_AGENT_STORE is the same: both agents host the workers' store.)
 VOLATILE_ENV = {"MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
                 "SPOTRUN_NOTICE_DIR", "SPOTRUN_MEMORY_DIR"}
 """Per-run values, and spotrun's own additions (the notice mailbox, the memory tier's directory): names a
@@ -220,3 +221,13 @@ def test_sigterm_handler_and_atexit_run_when_the_agent_stops_a_worker(runs: dict
         assert run.marker("sigterm", 0) == "handled", _context(run)
         for rank in range(NPROC["fail"]):
             assert run.marker("atexit", rank) == "ran", f"{run.launcher}: rank {rank}'s atexit handler did not run"
+
+
+def test_the_readme_names_every_variable_spotrun_adds_for_the_workers() -> None:
+    docs = [Path(__file__).parents[2] / "README.md", *sorted((Path(__file__).parents[2] / "docs").rglob("*.md"))]
+    text = " ".join(" ".join(p.read_text().split()) for p in docs if p.is_file())
+    added = sorted(v for v in VOLATILE_ENV if v.startswith("SPOTRUN_"))
+    match = re.search(r"(\w+) added variables?,?(.{0,400})", text)
+    assert match is not None, "the README no longer says which variables spotrun adds"
+    assert all(name in match.group(2) for name in added), (added, match.group(0))
+    assert match.group(1) == {1: "one", 2: "two", 3: "three"}.get(len(added)), match.group(0)

@@ -152,3 +152,51 @@ def test_workers_die_with_a_sigkilled_agent(tmp_path: Path, warm: str) -> None:
                  f"the agent's workers (and etcd) to die with it: {[p for p in tree if pid_alive(p)]}")
     finally:
         agent.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_setup_leaves_no_keeper_mailbox_or_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # In process: the agent's constructor fails after the metrics exporter, the mailbox and the keeper exist.
+    import socket
+
+    from checkpoint.memory.api import ENV_MEMORY_DIR
+    from checkpoint.memory.keeper import Keeper
+    from elastic import launcher
+    from elastic.cli import build_parser, config_from_args, settings_from_args
+    from elastic.preemption import ENV_NOTICE_DIR, Mailbox
+    from tests.harness.procs import free_port
+
+    for name in (ENV_MEMORY_DIR, ENV_NOTICE_DIR, "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+        monkeypatch.setenv(name, "")  # restored after the test: launch() sets them
+    made: dict[str, object] = {}
+
+    def keeper_create(*args: object, **kwargs: object) -> Keeper:
+        made["keeper"] = keeper = real_keeper(*args, **kwargs)  # type: ignore[arg-type]
+        return keeper
+
+    def mailbox_create(*args: object, **kwargs: object) -> Mailbox:
+        made["mailbox"] = mailbox = real_mailbox(*args, **kwargs)  # type: ignore[arg-type]
+        return mailbox
+
+    def broken_agent(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("agent constructor failed")
+
+    real_keeper, real_mailbox = Keeper.create, Mailbox.create
+    monkeypatch.setattr(launcher.Keeper, "create", keeper_create)
+    monkeypatch.setattr(launcher.Mailbox, "create", mailbox_create)
+    monkeypatch.setattr(launcher, "SpotrunAgent", broken_agent)
+    port = free_port()
+    args = build_parser().parse_args([
+        "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=static", "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}", "--rdzv-id=setup-leak", f"--metrics-port={port}", "--no-warm-workers",
+        f"--log-dir={tmp_path / 'logs'}", PRINT_ENV,
+    ])  # fmt: skip
+    config, cmd, cmd_args = config_from_args(args)
+    with pytest.raises(RuntimeError, match="agent constructor failed"):
+        launcher.launch(config, cmd, cmd_args, settings_from_args(args))
+    keeper, mailbox = made["keeper"], made["mailbox"]
+    assert isinstance(keeper, Keeper) and isinstance(mailbox, Mailbox)
+    assert not Path(keeper.path).exists() and keeper.process is None, "the keeper outlived a failed setup"
+    assert not Path(mailbox.path).exists(), "the mailbox outlived a failed setup"
+    with socket.socket() as sock:
+        sock.bind(("", port))  # the metrics exporter's port is free again

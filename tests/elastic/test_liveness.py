@@ -3,8 +3,10 @@ false positive for a paused one: the pure verdict, the sockets, and real agent p
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,17 +16,21 @@ import time
 import pytest
 
 from elastic.etcd_server import EmbeddedEtcd
+from elastic.rendezvous.api import RendezvousStateError
 from elastic.rendezvous.liveness import (
     LivenessListener,
     Peer,
     PeerWatch,
     Probe,
+    SeenAccepting,
     Verdict,
     peer_from_registration,
     probe,
+    probe_all,
     verdict,
 )
 from tests.elastic.test_rendezvous_etcd import make_config
+from tests.harness.procs import wait_for
 
 TTL = 5
 """Lease TTL of the agent tests: long enough that a detection within DEATH_BOUND_S cannot be the lease's."""
@@ -33,23 +39,120 @@ DEATH_BOUND_S = 1.0
 
 
 def test_verdict_only_a_refusal_is_death() -> None:
-    assert verdict(Probe.REFUSED) is Verdict.DEAD
-    assert verdict(Probe.ACCEPTED) is Verdict.ALIVE
-    assert verdict(Probe.SILENT) is Verdict.UNKNOWN  # a partition or a powered-off host: the lease decides
+    assert verdict(Probe.REFUSED, seen_accepting=True) is Verdict.DEAD
+    assert verdict(Probe.ACCEPTED, seen_accepting=True) is Verdict.ALIVE
+    assert verdict(Probe.ACCEPTED, seen_accepting=False) is Verdict.ALIVE
+    # a partition or a powered-off host: the lease decides
+    assert verdict(Probe.SILENT, seen_accepting=True) is Verdict.UNKNOWN
+
+
+def test_a_refusal_from_a_port_never_seen_accepting_proves_nothing() -> None:
+    # a firewall REJECT, or an advertised address (getfqdn) that leads elsewhere, refuses for a live peer
+    assert verdict(Probe.REFUSED, seen_accepting=False) is Verdict.UNKNOWN
+
+
+def _refusing_port() -> int:
+    with socket.socket() as sock:  # bound, never listening: connections to it are refused
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_probe_all_calls_dead_only_a_peer_it_saw_accepting() -> None:
+    listener = LivenessListener()
+    seen = SeenAccepting()
+    was_up = Peer("was-up", "127.0.0.1", listener.port, 1)
+    never = Peer("never", "127.0.0.1", _refusing_port(), 2)
+    assert probe_all([was_up, never], seen) == {"was-up": Verdict.ALIVE, "never": Verdict.UNKNOWN}
+    listener.close()
+    assert probe_all([was_up, never], seen) == {"was-up": Verdict.DEAD, "never": Verdict.UNKNOWN}
+    assert Peer("was-up", "127.0.0.1", listener.port, 3) not in seen  # another lease: another process
+
+
+def test_a_watched_port_that_refuses_from_the_start_is_not_reported() -> None:
+    reported = threading.Event()
+    watch = PeerWatch(lambda peer: reported.set())
+    try:
+        watch.watch(Peer("firewalled", "127.0.0.1", _refusing_port(), 1))
+        assert not reported.wait(2.5), "a peer whose port never accepted was declared dead"  # tried ~3 times
+    finally:
+        watch.close()
 
 
 @pytest.mark.parametrize("info", [
     None, [], "x", {"addr": "h", "live_port": 70000, "lease": 1}, {"addr": "h", "live_port": True, "lease": 1},
     {"addr": "", "live_port": 5, "lease": 1}, {"addr": "a b", "live_port": 5, "lease": 1},
-    {"addr": "h" * 300, "live_port": 5, "lease": 1}, {"addr": "h", "live_port": 5, "lease": -1},
-    {"addr": "h", "live_port": 5, "lease": 2**64}, {"addr": "h", "live_port": "5", "lease": 1}, {"addr": "h"},
+    {"addr": "h" * 300, "live_port": 5, "lease": 1}, {"addr": "h", "live_port": "5", "lease": 1}, {"addr": "h"},
 ])  # fmt: skip
 def test_a_malformed_or_missing_liveness_entry_means_lease_only(info: object) -> None:
-    assert peer_from_registration("n", info) is None
+    assert peer_from_registration("n", info, lease=5) is None
 
 
-def test_a_registration_names_its_liveness_port_and_lease() -> None:
-    assert peer_from_registration("n", {"addr": "node-1", "live_port": 4000, "lease": 77}) == Peer("n", "node-1", 4000, 77)
+def test_a_registration_names_its_liveness_port_and_etcd_its_lease() -> None:
+    # the lease is the registration key's (etcd metadata); the JSON's "lease" is never believed
+    info = {"addr": "node-1", "live_port": 4000, "lease": 77}
+    assert peer_from_registration("n", info, lease=78) == Peer("n", "node-1", 4000, 78)
+    assert peer_from_registration("n", info, lease=0) is None  # a key without a lease: nothing to revoke
+
+
+def test_the_listener_holds_at_most_max_held_connections() -> None:
+    listener = LivenessListener(max_held=4)
+    conns = [socket.create_connection(("127.0.0.1", listener.port)) for _ in range(12)]
+    try:
+        conns[-1].sendall(b"")  # the last one is accepted after the others (one accept thread, in order)
+        wait_for(lambda: listener.held == 4 and all(_closed_by_peer(c) for c in conns[:8]), timeout=10,
+                 what="the listener to drop its oldest connections")
+        assert not any(_closed_by_peer(c) for c in conns[8:])
+    finally:
+        for c in conns:
+            c.close()
+        listener.close()
+
+
+def _closed_by_peer(conn: socket.socket) -> bool:
+    conn.setblocking(False)
+    try:
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+_EMFILE_CHILD = textwrap.dedent(
+    """
+    import logging, os, socket, threading, time
+    from elastic.rendezvous.liveness import LivenessListener
+    failed = threading.Event()
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if "accept failed" in record.getMessage():
+                failed.set()
+    logging.getLogger("elastic.rendezvous.liveness").addHandler(Seen())
+    listener = LivenessListener()
+    fillers = []
+    try:
+        while True:
+            fillers.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    os.close(fillers.pop())
+    client = socket.create_connection(("127.0.0.1", listener.port))  # queued; accept() gets EMFILE
+    assert failed.wait(10), "accept never failed"
+    for fd in fillers:
+        os.close(fd)
+    deadline = time.monotonic() + 10
+    while listener.held < 1 and time.monotonic() < deadline:
+        failed.wait(0.05)
+    print("held", listener.held, flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_the_listener_goes_on_accepting_after_running_out_of_descriptors() -> None:
+    done = subprocess.run([sys.executable, "-c", _EMFILE_CHILD], capture_output=True, text=True, timeout=40,
+                          cwd=os.getcwd())  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "held 1", done.stdout + done.stderr
 
 
 def test_probe_tells_a_listening_process_from_a_gone_one() -> None:
@@ -90,7 +193,7 @@ def test_a_watched_process_killed_is_reported_at_once_a_paused_one_never() -> No
     try:
         peer = Peer("child", "127.0.0.1", port, 1)
         watch.watch(peer)
-        time.sleep(0.3)  # the watcher connects (nothing to wait on from here); no report may come meanwhile
+        wait_for(lambda: watch.holding == peer, timeout=10, what="the watcher to connect")
         os.kill(proc.pid, signal.SIGSTOP)
         assert not reported.wait(2.0), "a paused (SIGSTOPped) process was declared dead"
         os.kill(proc.pid, signal.SIGCONT)
@@ -165,3 +268,40 @@ def test_without_the_probe_the_lease_decides(etcd_server: EmbeddedEtcd, handlers
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def _etcd_client(etcd: EmbeddedEtcd):  # type: ignore[no-untyped-def]
+    import etcd3
+
+    host, port = etcd.endpoint.rsplit(":", 1)
+    return etcd3.client(host=host, port=int(port))
+
+
+@pytest.mark.timeout(60)
+def test_the_lease_to_revoke_is_the_registration_keys_not_the_one_it_names(etcd_server: EmbeddedEtcd, handlers) -> None:
+    h = handlers(make_config(etcd_server.endpoint, run_id="hostile", min_nodes=1, max_nodes=3))
+    h.next_rendezvous()
+    client = _etcd_client(etcd_server)
+    try:
+        own = client.lease(30)
+        hostile = {"node_id": "intruder", "addr": "127.0.0.1", "live_port": 9, "lease": h._lease_id, "seq": 1}
+        client.put(h._ctl + "nodes/intruder", json.dumps(hostile), lease=own)
+        peer = wait_for(lambda: h._mirror.peers.get("intruder"), timeout=10, what="the registration to be seen")
+        assert peer.lease == own.id != h._lease_id
+        client.revoke_lease(own.id)
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["[1, 2]", "7", "[" * 100_000 + "]" * 100_000])
+def test_an_unusable_registration_value_is_a_state_error(etcd_server: EmbeddedEtcd, handlers, value: str) -> None:
+    h = handlers(make_config(etcd_server.endpoint, run_id="garbage", min_nodes=1, max_nodes=3))
+    h.next_rendezvous()
+    client = _etcd_client(etcd_server)
+    try:
+        client.put(h._ctl + "nodes/garbage", value)
+    finally:
+        client.close()
+    with pytest.raises(RendezvousStateError, match="corrupt rendezvous key"):
+        h.wait_membership_change(10)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from elastic import cli, report
+from elastic.events import read_events
 from elastic.report_html import render_page
 from tests.harness.procs import SPOTRUN, make_env, run_cli
 
@@ -104,6 +105,20 @@ def test_missing_or_empty_inputs_are_one_line(tmp_path: Path, capsys: pytest.Cap
     empty = _write(tmp_path / "empty.jsonl", [])
     assert report.main([str(empty)]) == 1
     assert "nothing to report" in capsys.readouterr().out
+
+
+def test_a_damaged_line_of_an_events_file_costs_that_line_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    events = _write(tmp_path / "events.jsonl", EVENTS)
+    good = events.read_bytes()
+    lines = good.splitlines(keepends=True)
+    damaged = (lines[0] + b'{"event": "x\xff\xfe", "t_wall": 1}\n' + b"[" * 100_000 + b"\n" + b"\x80\x81\n"
+               + b"".join(lines[1:]))
+    events.write_bytes(damaged)
+    records = read_events(str(events))
+    assert len(records) == len(EVENTS) + 1 and records[1]["event"] == "x\ufffd\ufffd"
+    assert report.main([str(events)]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(EVENTS) + 1} events; times from the first event" in out  # the damaged lines alone are gone
 
 
 def test_the_html_page_is_self_contained() -> None:

@@ -19,7 +19,7 @@ import pytest
 from elastic.etcd_server import EmbeddedEtcd
 from elastic.rendezvous.api import EtcdRendezvousConfig, parse_endpoints
 from elastic.rendezvous.etcd_client import EtcdConnection
-from elastic.status import NodeRole, RawKey, RunState, job_status, render
+from elastic.status import NodeRole, RawKey, RunState, _round_number, job_status, render
 from tests.elastic.etcd_security import PASSWORD, USER, enable_auth, etcdctl_path
 from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, free_port, make_env, read_jsonl, run_cli, wait_for
 
@@ -85,12 +85,35 @@ def test_first_round_closed_and_absent() -> None:
     ("ctl/notice/a", {"source": "x", "deadline": "soon"}, "'deadline' must be a number"),
     ("ctl/nodes/a", [1, 2], "expected a JSON object"),
     ("ctl/join/x/a", {}, "join/<round>/<node>"),
+    ("ctl/nodes/a", b"[" * 100_000, "nested too deeply"),
+    ("ctl/round", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
 ])
 def test_a_corrupt_key_is_one_problem_line(rel: str, value: object, why: str) -> None:
     status = job_status(CONFIG, [_node("b", 2), _kv(rel, value)], [], {}, NOW)
     (problem,) = status.problems
     assert problem.startswith(f"corrupt key {P}{rel}: ") and why in problem
     assert f"problem: {problem}" in render(status)
+
+
+def test_a_deeply_nested_store_value_is_one_problem_line() -> None:
+    deep = RawKey(f"{P}store/3/torchelastic/assigned_ranks/0", b"[" * 100_000)
+    role = RawKey(f"{P}store/3/torchelastic/role_info/0", b"{\"a\":" * 100_000)
+    status = job_status(CONFIG, [_node("a", 1), _node("b", 2), ROUND], [deep, role], {}, NOW)
+    assert len(status.problems) == 2 and all("nested too deeply" in p for p in status.problems)
+
+
+@pytest.mark.parametrize("raw", [b"[1]", b"7", b"[" * 100_000, b"{\"number\": true}", b"\xff"])
+def test_the_round_number_of_an_unusable_round_key_is_none(raw: bytes) -> None:
+    assert _round_number(raw) is None
+
+
+def test_ids_and_hosts_from_etcd_are_printed_with_control_characters_escaped() -> None:
+    evil = "x\x1b[2J\x1b]0;pwned\x07"
+    ctl = [_kv(f"ctl/nodes/{evil}", {"host": "h\x1b[31m", "addr": "a", "pid": 1}, 1),
+           _kv(f"ctl/join/1/{evil}", {"seq": 1}, 1), _kv("ctl/round", b"\x1b[2J")]
+    text = render(job_status(CONFIG, ctl, [], {}, NOW))
+    assert "\x1b" not in text and "\x07" not in text
+    assert "x\\x1b[2J" in text and "h\\x1b[31m" in text
 
 
 def _status(endpoint: str, run_id: str, *extra: str, conf: str = "") -> subprocess.CompletedProcess[str]:

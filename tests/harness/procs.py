@@ -98,6 +98,10 @@ def pid_alive(pid: int) -> bool:
     return state is not None and state != "Z"
 
 
+def _without_resource_trackers(found: dict[int, tuple[str, str]]) -> list[int]:
+    return [pid for pid, (_, cmd) in found.items() if "multiprocessing.resource_tracker" not in cmd]
+
+
 def signal_all(pids: Iterable[int], sig: int) -> None:
     """Send ``sig`` to each PID that still exists."""
     for pid in pids:
@@ -176,7 +180,7 @@ class Launcher:
 
     def snapshot_tree(self) -> list[int]:
         """Record (and return) the launcher and its descendants now, e.g. to signal a whole node later."""
-        self.tree = [self.pid, *descendants(self.pid)]
+        self.tree = [self.pid, *_without_resource_trackers(descendants(self.pid))]
         return self.tree
 
     def wait(self, timeout: float) -> int:
@@ -189,7 +193,10 @@ class Launcher:
         """SIGCONT (a stopped process cannot exit), SIGTERM, SIGKILL after ``grace`` s, reap; then SIGKILL what
         is left of its descendants and of :meth:`snapshot_tree`. Safe to call twice."""
         running = self.proc.poll() is None  # once reaped, its PID may belong to someone else
-        leftovers = [pid for pid in {*self.tree, *(descendants(self.pid) if running else ())} if pid != self.pid]
+        # Never multiprocessing's resource tracker (elastic.chaos.targets.node_tree says why): it unlinks the
+        # agent's named semaphores once the agent and its workers are gone, then exits by itself.
+        alive = _without_resource_trackers(descendants(self.pid)) if running else []
+        leftovers = [pid for pid in {*self.tree, *alive} if pid != self.pid]
         if running:
             signal_all([self.pid, *leftovers], signal.SIGCONT)
             os.kill(self.pid, signal.SIGTERM)
