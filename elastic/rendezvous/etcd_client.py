@@ -430,17 +430,31 @@ class EtcdConnection:
         if range_end is not None:
             create.range_end = range_end
         stub = etcdrpc.WatchStub(self.client.channel)
-        return WatchStream(stub, etcdrpc.WatchRequest(create_request=create), self.client, timeout)
+        return WatchStream(stub, [etcdrpc.WatchRequest(create_request=create)], self.client, timeout)
+
+    def watch_ranges(self, ranges: list[tuple[str, bytes | None, int]]) -> WatchStream:
+        """Open one watch stream with a watcher per ``(key, range_end, start_revision)``.
+
+        etcd numbers the watchers of a stream in creation order (0, 1, ...): a response's ``watch_id`` is the
+        index of its range in ``ranges``. Each watcher keeps its own revision order, not the others'."""
+        requests = []
+        for key, range_end, start_revision in ranges:
+            create = etcdrpc.WatchCreateRequest(key=utils.to_bytes(key), start_revision=start_revision)
+            if range_end is not None:
+                create.range_end = range_end
+            requests.append(etcdrpc.WatchRequest(create_request=create))
+        stub = etcdrpc.WatchStub(self.client.channel)
+        return WatchStream(stub, requests, self.client, None)
 
 
 class WatchStream:
-    """One etcd watch RPC; ``cancel()`` from any thread ends the iteration."""
+    """One etcd watch RPC (one or more watchers); ``cancel()`` from any thread ends the iteration."""
 
-    def __init__(self, stub: Any, request: Any, client: Any, timeout: float | None) -> None:
+    def __init__(self, stub: Any, creates: list[Any], client: Any, timeout: float | None) -> None:
         self._done = threading.Event()
 
         def requests() -> Iterator[Any]:
-            yield request
+            yield from creates
             # Keep the request side open: half-closing could end the watch on some servers.
             self._done.wait()
 
