@@ -8,6 +8,11 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
                                the workers' TCPStore, hosted by the round's rank-0 agent: ``worker_store``)
     P/ctl/closed               present once the job ended (set_closed/shutdown), until its last agent left
     P/ctl/notice/{node}        the node's preemption deadline (JSON), attached to its lease (publish_notice)
+    P/ctl/post/coordinator     the coordinator (JSON: node, lease), on its lease; created by transaction when absent
+    P/ctl/post/proposal        the coordinator's proposal for the next round (JSON: number, participants in rank
+                               order), on its lease; deleted by the commit
+    P/ctl/post/reform          the coordinator's notice that committed round N must re-form (JSON: round, waiting,
+                               lost participants)
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
     P/finished                 only with ``finished_ttl``: the run finished successfully (JSON: by, time,
                                round), on a lease of ``finished_ttl`` s; a newcomer exits 0 at once
@@ -21,16 +26,24 @@ compares the closed key's revision and that no node key exists. A running job al
 (their leases) and no closed key, so it is never touched; two newcomers racing to clear the same ended run
 are serialised by the compare.
 
-Each handler mirrors ``P/ctl/`` through one watch stream (no polling) and feeds snapshots of the mirror to
-the pure ``state.decide``; it performs the I/O the decision asks for. The round's rank 0 commits it with
-one transaction that compares the round key's mod revision (a stale agent's commit fails) and that
-the job is not closed, then writes the record, clears the
-round's join keys and drops the store of two rounds ago. A lease refresher thread keeps the registration
+O(N) traffic per round: one node, the coordinator, mirrors all of ``P/ctl/`` through its watch stream (no
+polling) and runs the pure ``state.coordinate`` on it; when a round may close it posts the proposal, and when
+the committed round breaks (a participant lost or re-joining, a newcomer with a free slot) the reform notice.
+Every other node's stream watches only ``P/ctl/closed`` and ``[P/ctl/notice/, P/ctl/round]`` (notices, posts,
+round): the N registrations and N joins of a round reach one watcher, not N. A joining node runs the pure
+``state.follow``: it writes its join key and waits for the round key; the proposal's rank 0 commits it with one
+transaction that compares the round key's and the proposal's mod revisions (a stale agent, or a superseded
+proposal, fails) and that the job is not closed, then writes the record, clears the round's join keys and the
+proposal and drops the store of two rounds ago. At its join deadline a node reads every key once and asks
+``state.decide`` whether it timed out or is a spare. When the coordinator's lease ends its key goes with it: the
+others see it (a lost participant, if it was one) and one of them wins the election transaction, loads every
+key and carries on (deadlines restart). A node that clears an ended run mirrors every key while it does (it
+counts the registered nodes). A lease refresher thread keeps the registration
 alive, re-registers after an expiry (e.g. etcd unreachable longer than the TTL) and turns an etcd outage
 longer than ``etcd_timeout`` into a ``RendezvousOutageError`` (a ``RendezvousConnectionError``).
 
-Loss detection: when a participant's registration disappears, the watch marks the running round broken,
-``membership_changed()`` becomes True and ``num_nodes_waiting()`` >= 1, so torch's stock agent (which
+Loss detection: when a participant's registration disappears, the coordinator's watch sees it and posts the
+reform notice (a follower sees the coordinator's own loss from its key), ``membership_changed()`` becomes True and ``num_nodes_waiting()`` >= 1, so torch's stock agent (which
 re-rendezvous when ``num_nodes_waiting() > 0`` while healthy) and ours restart into a new round. That
 round closes as soon as every live node has joined: no last-call wait on recovery.
 """
@@ -73,6 +86,7 @@ from .api import (
     RendezvousWatchError,
 )
 from .etcd_client import (
+    ClientPool,
     EtcdConnection,
     WatchCanceledError,
     describe,
@@ -253,12 +267,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         *,
         node_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pool: ClientPool | None = None,
     ) -> None:
+        """Args:
+            config: the rendezvous configuration (``--rdzv-conf``).
+            node_id: this agent's id (default: host, pid and a random suffix); no '/'.
+            clock: monotonic seconds (injected by tests).
+            pool: share one etcd client (gRPC channel) with the other handlers of this process that pass the
+                same pool and configuration (a simulation of many agents in one process; None: its own).
+        Raises:
+            ValueError: a bad ``node_id``."""
         if node_id is not None and (not node_id or "/" in node_id):
             raise ValueError(f"node_id {node_id!r} must be non-empty and contain no '/'")
         self._config = config
         self._node_id = node_id or _default_node_id()
         self._clock = clock
+        self._pool = pool
         self._addr = config.local_addr or socket.getfqdn()
         self._worker_store = WorkerStoreHost(self._addr, enabled=agent_hosts_store())
 
@@ -924,7 +948,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._start_lock:
             if self._conn is None:
                 try:
-                    conn = EtcdConnection(self._config, context=self._ctx)
+                    conn = EtcdConnection(self._config, context=self._ctx, pool=self._pool)
                 except RendezvousConnectionError:
                     self._connect_failed = True
                     raise
