@@ -1,6 +1,7 @@
 """Time to a complete round with many agents: ``python -m bench.rendezvous_bench --agents 64 256`` (repo root).
 
-Runs N handlers (each with its own etcd connection, lease, watch and threads, as N agents would) against
+Runs N handlers (each with its own lease, watch and threads, as N agents would; see ``--channels`` for
+their etcd connections) against
 one embedded etcd. They are spread over ``--procs`` worker processes (default: one per 32 agents) so
 that one Python GIL does not serialise them all; all processes share this machine with etcd, so the
 figures are an upper bound for N agents on N machines. Per N it reports:
