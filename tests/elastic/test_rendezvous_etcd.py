@@ -167,6 +167,25 @@ def test_a_round_costs_o_n_watch_events_and_only_the_coordinator_mirrors_joins(
 
 
 @pytest.mark.timeout(60)
+def test_handlers_sharing_one_client_form_rounds_and_outlive_a_leaver(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """Many agents in one process (the bench) share one etcd client; one leaving must not close it for the rest."""
+    from elastic.rendezvous.etcd_client import ClientPool
+
+    shared = ClientPool()
+    config = make_config(etcd_server.endpoint, run_id="shared", min_nodes=1, max_nodes=3)
+    hs = [handlers(config, node_id=f"n{i}", pool=shared) for i in range(3)]
+    assert_consistent(rendezvous_all(pool, hs), 3)
+    assert len({id(h._conn.client) for h in hs if h._conn is not None}) == 1, "one client for the three"
+    hs[2].leave()
+    rest = hs[:2]
+    assert all(pool.map(lambda h: h.wait_membership_change(LOSS_BOUND_S), rest))
+    assert_consistent(rendezvous_all(pool, rest), 2)
+    for h in rest:
+        h.leave()
+    assert not shared._clients, "the last one to leave closes the shared client"
+
+
+@pytest.mark.timeout(60)
 def test_the_coordinators_loss_is_seen_by_all_and_another_takes_over(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
     hs = [handlers(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=4), node_id=f"n{i}") for i in range(4)]
     assert_consistent(rendezvous_all(pool, hs), 4)
