@@ -1,6 +1,7 @@
 """Time to a complete round with many agents: ``python -m bench.rendezvous_bench --agents 64 256`` (repo root).
 
-Runs N handlers (each with its own etcd connection, lease, watch and threads, as N agents would) against
+Runs N handlers (each with its own lease, watch and threads, as N agents would; see ``--channels`` for
+their etcd connections) against
 one embedded etcd. They are spread over ``--procs`` worker processes (default: one per 32 agents) so
 that one Python GIL does not serialise them all; all processes share this machine with etcd, so the
 figures are an upper bound for N agents on N machines. Per N it reports:
@@ -10,7 +11,13 @@ figures are an upper bound for N agents on N machines. Per N it reports:
 * loss seen: one agent vanishes without a word (lease not revoked) until every survivor's
   ``wait_membership_change`` returned (bounded below by ``--lease-ttl``);
 * recovery round: from the last survivor noticing the loss until the last of the N-1 survivors has
-  completed the next round (each survivor re-rendezvous as soon as it noticed, like an agent).
+  completed the next round (each survivor re-rendezvous as soon as it noticed, like an agent);
+* etcd's own counters for the first round and for the loss plus recovery (from its ``/metrics``): watch
+  events it sent (``etcd_debugging_mvcc_events_total``) and requests it started (``grpc_server_started_total``,
+  lease keepalive streams left out: they are per second, not per round).
+
+The handlers of one worker process share one etcd client (gRPC channel), as ``--channels shared`` (the
+default) says; ``--channels per-agent`` gives each its own, as N agents on N machines have.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ import argparse
 import logging
 import math
 import multiprocessing as mp
+import re
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +50,7 @@ class _Plan:
     last_call: float
     rejoin: float
     victim: int
+    shared_channels: bool
 
 
 def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: Any) -> None:
@@ -61,7 +71,12 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: An
         join_timeout=_TIMEOUT_S,
         etcd_timeout=120,
     )
-    handlers = {i: EtcdV3RendezvousHandler(config, node_id=f"agent{i:05d}") for i in ids}
+    kwargs: dict[str, Any] = {}
+    if plan.shared_channels:
+        from elastic.rendezvous.etcd_client import ClientPool
+
+        kwargs["pool"] = ClientPool()
+    handlers = {i: EtcdV3RendezvousHandler(config, node_id=f"agent{i:05d}", **kwargs) for i in ids}
 
     def first_round(i: int) -> None:
         info = handlers[i].next_rendezvous()
@@ -94,7 +109,7 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: An
 
 
 def _collect(results: Any, kind: str, count: int, desc: str) -> list[tuple[int, float, Any]]:
-    got = []
+    got: list[tuple[int, float, Any]] = []
     with tqdm(total=count, desc=desc, unit="agent", leave=False, file=sys.stderr) as bar:
         while len(got) < count:
             what, i, when, extra = results.get(timeout=_TIMEOUT_S)
@@ -106,8 +121,29 @@ def _collect(results: Any, kind: str, count: int, desc: str) -> list[tuple[int, 
     return got
 
 
-def bench(n: int, server: EmbeddedEtcd, lease_ttl: int, last_call: float, rejoin: float, procs: int) -> dict[str, float]:
-    plan = _Plan(server.endpoint, f"bench-{n}-{time.time_ns()}", n, lease_ttl, last_call, rejoin, victim=n // 2)
+_METRIC = re.compile(r'^(etcd_debugging_mvcc_events_total|grpc_server_started_total)(\{[^}]*\})? ([0-9.e+]+)$')
+
+
+def etcd_counters(server: EmbeddedEtcd) -> tuple[float, float]:
+    """(watch events sent, requests started but lease keepalive streams) so far, from etcd's /metrics."""
+    with urllib.request.urlopen(f"http://{server.endpoint}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    events = requests = 0.0
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m is None:
+            continue
+        if m.group(1) == "etcd_debugging_mvcc_events_total":
+            events += float(m.group(3))
+        elif 'grpc_method="LeaseKeepAlive"' not in (m.group(2) or ""):
+            requests += float(m.group(3))
+    return events, requests
+
+
+def bench(n: int, server: EmbeddedEtcd, lease_ttl: int, last_call: float, rejoin: float, procs: int,
+          shared_channels: bool = True) -> dict[str, float]:
+    plan = _Plan(server.endpoint, f"bench-{n}-{time.time_ns()}", n, lease_ttl, last_call, rejoin, victim=n // 2,
+                 shared_channels=shared_channels)
     ctx = mp.get_context("spawn")
     go, crash, results = ctx.Event(), ctx.Event(), ctx.Queue()
     shares = [list(range(n))[k::procs] for k in range(procs)]
@@ -116,22 +152,29 @@ def bench(n: int, server: EmbeddedEtcd, lease_ttl: int, last_call: float, rejoin
         w.start()
     try:
         _collect(results, "ready", len(workers), f"starting {len(workers)} processes")
+        before = etcd_counters(server)
         start = time.time()
         go.set()
         first = _collect(results, "first", n, f"first round ({n})")
         if {extra for _, _, extra in first} != {n}:
             raise RuntimeError(f"inconsistent first round world sizes: {sorted({e for _, _, e in first})}")
+        after_first = etcd_counters(server)
         crashed = time.time()
         crash.set()
         seen = _collect(results, "seen", n - 1, "loss detection")
         recovered = _collect(results, "recovered", n - 1, f"recovery round ({n - 1})")
         if {extra for _, _, extra in recovered} != {n - 1}:
             raise RuntimeError("inconsistent recovery round world sizes")
+        after_recovery = etcd_counters(server)
         last_seen = max(when for _, when, _ in seen)
         return {
             "first_round_s": max(when for _, when, _ in first) - start,
             "loss_detection_s": last_seen - crashed,
             "recovery_round_s": max(when for _, when, _ in recovered) - last_seen,
+            "first_events": after_first[0] - before[0],
+            "first_requests": after_first[1] - before[1],
+            "recovery_events": after_recovery[0] - after_first[0],
+            "recovery_requests": after_recovery[1] - after_first[1],
         }
     finally:
         for w in workers:
@@ -150,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--last-call", type=float, default=_TIMEOUT_S, help="last_call_timeout")
     parser.add_argument("--rejoin", type=float, default=_TIMEOUT_S, help="rejoin_timeout")
     parser.add_argument("--procs", type=int, default=0, help="worker processes (default: one per 32 agents)")
+    parser.add_argument("--channels", choices=("shared", "per-agent"), default="shared",
+                        help="one etcd client per worker process (shared) or per agent")
+    parser.add_argument("--reps", type=int, default=1, help="measure each agent count this many times")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     with EmbeddedEtcd() as server:
@@ -158,15 +204,19 @@ def main(argv: list[str] | None = None) -> int:
             f"rejoin_timeout={args.rejoin}s",
             flush=True,
         )
-        print(f"{'agents':>7} {'procs':>6} {'first round':>12} {'loss seen':>10} {'recovery round':>15}", flush=True)
-        for n in args.agents:
-            procs = args.procs or max(1, math.ceil(n / 32))
-            r = bench(n, server, args.lease_ttl, args.last_call, args.rejoin, min(procs, n))
-            print(
-                f"{n:>7} {procs:>6} {r['first_round_s']:>11.3f}s {r['loss_detection_s']:>9.3f}s "
-                f"{r['recovery_round_s']:>14.3f}s",
-                flush=True,
-            )
+        print(f"{'agents':>7} {'procs':>6} {'first round':>12} {'loss seen':>10} {'recovery round':>15} "
+              f"{'events 1st':>11} {'reqs 1st':>9} {'events rec':>11} {'reqs rec':>9}", flush=True)
+        for _rep in range(args.reps):
+            for n in args.agents:
+                procs = args.procs or max(1, math.ceil(n / 32))
+                r = bench(n, server, args.lease_ttl, args.last_call, args.rejoin, min(procs, n),
+                          shared_channels=args.channels == "shared")
+                print(
+                    f"{n:>7} {procs:>6} {r['first_round_s']:>11.3f}s {r['loss_detection_s']:>9.3f}s "
+                    f"{r['recovery_round_s']:>14.3f}s {r['first_events']:>11.0f} {r['first_requests']:>9.0f} "
+                    f"{r['recovery_events']:>11.0f} {r['recovery_requests']:>9.0f}",
+                    flush=True,
+                )
     return 0
 
 

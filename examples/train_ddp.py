@@ -336,6 +336,10 @@ def main(argv: list[str] | None = None) -> None:
             memory.close()
         if ckpt is not None:
             ckpt.close()
+        # Free DDP's reducer while the default group still holds the process group: when the reducer held the
+        # last reference (freed at return, after destroy_process_group), its destructor joined gloo's threads
+        # with the GIL held while one of them waited for the GIL to free a finished work: a hang at exit.
+        del ddp
         if dist.is_initialized():
             dist.destroy_process_group()
 

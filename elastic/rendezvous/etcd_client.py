@@ -244,6 +244,45 @@ def prefix_end(prefix: str) -> bytes:
     return utils.prefix_range_end(utils.to_bytes(prefix))
 
 
+class ClientPool:
+    """etcd clients (one gRPC channel each) shared by the connections of one process that use the same
+    endpoints and credentials: a simulation or a test hosting many agents in one process opens one channel
+    instead of one per agent. A real agent has one connection and needs none. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[Any, ...], list[Any]] = {}
+        """key -> [client, references]."""
+
+    @staticmethod
+    def key(config: EtcdRendezvousConfig) -> tuple[Any, ...]:
+        return (config.endpoints, config.cacert, config.cert, config.key, config.user, config.password,
+                config.etcd_timeout)
+
+    def acquire(self, config: EtcdRendezvousConfig, make: Callable[[], T]) -> T:
+        """The shared client for ``config`` (made by ``make`` the first time); pair with ``release``."""
+        key = self.key(config)
+        with self._lock:
+            entry = self._clients.get(key)
+            if entry is None:
+                entry = self._clients[key] = [make(), 0]
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, config: EtcdRendezvousConfig) -> Any | None:
+        """Drop one reference; returns the client to close when it was the last one (else None)."""
+        key = self.key(config)
+        with self._lock:
+            entry = self._clients.get(key)
+            if entry is None:
+                return None
+            entry[1] -= 1
+            if entry[1] > 0:
+                return None
+            del self._clients[key]
+            return entry[0]
+
+
 class EtcdConnection:
     """A client for the configured endpoint(s) plus the retry/conversion policy."""
 
@@ -253,15 +292,21 @@ class EtcdConnection:
         *,
         context: Callable[[], str] = lambda: "",
         sleep: Callable[[float], None] | None = None,
+        pool: ClientPool | None = None,
     ) -> None:
         self.config = config
         self._context = context
         self._sleep = sleep
+        self._pool = pool
         self.per_call_timeout = min(PER_CALL_TIMEOUT, config.etcd_timeout)
         self._auth_lock = threading.Lock()
         self._protocol_agrees = False
         """A probe found the server speaking what we speak: "Socket closed" & co. are outages from then on."""
-        self.client = self.call("connect", self._make_client)
+        if pool is None:
+            self.client = self.call("connect", self._make_client)
+        else:
+            self.client = self.call("connect", lambda: pool.acquire(config, self._make_client))
+        self._closed = False
 
     def _make_client(self) -> etcd3.MultiEndpointEtcd3Client:
         cfg = self.config
@@ -408,8 +453,17 @@ class EtcdConnection:
         return before_sleep
 
     def close(self) -> None:
+        if self._pool is not None:
+            if self._closed:
+                return
+            self._closed = True
+            client = self._pool.release(self.config)
+            if client is None:
+                return  # other connections still use it
+        else:
+            client = self.client
         try:
-            self.client.close()
+            client.close()
         except Exception:  # best effort on the way out
             log.debug("%sclosing the etcd client failed", self._context(), exc_info=True)
 
@@ -430,17 +484,31 @@ class EtcdConnection:
         if range_end is not None:
             create.range_end = range_end
         stub = etcdrpc.WatchStub(self.client.channel)
-        return WatchStream(stub, etcdrpc.WatchRequest(create_request=create), self.client, timeout)
+        return WatchStream(stub, [etcdrpc.WatchRequest(create_request=create)], self.client, timeout)
+
+    def watch_ranges(self, ranges: list[tuple[str, bytes | None, int]]) -> WatchStream:
+        """Open one watch stream with a watcher per ``(key, range_end, start_revision)``.
+
+        etcd numbers the watchers of a stream in creation order (0, 1, ...): a response's ``watch_id`` is the
+        index of its range in ``ranges``. Each watcher keeps its own revision order, not the others'."""
+        requests = []
+        for key, range_end, start_revision in ranges:
+            create = etcdrpc.WatchCreateRequest(key=utils.to_bytes(key), start_revision=start_revision)
+            if range_end is not None:
+                create.range_end = range_end
+            requests.append(etcdrpc.WatchRequest(create_request=create))
+        stub = etcdrpc.WatchStub(self.client.channel)
+        return WatchStream(stub, requests, self.client, None)
 
 
 class WatchStream:
-    """One etcd watch RPC; ``cancel()`` from any thread ends the iteration."""
+    """One etcd watch RPC (one or more watchers); ``cancel()`` from any thread ends the iteration."""
 
-    def __init__(self, stub: Any, request: Any, client: Any, timeout: float | None) -> None:
+    def __init__(self, stub: Any, creates: list[Any], client: Any, timeout: float | None) -> None:
         self._done = threading.Event()
 
         def requests() -> Iterator[Any]:
-            yield request
+            yield from creates
             # Keep the request side open: half-closing could end the watch on some servers.
             self._done.wait()
 

@@ -8,6 +8,11 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
                                the workers' TCPStore, hosted by the round's rank-0 agent: ``worker_store``)
     P/ctl/closed               present once the job ended (set_closed/shutdown), until its last agent left
     P/ctl/notice/{node}        the node's preemption deadline (JSON), attached to its lease (publish_notice)
+    P/ctl/post/coordinator     the coordinator (JSON: node, lease), on its lease; created by transaction when absent
+    P/ctl/post/proposal        the coordinator's proposal for the next round (JSON: number, participants in rank
+                               order), on its lease; deleted by the commit
+    P/ctl/post/reform          the coordinator's notice that committed round N must re-form (JSON: round, waiting,
+                               lost participants)
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
     P/finished                 only with ``finished_ttl``: the run finished successfully (JSON: by, time,
                                round), on a lease of ``finished_ttl`` s; a newcomer exits 0 at once
@@ -21,22 +26,31 @@ compares the closed key's revision and that no node key exists. A running job al
 (their leases) and no closed key, so it is never touched; two newcomers racing to clear the same ended run
 are serialised by the compare.
 
-Each handler mirrors ``P/ctl/`` through one watch stream (no polling) and feeds snapshots of the mirror to
-the pure ``state.decide``; it performs the I/O the decision asks for. The round's rank 0 commits it with
-one transaction that compares the round key's mod revision (a stale agent's commit fails) and that
-the job is not closed, then writes the record, clears the
-round's join keys and drops the store of two rounds ago. A lease refresher thread keeps the registration
+O(N) traffic per round: one node, the coordinator, mirrors all of ``P/ctl/`` through its watch stream (no
+polling) and runs the pure ``state.coordinate`` on it; when a round may close it posts the proposal, and when
+the committed round breaks (a participant lost or re-joining, a newcomer with a free slot) the reform notice.
+Every other node's stream watches only ``P/ctl/closed`` and ``[P/ctl/notice/, P/ctl/round]`` (notices, posts,
+round): the N registrations and N joins of a round reach one watcher, not N. A joining node runs the pure
+``state.follow``: it writes its join key and waits for the round key; the proposal's rank 0 commits it with one
+transaction that compares the round key's and the proposal's mod revisions (a stale agent, or a superseded
+proposal, fails) and that the job is not closed, then writes the record, clears the round's join keys and the
+proposal and drops the store of two rounds ago. At its join deadline a node reads every key once and asks
+``state.decide`` whether it timed out or is a spare. When the coordinator's lease ends its key goes with it: the
+others see it (a lost participant, if it was one) and one of them wins the election transaction, loads every
+key and carries on (deadlines restart). A node that clears an ended run mirrors every key while it does (it
+counts the registered nodes). A lease refresher thread keeps the registration
 alive, re-registers after an expiry (e.g. etcd unreachable longer than the TTL) and turns an etcd outage
 longer than ``etcd_timeout`` into a ``RendezvousOutageError`` (a ``RendezvousConnectionError``).
 
-Loss detection: when a participant's registration disappears, the watch marks the running round broken,
-``membership_changed()`` becomes True and ``num_nodes_waiting()`` >= 1, so torch's stock agent (which
+Loss detection: when a participant's registration disappears, the coordinator's watch sees it and posts the
+reform notice (a follower sees the coordinator's own loss from its key), ``membership_changed()`` becomes True and ``num_nodes_waiting()`` >= 1, so torch's stock agent (which
 re-rendezvous when ``num_nodes_waiting() > 0`` while healthy) and ours restart into a new round. That
 round closes as soon as every live node has joined: no last-call wait on recovery.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -72,6 +86,7 @@ from .api import (
     RendezvousWatchError,
 )
 from .etcd_client import (
+    ClientPool,
     EtcdConnection,
     WatchCanceledError,
     describe,
@@ -81,7 +96,20 @@ from .etcd_client import (
     prefix_end,
 )
 from .liveness import LivenessListener, Peer, PeerWatch, Verdict, peer_from_registration, probe_all
-from .state import Action, Decision, RoundRecord, Snapshot, decide, membership
+from .state import (
+    Action,
+    Decision,
+    FollowerView,
+    Proposal,
+    Reform,
+    RoundRecord,
+    Snapshot,
+    coordinate,
+    decide,
+    follow,
+    membership,
+    reform_of,
+)
 from .store import EtcdV3Store
 from .worker_store import WorkerStoreHost, agent_hosts_store
 
@@ -166,6 +194,37 @@ class _Mirror:
     revision: int = 0
     """Highest etcd revision applied."""
     loaded: bool = False
+    full: bool = False
+    """``nodes/`` and ``join/`` are mirrored too (the coordinator, or a newcomer clearing an ended run); else
+    ``nodes``, ``joins`` and ``peers`` stay empty and only the closed key, notices, posts and round are."""
+    watch_revs: list[int] = field(default_factory=list)
+    """Per watcher of the stream (one per watched range), the highest revision it delivered or was loaded at."""
+    coordinator: tuple[str, int] | None = None
+    """(node id, lease) of the coordinator (``post/coordinator``), None while there is none."""
+    proposal: Proposal | None = None
+    """The coordinator's proposal for the next round (``post/proposal``)."""
+    reform: Reform | None = None
+    """The coordinator's last notice that a committed round is broken or a node waits (``post/reform``)."""
+
+
+@dataclass(slots=True)
+class _CoordinatorDuty:
+    """What the coordinator thread remembers between its decisions (its own writes not yet mirrored)."""
+
+    target: tuple[int, int] | None = None
+    """(round to form, round-key revision) the deadlines below belong to."""
+    last_call: float | None = None
+    rejoin: float | None = None
+    proposed: tuple[int, tuple[str, ...], int, int] | None = None
+    """(round, participants, round-key revision, proposal revision) of our last proposal."""
+    reform: Reform | None = None
+    reason: str = ""
+    elect_tried_at: int | None = None
+    """Mirror revision when this node last tried to become the coordinator."""
+
+    def reset(self) -> None:
+        self.target = self.proposed = self.reform = self.elect_tried_at = None
+        self.last_call = self.rejoin = None
 
 
 class _WatchTokenRenewed(WatchCanceledError):
@@ -208,12 +267,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         *,
         node_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pool: ClientPool | None = None,
     ) -> None:
+        """Args:
+            config: the rendezvous configuration (``--rdzv-conf``).
+            node_id: this agent's id (default: host, pid and a random suffix); no '/'.
+            clock: monotonic seconds (injected by tests).
+            pool: share one etcd client (gRPC channel) with the other handlers of this process that pass the
+                same pool and configuration (a simulation of many agents in one process; None: its own).
+        Raises:
+            ValueError: a bad ``node_id``."""
         if node_id is not None and (not node_id or "/" in node_id):
             raise ValueError(f"node_id {node_id!r} must be non-empty and contain no '/'")
         self._config = config
         self._node_id = node_id or _default_node_id()
         self._clock = clock
+        self._pool = pool
         self._addr = config.local_addr or socket.getfqdn()
         self._worker_store = WorkerStoreHost(self._addr, enabled=agent_hosts_store())
 
@@ -223,6 +292,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._join_prefix = self._ctl + "join/"
         self._round_key = self._ctl + "round"
         self._closed_key = self._ctl + "closed"
+        self._notice_prefix = self._ctl + "notice/"
+        self._post_prefix = self._ctl + "post/"
+        self._coordinator_key = self._post_prefix + "coordinator"
+        self._proposal_key = self._post_prefix + "proposal"
+        self._reform_key = self._post_prefix + "reform"
         self._store_prefix = prefix + "store/"
         self._finished_key = prefix + "finished"
 
@@ -230,6 +304,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._mirror = _Mirror()
         self._lost: dict[int, set[str]] = {}
         """round number -> participants whose registration was deleted while that round was current."""
+        self._finished: dict[int, set[str]] = {}
+        """round number -> participants seen leaving after the job was closed (``lost_peers`` only)."""
         self._my_round: RoundRecord | None = None
         self._joining: int | None = None
         """Round this node has a join key for (re-written after a lease loss)."""
@@ -247,6 +323,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._connect_failed = False
         self._watch_token_renewed = False
         """The watch was refused and the token renewed; a second refusal in a row is fatal."""
+        self._clearing = False
+        """A newcomer is clearing an ended run: it mirrors every key (``_clear_ended_run``)."""
+        self._view_epoch = 0
+        """Bumped (under the condition) when the wanted view changes from outside the watch thread."""
         self._start_lock = threading.Lock()
         self._lease_lock = threading.Lock()
         self._liveness: LivenessListener | None = None
@@ -300,61 +380,104 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return float(self._config.lease_ttl)
 
     def next_rendezvous(self) -> RendezvousInfo:
-        """Join the next round; block until it is committed with this node in it (see class doc)."""
+        """Join the next round; block until it is committed with this node in it (see class doc).
+
+        This node follows the coordinator's posts (``state.follow``): it writes its join key, waits for the
+        round key, and commits the proposed round when the proposal makes it rank 0. Only at its join deadline
+        does it read every key once and ask ``state.decide`` whether it timed out (or is a spare)."""
         self._ensure_registered()
         began = self._clock()
         join_deadline = began + self._config.join_timeout
         with self._cond:
             committed = self._mirror.committed
         target = (committed.number if committed else 0) + 1
-        last_call: float | None = None
-        rejoin: float | None = None
         joined_target: tuple[int, int | None] | None = None  # (round, lease) of our last join write
         committed_mod: int | None = None  # round-key revision our last successful commit replaced
+        checked_at: float | None = None
         previous: Action | None = None
         log.info("%sjoining round %d (min=%d max=%d)", self._ctx(), target, self._config.min_nodes, self._config.max_nodes)
         while True:
             with self._cond:
                 self._raise_if_fatal()
-                snap = self._snapshot(target, join_deadline, last_call, rejoin)
-                seen_mod = self._mirror.committed_mod
-                decision = decide(snap)
+                mirror = self._mirror
+                view = FollowerView(
+                    node_id=self._node_id,
+                    target=target,
+                    committed=mirror.committed,
+                    closed=mirror.closed,
+                    joined=joined_target == (target, self._lease_id),
+                    proposal=mirror.proposal,
+                    now=self._clock(),
+                    join_deadline=join_deadline,
+                    checked_at=checked_at,
+                    recheck_s=_SAFETY_RECHECK_S,
+                )
+                seen_mod, proposal = mirror.committed_mod, mirror.proposal
+                decision = follow(view)
                 if decision.action != previous:
                     log.info("%sround %d: %s (%s)", self._ctx(), target, decision.action.value, decision.reason)
                     previous = decision.action
                 action = decision.action
-                if action is Action.JOIN and joined_target == (target, self._lease_id):
-                    action = Action.WAIT  # our write is not in the mirror yet
                 if action is Action.COMMIT and committed_mod == seen_mod:
                     action = Action.WAIT  # our commit is not in the mirror yet
-                if action in (Action.WAIT, Action.SPARE):
+                if action is Action.WAIT:
                     self._cond.wait(self._wait_time(decision))
                     continue
-                if action is Action.START_LAST_CALL:
-                    last_call = snap.now + self._config.last_call_timeout
-                    rejoin = snap.now + self._config.rejoin_timeout
-                    continue
                 if action is Action.DONE:
-                    return self._complete_round(began)
+                    info, record, rank = self._complete_round(began)
+                    break
                 if action is Action.REJOIN:
-                    assert self._mirror.committed is not None
-                    target = self._mirror.committed.number + 1
-                    last_call, rejoin, joined_target = None, None, None
+                    assert mirror.committed is not None
+                    target = mirror.committed.number + 1
+                    joined_target = None
                     continue
                 if action is Action.CLOSED:
                     raise RendezvousClosedError(f"{self._ctx()}the rendezvous of run '{self._config.run_id}' is closed")
-                if action is Action.TIMEOUT:
-                    raise RendezvousTimeoutError(
-                        f"{self._ctx()}no round formed within join_timeout={self._config.join_timeout:.0f} s: "
-                        f"{decision.reason} (live nodes: {len(snap.live)}, min_nodes={self._config.min_nodes}, "
-                        f"etcd {self._config.endpoint_str})"
-                    )
             # I/O outside the lock (the watch thread needs it to deliver our own writes).
             if action is Action.JOIN:
                 if self._write_join(target, seen_mod):
                     joined_target = (target, self._lease_id)
-            elif action is Action.COMMIT and self._commit(target, decision.participants, seen_mod):
-                committed_mod = seen_mod
+            elif action is Action.COMMIT:
+                assert proposal is not None
+                if self._commit(target, decision.participants, seen_mod, proposal.mod_revision):
+                    committed_mod = seen_mod
+            elif action is Action.CHECK:
+                checked_at = self._clock()
+                if not self._check_deadline(target, join_deadline):
+                    joined_target = None  # our join key is gone: write it again
+        self._watch_ring_successor(record, rank)
+        return info
+
+    def _check_deadline(self, target: int, join_deadline: float) -> bool:
+        """At the join deadline: read every key once and let ``decide`` say whether this node timed out
+        (raises ``RendezvousTimeoutError``) or waits on (a spare has no deadline). False when ``decide`` finds
+        this node's join key missing."""
+        snap = self._full_snapshot(target, join_deadline)
+        decision = decide(snap)
+        log.info("%sround %d: join deadline check: %s (%s)", self._ctx(), target, decision.action.value, decision.reason)
+        if decision.action is Action.TIMEOUT:
+            raise RendezvousTimeoutError(
+                f"{self._ctx()}no round formed within join_timeout={self._config.join_timeout:.0f} s: "
+                f"{decision.reason} (live nodes: {len(snap.live)}, min_nodes={self._config.min_nodes}, "
+                f"etcd {self._config.endpoint_str})"
+            )
+        if decision.action is Action.CLOSED:
+            raise RendezvousClosedError(f"{self._ctx()}the rendezvous of run '{self._config.run_id}' is closed")
+        return decision.action is not Action.JOIN
+
+    def _full_snapshot(self, target: int, join_deadline: float) -> Snapshot:
+        """A ``Snapshot`` of every key: from the mirror when it is full, else from one range read."""
+        with self._cond:
+            if self._mirror.full and self._mirror.loaded:
+                return self._snapshot(self._mirror, target, join_deadline, None, None)
+        conn = self._require_conn()
+        resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self._ctl))
+        mirror = _Mirror(revision=int(resp.header.revision), loaded=True, full=True)
+        for kv in resp.kvs:
+            self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision)
+        with self._cond:
+            self._raise_if_fatal()
+            return self._snapshot(mirror, target, join_deadline, None, None)
 
     def is_closed(self) -> bool:
         if not self._released:  # after leave()/shutdown(): the last state seen, without I/O
@@ -474,7 +597,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             mine = self._my_round
             if mine is None:
                 return set()
-            return set(mine.participants) - set(self._mirror.nodes) | set(self._lost.get(mine.number, ()))
+            lost = set(self._lost.get(mine.number, ())) | self._finished.get(mine.number, set())
+            mirror = self._mirror
+            if mirror.full:
+                lost |= set(mine.participants) - set(mirror.nodes)
+            elif mirror.reform is not None and mirror.reform.round == mine.number:
+                lost |= set(mirror.reform.lost)
+            return lost
 
     def leave(self) -> None:
         """Revoke the lease (peers notice at once) and release threads and the connection; job stays open.
@@ -556,17 +685,55 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if watch is None:
             return
         successor = record.participants[(rank + 1) % len(record.participants)]
-        with self._cond:
-            peer = self._mirror.peers.get(successor) if successor != self._node_id else None
+        peer = self._current_peer(successor) if successor != self._node_id else None
         watch.watch(peer)
+
+    def _current_peer(self, node: str) -> Peer | None:
+        """``node``'s liveness port and lease from its registration now: from the full mirror, else one read."""
+        with self._cond:
+            if self._mirror.full and self._mirror.loaded:
+                return self._mirror.peers.get(node)
+        conn = self._conn
+        if conn is None:
+            return None
+        try:
+            value, meta = conn.call(f"read {node}'s registration", lambda: conn.client.get(self._nodes_prefix + node),
+                                    within=min(5.0, self._config.etcd_timeout))
+        except RendezvousError as exc:
+            log.warning("%scould not read the registration of %s: %s", self._ctx(), node, exc)
+            return None
+        return self._peer_of(node, value, int(getattr(meta, "lease_id", 0) or 0))
+
+    def _peer_of(self, node: str, value: bytes | None, lease: int) -> Peer | None:
+        """``node``'s peer from its registration's value and the lease etcd attached the key to (never the
+        lease the value names: a hostile value could name another node's)."""
+        if value is None:
+            return None
+        try:
+            return peer_from_registration(node, json.loads(value), lease)
+        except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+            log.warning("%scorrupt registration of %s: %s", self._ctx(), node, exc)
+            return None
+
+    def _current_peers(self, nodes: list[str]) -> list[Peer]:
+        """The registered ``nodes``' liveness ports: from the full mirror, else one range read of ``nodes/``."""
+        with self._cond:
+            if self._mirror.full and self._mirror.loaded:
+                return [self._mirror.peers[n] for n in nodes if n in self._mirror.peers]
+        conn = self._require_conn()
+        resp = conn.call("read the registrations", lambda: conn.client.get_prefix_response(self._nodes_prefix),
+                         within=min(5.0, self._config.etcd_timeout))
+        wanted = set(nodes)
+        found = {kv.key.decode()[len(self._nodes_prefix):]: (kv.value, int(kv.lease)) for kv in resp.kvs}
+        return [p for n, (v, lease) in found.items() if n in wanted and (p := self._peer_of(n, v, lease)) is not None]
 
     def _revoke_dead_peer(self, peer: Peer) -> bool:
         """``peer``'s process is gone (its liveness port refuses): revoke its lease so that every agent's watch
         sees its registration go now, not after ``lease_ttl``. Only the lease it is registered with now (a
         peer that re-registered since is someone we know nothing bad about)."""
         with self._cond:
-            current = self._mirror.peers.get(peer.node)
             closed = self._mirror.closed
+        current = self._current_peer(peer.node)
         conn = self._conn
         if current is None or current.lease != peer.lease or conn is None or self._released:
             return False
@@ -589,13 +756,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def probe_peers(self) -> set[str]:
         """Probe every other participant of this node's round now (a worker failed: a dead peer would explain
         it) and revoke the lease of each whose process is gone; returns those nodes. Silent peers (a partition,
-        a powered-off host) are left to their lease. No etcd I/O unless a peer is dead."""
-        with self._cond:
-            mine = self._my_round
-            peers = [] if mine is None else [self._mirror.peers[n] for n in mine.participants
-                                             if n != self._node_id and n in self._mirror.peers]
+        a powered-off host) are left to their lease. One read of the registrations unless this node coordinates
+        (then none), and a revoke per dead peer."""
+        mine = self._my_round
         watch = self._peer_watch
-        if not peers or self._released or not self._config.liveness_probe or watch is None:
+        if mine is None or self._released or not self._config.liveness_probe or watch is None:
+            return set()
+        try:
+            peers = self._current_peers([n for n in mine.participants if n != self._node_id])
+        except RendezvousError as exc:
+            log.warning("%scould not read the peers' registrations to probe them: %s", self._ctx(), exc)
+            return set()
+        if not peers:
             return set()
         dead = {node for node, found in probe_all(peers, watch.seen).items() if found is Verdict.DEAD}
         return {p.node for p in peers if p.node in dead and self._revoke_dead_peer(p)}
@@ -611,8 +783,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._conn.close()
 
     # ================================================================== snapshot / decisions
-    def _snapshot(self, target: int, join_deadline: float, last_call: float | None, rejoin: float | None) -> Snapshot:
-        mirror = self._mirror
+    def _snapshot(
+        self, mirror: _Mirror, target: int, join_deadline: float, last_call: float | None, rejoin: float | None
+    ) -> Snapshot:
+        """``mirror`` (a full one) as ``decide``/``coordinate`` see it."""
         committed = mirror.committed
         pending = (committed.number if committed else 0) + 1
         return Snapshot(
@@ -636,12 +810,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return max(0.0, min(decision.wake_at - self._clock(), _SAFETY_RECHECK_S))
 
     def _nodes_waiting_locked(self) -> int:
+        """From the full mirror (the coordinator), else from the coordinator's reform post."""
         mirror = self._mirror
         committed = mirror.committed
         if committed is None:
             return len(mirror.joins.get(1, {}))
-        m = membership(committed, mirror.nodes, mirror.joins.get(committed.number + 1, {}), self._config.max_nodes)
-        waiting = m.nodes_waiting
+        if mirror.full:
+            m = membership(committed, mirror.nodes, mirror.joins.get(committed.number + 1, {}), self._config.max_nodes)
+            waiting = m.nodes_waiting
+        else:
+            reform = mirror.reform
+            waiting = reform.waiting if reform is not None and reform.round == committed.number else 0
         waiting = max(waiting, len(self._lost.get(committed.number, ())))
         mine = self._my_round
         if mine is not None and mine.number < committed.number:
@@ -651,7 +830,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _membership_changed_locked(self) -> bool:
         return self._my_round is not None and self._nodes_waiting_locked() > 0
 
-    def _complete_round(self, began: float) -> RendezvousInfo:
+    def _complete_round(self, began: float) -> tuple[RendezvousInfo, RoundRecord, int]:
         record = self._mirror.committed
         assert record is not None
         rank = record.rank_of(self._node_id)
@@ -659,7 +838,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._my_round = record
         self._joining = None
         self._worker_store.round_completed(record.number, record.master_port, rank)
-        self._watch_ring_successor(record, rank)
         store = EtcdV3Store(self._require_conn(), f"{self._store_prefix}{record.number}/", STORE_TIMEOUT)
         log.info(
             "%sround %d complete in %.3f s: rank %d of %d, master %s:%d",
@@ -671,12 +849,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             record.master_addr,
             record.master_port,
         )
-        return RendezvousInfo(
+        info = RendezvousInfo(
             store=store,
             rank=rank,
             world_size=len(record.participants),
             bootstrap_store_info=RendezvousStoreInfo(record.master_addr, record.master_port),
         )
+        return info, record, rank
 
     # ================================================================== writes
     def _write_join(self, target: int, seen_mod: int) -> bool:
@@ -726,7 +905,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._lease_id == stale_lease:
                 self._register(self._require_conn())
 
-    def _commit(self, target: int, participants: tuple[str, ...], seen_mod: int) -> bool:
+    def _commit(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int) -> bool:
+        """Commit the coordinator's proposal (of revision ``proposal_mod``) as round ``target``; this node is its
+        rank 0 and hosts the workers' store. False when the round key, the proposal or the closed key moved."""
         conn = self._require_conn()
         tx = conn.client.transactions
         record = {
@@ -740,10 +921,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         join_dir = f"{self._join_prefix}{target}/"
         # (Not compared: that each participant's join key still exists. etcd caps a txn at 128 ops, and a
         # participant that died since our snapshot is caught by the watch right after: the round breaks.)
-        compare = [tx.mod(self._round_key) == seen_mod, tx.version(self._closed_key) == 0]
+        compare = [tx.mod(self._round_key) == seen_mod, tx.version(self._closed_key) == 0,
+                   tx.mod(self._proposal_key) == proposal_mod]
         success = [
             tx.put(self._round_key, json.dumps(record)),
             tx.delete(join_dir, range_end=prefix_end(join_dir)),
+            tx.delete(self._proposal_key),
         ]
         if target > 2:
             old_store = f"{self._store_prefix}{target - 2}/"
@@ -769,7 +952,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._start_lock:
             if self._conn is None:
                 try:
-                    conn = EtcdConnection(self._config, context=self._ctx)
+                    conn = EtcdConnection(self._config, context=self._ctx, pool=self._pool)
                 except RendezvousConnectionError:
                     self._connect_failed = True
                     raise
@@ -799,6 +982,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             keeper = threading.Thread(target=self._keepalive_loop, name=f"rdzv-lease-{self._node_id}", daemon=True)
             keeper.start()
             self._threads.append(keeper)
+            coordinator = threading.Thread(target=self._coordinate_loop, name=f"rdzv-coord-{self._node_id}", daemon=True)
+            coordinator.start()
+            self._threads.append(coordinator)
 
     def _raise_if_run_finished(self, conn: EtcdConnection) -> None:
         """``RendezvousFinishedError`` when ``finished_ttl`` is on and the run's ``finished`` marker exists."""
@@ -813,8 +999,23 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """If this run id's previous job ended (closed), wait for its agents to leave and clear its keys;
         True when it found the run closed.
 
-        Gives up waiting at join_timeout; ``next_rendezvous`` then reports the run as closed."""
+        Gives up waiting at join_timeout; ``next_rendezvous`` then reports the run as closed. Mirrors every key
+        meanwhile (it counts the registered nodes)."""
+        with self._cond:
+            if not self._mirror.closed:
+                return False
+            self._clearing = True
+        self._change_view()
+        try:
+            return self._clear_ended_run_watching_all(conn)
+        finally:
+            with self._cond:
+                self._clearing = False
+            self._change_view()
+
+    def _clear_ended_run_watching_all(self, conn: EtcdConnection) -> bool:
         deadline = self._clock() + self._config.join_timeout
+        self._wait_mirror(lambda m: m.full, deadline)
         announced = found_closed = False
         while True:
             with self._cond:
@@ -907,12 +1108,36 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         log.info("%sregistered (lease %x, ttl %d s)", self._ctx(), lease.id, self._config.lease_ttl)
 
     # ================================================================== mirror maintenance
-    def _load(self, conn: EtcdConnection) -> None:
-        """Full read of ``P/ctl/`` (start, or after the watch fell behind a compaction)."""
-        resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self._ctl))
-        mirror = _Mirror(revision=int(resp.header.revision), loaded=True)
-        for kv in resp.kvs:
-            self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision, kv.lease)
+    def _watched_ranges(self, full: bool) -> list[tuple[str, bytes | None]]:
+        """The key ranges the mirror follows: all of ``P/ctl/`` (full view), else the closed key and
+        ``[notice/, round]``, which holds the notices, the coordinator's posts and the round key, not the
+        registrations or joins (``ctl/nodes/`` sorts before ``ctl/notice/``)."""
+        if full:
+            return [(self._ctl, prefix_end(self._ctl))]
+        return [(self._closed_key, None), (self._notice_prefix, (self._round_key + "\0").encode())]
+
+    def _want_full(self) -> bool:
+        """Whether this node should mirror every key now (called under the condition)."""
+        coordinator = self._mirror.coordinator
+        leading = coordinator is not None and coordinator == (self._node_id, self._lease_id)
+        return leading or self._clearing
+
+    @staticmethod
+    def _read_range(conn: EtcdConnection, key: str, range_end: bytes | None) -> Any:
+        if range_end is None:
+            return conn.client.get_response(key)
+        return conn.client.get_range_response(key, range_end)
+
+    def _load(self, conn: EtcdConnection, full: bool = False) -> None:
+        """Read the watched ranges (start, a change of view, or after the watch fell behind a compaction)."""
+        mirror = _Mirror(loaded=True, full=full)
+        for key, range_end in self._watched_ranges(full):
+            resp = conn.call("read the rendezvous state", functools.partial(self._read_range, conn, key, range_end))
+            revision = int(resp.header.revision)
+            mirror.watch_revs.append(revision)
+            mirror.revision = max(mirror.revision, revision)
+            for kv in resp.kvs:
+                self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision, kv.lease)
         with self._cond:
             self._mirror = mirror
             self._cond.notify_all()
@@ -952,6 +1177,20 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 mirror.closed = True
             elif rel.startswith("notice/"):
                 mirror.notices[rel[len("notice/") :]] = dict(json.loads(value))
+            elif rel == "post/coordinator":
+                info = json.loads(value)
+                mirror.coordinator = (str(info["node"]), int(info["lease"]))
+            elif rel == "post/proposal":
+                data = json.loads(value)
+                mirror.proposal = Proposal(int(data["number"]), tuple(data["participants"]), mod_revision)
+            elif rel == "post/reform":
+                data = json.loads(value)
+                reform = mirror.reform = Reform(int(data["round"]), int(data["waiting"]), tuple(data["lost"]))
+                current = mirror.committed
+                if not mirror.full and current is not None and reform.round == current.number:
+                    for node in reform.lost:  # as the coordinator saw them go
+                        if node in current.participants:
+                            self._participant_left(mirror, current, node)
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
             # Someone wrote garbage under our prefix (a value that is JSON but not an object, or nested past
             # the parser's depth): refuse to guess.
@@ -987,14 +1226,29 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             # without it that peer would take the planned leave for a crash.
             if committed is None or node not in committed.participants:
                 mirror.notices.pop(node, None)
+        elif rel == "post/coordinator":
+            old_coordinator, mirror.coordinator = mirror.coordinator, None
+            round_now = mirror.committed
+            # Its lease ended: without the registrations, this is how a follower learns of the coordinator's loss
+            # at once (the next coordinator's reform post would tell it too, a little later).
+            if not mirror.full and old_coordinator is not None and round_now is not None \
+                    and old_coordinator[0] in round_now.participants:
+                self._participant_left(mirror, round_now, old_coordinator[0])
+        elif rel == "post/proposal":
+            mirror.proposal = None
+        elif rel == "post/reform":
+            mirror.reform = None
 
     def _participant_left(self, mirror: _Mirror, committed: RoundRecord, node: str) -> None:
         """A participant of the committed round is gone. After the job was closed (every agent that closes it
         passed the exit barrier or gave up) it finished: not a loss, nothing to re-form for. Otherwise the
         round is broken (``membership_changed``), whether it left for its preemption notice or crashed."""
         if mirror.closed:
+            self._finished.setdefault(committed.number, set()).add(node)
             log.info("%sparticipant %s of round %d finished and left", self._ctx(), node, committed.number)
             return
+        if node in self._lost.get(committed.number, ()):
+            return  # known already (a follower hears of a loss from the coordinator key and the reform post)
         self._lost.setdefault(committed.number, set()).add(node)
         if node in mirror.notices:
             log.info("%sparticipant %s of round %d left for its preemption notice", self._ctx(), node,
@@ -1026,22 +1280,31 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._cond.notify_all()
 
     def _watch_once(self) -> None:
-        if self._stop.is_set():
-            return
+        """Load the view this node wants and follow it; when the wanted view changes (this node became or
+        stopped being the coordinator, or clears an ended run), load the other view and follow that."""
+        while not self._stop.is_set():
+            if not self._follow_view():
+                return
+
+    def _follow_view(self) -> bool:
+        """One watch stream over the wanted view; True when it ended because the wanted view changed."""
         conn = self._require_conn()
+        stream = None
         try:
             with self._cond:
-                needs_load = not self._mirror.loaded
-                start = self._mirror.revision + 1
+                full = self._want_full()
+                needs_load = not self._mirror.loaded or self._mirror.full != full
+                epoch = self._view_epoch
             if needs_load:
-                self._load(conn)
-                with self._cond:
-                    start = self._mirror.revision + 1
-            stream = conn.watch(self._ctl, range_end=prefix_end(self._ctl), start_revision=start)
+                self._load(conn, full)
+            with self._cond:
+                starts = [rev + 1 for rev in self._mirror.watch_revs]
+            ranges = self._watched_ranges(full)
+            stream = conn.watch_ranges([(key, end, start) for (key, end), start in zip(ranges, starts, strict=True)])
             self._watch_stream = stream
-            if self._stop.is_set():
+            if self._stop.is_set() or self._view_epoch != epoch:
                 stream.cancel()
-                return
+                return not self._stop.is_set()
             for response in stream:
                 if response.canceled and is_auth_refusal(response.cancel_reason):
                     self._renew_token_for_watch(conn, response.cancel_reason)
@@ -1055,12 +1318,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 if response.canceled:
                     raise WatchCanceledError(f"watch canceled by etcd: {response.cancel_reason}")
                 if response.events:
-                    self._apply_events(response.events)
+                    self._apply_events(response.events, int(response.watch_id))
+                with self._cond:
+                    if self._want_full() != full:
+                        stream.cancel()
+                        return True
         except RendezvousConnectionError:
             raise
         except Exception as exc:
             if self._stop.is_set():
-                return
+                return False
+            with self._cond:
+                if self._view_epoch != epoch or self._want_full() != full:
+                    return True  # canceled from outside for a change of view
             if isinstance(exc, _WatchTokenRenewed):
                 raise
             if is_token_expired(exc):
@@ -1070,6 +1340,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             raise
         if not self._stop.is_set():
             raise WatchCanceledError("watch stream ended")
+        return False
+
+    def _change_view(self) -> None:
+        """The wanted view changed outside the watch thread: make it reload (call after the change)."""
+        with self._cond:
+            self._view_epoch += 1
+        stream = self._watch_stream
+        if stream is not None:
+            stream.cancel()
 
     def _renew_token_for_watch(self, conn: EtcdConnection, reason: str) -> None:
         """etcd refused the watch for its token (after a restart it says "permission denied"): renew once;
@@ -1082,7 +1361,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         conn.call("renew the auth token", conn.renew_token)
         self._watch_token_renewed = True
 
-    def _apply_events(self, events: Any) -> None:
+    def _apply_events(self, events: Any, watch_id: int) -> None:
         with self._cond:
             mirror = self._mirror
             for ev in events:
@@ -1092,7 +1371,121 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 else:
                     self._apply_delete(mirror, key)
                 mirror.revision = max(mirror.revision, int(ev.kv.mod_revision))
+                if 0 <= watch_id < len(mirror.watch_revs):
+                    mirror.watch_revs[watch_id] = max(mirror.watch_revs[watch_id], int(ev.kv.mod_revision))
             self._cond.notify_all()
+
+    # ================================================================== coordination
+    def _coordinate_loop(self) -> None:
+        """While no node coordinates, try to; while this node does, post proposals and reform notices.
+
+        The coordinator mirrors every key (``_want_full``); everything else it learns is posted as one key
+        each node watches, so a round costs O(N) watch events instead of every join reaching every node."""
+        duty = _CoordinatorDuty()
+        while not self._stop.is_set():
+            try:
+                step = self._coordinator_step(duty)
+                if step is not None:
+                    step()
+            except RendezvousError as exc:
+                if self._stop.is_set():
+                    return
+                # A lease that just ended (the lease thread re-registers) is no news; anything else is.
+                level = logging.INFO if _is_lease_not_found(exc.__cause__) else logging.WARNING
+                log.log(level, "%scoordinator: %s; trying again", self._ctx(), exc)
+                duty.reset()
+                self._stop.wait(0.5)
+            except Exception:  # a bug: say so, do not die silently; the followers' deadline checks still work
+                log.exception("%scoordinator step failed", self._ctx())
+                duty.reset()
+                self._stop.wait(_SAFETY_RECHECK_S)
+
+    def _coordinator_step(self, duty: _CoordinatorDuty) -> Callable[[], None] | None:
+        """Decide under the lock what the coordinator role asks for now; return the I/O to do (or wait)."""
+        with self._cond:
+            if self._stop.is_set():
+                return None
+            if self._fatal is not None:
+                self._cond.wait(_SAFETY_RECHECK_S)
+                return None
+            mirror, lease = self._mirror, self._lease_id
+            if not mirror.loaded or mirror.closed or lease is None or self._released:
+                self._cond.wait(_SAFETY_RECHECK_S)
+                return None
+            if mirror.coordinator is None:
+                if duty.elect_tried_at == mirror.revision:  # our try's outcome is not in the mirror yet
+                    self._cond.wait(_SAFETY_RECHECK_S)
+                    if self._mirror.revision == duty.elect_tried_at:
+                        duty.elect_tried_at = None  # nothing came: try again
+                    return None
+                duty.elect_tried_at = mirror.revision
+                return lambda: self._elect(lease)
+            if mirror.coordinator != (self._node_id, lease) or not mirror.full:
+                duty.reset()
+                self._cond.wait(_SAFETY_RECHECK_S)
+                return None
+            committed = mirror.committed
+            reform = reform_of(committed, mirror.nodes, mirror.joins.get(committed.number + 1, {}) if committed else (),
+                               self._lost.get(committed.number, ()) if committed else (), self._config.max_nodes,
+                               mirror.closed)
+            posted = duty.reform if duty.reform is not None else mirror.reform
+            if reform is not None and reform.news_after(posted):
+                duty.reform = reform
+                return lambda: self._post_reform(reform)
+            target = (committed.number if committed else 0) + 1
+            if duty.target != (target, mirror.committed_mod):
+                duty.target, duty.last_call, duty.rejoin = (target, mirror.committed_mod), None, None
+            snap = self._snapshot(mirror, target, float("inf"), duty.last_call, duty.rejoin)
+            decision = coordinate(snap)
+            if decision.reason != duty.reason:
+                log.debug("%scoordinator, round %d: %s (%s)", self._ctx(), target, decision.action.value, decision.reason)
+                duty.reason = decision.reason
+            if decision.action is Action.START_LAST_CALL:
+                duty.last_call = snap.now + self._config.last_call_timeout
+                duty.rejoin = snap.now + self._config.rejoin_timeout
+                return None
+            current = mirror.proposal
+            seen_mod, proposal_mod = mirror.committed_mod, current.mod_revision if current is not None else 0
+            proposal = (target, decision.participants, seen_mod, proposal_mod)
+            if decision.action is Action.PROPOSE and duty.proposed != proposal and not (
+                current is not None and current.number == target and current.participants == decision.participants
+            ):
+                duty.proposed = proposal
+                return lambda: self._propose(target, decision.participants, seen_mod, proposal_mod, lease)
+            self._cond.wait(self._wait_time(decision))
+            return None
+
+    def _elect(self, lease: int) -> None:
+        """Become the coordinator if there is none (the key lives on our lease: it ends with us)."""
+        conn = self._require_conn()
+        tx = conn.client.transactions
+        value = json.dumps({"node": self._node_id, "lease": lease})
+        won, _ = conn.call("elect a coordinator", lambda: conn.client.transaction(
+            compare=[tx.version(self._coordinator_key) == 0],
+            success=[tx.put(self._coordinator_key, value, lease=lease)], failure=[]))
+        if won:
+            log.info("%scoordinating the rendezvous (mirrors every registration and join)", self._ctx())
+
+    def _post_reform(self, reform: Reform) -> None:
+        conn = self._require_conn()
+        value = json.dumps({"round": reform.round, "waiting": reform.waiting, "lost": list(reform.lost),
+                            "by": self._node_id})
+        conn.call("post a reform notice", lambda: conn.client.put(self._reform_key, value))
+        log.info("%scoordinator: round %d must re-form (%d waiting, lost: %s)", self._ctx(), reform.round,
+                 reform.waiting, ", ".join(reform.lost) or "none")
+
+    def _propose(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int, lease: int) -> None:
+        """Post the proposal unless the round key or the proposal moved since the decision (on our lease: a dead
+        coordinator's proposal vanishes with it)."""
+        conn = self._require_conn()
+        tx = conn.client.transactions
+        value = json.dumps({"number": target, "participants": list(participants), "by": self._node_id})
+        ok, _ = conn.call(f"propose round {target}", lambda: conn.client.transaction(
+            compare=[tx.mod(self._round_key) == seen_mod, tx.mod(self._proposal_key) == proposal_mod],
+            success=[tx.put(self._proposal_key, value, lease=lease)], failure=[]))
+        if ok:
+            log.info("%scoordinator: proposed round %d with %d nodes (rank 0: %s)", self._ctx(), target,
+                     len(participants), participants[0])
 
     # ================================================================== lease keepalive
     def _keepalive_loop(self) -> None:

@@ -13,6 +13,14 @@ Vocabulary
                 re-joined or is gone. Before that, joiners are *waiting* (``nodes_waiting`` tells the
                 running agents, which restart and re-join: torch's scale-up path).
     spare       a waiter while round N is full and healthy: it fills in after the next loss.
+
+Who looks at what (O(N) etcd traffic per round). Only one node, the *coordinator* (whoever holds the
+coordinator key, elected by transaction), mirrors every registration and join key; it runs ``coordinate``
+on a full ``Snapshot`` and posts two single keys that every node watches: the *proposal* (the next round's
+participants in rank order) and the *reform* notice (the running round is broken, or a node waits for a
+slot). The other nodes run ``follow`` on a ``FollowerView`` built from those few keys; the proposal's rank 0
+commits the round (it hosts the workers' store). Only at its join deadline does a node read the full state
+once and ask ``decide`` whether it timed out or is a spare (``Action.CHECK``).
 """
 
 from __future__ import annotations
@@ -109,6 +117,10 @@ class Action(enum.Enum):
     """The running round is full and healthy: wait (no join deadline) for a slot."""
     CLOSED = "closed"
     """The job ended: raise RendezvousClosedError."""
+    PROPOSE = "propose"
+    """Coordinator only: post ``participants`` as the proposal of the round to form (its rank 0 commits it)."""
+    CHECK = "check"
+    """Follower only: the join deadline passed; read the full state once and ask ``decide`` (timeout, spare)."""
     TIMEOUT = "timeout"
     """The join deadline passed below ``min_nodes``: raise RendezvousTimeoutError."""
 
@@ -122,6 +134,61 @@ class Decision:
     """For WAIT/START_LAST_CALL/SPARE: the next instant the decision may change without a mirror change."""
     reason: str = ""
     """Human-readable why (goes into log lines)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """The coordinator's proposal for round ``number``: its rank 0 commits exactly these participants."""
+
+    number: int
+    participants: tuple[str, ...]
+    mod_revision: int = 0
+    """The proposal key's mod revision (compared by the commit: a superseded proposal is never committed)."""
+
+    def __post_init__(self) -> None:
+        if self.number < 1 or not self.participants:
+            raise ValueError(f"a proposal needs a round >= 1 and participants, got {self.number}, {self.participants}")
+
+
+@dataclass(frozen=True, slots=True)
+class Reform:
+    """The coordinator's notice about committed round ``round``: what the nodes that do not mirror every key
+    need to know to leave it (``num_nodes_waiting``, ``lost_peers``)."""
+
+    round: int
+    waiting: int
+    """``Membership.nodes_waiting`` as the coordinator counts it (> 0: re-rendezvous)."""
+    lost: tuple[str, ...] = ()
+    """Participants of the round whose registration vanished (sorted)."""
+
+    def news_after(self, posted: Reform | None) -> bool:
+        """Whether this notice tells the followers more than ``posted`` did. A changed count alone is no
+        news (each re-joining participant would cost one post to every node): only a new round or new
+        losses are."""
+        return posted is None or posted.round != self.round or not set(self.lost) <= set(posted.lost)
+
+
+def reform_of(
+    committed: RoundRecord | None,
+    live: Iterable[str],
+    joined: Iterable[str],
+    lost: Iterable[str],
+    max_nodes: int,
+    closed: bool,
+) -> Reform | None:
+    """The reform notice the coordinator should post now, None when there is nothing to tell (pure).
+
+    ``lost`` are participants seen gone while the round was current (sticky, like ``num_nodes_waiting``).
+    Nothing is posted once the job is closed: participants that leave then finished.
+    """
+    if committed is None or closed:
+        return None
+    m = membership(committed, live, joined, max_nodes)
+    gone = tuple(sorted(m.lost | (frozenset(lost) & frozenset(committed.participants))))
+    waiting = max(m.nodes_waiting, len(gone))
+    if waiting == 0:
+        return None
+    return Reform(round=committed.number, waiting=waiting, lost=gone)
 
 
 def order_nodes(joined: Mapping[str, int]) -> tuple[str, ...]:
@@ -211,6 +278,72 @@ def decide(snap: Snapshot) -> Decision:
         return Decision(Action.COMMIT, participants=participants, reason=f"forming round with {len(participants)}")
     # Rank 0 commits; if it dies meanwhile its join key expires with its lease and the next one takes over.
     return Decision(Action.WAIT, reason=f"waiting for {participants[0]} to commit")
+
+
+def coordinate(snap: Snapshot) -> Decision:
+    """What the coordinator does about round ``snap.target`` (pure; ``snap.node_id`` is ignored).
+
+    WAIT (with ``wake_at``) until the round may close, START_LAST_CALL once, then PROPOSE its participants.
+    The coordinator never times out for the joiners: each node checks its own join deadline (``follow``).
+    """
+    if snap.closed:
+        return Decision(Action.WAIT, reason="the rendezvous is closed")
+    committed = snap.committed
+    if committed is not None and committed.number >= snap.target:
+        return Decision(Action.WAIT, reason=f"round {committed.number} is committed")
+    if not is_open(snap):
+        assert committed is not None
+        return Decision(Action.WAIT, reason=f"round {committed.number} goes on")
+    count = len(snap.joined)
+    if count < snap.min_nodes:
+        return Decision(Action.WAIT, reason=f"{count}/{snap.min_nodes} nodes joined")
+    wait = _round_still_filling(snap, count)
+    if wait is not None:
+        return wait
+    participants = order_nodes(snap.joined)[: snap.max_nodes]
+    return Decision(Action.PROPOSE, participants=participants, reason=f"forming round with {len(participants)}")
+
+
+@dataclass(frozen=True, slots=True)
+class FollowerView:
+    """What a joining node that does not mirror the registration and join keys sees (``follow``)."""
+
+    node_id: str
+    target: int
+    committed: RoundRecord | None
+    closed: bool
+    joined: bool
+    """This node's join key for ``target`` was written under its current lease."""
+    proposal: Proposal | None
+    now: float
+    join_deadline: float
+    checked_at: float | None = None
+    """When this node last read the full state for ``CHECK`` (None: never)."""
+    recheck_s: float = 2.0
+    """Past the join deadline, how often to check again (a spare waits without a deadline)."""
+
+
+def follow(view: FollowerView) -> Decision:
+    """The next step of a joining node that follows the coordinator's posts (pure)."""
+    if view.closed:
+        return Decision(Action.CLOSED, reason="the rendezvous is closed")
+    committed = view.committed
+    if committed is not None and committed.number >= view.target:
+        if view.node_id in committed.participants:
+            return Decision(Action.DONE, reason=f"round {committed.number} includes this node")
+        return Decision(Action.REJOIN, reason=f"round {committed.number} was committed without this node")
+    if not view.joined:
+        return Decision(Action.JOIN, reason="this node has not joined the round yet")
+    proposal = view.proposal
+    if proposal is not None and proposal.number == view.target and proposal.participants[0] == view.node_id:
+        return Decision(Action.COMMIT, participants=proposal.participants,
+                        reason=f"rank 0 of the proposed round of {len(proposal.participants)}")
+    check_at = view.join_deadline if view.checked_at is None else max(view.join_deadline, view.checked_at + view.recheck_s)
+    if view.now >= check_at:
+        return Decision(Action.CHECK, reason="join deadline passed: checking the full state")
+    why = "waiting for the coordinator's proposal" if proposal is None or proposal.number != view.target else \
+        f"waiting for {proposal.participants[0]} to commit"
+    return Decision(Action.WAIT, wake_at=check_at, reason=why)
 
 
 def _round_still_filling(snap: Snapshot, count: int) -> Decision | None:

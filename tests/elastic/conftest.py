@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -38,8 +39,8 @@ def handlers() -> Iterator[Callable[..., EtcdV3RendezvousHandler]]:
     """Factory of handlers that are all released at teardown (leave(): the etcd may already be gone)."""
     made: list[EtcdV3RendezvousHandler] = []
 
-    def make(config: EtcdRendezvousConfig, node_id: str | None = None) -> EtcdV3RendezvousHandler:
-        handler = EtcdV3RendezvousHandler(config, node_id=node_id)
+    def make(config: EtcdRendezvousConfig, node_id: str | None = None, **kwargs: Any) -> EtcdV3RendezvousHandler:
+        handler = EtcdV3RendezvousHandler(config, node_id=node_id, **kwargs)
         made.append(handler)
         return handler
 

@@ -114,6 +114,98 @@ def test_lost_participant_is_seen_within_a_lease_and_next_round_is_fast(etcd_ser
     assert all(h.round == 2 and not h.membership_changed() for h in survivors)
 
 
+def coordinator_of(hs: list[EtcdV3RendezvousHandler]) -> EtcdV3RendezvousHandler:
+    """The handler that holds the coordinator key (as the others' mirrors say), once they agree."""
+    deadline = time.monotonic() + 10
+    while True:
+        seen = {h._mirror.coordinator[0] for h in hs if h._mirror.coordinator is not None}
+        if len(seen) == 1 and all(h._mirror.coordinator is not None for h in hs):
+            return next(h for h in hs if h.node_id in seen)
+        assert time.monotonic() < deadline, f"no agreed coordinator: {seen}"
+        time.sleep(0.02)
+
+
+def etcd_events_sent(server: EmbeddedEtcd) -> int:
+    """Watch events etcd has sent to all watchers so far (its own counter, from /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{server.endpoint}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("etcd_debugging_mvcc_events_total "):
+                return int(float(line.split()[1]))
+    raise AssertionError("etcd's /metrics has no etcd_debugging_mvcc_events_total")
+
+
+@pytest.mark.timeout(90)
+def test_a_round_costs_o_n_watch_events_and_only_the_coordinator_mirrors_joins(
+        etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """Before, every agent watched every key: N registrations and N joins reached N watchers (3N^2 events per
+    round, 300 for 10 agents). Now only the coordinator sees them; the others watch the posts and the round."""
+    n = 10
+    config = make_config(etcd_server.endpoint, run_id="o-of-n", min_nodes=1, max_nodes=n, last_call_timeout=30.0)
+    hs = [handlers(config, node_id=f"n{i}") for i in range(n)]  # the first round closes when all 10 joined
+    for h in hs:
+        h.connect()
+    before = etcd_events_sent(etcd_server)
+    assert_consistent(rendezvous_all(pool, hs, timeout=60), n)
+    first = etcd_events_sent(etcd_server) - before
+    coordinator = coordinator_of(hs)
+    followers = [h for h in hs if h is not coordinator]
+    assert coordinator._mirror.full and len(coordinator._mirror.nodes) == n
+    assert all(not h._mirror.full and not h._mirror.nodes and not h._mirror.joins for h in followers)
+    assert first <= 10 * n, f"the first round of {n} agents cost {first} watch events (O(N^2) would be ~{3 * n * n})"
+
+    victim = followers[0]
+    before = etcd_events_sent(etcd_server)
+    victim.leave()  # its lease is revoked: the loss is seen at once
+    survivors = [h for h in hs if h is not victim]
+    assert all(pool.map(lambda h: h.wait_membership_change(LOSS_BOUND_S), survivors))
+    assert all(h.lost_peers() == {victim.node_id} for h in survivors)
+    assert_consistent(rendezvous_all(pool, survivors, timeout=60), n - 1)
+    recovery = etcd_events_sent(etcd_server) - before
+    assert recovery <= 10 * n, f"a recovery round of {n - 1} agents cost {recovery} watch events"
+
+
+@pytest.mark.timeout(60)
+def test_handlers_sharing_one_client_form_rounds_and_outlive_a_leaver(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """Many agents in one process (the bench) share one etcd client; one leaving must not close it for the rest."""
+    from elastic.rendezvous.etcd_client import ClientPool
+
+    shared = ClientPool()
+    config = make_config(etcd_server.endpoint, run_id="shared", min_nodes=1, max_nodes=3)
+    hs = [handlers(config, node_id=f"n{i}", pool=shared) for i in range(3)]
+    assert_consistent(rendezvous_all(pool, hs), 3)
+    assert len({id(h._conn.client) for h in hs if h._conn is not None}) == 1, "one client for the three"
+    hs[2].leave()
+    rest = hs[:2]
+    assert all(pool.map(lambda h: h.wait_membership_change(LOSS_BOUND_S), rest))
+    assert_consistent(rendezvous_all(pool, rest), 2)
+    for h in rest:
+        h.leave()
+    assert not shared._clients, "the last one to leave closes the shared client"
+
+
+@pytest.mark.timeout(60)
+def test_the_coordinators_loss_is_seen_by_all_and_another_takes_over(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    hs = [handlers(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=4), node_id=f"n{i}") for i in range(4)]
+    assert_consistent(rendezvous_all(pool, hs), 4)
+    victim = coordinator_of(hs)
+    survivors = [h for h in hs if h is not victim]
+    victim._simulate_crash()  # no revoke: its lease expires (or a ring neighbour's probe revokes it)
+    assert all(pool.map(lambda h: h.wait_membership_change(LOSS_BOUND_S + 2), survivors))
+    assert all(victim.node_id in h.lost_peers() for h in survivors)
+    infos = rendezvous_all(pool, survivors)
+    assert_consistent(infos, 3)
+    successor = coordinator_of(survivors)
+    assert successor is not victim and successor._mirror.full
+    # The new coordinator tells the others of the next loss (it mirrors the registrations now).
+    follower = next(h for h in survivors if h is not successor)
+    follower.leave()
+    rest = [h for h in survivors if h is not follower]
+    assert all(pool.map(lambda h: h.wait_membership_change(LOSS_BOUND_S), rest))
+    assert_consistent(rendezvous_all(pool, rest), 2)
+
+
 @pytest.mark.timeout(60)
 def test_sigkilled_agent_process_is_detected(etcd_server: EmbeddedEtcd, handlers, pool, tmp_path) -> None:
     """A real agent process (not a thread) is SIGKILLed: its lease expires and the survivor re-forms."""
@@ -419,8 +511,11 @@ def test_stale_commit_is_rejected_and_old_stores_are_dropped(etcd_server: Embedd
     assert h.round == 2
     assert not info2.store.check(["k"]), "a new round starts from an empty store"
     # An agent still acting on round 1's view tries to commit "its" round 2: etcd refuses.
-    assert h._commit(2, ("ghost",), stale_mod) is False
+    assert h._commit(2, ("ghost",), stale_mod, 0) is False
     assert h._mirror.committed is not None and h._mirror.committed.participants == ("solo",)
+    # A commit of a proposal the coordinator has replaced since (its revision moved) fails too.
+    assert h._commit(3, ("ghost",), h._mirror.committed_mod, stale_mod) is False
+    assert h._mirror.committed.number == 2
     h.next_rendezvous()  # round 3 drops round 1's store
     assert not info1.store.check(["k"])
 

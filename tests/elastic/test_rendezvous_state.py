@@ -6,11 +6,17 @@ import pytest
 
 from elastic.rendezvous.state import (
     Action,
+    FollowerView,
+    Proposal,
+    Reform,
     RoundRecord,
     Snapshot,
+    coordinate,
     decide,
+    follow,
     membership,
     order_nodes,
+    reform_of,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -192,3 +198,94 @@ def test_round_record_validates() -> None:
         RoundRecord(number=1, participants=("a", "a"))
     with pytest.raises(ValueError, match=">= 1"):
         RoundRecord(number=0, participants=("a",))
+
+
+# ------------------------------------------------------------------ the coordinator (O(N) rounds)
+def test_coordinator_proposes_what_rank_0_would_commit() -> None:
+    """``coordinate`` forms the same round as ``decide`` would for its rank 0, whoever coordinates."""
+    for kw in (
+        dict(joined={"a": 1, "b": 2, "c": 3}, max_nodes=3),
+        dict(joined={"zed": 5, "amy": 9, "bob": 7}, max_nodes=3),
+        dict(joined={"a": 1, "b": 2, "c": 3, "d": 4}, max_nodes=3),
+        dict(target=2, committed=round_(1, "a", "b", "c"), live={"a", "b", "d"}, joined={"a": 1, "b": 2, "d": 4}),
+    ):
+        rank0 = decide(snap(order_nodes(kw["joined"])[0], **kw))  # type: ignore[arg-type]
+        proposed = coordinate(snap("outsider", **kw))  # type: ignore[arg-type]
+        assert rank0.action is Action.COMMIT and proposed.action is Action.PROPOSE
+        assert proposed.participants == rank0.participants
+
+
+def test_coordinator_waits_for_min_last_call_and_stragglers() -> None:
+    assert coordinate(snap(joined={"a": 1}, min_nodes=2)).action is Action.WAIT
+    joined = {"a": 1, "b": 2}
+    assert coordinate(snap(joined=joined)).action is Action.START_LAST_CALL
+    waiting = coordinate(snap(joined=joined, last_call=101.0))
+    assert waiting.action is Action.WAIT and waiting.wake_at == 101.0
+    assert coordinate(snap(joined=joined, last_call=101.0, now=101.0)).participants == ("a", "b")
+    committed = round_(1, "a", "b", "c")
+    kw = dict(target=2, committed=committed, live={"a", "b"}, joined={"a": 1}, min_nodes=1, max_nodes=3)
+    assert coordinate(snap("z", **kw, last_call=1.0, rejoin=30.0, now=5.0)).action is Action.WAIT  # b is stopping
+    assert coordinate(snap("z", **kw, last_call=1.0, rejoin=30.0, now=30.0)).participants == ("a",)
+
+
+def test_coordinator_never_proposes_over_a_healthy_round_a_closed_job_or_a_newer_round() -> None:
+    """Spares, a closed job and a stale target: nothing to propose, and never a timeout (nodes check theirs)."""
+    committed = round_(1, "a", "b", "c")
+    spare = snap("a", target=2, committed=committed, live={"a", "b", "c", "d"}, joined={"d": 4}, now=999.0,
+                 join_deadline=10.0)
+    assert coordinate(spare).action is Action.WAIT
+    assert coordinate(snap(joined={"a": 1, "b": 2, "c": 3}, closed=True)).action is Action.WAIT
+    assert coordinate(snap(target=1, committed=round_(1, "a"), joined={"b": 2})).action is Action.WAIT
+    assert coordinate(snap(joined={"a": 1}, now=9999.0)).action is Action.WAIT
+
+
+def view(node: str = "b", **kw: object) -> FollowerView:
+    base: dict[str, object] = dict(node_id=node, target=1, committed=None, closed=False, joined=True, proposal=None,
+                                   now=100.0, join_deadline=700.0)
+    base.update(kw)
+    return FollowerView(**base)  # type: ignore[arg-type]
+
+
+def test_follower_joins_then_waits_for_the_proposal_and_commits_only_as_its_rank_0() -> None:
+    assert follow(view(joined=False)).action is Action.JOIN
+    waiting = follow(view())
+    assert waiting.action is Action.WAIT and waiting.wake_at == 700.0
+    mine = Proposal(1, ("b", "a"), mod_revision=7)
+    d = follow(view(proposal=mine))
+    assert d.action is Action.COMMIT and d.participants == ("b", "a")
+    assert follow(view("a", proposal=mine)).action is Action.WAIT, "only rank 0 commits (it hosts the store)"
+    assert follow(view(proposal=Proposal(2, ("b",)))).action is Action.WAIT, "a proposal for another round"
+
+
+def test_follower_done_rejoin_and_closed_come_first() -> None:
+    assert follow(view(committed=round_(1, "a", "b"))).action is Action.DONE
+    assert follow(view("c", committed=round_(1, "a", "b"))).action is Action.REJOIN
+    assert follow(view(closed=True, proposal=Proposal(1, ("b",)))).action is Action.CLOSED
+    # A stale target never commits a proposal for it.
+    assert follow(view(target=1, committed=round_(2, "x"), proposal=Proposal(1, ("b",)))).action is Action.REJOIN
+
+
+def test_follower_checks_the_full_state_at_its_join_deadline_then_every_recheck() -> None:
+    assert follow(view(now=700.0)).action is Action.CHECK
+    after = follow(view(now=701.0, checked_at=700.0, recheck_s=2.0))
+    assert after.action is Action.WAIT and after.wake_at == 702.0
+    assert follow(view(now=702.0, checked_at=700.0, recheck_s=2.0)).action is Action.CHECK
+
+
+def test_reform_tells_followers_of_losses_rejoins_and_newcomers_once() -> None:
+    committed = round_(1, "a", "b", "c")
+    assert reform_of(committed, {"a", "b", "c"}, (), (), 3, closed=False) is None
+    assert reform_of(committed, {"a", "b", "c", "d"}, {"d"}, (), 3, closed=False) is None, "a spare is no news"
+    lost = reform_of(committed, {"a", "b"}, (), (), 3, closed=False)
+    assert lost == Reform(round=1, waiting=1, lost=("c",))
+    assert reform_of(committed, {"a", "b"}, (), (), 3, closed=True) is None, "after the end a leaver finished"
+    rejoin = reform_of(committed, {"a", "b", "c"}, {"b"}, (), 3, closed=False)
+    assert rejoin is not None and rejoin.waiting == 1 and rejoin.lost == ()
+    newcomer = reform_of(round_(1, "a", "b"), {"a", "b", "c"}, {"c"}, (), 3, closed=False)
+    assert newcomer is not None and newcomer.waiting == 1
+    # Sticky losses: a participant that re-registered since still counts as lost for its round.
+    assert reform_of(committed, {"a", "b", "c"}, (), {"c"}, 3, closed=False) == Reform(1, 1, ("c",))
+    # Only new losses or a new round are news (a growing count alone would cost one post per re-joiner).
+    assert lost.news_after(None) and not lost.news_after(lost)
+    assert not Reform(1, 2, ("c",)).news_after(lost)
+    assert Reform(1, 2, ("b", "c")).news_after(lost) and Reform(2, 1).news_after(lost)
