@@ -4,7 +4,7 @@ pytest makes itself a child subreaper, so workers orphaned by a killed agent are
 instead of to init. At the end of the session every descendant still alive is reported, killed by
 PID (only processes this session started) and the session fails.
 
-Tests marked ``long`` (multi-minute end-to-end cases: real Slurm, network partitions, overlapping faults) are
+Tests marked ``long`` (end-to-end cases of 10 s to minutes each: the chaos suite, real Slurm, network partitions) are
 left out of a run of the whole suite as configured (``pytest`` or ``bash tests/run.sh`` with no path and no
 ``-m``), which keeps the README's test command under 15 minutes on 2 cores; the summary says how many and how
 to run them. ``-m long`` runs them alone (CI's second step, ``.ci/run``); naming their files, or any ``-m``
