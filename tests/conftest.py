@@ -1,8 +1,14 @@
-"""Suite-wide guard: no test may leave a process behind.
+"""Suite-wide guard: no test may leave a process behind; and the whole-suite run leaves the long cases out.
 
 pytest makes itself a child subreaper, so workers orphaned by a killed agent are re-parented to it
 instead of to init. At the end of the session every descendant still alive is reported, killed by
 PID (only processes this session started) and the session fails.
+
+Tests marked ``long`` (end-to-end cases of 10 s to minutes each: the chaos suite, real Slurm, network partitions) are
+left out of a run of the whole suite as configured (``pytest`` or ``bash tests/run.sh`` with no path and no
+``-m``), which keeps the README's test command under 15 minutes on 2 cores; the summary says how many and how
+to run them. ``-m long`` runs them alone (CI's second step, ``.ci/run``); naming their files, or any ``-m``
+expression, runs what was asked as usual.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import pytest
 from tests.harness.procs import descendants
 
 _PR_SET_CHILD_SUBREAPER = 36
+_LONG_LEFT_OUT = pytest.StashKey[int]()
 
 try:  # property-based suites (tests/checkpoint/test_fuzz.py): small by default, --hypothesis-profile=thorough
     from hypothesis import settings
@@ -43,6 +50,28 @@ def _reap_zombies() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def leaves_long_cases_out(config: pytest.Config) -> bool:
+    """A whole-suite run: no path on the command line (pytest took ``testpaths``) and no ``-m`` expression."""
+    return config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.markexpr
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not leaves_long_cases_out(config):
+        return
+    long_cases = [item for item in items if item.get_closest_marker("long") is not None]
+    if long_cases:
+        config.hook.pytest_deselected(items=long_cases)
+        items[:] = [item for item in items if item.get_closest_marker("long") is None]
+    config.stash[_LONG_LEFT_OUT] = len(long_cases)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    left_out = config.stash.get(_LONG_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(f"{left_out} long tests (marker 'long') left out of this whole-suite run: "
+                                    "`bash tests/run.sh -m long` runs them (CI does, as its second step)")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -22,7 +22,7 @@ from elastic.events import read_events
 from tests.chaos.jobs import CKPT_EVERY, STEPS, TRAIN, Job, Nodes, committed_steps, final_state
 from tests.harness.procs import SPOTRUN, Launcher, Timeout, wait_for
 
-pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

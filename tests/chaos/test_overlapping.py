@@ -28,7 +28,7 @@ from elastic.chaos.api import Fault, FaultKind, Schedule
 from tests.chaos.jobs import CKPT_EVERY, TRAIN, Nodes, final_state
 from tests.harness.procs import REPO
 
-pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.long]
 
 STEPS = 44
 DETERMINISTIC = ("--preempt-sync-every", "2", "--deterministic")

@@ -27,7 +27,7 @@ from tests.chaos.jobs import final_state
 from tests.deploy.netlab import FORCE_LOOPBACK_ENV, NetLab, loopback_reason
 from tests.harness.procs import EXAMPLES, REPO, Timeout, read_jsonl, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(420)]
 
 STEPS = 60
 TRAIN = [str(EXAMPLES / "train_ddp.py"), "--deterministic", "--global-batch", "64", "--dataset-size", "1000",

@@ -35,7 +35,7 @@ from tests.deploy import manifests as m
 from tests.deploy.slurmlab import SlurmLab, unavailable_reason
 from tests.harness.procs import pid_alive, proc_table, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(300)]
 
 SKIP_ENV = "SPOTRUN_TEST_SKIP_SLURM"
 NODES = 4
