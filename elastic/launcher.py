@@ -57,7 +57,7 @@ from elastic.rendezvous.api import (
 )
 from elastic.torch_internals import entrypoint_name as torch_entrypoint_name
 from elastic.torch_internals import static_master_addr_and_port, verify_torch_once
-from elastic.warm import note_agent_import_env
+from elastic.warm import note_agent_import_env, note_agent_import_start
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
 logger = logging.getLogger(__name__)
@@ -154,8 +154,10 @@ def _preimport_log_formatter_dependencies() -> None:
     in a daemon thread while the first rendezvous and worker start are under way. What the import writes into
     the agent's environment (``TORCHINDUCTOR_CACHE_DIR``) is undone: torchrun's workers never see it."""
 
+    before = dict(os.environ)
+    note_agent_import_start(before, _COMPILER_ENV_PREFIXES)  # workers started meanwhile do not get them (warm.py)
+
     def preimport() -> None:
-        before = dict(os.environ)
         try:
             importlib.import_module("torch._dynamo")
         except Exception:  # only an optimisation

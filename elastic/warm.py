@@ -68,6 +68,29 @@ def note_agent_import_env(names: set[str]) -> None:
     _agent_import_env.update(names)
 
 
+#: The agent's environment before its background imports began, and the prefixes of the variables those imports
+#: may set for a while (``launcher``'s pre-import of ``torch._dynamo``): a worker started meanwhile must not get them.
+_agent_import_baseline: tuple[dict[str, str], tuple[str, ...]] | None = None
+
+
+def note_agent_import_start(before: Mapping[str, str], prefixes: tuple[str, ...]) -> None:
+    global _agent_import_baseline
+    _agent_import_baseline = (dict(before), prefixes)
+
+
+def agent_environ_now(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` (the agent's, now) without what its own background imports set and have not removed yet: the
+    worker environment torchrun's agent would have (it makes no such imports)."""
+    env = dict(environ)
+    if _agent_import_baseline is not None:
+        before, prefixes = _agent_import_baseline
+        for name in [n for n in env if n.startswith(prefixes) and n not in before]:
+            del env[name]
+    for name in _agent_import_env:
+        env.pop(name, None)
+    return env
+
+
 # --- decisions (pure, agent side) ------------------------------------------------------------------------
 
 
@@ -208,7 +231,7 @@ class WarmLaunch:
     """What the agent knows at worker start that the child must reproduce (picklable, made per start)."""
 
     def __init__(self) -> None:
-        self.agent_environ = dict(os.environ)
+        self.agent_environ = agent_environ_now(os.environ)
         known = forkserver_environ()
         self.forkserver_environ = dict(os.environ) if known is None else known[1]
         self.agent_path = list(sys.path)

@@ -196,13 +196,13 @@ def fall_back_to_plain_workers(spec: Any) -> str | None:
     """If ``spec`` starts warm script workers and a warm worker started now could be told apart from
     torchrun's, rewrite ``spec`` to the plain (PDEATHSIG-shimmed) ``python -u`` command for good and return
     why; None when warm workers stay."""
-    from elastic.warm import forkserver_environ, warm_fallback_reason
+    from elastic.warm import agent_environ_now, forkserver_environ, warm_fallback_reason
 
     entry = spec.entrypoint
     script = entry.fn if isinstance(entry, PdeathsigEntrypoint) else entry
     if not isinstance(script, ScriptEntrypoint):
         return None
-    reason = warm_fallback_reason(forkserver_environ(), os.environ) or _shadow_reason(script)
+    reason = warm_fallback_reason(forkserver_environ(), agent_environ_now(os.environ)) or _shadow_reason(script)
     if reason is None:
         return None
     command, args = script.cold_command(tuple(spec.args))

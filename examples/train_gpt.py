@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
             memory.close()
         if ckpt is not None:
             ckpt.close()
+        del wrapped  # DDP's reducer freed while the group lives (see train_ddp.py: a hang at exit otherwise)
         if dist.is_initialized():
             dist.destroy_process_group()
 

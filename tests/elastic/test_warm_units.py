@@ -115,3 +115,17 @@ def test_a_script_with_its_own_elastic_module_falls_back_to_plain_workers(tmp_pa
     reason = fall_back_to_plain_workers(spec)
     assert reason is not None and f"elastic ({tmp_path / 'elastic.py'})" in reason
     assert spec.entrypoint == sys.executable and spec.args[-1] == str(script)
+
+
+def test_a_worker_started_during_the_agents_background_import_does_not_get_its_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher imports torch._dynamo in a thread, which sets TORCHINDUCTOR_CACHE_DIR until the thread
+    removes it again; a worker started in between must see the agent's environment as torchrun's would be."""
+    from elastic import warm
+
+    monkeypatch.setattr(warm, "_agent_import_baseline", None)
+    before = {"HOME": "/h", "TORCHINDUCTOR_MAX_AUTOTUNE": "1"}  # the user's own compiler variable stays
+    warm.note_agent_import_start(before, ("TORCHINDUCTOR_", "TRITON_"))
+    now = {**before, "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root", "RANK_HINT": "x"}
+    assert warm.agent_environ_now(now) == {**before, "RANK_HINT": "x"}
