@@ -29,7 +29,13 @@ def snapshot_name(snap: SnapshotId, rank: int, world_size: int) -> str:
 
 def parse_snapshot_name(name: str) -> tuple[SnapshotId, int, int] | None:
     """(snapshot, rank, world size) of a published snapshot's name; None for any other name."""
-    m = _NAME.fullmatch(name)
+    return parse_group_name(_NAME, name)
+
+
+def parse_group_name(pattern: re.Pattern[str], name: str) -> tuple[SnapshotId, int, int] | None:
+    """(snapshot, rank, world size) from ``name`` when ``pattern`` (groups: step, gen, rank, world) matches it
+    whole and the rank is within the world; None otherwise. Snapshots and buddy copies share this shape."""
+    m = pattern.fullmatch(name)
     if m is None:
         return None
     rank, world = int(m.group(3)), int(m.group(4))

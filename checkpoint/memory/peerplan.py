@@ -36,7 +36,7 @@ from checkpoint.api import (
 )
 from checkpoint.commit import merge_records
 from checkpoint.memory.api import MemoryTierError, SnapshotId, SnapshotManifest
-from checkpoint.memory.layout import parse_snapshot_name
+from checkpoint.memory.layout import parse_group_name, parse_snapshot_name
 from checkpoint.per_rank import per_rank_source
 from checkpoint.plan import plan_reads
 from checkpoint.shard import ShardLayout, build_layout, shard_records
@@ -53,13 +53,7 @@ def peer_name(snap: SnapshotId, rank: int, world_size: int) -> str:
 
 def parse_peer_name(name: str) -> tuple[SnapshotId, int, int] | None:
     """(snapshot, rank, world size) of a buddy copy's name; None for any other name."""
-    m = _PEER_NAME.fullmatch(name)
-    if m is None:
-        return None
-    rank, world = int(m.group(3)), int(m.group(4))
-    if world < 1 or rank >= world:
-        return None
-    return SnapshotId(int(m.group(1)), m.group(2)), rank, world
+    return parse_group_name(_PEER_NAME, name)
 
 
 def parse_any_name(name: str) -> tuple[SnapshotId, int, int, bool] | None:

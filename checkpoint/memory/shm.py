@@ -102,6 +102,11 @@ PUBLISH_FAILURES_TO_STARVE = 3
 """Consecutive failed publishes after which a rank turns the tier off at the next vote (as when it has no room)."""
 
 
+def _signature(flat: FlatState) -> tuple[Any, ...]:
+    """What a snapshot plan depends on: each item's key, dtype, global shape and whether it is replicated."""
+    return tuple((i.key, i.dtype, i.global_shape, i.replicated) for i in flat.items)
+
+
 def check_room(directory: str, need: int, config: MemoryTierConfig) -> None:
     """Raise ShmSpaceError (sizes and the fix in the message) unless ``need`` more bytes in ``directory``'s
     filesystem leave the free space ``config`` asks for."""
@@ -232,7 +237,7 @@ class LocalShmTier:
         elif self._future is not None and self._future.done():
             self.wait()  # read a finished publish's outcome before the vote (skip mode replaces the future)
         busy = self._future is not None and not self._future.done()
-        signature = None if flat is None else tuple((i.key, i.dtype, i.global_shape, i.replicated) for i in flat.items)
+        signature = None if flat is None else _signature(flat)
         bad, changed, any_busy, starved, neg_complete, every = self._fg.max_each(
             flat is None, signature != self._signature, busy, self._starved, -self._published, self._proposed_every()
         )
@@ -354,8 +359,7 @@ class LocalShmTier:
         if self._published >= step:
             return False
         flat = flatten(state)
-        signature = tuple((i.key, i.dtype, i.global_shape, i.replicated) for i in flat.items)
-        if signature != self._signature:
+        if _signature(flat) != self._signature:
             raise MemoryTierError("the state's items changed since the last snapshot plan")
         # Keep both the last complete step and this rank's newest one (another rank may hold only that one, so
         # it can still be the newest common step): overwrite neither; when both slots hold them, take a third.
