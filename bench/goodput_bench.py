@@ -234,8 +234,11 @@ class Run:
                "--global-batch", "8", "--context", "32", "--d-model", "32", "--corpus-chars", "16384",
                "--parallel", self.args.parallel]
         n = f"1:{self.args.nodes}"
-        if self.kind == "spotrun-mem":  # spotrun with the memory tier (issue 17): unplanned faults redo ~0 steps
-            job += ["--memory-snapshot-every", str(self.args.memory_every)]
+        if self.kind.startswith("spotrun-mem"):  # spotrun with the memory tier (issue 17): unplanned faults redo ~0 steps
+            every = self.kind.partition(":")[2] or str(self.args.memory_every)  # spotrun-mem:K pins the interval
+            job += ["--memory-snapshot-every", every]
+        elif self.kind == "spotrun":  # the durable tier alone (the examples' memory tier is on by default)
+            job += ["--no-memory-tier"]
         if self.kind.startswith("spotrun"):
             return [*SPOTRUN, "--nnodes", n, "--nproc-per-node", "1", "--rdzv-endpoint", self.endpoint,
                     "--rdzv-id", "goodput", "--max-restarts", "100", "--rdzv-conf", "lease_ttl=3",
@@ -389,12 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--launchers", default="spotrun,torchrun",
-                   help="comma-separated: spotrun, spotrun-mem (spotrun + memory tier), torchrun")
+                   help="comma-separated: spotrun, spotrun-mem (spotrun + memory tier every --memory-every steps), "
+                        "spotrun-mem:K (every K steps), torchrun")
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                    help="train_gpt.py's --parallel: replicate (DDP) or shard (FSDP2; the memory tier keeps buddy copies)")
-    p.add_argument("--memory-every", type=int, default=10,
-                   help="spotrun-mem: memory snapshot every K steps (a node loss still redoes ~0: just-in-time "
-                        "snapshots)")
+    p.add_argument("--memory-every", default="auto",
+                   help="spotrun-mem: memory snapshot every K steps, or 'auto' (default, the examples' default: every "
+                        "step while it costs under 2 %% of the step); a node loss still redoes ~0: just-in-time snapshots")
     p.add_argument("--faults", default="notice,kill",
                    help="fault kinds drawn (comma-separated, of notice, kill, crash); 'kill,crash': unplanned faults only")
     p.add_argument("--omp-threads", type=int, default=1,
@@ -407,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     rejoin = args.rejoin_after if args.rejoin_after is not None else args.fault_every / 3
     if args.nodes < 2 or args.duration <= 0:
         p.error("--nodes must be >= 2 and --duration > 0")
+    for every in [args.memory_every] + [k.partition(":")[2] for k in args.launchers.split(",") if ":" in k]:
+        if every != "auto" and not (every.isdigit() and int(every) >= 1):
+            p.error(f"a memory interval must be an integer >= 1 or 'auto', got {every!r}")
+    unknown = [k for k in args.launchers.split(",") if k.partition(":")[0] not in ("spotrun", "spotrun-mem", "torchrun")]
+    if unknown:
+        p.error(f"unknown launcher(s) {unknown}: use spotrun, spotrun-mem, spotrun-mem:K, torchrun")
     try:
         schedule = make_schedule(args.seed, args.duration, args.fault_every, rejoin,
                                  tuple(k for k in args.faults.split(",") if k))

@@ -9,9 +9,12 @@ figures are an upper bound for N agents on N machines. Per N it reports:
 * first round: all N call ``next_rendezvous`` at the same instant (``--nnodes 1:N``) until the last
   one returns (the round closes when it is full);
 * loss seen: one agent vanishes without a word (lease not revoked) until every survivor's
-  ``wait_membership_change`` returned (bounded below by ``--lease-ttl``);
+  ``wait_membership_change`` returned. ``--loss killed`` (default): like a SIGKILLed agent, its liveness port
+  closes and its ring neighbour's probe revokes its lease; ``--loss silent``: like a host that lost power or
+  its network, its port stays open and only the lease tells (bounded below by ``--lease-ttl``);
 * recovery round: from the last survivor noticing the loss until the last of the N-1 survivors has
-  completed the next round (each survivor re-rendezvous as soon as it noticed, like an agent);
+  completed the next round (each survivor re-rendezvous as soon as it noticed, like an agent); loss to
+  recovered: from the loss until then (both parts);
 * etcd's own counters for the first round and for the loss plus recovery (from its ``/metrics``): watch
   events it sent (``etcd_debugging_mvcc_events_total``) and requests it started (``grpc_server_started_total``,
   lease keepalive streams left out: they are per second, not per round).
@@ -23,10 +26,14 @@ default) says; ``--channels per-agent`` gives each its own, as N agents on N mac
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import math
 import multiprocessing as mp
+import os
+import queue
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -51,11 +58,18 @@ class _Plan:
     rejoin: float
     victim: int
     shared_channels: bool
+    silent_loss: bool = False
+    log_dir: str | None = None
 
 
 def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: Any) -> None:
     """One worker process: its share of the agents, driven by the parent's events."""
-    logging.basicConfig(level=logging.ERROR)
+    faulthandler.enable()  # a hard crash (grpc's C core) still says where on stderr
+    if plan.log_dir is None:
+        logging.basicConfig(level=logging.ERROR)
+    else:  # every handler's INFO lines, one file per worker process
+        logging.basicConfig(level=logging.INFO, filename=f"{plan.log_dir}/agents-{ids[0]:05d}.log",
+                            format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
     from elastic.rendezvous.api import EtcdRendezvousConfig
     from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
 
@@ -92,15 +106,17 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: An
 
     try:
         with ThreadPoolExecutor(max_workers=len(ids)) as pool:
-            results.put(("ready", -1, time.time(), len(ids)))
+            results.put(("ready", -1, time.time(), time.process_time()))
             go.wait()
             for fut in [pool.submit(first_round, i) for i in ids]:
                 fut.result()
+            results.put(("cpu-first", -1, time.time(), time.process_time()))
             crash.wait()
             if plan.victim in handlers:
-                handlers[plan.victim]._simulate_crash()
+                handlers[plan.victim]._simulate_crash(silent=plan.silent_loss)
             for fut in [pool.submit(survive, i) for i in ids if i != plan.victim]:
                 fut.result()
+            results.put(("cpu-recovery", -1, time.time(), time.process_time()))
     except Exception as exc:  # noqa: BLE001 (report to the parent instead of dying silently)
         results.put(("error", -1, time.time(), repr(exc)))
     finally:
@@ -108,17 +124,42 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: An
             list(pool.map(lambda h: h.leave(), handlers.values()))
 
 
-def _collect(results: Any, kind: str, count: int, desc: str) -> list[tuple[int, float, Any]]:
-    got: list[tuple[int, float, Any]] = []
-    with tqdm(total=count, desc=desc, unit="agent", leave=False, file=sys.stderr) as bar:
+def _collect(results: Any, kind: str, count: int, desc: str,
+             stash: dict[str, list[tuple[int, float, Any]]], workers: list[Any]) -> list[tuple[int, float, Any]]:
+    """``count`` messages of ``kind`` (from ``stash`` first); other kinds that arrive meanwhile go to ``stash``.
+    Raises when a worker process died (its agents would never answer) or nothing came for ``_TIMEOUT_S``."""
+    got = stash.pop(kind, [])
+    quiet_since = time.monotonic()
+    with tqdm(total=count, initial=len(got), desc=desc, unit="agent", leave=False, file=sys.stderr) as bar:
         while len(got) < count:
-            what, i, when, extra = results.get(timeout=_TIMEOUT_S)
+            try:
+                what, i, when, extra = results.get(timeout=5.0)
+            except queue.Empty:
+                dead = [f"pid {w.pid}: exit code {w.exitcode}" for w in workers if w.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"worker process(es) died during '{desc}': {', '.join(dead)}") from None
+                if time.monotonic() - quiet_since > _TIMEOUT_S:
+                    raise
+                continue
+            quiet_since = time.monotonic()
             if what == "error":
                 raise RuntimeError(f"agent {i}: {extra}")
             if what == kind:
                 got.append((i, when, extra))
                 bar.update(1)
+            else:
+                stash.setdefault(what, []).append((i, when, extra))
     return got
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds process ``pid`` used so far (0 when unknown), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 _METRIC = re.compile(r'^(etcd_debugging_mvcc_events_total|grpc_server_started_total)(\{[^}]*\})? ([0-9.e+]+)$')
@@ -141,40 +182,53 @@ def etcd_counters(server: EmbeddedEtcd) -> tuple[float, float]:
 
 
 def bench(n: int, server: EmbeddedEtcd, lease_ttl: int, last_call: float, rejoin: float, procs: int,
-          shared_channels: bool = True) -> dict[str, float]:
+          shared_channels: bool = True, silent_loss: bool = False, log_dir: str | None = None) -> dict[str, float]:
     plan = _Plan(server.endpoint, f"bench-{n}-{time.time_ns()}", n, lease_ttl, last_call, rejoin, victim=n // 2,
-                 shared_channels=shared_channels)
+                 shared_channels=shared_channels, silent_loss=silent_loss, log_dir=log_dir)
     ctx = mp.get_context("spawn")
     go, crash, results = ctx.Event(), ctx.Event(), ctx.Queue()
     shares = [list(range(n))[k::procs] for k in range(procs)]
     workers = [ctx.Process(target=_agent_process, args=(plan, ids, go, crash, results)) for ids in shares if ids]
     for w in workers:
         w.start()
+    stash: dict[str, list[tuple[int, float, Any]]] = {}
     try:
-        _collect(results, "ready", len(workers), f"starting {len(workers)} processes")
+        ready = _collect(results, "ready", len(workers), f"starting {len(workers)} processes", stash, workers)
+        agents_cpu_ready = sum(extra for _, _, extra in ready)
         before = etcd_counters(server)
+        etcd_cpu_before = cpu_seconds(server.pid)
         start = time.time()
         go.set()
-        first = _collect(results, "first", n, f"first round ({n})")
+        first = _collect(results, "first", n, f"first round ({n})", stash, workers)
         if {extra for _, _, extra in first} != {n}:
             raise RuntimeError(f"inconsistent first round world sizes: {sorted({e for _, _, e in first})}")
         after_first = etcd_counters(server)
+        etcd_cpu_first = cpu_seconds(server.pid)
+        agents_cpu_first = sum(extra for _, _, extra in _collect(results, "cpu-first", len(workers), "cpu", stash, workers))
         crashed = time.time()
         crash.set()
-        seen = _collect(results, "seen", n - 1, "loss detection")
-        recovered = _collect(results, "recovered", n - 1, f"recovery round ({n - 1})")
+        seen = _collect(results, "seen", n - 1, "loss detection", stash, workers)
+        recovered = _collect(results, "recovered", n - 1, f"recovery round ({n - 1})", stash, workers)
         if {extra for _, _, extra in recovered} != {n - 1}:
             raise RuntimeError("inconsistent recovery round world sizes")
         after_recovery = etcd_counters(server)
+        etcd_cpu_recovery = cpu_seconds(server.pid)
+        agents_cpu_recovery = sum(extra for _, _, extra in _collect(results, "cpu-recovery", len(workers), "cpu", stash, workers))
         last_seen = max(when for _, when, _ in seen)
+        last_recovered = max(when for _, when, _ in recovered)
         return {
             "first_round_s": max(when for _, when, _ in first) - start,
             "loss_detection_s": last_seen - crashed,
-            "recovery_round_s": max(when for _, when, _ in recovered) - last_seen,
+            "recovery_round_s": last_recovered - last_seen,
+            "loss_to_recovered_s": last_recovered - crashed,
             "first_events": after_first[0] - before[0],
             "first_requests": after_first[1] - before[1],
             "recovery_events": after_recovery[0] - after_first[0],
             "recovery_requests": after_recovery[1] - after_first[1],
+            "first_cpu_agents": agents_cpu_first - agents_cpu_ready,
+            "first_cpu_etcd": etcd_cpu_first - etcd_cpu_before,
+            "recovery_cpu_agents": agents_cpu_recovery - agents_cpu_first,
+            "recovery_cpu_etcd": etcd_cpu_recovery - etcd_cpu_first,
         }
     finally:
         for w in workers:
@@ -196,25 +250,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channels", choices=("shared", "per-agent"), default="shared",
                         help="one etcd client per worker process (shared) or per agent")
     parser.add_argument("--reps", type=int, default=1, help="measure each agent count this many times")
+    parser.add_argument("--loss", choices=("killed", "silent"), default="killed",
+                        help="the lost agent's liveness port closes (killed) or stays open, silent (power off)")
+    parser.add_argument("--log-dir", default=None,
+                        help="write every agent's INFO log lines there (one file per worker process)")
     args = parser.parse_args(argv)
+    # A SIGTERM (timeout, Ctrl-C's cousin) still stops etcd and removes its data directory.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     logging.basicConfig(level=logging.ERROR)
     with EmbeddedEtcd() as server:
         print(
             f"etcd {server.endpoint}; lease_ttl={args.lease_ttl}s last_call_timeout={args.last_call}s "
-            f"rejoin_timeout={args.rejoin}s",
+            f"rejoin_timeout={args.rejoin}s loss={args.loss} channels={args.channels}",
             flush=True,
         )
         print(f"{'agents':>7} {'procs':>6} {'first round':>12} {'loss seen':>10} {'recovery round':>15} "
-              f"{'events 1st':>11} {'reqs 1st':>9} {'events rec':>11} {'reqs rec':>9}", flush=True)
+              f"{'loss to rec':>12} {'events 1st':>11} {'reqs 1st':>9} {'events rec':>11} {'reqs rec':>9} "
+              f"{'cpu 1st agents/etcd':>20} {'cpu rec agents/etcd':>20}", flush=True)
         for _rep in range(args.reps):
             for n in args.agents:
                 procs = args.procs or max(1, math.ceil(n / 32))
                 r = bench(n, server, args.lease_ttl, args.last_call, args.rejoin, min(procs, n),
-                          shared_channels=args.channels == "shared")
+                          shared_channels=args.channels == "shared", silent_loss=args.loss == "silent",
+                          log_dir=args.log_dir)
                 print(
                     f"{n:>7} {procs:>6} {r['first_round_s']:>11.3f}s {r['loss_detection_s']:>9.3f}s "
-                    f"{r['recovery_round_s']:>14.3f}s {r['first_events']:>11.0f} {r['first_requests']:>9.0f} "
-                    f"{r['recovery_events']:>11.0f} {r['recovery_requests']:>9.0f}",
+                    f"{r['recovery_round_s']:>14.3f}s {r['loss_to_recovered_s']:>11.3f}s "
+                    f"{r['first_events']:>11.0f} {r['first_requests']:>9.0f} "
+                    f"{r['recovery_events']:>11.0f} {r['recovery_requests']:>9.0f} "
+                    f"{r['first_cpu_agents']:>11.1f}/{r['first_cpu_etcd']:<4.1f}s "
+                    f"{r['recovery_cpu_agents']:>11.1f}/{r['recovery_cpu_etcd']:<4.1f}s",
                     flush=True,
                 )
     return 0

@@ -14,6 +14,7 @@ from checkpoint.api import (
     SaveInProgressError,
 )
 from checkpoint.config import CheckpointConfig
+from checkpoint.memory.config import MemoryTierConfig
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing the package must not import torch (CLI --help, api users)
@@ -37,6 +38,7 @@ __all__ = [
     "Checkpointer",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
+    "MemoryTierConfig",
     "ModelOptimizer",
     "PerRank",
     "RNGState",

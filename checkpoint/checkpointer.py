@@ -63,6 +63,8 @@ from checkpoint.discover import (
 from checkpoint.dtypes import torch_dtype
 from checkpoint.fallback import LoadOutcome, load_with_fallback
 from checkpoint.faults import crash_point
+from checkpoint.memory.api import RestoreReport
+from checkpoint.memory.attach import AttachedMemory
 from checkpoint.per_rank import load_rank_entries, saved_as_shared
 from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.retention import apply_retention
@@ -132,6 +134,10 @@ class Checkpointer:
         """Foreground (training thread: vote, item metadata, step choice) and background (writer thread:
         records gather, commit outcome) collectives."""
         self.rank, self.world_size = self._fg.rank, self._fg.world_size
+        self._memory: AttachedMemory | None = (
+            None if c.memory is None else AttachedMemory.open(c.memory, process_group)
+        )
+        """The memory tier (``config.memory``): ``snapshot`` feeds it, ``load`` restores from it first."""
         self._writer: ShardWriter = open_writer(c, self.storage, spec, self.rank)
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix="ckpt-bg", initializer=lower_thread_priority, initargs=(c.writer_nice,)
@@ -421,7 +427,45 @@ class Checkpointer:
         return latest_good_step(self.storage)
 
     def load(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
-        """Restore ``state`` in place from ``step`` (default: latest good step) at the current world size.
+        """Restore ``state`` in place from ``step`` (default: the newest restorable step) at the current world size.
+
+        With ``config.memory`` and ``step=None``, the newest memory snapshot every rank can read (this node's
+        keeper, else a peer's) is restored when it is not older than the newest committed durable step; else the
+        durable tier, as :meth:`load_durable`. ``last_restore`` says which source, step, bytes and seconds.
+        Otherwise the same as :meth:`load_durable`, whose documentation gives the arguments and errors.
+
+        Collective: call it on every rank of the group.
+        """
+        if step is not None or self._memory is None:
+            return self.load_durable(state, step)
+        from checkpoint.memory.resume import restore
+
+        self._check_open()
+        report = restore(self, state, memory=self._memory.tier)
+        self._memory.last_restore = report
+        return None if report is None else report.step
+
+    @property
+    def last_restore(self) -> RestoreReport | None:
+        """The source, step, bytes and seconds of the last memory-aware ``load`` (``config.memory``), or None."""
+        return None if self._memory is None else self._memory.last_restore
+
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Snapshot ``state`` as the completed ``step`` into host shared memory when ``config.memory`` says it
+        is due (``checkpoint.memory``); a no-op returning False without ``config.memory``. Call it after every
+        step, once the optimizer stepped (``elastic.preemption.Preemption.save_and_stop`` does). Never raises for
+        lack of room or a failed snapshot (logged once): training goes on with the last complete one.
+
+        Collective on the steps it acts on, like ``save``. Returns True when a snapshot was started.
+        """
+        if self._memory is None:
+            return False
+        self._check_open()
+        return self._memory.snapshot(step, state)
+
+    def load_durable(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
+        """Restore ``state`` in place from ``step`` (default: latest good step) at the current world size,
+        from the durable tier only (whatever ``config.memory`` says).
 
         Returns the step loaded, or None when there is no checkpoint yet (only with ``step=None``). With
         ``step=None``, damage found only while reading (a checksum mismatch, a truncated shard) makes every
@@ -569,12 +613,16 @@ class Checkpointer:
         if self._closed:
             return
         try:
-            self.wait()
+            if self._memory is not None:
+                self._memory.close()
         finally:
-            self._closed = True
-            self._executor.shutdown(wait=True)
-            self._writer.close()
-            self.storage.close()
+            try:
+                self.wait()
+            finally:
+                self._closed = True
+                self._executor.shutdown(wait=True)
+                self._writer.close()
+                self.storage.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -585,6 +633,8 @@ class Checkpointer:
         if exc is None:
             self.close()
             return
+        if self._memory is not None and not self._closed:
+            self._memory.on_failure(exc)  # a failed collective: the last completed step, just in time
         try:
             self.close()
         except CheckpointError:

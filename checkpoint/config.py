@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from checkpoint.api import CheckpointConfigError
+from checkpoint.memory.config import MemoryTierConfig
 
 _MIB = 1 << 20
 _S3_MIN_PART = 5 * _MIB
@@ -102,6 +103,14 @@ class CheckpointConfig:
     (``sync_file_range``), so the disk works while the rest of the shard is written and the final
     ``fsync`` has little left to do; 0 leaves everything to ``fsync``. Does not change durability."""
 
+    memory: MemoryTierConfig | None = None
+    """The memory tier (``checkpoint.memory``, issue 17), off when None. With it, under the spotrun agent,
+    :meth:`~checkpoint.checkpointer.Checkpointer.snapshot` (which ``elastic.preemption.Preemption.save_and_stop``
+    calls at every step) copies the state into the node's host shared memory every ``memory.every`` steps,
+    ``load()`` restores the newest snapshot every rank can read before the durable tier, and a failed collective
+    leaving the ``with Checkpointer(...)`` block snapshots the last completed step just in time. Outside spotrun
+    (no keeper directory) it is off, said once. ``MemoryTierConfig(every="auto")`` is a good start."""
+
     def __post_init__(self) -> None:
         self._check_int("keep_last", self.keep_last, 1, "keep at least the newest step")
         if self.keep_every is not None:
@@ -135,6 +144,10 @@ class CheckpointConfig:
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value.total_seconds() <= 0:
                 raise CheckpointConfigError(f"{name}={value!r} must be a positive datetime.timedelta")
+        if self.memory is not None and not isinstance(self.memory, MemoryTierConfig):
+            raise CheckpointConfigError(
+                f"memory={self.memory!r} is invalid: use None (off) or checkpoint.memory.MemoryTierConfig(...)"
+            )
         if not isinstance(self.storage_options, dict):
             raise CheckpointConfigError(
                 f"storage_options must be a dict of fsspec options, got {type(self.storage_options).__name__}"

@@ -286,10 +286,19 @@ docs/benchmarks.md)."""
 
 
 def _read_direct(
-    storage: Storage, path: str, req: ReadRequest, target: torch.Tensor, block_bytes: int, verify: bool
+    storage: Storage,
+    path: str,
+    req: ReadRequest,
+    target: torch.Tensor,
+    block_bytes: int,
+    verify: bool,
+    part: tuple[int, int] | None = None,
 ) -> int:
-    lo, hi = req.read_range
-    out = target.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
+    """Read ``req`` straight into ``target`` (``_can_read_direct``), or only the bytes ``part`` of its
+    ``read_range`` (``direct_parts``: block-aligned, so each part is checked on its own)."""
+    lo, hi = part if part is not None else req.read_range
+    first = req.read_range[0]
+    out = target.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")[lo - first : hi - first]
     verifier = _verifier(storage, path, req, lo, hi, block_bytes) if verify else None
 
     def check(offset: int, nbytes: int) -> None:
@@ -358,6 +367,23 @@ class SpanReader:
         return self.buffers[file][start - lo : end - lo]
 
 
+def direct_parts(req: ReadRequest, block_bytes: int, verify: bool, part_bytes: int) -> list[tuple[int, int]]:
+    """``req.read_range`` of a direct read cut into consecutive parts of about ``part_bytes`` (whole checksum
+    blocks when verifying: ``_can_read_direct`` puts its start on a block boundary, so every part starts on
+    one and is checked on its own), for several threads to read one large tensor together."""
+    lo, hi = req.read_range
+    step = max(part_bytes // block_bytes, 1) * block_bytes if verify else max(part_bytes, 1)
+    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
+
+
+def _direct_target(req: ReadRequest, dst: torch.Tensor, block_bytes: int, verify: bool) -> torch.Tensor | None:
+    """The part of ``dst`` that ``req`` fills, when its bytes can land there as they are; else None."""
+    with torch.no_grad():
+        index = tuple(slice(a, b) for a, b in req.dst_slices)
+        target = dst[index] if index else dst
+    return target if _can_read_direct(req, target, block_bytes, verify) else None
+
+
 def read_requests(
     storage: Storage,
     step_rel: str,
@@ -366,9 +392,16 @@ def read_requests(
     block_bytes: int,
     verify: bool,
     threads: int,
+    *,
+    part_bytes: int | None = None,
 ) -> int:
     """Run ranged reads in parallel threads, each copying into its destination; a small load reads each
-    file once on this thread instead (``SMALL_LOAD_BYTES``). Returns bytes read."""
+    file once on this thread instead (``SMALL_LOAD_BYTES``). Returns bytes read.
+
+    ``part_bytes`` (local, CPU-bound storage such as the memory tier's shared memory): a direct read larger
+    than that is cut into parts (``direct_parts``) that the threads share, so one large tensor (an embedding)
+    is not read by one thread while the others idle. None: one task per request (the durable tier's choice:
+    a remote store's cost is per request)."""
     spans = small_load_spans(requests, block_bytes, verify)
     if spans is not None:
         reader = SpanReader(storage, step_rel, spans)
@@ -382,5 +415,17 @@ def read_requests(
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as pool:
-        futures = [pool.submit(apply_read, storage, step_rel, r, destinations(r.dst), block_bytes, verify) for r in requests]
+        futures: list[Future[int]] = []
+        for r in requests:
+            dst = destinations(r.dst)
+            large = part_bytes is not None and r.read_range[1] - r.read_range[0] > part_bytes
+            target = _direct_target(r, dst, block_bytes, verify) if large else None
+            if part_bytes is None or target is None:
+                futures.append(pool.submit(apply_read, storage, step_rel, r, dst, block_bytes, verify))
+                continue
+            path = f"{step_rel}/{r.file}"
+            futures += [
+                pool.submit(_read_direct, storage, path, r, target, block_bytes, verify, part)
+                for part in direct_parts(r, block_bytes, verify, part_bytes)
+            ]
         return sum(f.result() for f in futures)

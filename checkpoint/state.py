@@ -277,6 +277,28 @@ def _adapters(state: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def uninitialised_optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers in ``state`` (plain or in a ``ModelOptimizer``) whose state is still empty.
+
+    ``flatten`` initialises such an optimizer with a zero-lr step (DCP's ``_init_optim_state``), which leaves the
+    parameters alone but not every optimizer: Adam's step counters become 1, so the first real step's bias
+    correction differs. A restore that flattens the live state to plan its reads and then finds nothing to load
+    must put those optimizers back (:func:`forget_optimizer_state`), or a fresh start with the memory tier on
+    trains differently from one without it.
+    """
+    found: list[torch.optim.Optimizer] = []
+    for value in state.values():
+        optims = value.optimizers if isinstance(value, ModelOptimizer) else (value,)
+        found += [o for o in optims if isinstance(o, torch.optim.Optimizer) and not o.state]
+    return found
+
+
+def forget_optimizer_state(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Empty the state of ``optimizers`` again (after a ``flatten`` initialised it and nothing was loaded)."""
+    for optim in optimizers:
+        optim.state.clear()
+
+
 # --------------------------------------------------------------------------- flatten
 def _tensor_item(fqn: str, t: torch.Tensor) -> TensorItem:
     from torch.distributed.tensor import DTensor

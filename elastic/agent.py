@@ -65,21 +65,23 @@ from checkpoint.memory.records import RestoreRecord, collect_restore_records, sn
 from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
-from elastic.notice import Notice, earliest, parse_signal_spec
+from elastic.notice import Notice, parse_signal_spec
 from elastic.outage import OutageClock, OutageVerdict
 from elastic.planned import (
-    GroupView,
-    PlannedStep,
+    AbandonStop,
+    AfterSuccess,
+    LeaveNow,
+    PlannedChanges,
+    PlannedDecision,
+    PlannedTick,
+    PostStop,
+    Reform,
+    SignalAction,
     Stopped,
+    TickView,
     all_stopped,
     leave_exit_code,
-    unplanned_loss,
-    wait_for_helpers,
-    while_posted,
-    with_save_by,
-    worker_notice,
 )
-from elastic.preemption import Mailbox, WorkerNotice
 from elastic.progress import ProgressBoard
 from elastic.rendezvous.api import (
     DEFAULT_ETCD_TIMEOUT_S,
@@ -91,6 +93,7 @@ from elastic.rendezvous.api import (
     is_permanent,
 )
 from elastic.torch_internals import check_agent_internals, worker_processes, worker_return_values
+from elastic.worker.mailbox import Mailbox
 from elastic.workers import (
     DeathClock,
     PdeathsigEntrypoint,
@@ -196,14 +199,11 @@ class SpotrunAgent(LocalElasticAgent):
         self._previous_group_world_size: int | None = None
         self._death_clock: DeathClock | None = None
         self._close_started_at: float | None = None
-        # Planned changes (elastic.planned): the workers' mailbox, this node's notice, what was posted.
+        # Planned changes (elastic.planned): the workers' mailbox; the decisions and their state in `planned`.
         self._mailbox = mailbox
         self._notices = spec.rdzv_handler if isinstance(spec.rdzv_handler, NoticeAwareHandler) else None
-        self._own_notice: Notice | None = None
-        self._notice_published = False
-        self._posted: WorkerNotice | None = None
-        self._peer_deadlines: dict[str, float] = {}
-        """Peer notices seen in this round: kept after the peer left (its key goes with its lease)."""
+        self.planned = PlannedChanges(stop_grace=settings.stop_grace, resize_timeout=settings.resize_timeout)
+        """This agent's planned-change state (its notice, the stop posted to its workers), ticked by the monitor loop."""
         self._notice_signals = self._notice_signal_graces()
         self._in_rendezvous = False
         """Between rounds: no workers run, a notice is acted on at once (``_NoticeWhileNotTraining``)."""
@@ -213,8 +213,6 @@ class SpotrunAgent(LocalElasticAgent):
         self._hung_pending = False
         self._recovery_cause: RecoveryCause | None = None
         """Why the current recovery happens: on every event until its workers_started (None at first start)."""
-        self._helpers_seen = False
-        """A local worker group of this agent ran Preemption helpers once (they come back after a restart)."""
         self._exit_status = 0
         """What the process should exit with after a successful run (``--planned-leave-exit-code`` on a leave)."""
         self._finished = False
@@ -406,7 +404,7 @@ class SpotrunAgent(LocalElasticAgent):
         previous_members = self._round_members()
         self._in_rendezvous = True
         try:
-            if self._own_notice is not None and previous_members is not None:
+            if self.planned.own is not None and previous_members is not None:
                 raise _NoticeWhileNotTraining  # the notice came while the workers were being stopped
             super()._rendezvous(worker_group)
         finally:
@@ -450,8 +448,7 @@ class SpotrunAgent(LocalElasticAgent):
             self._mailbox.clear()  # helpers and acks of the previous group must not count for this one
             # For workers whose environment a wrapper rebuilt without SPOTRUN_NOTICE_DIR (elastic.preemption).
             self._mailbox.publish_link(worker_group.spec.rdzv_handler.get_run_id(), worker_group.group_rank or 0)
-        self._posted = None
-        self._peer_deadlines = {}
+        self.planned.new_group()
         if self._hang_watch is not None:
             # group_rank is set by the rendezvous that always precedes a start
             self._hang_watch.prepare(worker_group.group_rank or 0, worker_group.spec.local_world_size)
@@ -613,7 +610,7 @@ class SpotrunAgent(LocalElasticAgent):
                 raise AssertionError("worker group is in INIT state inside the monitor loop")
             # CHANGE: wake up on a membership event instead of sleeping a full monitor interval; while the
             # workers head for an agreed step, the moment they finish (elastic.planned).
-            if self._posted is not None:
+            if self.planned.posted is not None:
                 self._wait_for_planned_stop(spec.monitor_interval)
             else:
                 self._wait_for_membership_change(spec.monitor_interval)
@@ -632,9 +629,11 @@ class SpotrunAgent(LocalElasticAgent):
             if state == WorkerState.SUCCEEDED:
                 # CHANGE: workers that acknowledged a step stopped for a planned change: the job is not over.
                 stopped = self._acknowledged_stop()
-                if self._own_notice is not None and (stopped is not None or self._posted is not None):
+                after = self.planned.after_success(stopped)
+                if after is AfterSuccess.LEAVE:
                     return self._leave_for_notice(stopped)
-                if stopped is not None:
+                if after is AfterSuccess.REFORM:
+                    assert stopped is not None
                     self._restart_for_planned_change(stopped)
                     continue
                 logger.info("%s worker group finished; waiting for other agents", self._ctx())
@@ -648,7 +647,7 @@ class SpotrunAgent(LocalElasticAgent):
                 self._finished = True
                 return run_result
             if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
-                if self._own_notice is not None and self._posted is not None:
+                if self.planned.leaving:
                     # CHANGE (overlapping faults): the workers failed while heading for this node's agreed
                     # step, most often because a peer crashed at the same moment (their collective broke). The
                     # node still goes away for its notice, as a preemption: it exits with the planned-leave
@@ -686,7 +685,7 @@ class SpotrunAgent(LocalElasticAgent):
     def receive_notice(self, notice: Notice) -> None:
         """This node will be taken away at ``notice.deadline`` (called from the poller thread or a signal
         handler: only an assignment; the monitor loop acts on it)."""
-        self._own_notice = earliest(self._own_notice, notice)
+        self.planned.receive(notice)
 
     def _notice_signal_graces(self) -> dict[int, tuple[str, float]]:
         graces = {int(signal.SIGTERM): ("sigterm", self._settings.preempt_grace)}
@@ -704,16 +703,17 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _on_notice_signal(self, signum: int, frame: object) -> None:
         source, grace = self._notice_signals[signum]
-        if self._in_rendezvous and self._own_notice is None:
-            # Between rounds (a recovery, a spare, a node that never joined a round yet): no worker to save
-            # anything; leave now (_invoke_run), as a planned leave. A node that had not joined yet used to take
-            # torch's immediate shutdown (exit -15), which a scheduler counts as a failure (overlapping soak).
-            self.receive_notice(Notice(source, time.time() + grace, f"signal {signal.Signals(signum).name}"))
-            raise _NoticeWhileNotTraining
-        if signum == signal.SIGTERM and (self._own_notice is not None or not self._helpers_ready()):
+        action = self.planned.on_signal(between_rounds=self._in_rendezvous, sigterm=signum == signal.SIGTERM,
+                                        helpers_ready=self._helpers_ready())
+        if action is SignalAction.SHUT_DOWN:
             # A second SIGTERM, or workers that cannot save at an agreed step: torch's immediate shutdown.
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
         self.receive_notice(Notice(source, time.time() + grace, f"signal {signal.Signals(signum).name}"))
+        if action is SignalAction.LEAVE_NOW:
+            # Between rounds (a recovery, a spare, a node that never joined a round yet): no worker to save
+            # anything; leave now (_invoke_run), as a planned leave. A node that had not joined yet used to take
+            # torch's immediate shutdown (exit -15), which a scheduler counts as a failure (overlapping soak).
+            raise _NoticeWhileNotTraining
 
     def _helpers_ready(self) -> bool:
         """Every local worker constructed a ``Preemption`` helper (it will stop by itself at an agreed step)."""
@@ -734,7 +734,7 @@ class SpotrunAgent(LocalElasticAgent):
         began = time.monotonic()
         # A leaving node also polls its mailbox for the acknowledgements (a directory listing, every
         # ACK_POLL_INTERVAL): the peers' rendezvous waits for this node's lease, not for its workers' exit.
-        leaving = poll_acks and self._own_notice is not None and self._mailbox is not None
+        leaving = poll_acks and self.planned.own is not None and self._mailbox is not None
         step = ACK_POLL_INTERVAL if leaving else timeout
         while True:
             remaining = timeout - (time.monotonic() - began)
@@ -747,7 +747,7 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _leaving_stop(self) -> Stopped | None:
         """Where this node's workers all stopped (committed, or skipped the save) for its own notice, else None."""
-        if self._own_notice is None or self._posted is None:
+        if not self.planned.leaving:
             return None
         return self._acknowledged_stop()
 
@@ -762,10 +762,9 @@ class SpotrunAgent(LocalElasticAgent):
             return None
 
     def _publish_own_notice(self) -> None:
-        notice = self._own_notice
-        if notice is None or self._notice_published:
+        notice = self.planned.to_publish()
+        if notice is None:
             return
-        self._notice_published = True
         published = False
         if self._notices is not None:
             try:
@@ -779,63 +778,51 @@ class SpotrunAgent(LocalElasticAgent):
         self._emit(RecoveryEvent.NOTICE_RECEIVED, source=notice.source, deadline=notice.deadline,
                    detail=notice.detail, published=published)
 
-    def _group_view(self) -> GroupView:
+    def _tick_view(self) -> TickView:
+        """What the planned-change coordinator looks at: the mailbox, the peers' notices, the membership."""
+        helpers_ready = self._helpers_ready()
         peers: dict[str, float] = {}
         lost: frozenset[str] = frozenset()
         now = time.time()
         if self._notices is not None:
             try:
-                for node, notice in self._notices.peer_notices().items():
-                    self._peer_deadlines.setdefault(node, float(notice.get("deadline") or now))
+                peers = {node: float(notice.get("deadline") or now)
+                         for node, notice in self._notices.peer_notices().items()}
                 lost = frozenset(self._notices.lost_peers())
             except RendezvousError:
                 pass
-            peers = dict(self._peer_deadlines)
-        return GroupView(now=now, own=self._own_notice, peer_deadlines=peers, lost=lost,
-                         membership_changed=self._membership_changed())
+        return TickView(now=now, peer_notices=peers, lost=lost, membership_changed=self._membership_changed(),
+                        helpers_ready=helpers_ready)
 
     def _planned_tick(self) -> PlannedTick:
-        """While healthy: post a planned stop to the workers, wait for it, or give up on it."""
+        """While healthy: ask the planned-change coordinator what to do (``PlannedChanges.tick``) and do it."""
         if self._mailbox is None:
             return PlannedTick.NONE
-        if not self._helpers_seen:
-            self._helpers_seen = self._helpers_ready()
-        view = self._group_view()
-        if self._posted is not None:
-            if while_posted(view, self._posted, stop_grace=self._settings.stop_grace) is PlannedStep.WAIT:
-                return PlannedTick.WAITING
-            lost = unplanned_loss(view)
-            why = f"peer(s) {sorted(lost)} vanished without notice" if lost else "the deadline left no time to save"
-            logger.warning("%s planned stop (%s) abandoned: %s", self._ctx(), self._posted.reason, why)
-            self._emit(RecoveryEvent.PLANNED_STOP_ABANDONED, reason=self._posted.reason, why=why)
-            self._posted = None
-            if self._own_notice is not None:
+        decision = self.planned.tick(self._tick_view())
+        self._perform(decision)
+        return decision.outcome
+
+    def _perform(self, decision: PlannedDecision) -> None:
+        """The I/O of a planned-change decision, in order: post, abandon, leave, re-form."""
+        for action in decision.actions:
+            if isinstance(action, PostStop):
+                assert self._mailbox is not None, "a stop is posted only with a mailbox"
+                notice = action.notice
+                self._mailbox.post(notice)
+                logger.warning("%s planned stop posted to the workers: %s (deadline in %s s)", self._ctx(),
+                               notice.reason, "-" if notice.deadline is None else f"{notice.deadline - time.time():.1f}")
+                self._emit(RecoveryEvent.PLANNED_STOP_POSTED, reason=notice.reason, deadline=notice.deadline,
+                           source=notice.source)
+            elif isinstance(action, AbandonStop):
+                logger.warning("%s planned stop (%s) abandoned: %s", self._ctx(), action.reason, action.why)
+                self._emit(RecoveryEvent.PLANNED_STOP_ABANDONED, reason=action.reason, why=action.why)
+            elif isinstance(action, LeaveNow):
                 self._stop_workers(self._worker_group)
-                self._leave(step=None, why=why)
-                return PlannedTick.LEFT
-            self._restart_workers(self._worker_group)  # not charged: a membership change
-            return PlannedTick.WAITING
-        notice = worker_notice(view, self._settings.resize_timeout)
-        if notice is None or unplanned_loss(view):
-            return PlannedTick.NONE  # nothing planned, or a crash: the restart path below handles it
-        if not self._helpers_ready():
-            own = self._own_notice
-            if own is not None and not wait_for_helpers(seen_before=self._helpers_seen, now=view.now,
-                                                        deadline=own.deadline, stop_grace=self._settings.stop_grace):
-                # The workers cannot stop at an agreed step: leave now so the peers re-form at once.
-                self._stop_workers(self._worker_group)
-                self._leave(step=None, why="the workers do not use elastic.preemption.Preemption" if not
-                            self._helpers_seen else "the workers did not start their Preemption helper in time")
-                return PlannedTick.LEFT
-            return PlannedTick.NONE
-        notice = with_save_by(notice, self._settings.stop_grace)  # the workers skip a save that cannot fit
-        self._mailbox.post(notice)
-        self._posted = notice
-        logger.warning("%s planned stop posted to the workers: %s (deadline in %s s)", self._ctx(), notice.reason,
-                       "-" if notice.deadline is None else f"{notice.deadline - time.time():.1f}")
-        self._emit(RecoveryEvent.PLANNED_STOP_POSTED, reason=notice.reason, deadline=notice.deadline,
-                   source=notice.source)
-        return PlannedTick.WAITING
+                self._leave(step=None, why=action.why)
+            elif isinstance(action, Reform):
+                self._restart_workers(self._worker_group)  # not charged: a membership change
+            else:
+                raise AssertionError(f"unknown planned action {action!r}")
 
     def _acknowledged_stop(self) -> Stopped | None:
         """Where every local worker stopped for the planned change, saved or not (None: they did not all)."""
@@ -846,7 +833,7 @@ class SpotrunAgent(LocalElasticAgent):
     def _leave(self, *, step: int | None, why: str | None, agreed_step: int | None = None) -> None:
         """Revoke the lease and record the leave; ``step`` is the committed step (None: nothing saved, then
         ``agreed_step`` is where workers that skipped the save stopped)."""
-        notice = self._own_notice
+        notice = self.planned.own
         if self._membership is not None:
             try:
                 self._membership.leave()
@@ -896,7 +883,7 @@ class SpotrunAgent(LocalElasticAgent):
         Workers that fail after their acknowledgement still fail the agent (as before): the ``planned_leave``
         event records the stop either way."""
         self._leave(step=stopped.committed, why=stopped.why, agreed_step=stopped.step)
-        notice = self._own_notice
+        notice = self.planned.own
         until = notice.deadline - self._settings.stop_grace if notice is not None else time.time()
         result = self._monitor_workers(self._worker_group)
         while result.state == WorkerState.HEALTHY and (remaining := until - time.time()) > 0:
@@ -923,7 +910,8 @@ class SpotrunAgent(LocalElasticAgent):
         """Our workers stopped at the agreed step for a peer's notice or a joining node: re-form now (the
         rendezvous waits for the leaver's lease to go and for the joiner) and resume from it, or, when they
         skipped its save (no time before the deadline), from the last committed step; not counted."""
-        reason = self._posted.reason if self._posted is not None else "unknown"
+        posted = self.planned.posted
+        reason = posted.reason if posted is not None else "unknown"
         if stopped.saved:
             logger.info("%s workers committed step %d for a planned change (%s); re-forming the group",
                         self._ctx(), stopped.step, reason)
@@ -1035,16 +1023,6 @@ def recovery_cause_of_failure(*, hung: bool, peer_lost: bool) -> RecoveryCause:
     if hung:
         return RecoveryCause.HANG
     return RecoveryCause.PEER_LOST if peer_lost else RecoveryCause.FAILURE
-
-
-class PlannedTick(enum.Enum):
-    """Outcome of one monitor tick of a healthy group, as far as planned changes go."""
-
-    NONE = "none"
-    WAITING = "waiting"
-    """A planned stop is posted; the workers are on their way to the agreed step."""
-    LEFT = "left"
-    """This node left the group (its notice could not wait for the workers)."""
 
 
 def complete_failures(

@@ -87,7 +87,8 @@ class RecoveryEvent(str, enum.Enum):
     RESTORE_COMPLETED = "restore_completed"
     """The local workers restored their state through ``checkpoint.memory.restore`` (``restore_source``:
     memory_local, memory_peer or durable, ``mixed`` with ``restore_sources`` when ranks differ; ``restore_step``,
-    ``restore_bytes`` summed over ``ranks``, ``restore_seconds`` of the slowest); once per node and start."""
+    ``restore_bytes`` summed over ``ranks``, ``restore_seconds`` of the slowest; ``restore_fallback``: why not from
+    memory, when the tier was on and the state came from the durable tier); once per node and start."""
 
 
 class FailureCause(str, enum.Enum):

@@ -46,7 +46,6 @@ from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
 from elastic.metrics import AgentMetrics, MetricsServer, MetricsSink, serve
 from elastic.notice import NoticePoller, make_sources, notice_signals
-from elastic.preemption import Mailbox
 from elastic.progress import remove_orphaned_progress_files
 from elastic.rendezvous.api import (
     ConnectableHandler,
@@ -58,6 +57,7 @@ from elastic.rendezvous.api import (
 from elastic.torch_internals import entrypoint_name as torch_entrypoint_name
 from elastic.torch_internals import static_master_addr_and_port, verify_torch_once
 from elastic.warm import note_agent_import_env, note_agent_import_start
+from elastic.worker.mailbox import Mailbox
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
 logger = logging.getLogger(__name__)

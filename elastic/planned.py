@@ -14,20 +14,24 @@ that cannot commit by then is not started (``elastic.preemption.decide_planned_s
 acknowledge the agreed step as not saved, and the agent leaves or re-forms at once, recording why
 (:func:`all_stopped`); the new group resumes from the last committed step.
 
-What is decided here is a function of plain data (:class:`GroupView`); the agent does the I/O.
+What is decided here is a function of plain data; the agent does the I/O. :class:`PlannedChanges` holds the
+state of one agent's planned changes (its own notice, what it posted, the peers' deadlines) and answers each
+monitor tick of a healthy group with actions (:meth:`PlannedChanges.tick`: a :class:`TickView` in, a
+:class:`PlannedDecision` out), as ``elastic.rendezvous.state.decide`` does for rendezvous rounds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # The environment names live in elastic.api with the others; re-exported here, where they were first defined.
 from elastic.api import ENV_PLANNED_LEAVE_EXIT_CODE as ENV_PLANNED_LEAVE_EXIT_CODE
 from elastic.api import ENV_RESIZE_TIMEOUT as ENV_RESIZE_TIMEOUT
-from elastic.notice import Notice
-from elastic.preemption import WorkerNotice
+from elastic.notice import Notice, earliest
+from elastic.worker.mailbox import WorkerNotice
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,3 +142,207 @@ def all_stopped(saved: dict[int, int], unsaved: dict[int, tuple[int, str]], loca
     if not unsaved:
         return Stopped(step, saved=True)
     return Stopped(step, saved=False, why=unsaved[min(unsaved)][1])
+
+
+# --- the coordinator: one agent's planned-change state, one tick at a time -----------------------------------
+
+
+class PlannedTick(enum.Enum):
+    """Outcome of one monitor tick of a healthy group, as far as planned changes go."""
+
+    NONE = "none"
+    """Nothing planned (or a crash, which the agent's restart path handles)."""
+    WAITING = "waiting"
+    """A planned stop is posted; the workers are on their way to the agreed step."""
+    LEFT = "left"
+    """This node left the group (its notice could not wait for the workers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TickView:
+    """What the agent saw at one monitor tick of a healthy group (read by the agent; plain data)."""
+
+    now: float
+    """Wall-clock seconds (deadlines are wall-clock: they cross machines)."""
+    peer_notices: Mapping[str, float] = field(default_factory=dict)
+    """Other participants of this round whose notice is published now -> their deadline."""
+    lost: frozenset[str] = frozenset()
+    """Participants of this round that are gone."""
+    membership_changed: bool = False
+    helpers_ready: bool = False
+    """Every local worker constructed a ``Preemption`` helper (it will stop by itself at an agreed step)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PostStop:
+    """Post ``notice`` to the workers' mailbox (and record ``planned_stop_posted``)."""
+
+    notice: WorkerNotice
+
+
+@dataclass(frozen=True, slots=True)
+class AbandonStop:
+    """Stop waiting for the posted stop (record ``planned_stop_abandoned`` with ``why``)."""
+
+    reason: str
+    """The posted notice's reason."""
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveNow:
+    """Stop the workers and leave the group without a saved step (``why`` goes in ``planned_leave``)."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reform:
+    """Restart the worker group (a membership change: not counted against ``--max-restarts``)."""
+
+
+PlannedAction = PostStop | AbandonStop | LeaveNow | Reform
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedDecision:
+    """What :meth:`PlannedChanges.tick` decided: the actions to perform, in order, and the tick's outcome."""
+
+    outcome: PlannedTick
+    actions: tuple[PlannedAction, ...] = ()
+
+
+class AfterSuccess(enum.Enum):
+    """What the agent does when its local workers all exited 0."""
+
+    LEAVE = "leave"
+    """Leave the group for this node's notice (the workers stopped for it, or it was posted)."""
+    REFORM = "reform"
+    """The workers stopped at the agreed step for a peer's notice or a joining node: re-form and resume."""
+    FINISH = "finish"
+    """Training finished: the exit barrier, then success."""
+
+
+class SignalAction(enum.Enum):
+    """What the agent does with a notice signal (SIGTERM, ``--preempt-signal``)."""
+
+    LEAVE_NOW = "leave_now"
+    """Between rounds: no worker to save anything; take the notice and leave at once, as a planned leave."""
+    SHUT_DOWN = "shut_down"
+    """torch's immediate shutdown: a second SIGTERM, or workers that cannot save at an agreed step."""
+    NOTICE = "notice"
+    """Take it as this node's notice; the monitor loop acts on it."""
+
+
+class PlannedChanges:
+    """One agent's planned-change state: its own notice, the stop posted to its workers, the deadlines of its
+    peers' notices in this round and whether its workers ever ran ``Preemption`` helpers.
+
+    No I/O: the agent reads the mailbox and the rendezvous into a :class:`TickView`, calls :meth:`tick` and
+    performs the actions. :meth:`receive` may be called from another thread or a signal handler (it is one
+    assignment).
+    """
+
+    def __init__(self, *, stop_grace: float, resize_timeout: float) -> None:
+        """Args:
+            stop_grace: seconds before a deadline at which waiting for the workers stops (``--stop-grace``).
+            resize_timeout: how long a joining node's resize may take (``--resize-timeout``).
+        """
+        self.stop_grace = stop_grace
+        self.resize_timeout = resize_timeout
+        self.own: Notice | None = None
+        """This node's notice (the earliest deadline, once received)."""
+        self.posted: WorkerNotice | None = None
+        """The stop posted to the current worker group, if any."""
+        self.helpers_seen = False
+        """A local worker group of this agent ran Preemption helpers once (they come back after a restart)."""
+        self._published = False
+        self._peer_deadlines: dict[str, float] = {}
+        """Peer notices seen in this round: kept after the peer left (its key goes with its lease)."""
+
+    @property
+    def peer_deadlines(self) -> dict[str, float]:
+        """Peers of this round that published a notice -> its deadline (kept after they left)."""
+        return dict(self._peer_deadlines)
+
+    @property
+    def leaving(self) -> bool:
+        """This node has a notice and posted the stop for it: its workers head for the agreed step to leave."""
+        return self.own is not None and self.posted is not None
+
+    def receive(self, notice: Notice) -> None:
+        """This node will be taken away at ``notice.deadline`` (the earliest deadline binds)."""
+        self.own = earliest(self.own, notice)
+
+    def to_publish(self) -> Notice | None:
+        """This node's notice the first time it is asked for after it arrived (published once), else None."""
+        if self.own is None or self._published:
+            return None
+        self._published = True
+        return self.own
+
+    def new_group(self) -> None:
+        """A new worker group starts: nothing is posted to it, and the peers' notices are of the next round."""
+        self.posted = None
+        self._peer_deadlines = {}
+
+    def tick(self, view: TickView) -> PlannedDecision:
+        """While the group is healthy: post a planned stop to the workers, wait for it, or give up on it.
+
+        Args:
+            view: what the agent saw at this tick.
+
+        Returns:
+            The actions to perform in order, and the outcome: ``WAITING`` while a stop is posted (or the
+            group re-forms after one was abandoned), ``LEFT`` when this node leaves, else ``NONE``.
+        """
+        if not self.helpers_seen:
+            self.helpers_seen = view.helpers_ready
+        for node, deadline in view.peer_notices.items():
+            self._peer_deadlines.setdefault(node, deadline)
+        group = GroupView(now=view.now, own=self.own, peer_deadlines=dict(self._peer_deadlines), lost=view.lost,
+                          membership_changed=view.membership_changed)
+        if self.posted is not None:
+            return self._while_posted(group, self.posted)
+        notice = worker_notice(group, self.resize_timeout)
+        if notice is None or unplanned_loss(group):
+            return PlannedDecision(PlannedTick.NONE)  # nothing planned, or a crash: the agent's restart path
+        if not view.helpers_ready:
+            own = self.own
+            if own is not None and not wait_for_helpers(seen_before=self.helpers_seen, now=view.now,
+                                                        deadline=own.deadline, stop_grace=self.stop_grace):
+                # The workers cannot stop at an agreed step: leave now so the peers re-form at once.
+                why = ("the workers do not use elastic.preemption.Preemption" if not self.helpers_seen
+                       else "the workers did not start their Preemption helper in time")
+                return PlannedDecision(PlannedTick.LEFT, (LeaveNow(why),))
+            return PlannedDecision(PlannedTick.NONE)
+        self.posted = with_save_by(notice, self.stop_grace)  # the workers skip a save that cannot fit
+        return PlannedDecision(PlannedTick.WAITING, (PostStop(self.posted),))
+
+    def _while_posted(self, group: GroupView, posted: WorkerNotice) -> PlannedDecision:
+        if while_posted(group, posted, stop_grace=self.stop_grace) is PlannedStep.WAIT:
+            return PlannedDecision(PlannedTick.WAITING)
+        lost = unplanned_loss(group)
+        why = f"peer(s) {sorted(lost)} vanished without notice" if lost else "the deadline left no time to save"
+        self.posted = None
+        abandon = AbandonStop(posted.reason, why)
+        if self.own is not None:
+            return PlannedDecision(PlannedTick.LEFT, (abandon, LeaveNow(why)))
+        return PlannedDecision(PlannedTick.WAITING, (abandon, Reform()))
+
+    def after_success(self, stopped: Stopped | None) -> AfterSuccess:
+        """The local workers all exited 0; ``stopped``: where they acknowledged an agreed step, if they did."""
+        if self.own is not None and (stopped is not None or self.posted is not None):
+            return AfterSuccess.LEAVE
+        if stopped is not None:
+            return AfterSuccess.REFORM
+        return AfterSuccess.FINISH
+
+    def on_signal(self, *, between_rounds: bool, sigterm: bool, helpers_ready: bool) -> SignalAction:
+        """A notice signal arrived: ``between_rounds`` (no workers run), ``sigterm`` (SIGTERM, which may also
+        insist on a shutdown), ``helpers_ready`` (every local worker runs a ``Preemption`` helper)."""
+        if between_rounds and self.own is None:
+            return SignalAction.LEAVE_NOW
+        if sigterm and (self.own is not None or not helpers_ready):
+            return SignalAction.SHUT_DOWN
+        return SignalAction.NOTICE

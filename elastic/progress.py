@@ -1,173 +1,55 @@
-"""Worker progress for hang detection: a 64-byte shared counter per worker, and on-demand stack dumps.
+"""Agent side of hang detection: the workers' progress files, sampled with ``/proc``, and on-demand stack dumps.
 
-Worker side (no code in the script needed for warm workers, spotrun's default): before the script runs,
-:func:`install` maps this worker's progress file, registers a global ``torch.optim`` post-step hook that
-bumps the beat counter (one ``struct.pack_into`` per optimizer step, about a microsecond) and registers a
-``faulthandler`` dump of every thread's Python stack on :data:`DUMP_SIGNAL`, written to a file the agent
-reads. Loops without an optimizer (or cold workers, which run the script in a fresh interpreter spotrun
-cannot reach into) call :func:`heartbeat`; under stock torchrun, or when the file is absent, it is a no-op.
+The worker side (the beat counter a worker bumps, its stack dump on a signal, and the file's layout) is
+``elastic.worker.heartbeat``; its public names are re-exported here, where they were first defined
+(``from elastic.progress import heartbeat`` keeps working).
 
-Drop-in trade-off (documented in docs/concepts/launcher.md): the worker has one extra handler for a real-time signal
-(``SIGRTMIN+6``; ``signal.getsignal`` still reports the default, as faulthandler installs it below Python's
-signal table), one global optimizer hook (``torch.optim.optimizer._global_optimizer_post_hooks``) and one
-open file descriptor. No thread is started and no environment variable is added: the file is found from
-``TORCHELASTIC_RUN_ID``, ``GROUP_RANK`` and ``LOCAL_RANK``, which torch sets for every worker.
-
-Agent side: :class:`ProgressBoard` creates the files before the workers start, samples them together with
-the main thread's CPU ticks and run state from ``/proc``, asks for stack dumps and removes the files. The
-agent holds an ``flock`` on each of its files (taken before the file gets its name) for as long as it uses
-it: the kernel drops it when the agent dies, even by SIGKILL, so the next agent on the host removes the files
-a killed agent left behind (:func:`remove_orphaned_progress_files`), as ``elastic.preemption`` does for the
-mailboxes. Workers only ``open`` and ``mmap`` the file: the advisory lock does not concern them.
+:class:`ProgressBoard` creates the files before the workers start, samples them together with the main
+thread's CPU ticks and run state from ``/proc``, asks for stack dumps and removes the files. The agent holds
+an ``flock`` on each of its files (taken before the file gets its name) for as long as it uses it: the kernel
+drops it when the agent dies, even by SIGKILL, so the next agent on the host removes the files a killed agent
+left behind (:func:`remove_orphaned_progress_files`), as ``elastic.worker.mailbox`` does for the mailboxes.
+Workers only ``open`` and ``mmap`` the file: the advisory lock does not concern them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import logging
 import mmap
 import os
 import random
 import re
 import shutil
-import signal
 import stat
 import struct
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Final
 
 from elastic.hang import ProgressSample
+from elastic.worker.heartbeat import DUMP_SIGNAL as DUMP_SIGNAL
+from elastic.worker.heartbeat import MAGIC as MAGIC
+from elastic.worker.heartbeat import OFFSET_AGENT as _AGENT
+from elastic.worker.heartbeat import OFFSET_BEATS as _BEATS
+from elastic.worker.heartbeat import OFFSET_MAGIC as _MAGIC
+from elastic.worker.heartbeat import OFFSET_MAIN_THREAD as _MAIN_THREAD
+from elastic.worker.heartbeat import OFFSET_PID as _PID
+from elastic.worker.heartbeat import PROGRESS_KIND as PROGRESS_KIND
+from elastic.worker.heartbeat import SIZE as SIZE
+from elastic.worker.heartbeat import dump_path as dump_path
+from elastic.worker.heartbeat import heartbeat as heartbeat
+from elastic.worker.heartbeat import install as install
+from elastic.worker.heartbeat import progress_path as progress_path
+from elastic.worker.runfiles import run_scoped_path as run_scoped_path
+from elastic.worker.runfiles import run_scoped_prefix as run_scoped_prefix
 
 logger = logging.getLogger(__name__)
 
-SIZE: Final = 64
-"""Bytes per progress file: little-endian u64 words (magic, beats, worker pid, main thread id, agent pid)."""
-MAGIC: Final = 0x3147525054505053  # b"SPPTPRG1"
-_MAGIC, _BEATS, _PID, _MAIN_THREAD, _AGENT = 0, 8, 16, 24, 32
-"""``_AGENT``: pid of the agent that holds the file's lock; 0 in files of a spotrun from before the lock,
-which the sweep leaves alone (their agent's death cannot be proven)."""
-PROGRESS_KIND: Final = "progress"
 SWEEP_LIMIT: Final = 256
 """Most candidate files one sweep looks at (bounded work at agent start); the next agent goes on."""
-
-DUMP_SIGNAL: Final = signal.SIGRTMIN + 6
-"""Signal on which an instrumented worker writes all its threads' Python stacks to its dump file."""
-
-
-def _root() -> str:
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
-
-
-def run_scoped_path(kind: str, run_id: str, *ranks: int | str, root: str | None = None) -> str:
-    """A per-user file name an agent and its workers both derive from what torch gives every worker
-    (``TORCHELASTIC_RUN_ID``, ``GROUP_RANK``, ``LOCAL_RANK``): no environment variable of ours needed."""
-    # Readable part cut and sanitised; the digest of the whole id keeps two jobs whose ids differ only past
-    # 80 characters or in sanitised characters apart (one host may run several jobs of one user).
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:80] + "." + hashlib.sha256(run_id.encode()).hexdigest()[:8]
-    name = "-".join(["spotrun", kind, str(os.getuid()), safe, *(str(rank) for rank in ranks)])
-    return os.path.join(root or _root(), name)
-
-
-def run_scoped_prefix(kind: str, root: str | None = None) -> str:
-    """The common start of every ``run_scoped_path(kind, ...)`` of this user (for sweeping them)."""
-    return os.path.join(root or _root(), "-".join(["spotrun", kind, str(os.getuid()), ""]))
-
-
-def progress_path(run_id: str, group_rank: int | str, local_rank: int | str, root: str | None = None) -> str:
-    """Where the worker ``local_rank`` of node ``group_rank`` of run ``run_id`` keeps its beat counter."""
-    return run_scoped_path(PROGRESS_KIND, run_id, group_rank, local_rank, root=root)
-
-
-def dump_path(progress_file: str) -> str:
-    return progress_file + ".stack"
-
-
-# --- worker side ------------------------------------------------------------------------------------------
-
-
-class _Worker:
-    mm: mmap.mmap | None = None
-    attached: bool = False
-    dump_file: Any = None
-
-
-def _attach() -> mmap.mmap | None:
-    """Map this worker's progress file once (None, and never again, when spotrun did not create one)."""
-    if _Worker.attached:
-        return _Worker.mm
-    _Worker.attached = True
-    run_id, group, local = (os.environ.get(k) for k in ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_RANK"))
-    if run_id is None or group is None or local is None:
-        return None
-    path = progress_path(run_id, group, local)
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return None  # not under a spotrun agent (stock torchrun), or hang detection is off
-    try:
-        mm = mmap.mmap(fd, SIZE)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    if struct.unpack_from("<Q", mm, _MAGIC)[0] != MAGIC:
-        mm.close()
-        return None
-    _register_stack_dump(dump_path(path))
-    import threading
-
-    struct.pack_into("<Q", mm, _MAIN_THREAD, threading.main_thread().ident or 0)
-    struct.pack_into("<Q", mm, _PID, os.getpid())  # last: the agent signals only a pid that registered
-    _Worker.mm = mm
-    return mm
-
-
-def _register_stack_dump(path: str) -> None:
-    import faulthandler
-
-    try:
-        _Worker.dump_file = open(path, "w")  # noqa: SIM115 (kept open: faulthandler writes to its fd)
-        faulthandler.register(DUMP_SIGNAL, file=_Worker.dump_file, all_threads=True, chain=False)
-    except (OSError, RuntimeError, ValueError):
-        logger.debug("stack dumps unavailable", exc_info=True)
-
-
-def heartbeat() -> None:
-    """Report progress (for loops without a ``torch.optim`` optimizer step). Cheap; a no-op outside spotrun.
-
-    Under spotrun the agent's hang detection counts these beats (and optimizer steps, which beat on their
-    own in warm workers): a worker without beats or CPU time past its budget is hung. Call it where real
-    progress is made, not in a loop that polls while stuck. Never raises: without the agent's progress file
-    (torchrun, a single process) it does nothing.
-    """
-    mm = _Worker.mm if _Worker.attached else _attach()
-    if mm is not None:
-        struct.pack_into("<Q", mm, _BEATS, struct.unpack_from("<Q", mm, _BEATS)[0] + 1)
-
-
-def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    heartbeat()
-
-
-def install() -> bool:
-    """Instrument this worker (called by spotrun's warm-worker entrypoint before the script runs)."""
-    if _attach() is None:
-        return False
-    try:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-    except ImportError:  # no torch: heartbeat() still works
-        return True
-    register_optimizer_step_post_hook(_on_optimizer_step)
-    return True
-
-
-# --- agent side -------------------------------------------------------------------------------------------
 
 
 def read_main_thread(pid: int) -> tuple[str, int] | None:

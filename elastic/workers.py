@@ -147,7 +147,7 @@ class ScriptEntrypoint:
 
         launch = self.__dict__.get("launch") or WarmLaunch()
         become_fresh_interpreter(launch, self.target, module=self.module)
-        from elastic.progress import install as observe_progress
+        from elastic.worker.heartbeat import install as observe_progress
 
         observe_progress()  # hang detection: optimizer-step beats and stack dumps, no thread (elastic.progress)
         run_as_fresh_interpreter(self.target, tuple(args), module=self.module)

@@ -21,7 +21,8 @@ Run it (from the repository root):
     # elastic batches: at most 16 samples per forward (accumulation), or bit-exact across world sizes
     spotrun --standalone --nproc-per-node 3 examples/train_ddp.py --steps 200 --ckpt-dir runs/ckpt --max-micro-batch 16
     spotrun --standalone --nproc-per-node 3 examples/train_ddp.py --steps 200 --ckpt-dir runs/det --deterministic
-    # memory tier: snapshot every step into host shared memory; a crashed worker resumes from the last one
+    # memory tier (on by default under spotrun: --memory-snapshot-every auto; --no-memory-tier turns it off):
+    # snapshots in host shared memory, so a crashed worker resumes from the last completed step
     spotrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train_ddp.py --steps 200 --ckpt-dir runs/ckpt \
         --memory-snapshot-every 1
     # several nodes (run on each node; 1 to 4 nodes, joins and losses handled at the next round)
@@ -126,10 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true",
                    help="bit-identical at any world size: --shards fixed micro-batches reduced in shard order")
     p.add_argument("--shards", type=int, default=8, help="virtual micro-batches per global batch (--deterministic)")
-    p.add_argument("--memory-snapshot-every", type=snapshot_interval, default=0, metavar="K",
+    p.add_argument("--memory-snapshot-every", type=snapshot_interval, default="auto", metavar="K",
                    help="snapshot the state into host shared memory every K steps (spotrun's memory tier; a restart "
-                        "resumes from it before the durable checkpoint); 'auto': every step while it costs under 2%% "
-                        "of the step time, else the smallest K that does; 0: off")
+                        "resumes from it before the durable checkpoint); 'auto' (default): every step while it costs "
+                        "under 2%% of the step time, else the smallest K that does; 0: off. Off outside spotrun")
+    p.add_argument("--no-memory-tier", dest="memory_snapshot_every", action="store_const", const=0,
+                   help="turn the memory tier off (the same as --memory-snapshot-every 0)")
     args = p.parse_args(argv)
     if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 1 or args.log_every < 1:
         p.error("--steps must be >= 0 and --global-batch, --ckpt-every, --log-every >= 1")

@@ -13,7 +13,10 @@ committed first (``elastic.preemption``), so spotrun re-forms the group without 
 model with FSDP2 (``fully_shard``); the spotrun ``Checkpointer`` saves either as world-size-independent
 tensors, so a DDP checkpoint resumes under FSDP2 and at any world size. ``--ckpt-backend dcp`` saves with
 stock ``torch.distributed.checkpoint`` instead (synchronous ``dcp.save`` every ``--ckpt-every`` steps, no
-preemption helper): the anchor of ``bench/goodput_bench.py``.
+preemption helper): the anchor of ``bench/goodput_bench.py``. Under spotrun with its checkpointer the memory
+tier is on by default (``--memory-snapshot-every auto``; ``--no-memory-tier`` turns it off): snapshots in host
+shared memory, buddy copies of FSDP2 shards on another node, so a crash or a lost node resumes from the last
+completed step.
 
 Run it (from the repository root):
     # single process, no launcher
@@ -29,7 +32,8 @@ Run it (from the repository root):
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 300 --ckpt-dir runs/gpt-dcp --ckpt-backend dcp
 Every ``--log-every`` steps rank 0 prints ``step=N loss=X world_size=W`` (X: the global-batch mean loss, nats
 per character); ``--progress-file`` lines are the same as ``examples/train_ddp.py``'s
-(rank, world_size, step, pid, t_wall, loss). Copy it with ``train_ddp.py``: it imports that file's launcher
+(rank, world_size, step, pid, t_wall, loss; with the memory tier also memory_every, the snapshot interval in
+use, and memory_bytes, the shared memory this rank's snapshots hold). Copy it with ``train_ddp.py``: it imports that file's launcher
 and checkpoint helpers (``init_distributed``, ``open_checkpointer``, ``append_progress``).
 """
 
@@ -313,10 +317,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="append one JSON line per step and rank (rank, world_size, step, pid, t_wall, loss): benchmarks")
     p.add_argument("--pg-timeout", type=float, default=120.0, help="process group (collective) timeout, seconds")
     p.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes per rank")
-    p.add_argument("--memory-snapshot-every", type=snapshot_interval, default=0, metavar="K",
+    p.add_argument("--memory-snapshot-every", type=snapshot_interval, default=None, metavar="K",
                    help="snapshot the state into host shared memory every K steps (spotrun's memory tier; a restart "
                         "after a crash or a lost node resumes from memory; with the spotrun checkpointer only); 'auto' picks "
-                        "K; 0: off")
+                        "K; 0: off. Default: auto with --ckpt-backend spotrun, off with dcp. Off outside spotrun")
+    p.add_argument("--no-memory-tier", dest="memory_snapshot_every", action="store_const", const=0,
+                   help="turn the memory tier off (the same as --memory-snapshot-every 0)")
     p.add_argument("--preempt-sync-every", type=int, default=8,
                    help="steps between two checks (one tiny all-reduce) for a preemption notice or a joining node")
     args = p.parse_args(argv)
@@ -326,7 +332,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--context, --d-model, --layers, --heads, --corpus-chars must be >= 1 and --loader-workers >= 0")
     if args.preempt_sync_every < 1:
         p.error("--preempt-sync-every must be >= 1")
-    if args.memory_snapshot_every and args.ckpt_backend == "dcp":
+    if args.memory_snapshot_every is None:
+        args.memory_snapshot_every = 0 if args.ckpt_backend == "dcp" else "auto"
+    elif args.memory_snapshot_every and args.ckpt_backend == "dcp":
         p.error("--memory-snapshot-every needs --ckpt-backend spotrun")
     if args.storage_option and (args.ckpt_dir is None or args.ckpt_backend == "dcp"):
         p.error("--storage-option configures the --ckpt-dir location of the spotrun Checkpointer; pass --ckpt-dir too")
@@ -339,6 +347,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (ValueError, ElasticDataError) as exc:
         p.error(str(exc))
     return args
+
+
+def memory_fields(memory: Any) -> dict[str, int]:
+    """Progress fields of the memory tier (bench/memtier_bench.py): the snapshot interval in use and the host
+    shared memory this rank's snapshot slots hold; none without the tier."""
+    if memory is None or not memory.enabled:
+        return {}
+    return {"memory_every": memory.interval, "memory_bytes": memory.nbytes}
 
 
 @record
@@ -395,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.progress_file:
                 append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
                                                      "pid": os.getpid(), "t_wall": time.time(),
-                                                     "loss": loss.item(), **restored_fields})
+                                                     "loss": loss.item(), **restored_fields, **memory_fields(memory)})
                 restored_fields = {}
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)

@@ -146,14 +146,20 @@ class RestoreReport:
     step: int
     bytes: int
     seconds: float
+    fallback: str | None = None
+    """Why memory was not used, when the tier was on and the restore came from the durable tier (e.g. a node
+    and its buddy both lost); ``restore_fallback`` in progress lines and ``restore_completed`` events."""
 
     def to_json(self) -> dict[str, JSON]:
-        return {
+        out: dict[str, JSON] = {
             "restore_source": self.source.value,
             "restore_step": self.step,
             "restore_bytes": self.bytes,
             "restore_seconds": self.seconds,
         }
+        if self.fallback is not None:
+            out["restore_fallback"] = self.fallback
+        return out
 
 
 @runtime_checkable

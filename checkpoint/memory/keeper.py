@@ -15,6 +15,13 @@ working directory (the user's training repository) first on ``sys.path``, and a 
 start, and nothing would free the shared memory after a SIGKILL). It is also the seam for what comes next: serving this node's snapshots to a peer (issue 17, peer
 replication) belongs in this process, which outlives the workers.
 
+A keeper that dies while its agent lives (the OOM killer, a stray ``kill``) is seen at once by the agent's
+watch thread (``Keeper._watch``, waiting on the process), logged once per death, and replaced (at most
+:data:`KEEPER_RESTARTS` times), so the guarantee above holds again. The snapshots themselves do not depend on
+it: a keeper SIGKILLed leaves them in place and the next restore still reads them. A keeper that got a SIGTERM
+removed the directory as it left: the watch makes it again (empty), so the workers' next snapshots have
+somewhere to go and their next restore falls back to a peer's memory or the durable tier.
+
 Orphans (agent and keeper both killed, e.g. a process-group SIGKILL): the directory holds ``.owner.lock``,
 ``flock``-ed from before the directory is used until after it is removed, by the agent, and inherited by the
 keeper (one open file description: the lock is held while either lives). The next agent on the host removes
@@ -33,6 +40,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 from typing import Any
 
 if __package__:
@@ -51,6 +59,8 @@ KEEPER_EXIT_TIMEOUT = 10.0
 KEEPER_START_TIMEOUT = 10.0
 """How long the agent waits for the keeper to say it is armed (an isolated interpreter starts in ~20 ms)."""
 KEEPER_READY = b"armed\n"
+KEEPER_RESTARTS = 3
+"""Most times an agent starts its keeper again after it died (a keeper that keeps dying is not worth more)."""
 
 
 def _default_root() -> str:
@@ -74,6 +84,17 @@ class Keeper:
         self.path = path
         self._lock_fd: int | None = lock_fd
         self.process = process
+        self.restarts = 0
+        """Keepers started again after one died while this agent lived."""
+        self._mutex = threading.Lock()
+        """Held while the process or the lock descriptor change (the watch thread replacing a dead keeper)."""
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if process is not None and process.poll() is None:  # one that died at start was logged: not retried
+            # Must outlive every keeper it starts: PR_SET_PDEATHSIG fires when the *thread* that forked the
+            # keeper exits, and the keeper would then remove the directory of a live agent.
+            self._watcher = threading.Thread(target=self._watch, name="memtier-keeper-watch", daemon=True)
+            self._watcher.start()
 
     @classmethod
     def create(cls, run_id: str, root: str | None = None, *, process: bool = True) -> Keeper:
@@ -92,20 +113,70 @@ class Keeper:
 
     def close(self) -> None:
         """Remove the directory and stop the keeper (idempotent)."""
-        remove_dir(self.path)
-        if self.process is not None:
-            if self.process.stdin is not None:
-                with contextlib.suppress(OSError):
-                    self.process.stdin.close()
-            try:
-                self.process.wait(timeout=KEEPER_EXIT_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=KEEPER_EXIT_TIMEOUT)
+        self._closing.set()  # before anything dies: the watch must not take the keeper's exit for a death
+        with self._mutex:
+            remove_dir(self.path)
+            if self.process is not None:
+                if self.process.stdin is not None:
+                    with contextlib.suppress(OSError):
+                        self.process.stdin.close()
+                try:
+                    self.process.wait(timeout=KEEPER_EXIT_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait(timeout=KEEPER_EXIT_TIMEOUT)
+                self.process = None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # last: a sweep never sees the directory of a live agent unlocked
+                self._lock_fd = None
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=KEEPER_EXIT_TIMEOUT)
+            self._watcher = None
+
+    def _watch(self) -> None:
+        """Watch thread: wait on the keeper process; when it dies while this agent lives, replace it."""
+        while True:
+            with self._mutex:
+                proc = self.process
+            if proc is None:
+                return
+            code = proc.wait()
+            with self._mutex:
+                if self._closing.is_set() or self.process is not proc:
+                    return
+                self._replace(proc.pid, code)
+
+    def _replace(self, pid: int, code: int) -> None:
+        """A keeper died while its agent lives: say so (once per death), make the directory again if it took it
+        with it, and start another, at most KEEPER_RESTARTS times. Called with ``_mutex`` held."""
+        assert self.process is not None
+        if self.process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
+        gone = not os.path.isdir(self.path)
+        if self.restarts >= KEEPER_RESTARTS:
+            logger.error("memory tier keeper (pid %d) for %s died (exit code %s), %d times now: not starting another; "
+                         "if this agent is SIGKILLed its snapshots stay in host memory until the next agent start on "
+                         "this host sweeps them", pid, self.path, code, self.restarts + 1)
             self.process = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # last: a sweep never sees the directory of a live agent unlocked
-            self._lock_fd = None
+            return
+        logger.error("memory tier keeper (pid %d) for %s died (exit code %s) while its agent lives: starting another "
+                     "(%d of %d)%s", pid, self.path, code, self.restarts + 1, KEEPER_RESTARTS,
+                     "; it removed the directory and the snapshots in it: the next restore on this node comes from a "
+                     "peer's memory or the durable tier" if gone else "; the snapshots are intact")
+        if gone:
+            self._remake_dir()
+        assert self._lock_fd is not None
+        self.process = _start_keeper(self.path, self._lock_fd)
+        self.restarts += 1
+
+    def _remake_dir(self) -> None:
+        """Make the directory again, locked before it is used (the old lock file went with the old directory)."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.path, 0o700)
+        old, self._lock_fd = self._lock_fd, _hold_lock(self.path)
+        if old is not None:
+            os.close(old)
 
 
 def keeper_command(path: str, agent_pid: int) -> list[str]:

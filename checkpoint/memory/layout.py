@@ -115,6 +115,24 @@ def room_for(need: int, *, free: int, total: int, min_free_bytes: int, min_free_
     )
 
 
+def size_for(need: int, *, total: int, min_free_bytes: int, min_free_fraction: float) -> str | None:
+    """None when a shared-memory filesystem of ``total`` bytes can hold ``need`` bytes of snapshots at all
+    (beside the free space always left), else why not, naming the size it needs (pure). Checked once at the
+    start (the first snapshot plan), so that a ``/dev/shm`` too small for the tier (Docker's 64 MB default)
+    is one clear error, not a tier that turns itself off at its second snapshot."""
+    keep = min_free(total, min_free_bytes=min_free_bytes, min_free_fraction=min_free_fraction)
+    if total - keep >= need:
+        return None
+    return (
+        f"this node's memory snapshots need {need / 2**20:.1f} MiB ({need} bytes: the last complete snapshot and "
+        f"the one being written, of each of its ranks and of the buddy copies it keeps) of host shared memory, but "
+        f"the filesystem is "
+        f"{total / 2**20:.1f} MiB and {keep / 2**20:.1f} MiB of it must stay free; give the node a /dev/shm of at "
+        f"least {(need + keep) / 2**20:.0f} MiB (docker run --shm-size, a Kubernetes emptyDir with medium: Memory "
+        f"and a sizeLimit), or run without the memory tier"
+    )
+
+
 def choose_snapshot(candidates: Sequence[Sequence[SnapshotId]], *, not_older_than: int | None) -> SnapshotId | None:
     """The newest snapshot every rank can read (each rank's list: the groups complete in its node's keeper),
     when not older than ``not_older_than`` (the newest durable step); None otherwise (pure)."""

@@ -42,6 +42,8 @@ class RestoreRecord:
     step: int
     bytes: int
     seconds: float
+    fallback: str | None = None
+    """Why not from memory (a durable restore with the tier on), as the worker said it."""
 
 
 def record_name(rank: int) -> str:
@@ -93,7 +95,11 @@ def parse_record(raw: bytes) -> RestoreRecord:
     rank = integer("rank", 0)
     if rank >= world:
         raise ValueError(f"rank {rank} of a world of {world}")
-    return RestoreRecord(rank, world, source, integer("restore_step", 0), integer("restore_bytes", 0), float(seconds))
+    fallback = d.get("restore_fallback")
+    if fallback is not None and not isinstance(fallback, str):
+        raise ValueError(f"restore_fallback={fallback!r} is not a string")
+    return RestoreRecord(rank, world, source, integer("restore_step", 0), integer("restore_bytes", 0), float(seconds),
+                         fallback)
 
 
 def collect_restore_records(directory: str) -> list[RestoreRecord]:
@@ -133,7 +139,8 @@ def snapshots_in(directory: str) -> bool:
 
 def summarize(records: Sequence[RestoreRecord]) -> dict[str, object]:
     """The ``restore_completed`` event's fields for a node's records (pure): the source when all agree (else
-    ``mixed`` with ``restore_sources``), the newest step, bytes summed, the slowest rank's seconds."""
+    ``mixed`` with ``restore_sources``), the newest step, bytes summed, the slowest rank's seconds, and why
+    memory was not used (``restore_fallback``) when a rank said so."""
     if not records:
         raise ValueError("no records")
     sources = sorted({r.source.value for r in records})
@@ -146,4 +153,7 @@ def summarize(records: Sequence[RestoreRecord]) -> dict[str, object]:
     }
     if len(sources) > 1:
         fields["restore_sources"] = {str(r.rank): r.source.value for r in records}
+    reasons = [r.fallback for r in sorted(records, key=lambda r: r.rank) if r.fallback]
+    if reasons:
+        fields["restore_fallback"] = reasons[0]  # the same sentence on every rank (one collective decided it)
     return fields

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+FALLBACK_MAX_CHARS = 1000
+"""Longest ``restore_fallback`` a report carries (the agent reads restore records of at most 4 KiB)."""
+
 
 def restore(ckpt: Checkpointer | None, state: Mapping[str, Any], *, memory: MemoryTier | None) -> RestoreReport | None:
     """Restore ``state`` from memory, else from ``ckpt``; None (state untouched) when neither has a step.
@@ -61,6 +64,7 @@ def _restore(ckpt: Checkpointer | None, state: Mapping[str, Any], *, memory: Mem
     started = time.perf_counter()
     floor = ckpt.latest() if ckpt is not None else None
     partial: PartialRestoreError | None = None
+    fallback: str | None = None
     if memory is not None:
         try:
             report = memory.restore(state, not_older_than=floor)
@@ -68,16 +72,19 @@ def _restore(ckpt: Checkpointer | None, state: Mapping[str, Any], *, memory: Mem
             partial, report = exc, None
         if report is not None:
             return report
+        # Said in the durable report (restore_fallback), so that the agent's event says why memory was not used.
+        fallback = str(partial) if partial is not None else getattr(memory, "last_fallback_reason", None)
     if ckpt is None:
         if partial is not None:
             raise partial
         return None
-    step = ckpt.load(state)
+    step = ckpt.load_durable(state)
     if step is None:
         if partial is not None:
             raise partial
         return None
-    report = RestoreReport(RestoreSource.DURABLE, step, ckpt.last_load_bytes, time.perf_counter() - started)
-    logger.info("[rank %d] restored step %d from the durable tier (%d bytes, %.3fs)", ckpt.rank, step, report.bytes,
-                report.seconds)
+    report = RestoreReport(RestoreSource.DURABLE, step, ckpt.last_load_bytes, time.perf_counter() - started,
+                           fallback=fallback[:FALLBACK_MAX_CHARS] if fallback else None)
+    logger.info("[rank %d] restored step %d from the durable tier (%d bytes, %.3fs)%s", ckpt.rank, step, report.bytes,
+                report.seconds, f"; not from memory: {report.fallback}" if report.fallback else "")
     return report

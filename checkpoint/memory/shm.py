@@ -76,6 +76,7 @@ from checkpoint.memory.layout import (
     parse_snapshot_name,
     pick_slot,
     room_for,
+    size_for,
     snapshot_name,
     tmp_name,
 )
@@ -83,7 +84,7 @@ from checkpoint.per_rank import per_rank_source
 from checkpoint.plan import plan_reads
 from checkpoint.shard import ShardLayout, block_crcs, build_layout, read_requests, shard_records
 from checkpoint.staging import copy_pieces, piece_views
-from checkpoint.state import FlatState, apply, flatten
+from checkpoint.state import FlatState, apply, flatten, forget_optimizer_state, uninitialised_optimizers
 from checkpoint.storage import StorageSpec
 
 logger = logging.getLogger(__name__)
@@ -93,9 +94,20 @@ SLOTS = 2
 MANIFEST_MAX_BYTES = 256 << 20
 """Largest snapshot manifest a restore reads (block crc32s of a huge rank, per-rank objects)."""
 GROUPS_LOOKED_AT = 4
+"""Newest snapshot groups a restore examines (normally there are one or two)."""
 STEP_SAMPLES = 16
 """Recent step times ``every="auto"`` takes the median of."""
-"""Newest snapshot groups a restore examines (normally there are one or two)."""
+
+
+READ_PART_BYTES = 8 << 20
+"""A restore cuts a tensor's read larger than this into parts its read threads share (``shard.direct_parts``):
+reading shared memory is CPU-bound (a copy and a crc32 pass), so one large tensor read by one thread would
+leave the other cores idle."""
+
+
+def read_threads(config: MemoryTierConfig) -> int:
+    """Threads a restore reads this node's snapshot files with (``MemoryTierConfig.read_threads``)."""
+    return config.read_threads or max(1, min(4, os.cpu_count() or 1))
 
 
 PUBLISH_FAILURES_TO_STARVE = 3
@@ -192,6 +204,11 @@ class LocalShmTier:
         self._signature: tuple[Any, ...] | None = None
         self._is_node_leader = False
         self._node_ranks: list[int] = []
+        self._snapshot_bytes: list[dict[ChunkKey, int]] = []
+        """Per rank, the bytes of each piece it snapshots (from the last plan)."""
+        self._node_bytes = 0
+        """Bytes of one snapshot of every rank of this node; ``_node_copy_bytes``: of the buddy copies it keeps."""
+        self._node_copy_bytes = 0
         """The ranks of this rank's node (from the last plan): a just-in-time snapshot waits for their files."""
         self._complete = -1
         """The newest step every rank had published at the last vote (its slot is never overwritten)."""
@@ -206,12 +223,22 @@ class LocalShmTier:
         self._publish_failures = 0
         """Consecutive failed publishes of this rank (PUBLISH_FAILURES_TO_STARVE turn the tier off)."""
         self._warned: set[str] = set()
+        self.last_fallback_reason: str | None = None
+        """Why the last ``restore`` returned None (the caller's durable restore reports it), else None."""
+        self._last_vote_us = 0
+        """Microseconds this rank's last snapshot vote took (its wait for slower ranks included)."""
         self.last_stage_seconds = 0.0
-        """Seconds the last snapshot blocked the caller (flatten, vote, copy)."""
+        """Seconds the last snapshot blocked the caller (flatten, the vote's own latency, copy; not the vote's wait for
+        slower ranks, which the next gradient all-reduce would wait instead): what ``every="auto"`` weighs."""
         self.snapshots_published = 0
 
     def __repr__(self) -> str:
         return f"LocalShmTier({self.directory!r}, rank={self.rank}/{self.world_size}, gen={self.gen})"
+
+    @property
+    def interval(self) -> int:
+        """The snapshot interval in use, in steps (with ``every="auto"``: the one the ranks last agreed on)."""
+        return self._every
 
     @property
     def nbytes(self) -> int:
@@ -238,9 +265,15 @@ class LocalShmTier:
             self.wait()  # read a finished publish's outcome before the vote (skip mode replaces the future)
         busy = self._future is not None and not self._future.done()
         signature = None if flat is None else _signature(flat)
-        bad, changed, any_busy, starved, neg_complete, every = self._fg.max_each(
-            flat is None, signature != self._signature, busy, self._starved, -self._published, self._proposed_every()
+        voting = time.perf_counter()
+        bad, changed, any_busy, starved, neg_complete, every, neg_vote_us = self._fg.max_each(
+            flat is None, signature != self._signature, busy, self._starved, -self._published, self._proposed_every(),
+            -self._last_vote_us,
         )
+        self._last_vote_us = int(1e6 * (time.perf_counter() - voting))
+        # The vote's cost is its own latency (the last rank to arrive waits for nothing: the smallest of the ranks'
+        # previous votes), not the wait for a slower rank, which its next gradient all-reduce would wait anyway.
+        waited = max(0.0, self._last_vote_us - (-neg_vote_us)) / 1e6
         complete = -neg_complete
         self._complete = complete
         if every != self._every:  # "auto": the slowest rank's choice, the same on every rank from the next step
@@ -259,6 +292,8 @@ class LocalShmTier:
         if changed:
             self._replan(flat)
             self._signature = signature
+            if self._is_node_leader:  # the size check at start: once per node, for all of its ranks' slots
+                self._check_size(SLOTS * (self._node_bytes + self._node_copy_bytes))
         if step % self._every:
             return False  # the first call, planned only (or "auto" just chose a larger interval)
         try:  # no collective from here on: a local failure skips this rank's snapshot only
@@ -273,7 +308,7 @@ class LocalShmTier:
             return False
         assert self._layout is not None
         copy_pieces([self._layout], [slot.views], flat.items)
-        self.last_stage_seconds = time.perf_counter() - started
+        self.last_stage_seconds = time.perf_counter() - started - waited
         self._staged_at = time.perf_counter()
         objects = flat.objects
         rank_objects = flat.rank_objects
@@ -405,7 +440,8 @@ class LocalShmTier:
         everyone = [
             [(ChunkKey(f, tuple(o), tuple(ln)), int(n), bool(r)) for f, o, ln, n, r in g["items"]] for g in gathered
         ]
-        writes = set(node_writers(everyone, nodes)[self.rank])
+        writers = node_writers(everyone, nodes)
+        writes = set(writers[self.rank])
         pieces = [
             (index, item.key, tuple(item.global_shape), item.dtype, item.nbytes)
             for index, item in enumerate(flat.items)
@@ -415,6 +451,8 @@ class LocalShmTier:
         self._node_ranks = [r for r, n in enumerate(nodes) if n == self.node]
         self._is_node_leader = self.rank == min(self._node_ranks)
         self._release_slots()
+        self._snapshot_bytes = [{key: n for key, n, _ in everyone[r] if key in set(writers[r])} for r in range(len(nodes))]
+        self._node_bytes = sum(sum(self._snapshot_bytes[r].values()) for r in self._node_ranks)
         logger.info(
             "[rank %d] memory snapshot plan: %d of %d local pieces, %d bytes per snapshot (node %s, %d rank(s))",
             self.rank, len(pieces), len(flat.items), self._layout.size, self.node, nodes.count(self.node),
@@ -453,6 +491,21 @@ class LocalShmTier:
         data = torch.frombuffer(mm, dtype=torch.uint8, count=layout.size)[len(layout.header) :] if layout.size else None
         views = piece_views(data, layout) if data is not None else []
         return _Slot(fd=fd, mm=mm, path=path, layout=layout, views=views)
+
+    def _check_size(self, need: int) -> None:
+        """Turn the tier off (every rank, at the next vote) with one error naming the size needed when this
+        node's shared-memory filesystem cannot hold ``need`` bytes of snapshots even when empty."""
+        assert self.directory is not None
+        try:
+            fs = os.statvfs(self.directory)
+        except OSError:
+            return  # the keeper directory vanished: the snapshot that follows says so
+        why = size_for(need, total=fs.f_blocks * fs.f_frsize, min_free_bytes=self.config.min_free_bytes,
+                       min_free_fraction=self.config.min_free_fraction)
+        if why is not None:
+            self._starved = True
+            self._warned.add("room")  # this error says it all: no second warning when the slot does not fit
+            logger.error("[rank %d] memory tier off: %s (%s)", self.rank, why, self.directory)
 
     def _starve(self, why: str) -> None:
         self._starved = True
@@ -544,8 +597,20 @@ class LocalShmTier:
 
     # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], *, not_older_than: int | None) -> RestoreReport | None:
+        # Planning the reads flattens the live state, which initialises an empty optimizer with DCP's zero-lr step
+        # (Adam's step count becomes 1): a restore that finds nothing puts it back, or a fresh start with the tier
+        # trains differently from one without it.
+        fresh = uninitialised_optimizers(state)
+        report = self._restore(state, not_older_than=not_older_than)
+        if report is None:
+            forget_optimizer_state(fresh)
+        return report
+
+    def _restore(self, state: Mapping[str, Any], *, not_older_than: int | None) -> RestoreReport | None:
+        self.last_fallback_reason = "the memory tier is off (no keeper directory on some rank, or no room)"
         if not self.enabled:
             return None
+        self.last_fallback_reason = None
         self.wait()
         started = time.perf_counter()
         per_rank = flatten(state).per_rank
@@ -567,6 +632,7 @@ class LocalShmTier:
                         f"was partly overwritten; restore it from the durable tier or restart"
                     )
                 logger.info("[rank %d] no memory snapshot every rank can read (durable floor %s)", self.rank, floor)
+                self.last_fallback_reason = f"no memory snapshot every rank can read (durable floor {floor})"
                 return None
             error: BaseException | None = None
             nbytes = 0
@@ -683,7 +749,8 @@ class LocalShmTier:
                 destinations.__getitem__,
                 group.manifest.checksum_block_bytes,
                 self.config.verify_on_restore,
-                self.config.read_threads or max(1, min(4, os.cpu_count() or 1)),
+                read_threads(self.config),
+                part_bytes=READ_PART_BYTES,
             )
         finally:
             storage.close()

@@ -22,6 +22,9 @@ class FaultKind(str, enum.Enum):
     """SIGKILL an agent and its workers (a node lost)."""
     TERM_AGENT = "term_agent"
     """SIGTERM an agent (a preemption notice)."""
+    KILL_KEEPER = "kill_keeper"
+    """SIGKILL an agent's memory tier keeper process (the agent, workers and snapshots live on); ``signal``:
+    ``"TERM"`` instead, which makes the keeper remove the node's snapshots as it leaves."""
     RESTART_ETCD = "restart_etcd"
     """SIGKILL one etcd member, start it again with the same command line after ``duration_s``."""
     KILL_ETCD_LEADER = "kill_etcd_leader"
@@ -67,6 +70,7 @@ _TARGET_PREFIXES = {
     FaultKind.STOP_WORKER: ("worker",),
     FaultKind.KILL_AGENT: ("agent",),
     FaultKind.TERM_AGENT: ("agent",),
+    FaultKind.KILL_KEEPER: ("agent",),
     FaultKind.RESTART_ETCD: ("etcd",),
     FaultKind.KILL_ETCD_LEADER: ("etcd",),
     FaultKind.PARTITION: ("netns",),
@@ -139,12 +143,15 @@ class Fault:
 
     def _check_params(self) -> None:
         allowed = {FaultKind.STORAGE_ERROR: {"rate", "ops", "errno", "path"},
-                   FaultKind.STORAGE_LATENCY: {"seconds"}}.get(self.kind, set())
+                   FaultKind.STORAGE_LATENCY: {"seconds"},
+                   FaultKind.KILL_KEEPER: {"signal"}}.get(self.kind, set())
         unknown = set(self.params) - allowed
         if unknown:
             raise ChaosScheduleError(
                 f"{self.kind.value}: unknown params {sorted(unknown)}; accepted: {sorted(allowed) or 'none'}"
             )
+        if self.params.get("signal", "KILL") not in ("KILL", "TERM"):
+            raise ChaosScheduleError(f"{self.kind.value}: signal must be KILL or TERM, got {self.params['signal']!r}")
         rate = self.params.get("rate", 1.0)
         if not isinstance(rate, (int, float)) or not 0 < rate <= 1:
             raise ChaosScheduleError(f"{self.kind.value}: rate must be in (0, 1], got {rate!r}")

@@ -162,6 +162,14 @@ class Injector:
             for pid in tree:  # the agent first: it must not see its workers die and restart them
                 _kill(pid, signal.SIGKILL)
             return {"pid": agent, "pids": tree}
+        if kind is FaultKind.KILL_KEEPER:
+            agent = self._pick(fault.target, list(self._agents()), "agent")
+            keeper = targets.keeper_of(agent)
+            if keeper is None:
+                raise ChaosTargetError(f"{fault.target!r}: agent {agent} has no memory tier keeper process")
+            name = str(fault.params.get("signal", "KILL"))  # KILL or TERM (checked by the schedule)
+            os.kill(keeper, signal.SIGKILL if name == "KILL" else signal.SIGTERM)
+            return {"pid": keeper, "agent": agent, "signal": name}
         if kind in (FaultKind.RESTART_ETCD, FaultKind.KILL_ETCD_LEADER):
             return self._restart_etcd(fault)
         if kind is FaultKind.PARTITION:

@@ -66,6 +66,26 @@ def node_tree(root: int) -> list[int]:
     return [root, *(pid for pid in descendants(root) if not is_resource_tracker(pid))]
 
 
+KEEPER_SCRIPT = b"checkpoint/memory/keeper.py"
+"""In the command line of an agent's memory tier keeper (``python -I -S .../checkpoint/memory/keeper.py DIR PID``)."""
+
+
+def keeper_of(agent: int) -> int | None:
+    """The PID of ``agent``'s memory tier keeper process (a direct child), None when it has none."""
+    for pid in descendants(agent):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                argv = handle.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if parent == agent and any(arg.endswith(KEEPER_SCRIPT) for arg in argv):
+            return pid
+    return None
+
+
 def _environ(pid: int) -> dict[str, str]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as handle:

@@ -247,12 +247,15 @@ def prefix_end(prefix: str) -> bytes:
 class ClientPool:
     """etcd clients (one gRPC channel each) shared by the connections of one process that use the same
     endpoints and credentials: a simulation or a test hosting many agents in one process opens one channel
-    instead of one per agent. A real agent has one connection and needs none. Thread-safe."""
+    instead of one per agent. A real agent has one connection and needs none. Thread-safe.
+
+    It shares other per-process helpers the same way (``acquire_shared``: the lease keeper, one thread and
+    one stream per tick for every agent's lease)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a shared helper's ``make`` acquires the shared client
         self._clients: dict[tuple[Any, ...], list[Any]] = {}
-        """key -> [client, references]."""
+        """key -> [client or helper, references]."""
 
     @staticmethod
     def key(config: EtcdRendezvousConfig) -> tuple[Any, ...]:
@@ -261,7 +264,14 @@ class ClientPool:
 
     def acquire(self, config: EtcdRendezvousConfig, make: Callable[[], T]) -> T:
         """The shared client for ``config`` (made by ``make`` the first time); pair with ``release``."""
-        key = self.key(config)
+        return self.acquire_shared(("client", *self.key(config)), make)
+
+    def release(self, config: EtcdRendezvousConfig) -> Any | None:
+        """Drop one reference; returns the client to close when it was the last one (else None)."""
+        return self.release_shared(("client", *self.key(config)))
+
+    def acquire_shared(self, key: tuple[Any, ...], make: Callable[[], T]) -> T:
+        """The object shared under ``key`` (made by ``make`` the first time); pair with ``release_shared``."""
         with self._lock:
             entry = self._clients.get(key)
             if entry is None:
@@ -269,9 +279,8 @@ class ClientPool:
             entry[1] += 1
             return entry[0]
 
-    def release(self, config: EtcdRendezvousConfig) -> Any | None:
-        """Drop one reference; returns the client to close when it was the last one (else None)."""
-        key = self.key(config)
+    def release_shared(self, key: tuple[Any, ...]) -> Any | None:
+        """Drop one reference to ``key``'s object; returns it when that was the last one (else None)."""
         with self._lock:
             entry = self._clients.get(key)
             if entry is None:

@@ -38,7 +38,7 @@ proposal and drops the store of two rounds ago. At its join deadline a node read
 ``state.decide`` whether it timed out or is a spare. When the coordinator's lease ends its key goes with it: the
 others see it (a lost participant, if it was one) and one of them wins the election transaction, loads every
 key and carries on (deadlines restart). A node that clears an ended run mirrors every key while it does (it
-counts the registered nodes). A lease refresher thread keeps the registration
+counts the registered nodes). A lease keeper (``lease_keeper.py``) keeps the registration
 alive, re-registers after an expiry (e.g. etcd unreachable longer than the TTL) and turns an etcd outage
 longer than ``etcd_timeout`` into a ``RendezvousOutageError`` (a ``RendezvousConnectionError``).
 
@@ -95,6 +95,7 @@ from .etcd_client import (
     is_transient,
     prefix_end,
 )
+from .lease_keeper import LeaseKeeper, refresh_interval
 from .liveness import LivenessListener, Peer, PeerWatch, Verdict, peer_from_registration, probe_all
 from .state import (
     Action,
@@ -333,6 +334,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Our liveness port (``liveness_probe``): held connections end the moment this process dies."""
         self._peer_watch: PeerWatch | None = None
         """Our connection to the next participant's liveness port (a ring over the round)."""
+        self._keeper: LeaseKeeper | None = None
+        """Refreshes our lease: our own, or the one the pool's handlers share (``lease_keeper.py``)."""
+        self._renewer: threading.Thread | None = None
+        """Re-registers after our lease was found gone (off the keeper's thread, which serves every lease)."""
 
     # ================================================================== torch interface
     def get_backend(self) -> str:
@@ -619,6 +624,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if close_worker_store:
             self._worker_store.close()  # our workers are stopped by now (shutdown comes after them)
         if self._released:
+            self._stop_liveness()  # after a silent ``_simulate_crash``: its port was left open until now
             return
         self._released = True
         with self._cond:
@@ -773,12 +779,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return {p.node for p in peers if p.node in dead and self._revoke_dead_peer(p)}
 
     # ================================================================== test hooks
-    def _simulate_crash(self) -> None:
+    def _simulate_crash(self, *, silent: bool = False) -> None:
         """Test hook: vanish like a SIGKILLed agent (no revoke of its own: the lease expires after lease_ttl,
-        unless a peer's probe of its closed liveness port revokes it first)."""
+        unless a peer's probe of its closed liveness port revokes it first). ``silent``: like a host that lost
+        power or its network instead, its liveness port neither refuses nor ends connections (a probe proves
+        nothing): only the lease tells; ``leave()`` closes the port later."""
         self._released = True
         self._stop_threads()
-        self._stop_liveness()
+        if not silent:
+            self._stop_liveness()
         if self._conn is not None:
             self._conn.close()
 
@@ -979,9 +988,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._start_liveness()
             self._register(conn)
             self._registered = True
-            keeper = threading.Thread(target=self._keepalive_loop, name=f"rdzv-lease-{self._node_id}", daemon=True)
-            keeper.start()
-            self._threads.append(keeper)
+            self._keeper = self._acquire_keeper(conn)
+            self._keeper.add(self)
             coordinator = threading.Thread(target=self._coordinate_loop, name=f"rdzv-coord-{self._node_id}", daemon=True)
             coordinator.start()
             self._threads.append(coordinator)
@@ -1488,37 +1496,60 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                      len(participants), participants[0])
 
     # ================================================================== lease keepalive
-    def _keepalive_loop(self) -> None:
-        interval = max(0.2, self._config.lease_ttl / 3.0)
-        while not self._stop.wait(interval):
-            conn, lease = self._conn, self._lease_id
-            if conn is None or lease is None:
-                continue
-            try:
-                responses = list(conn.client.refresh_lease(lease))
-                ttl = responses[0].TTL if responses else 0
-                self._note_etcd_ok()
-                if ttl <= 0:
-                    log.warning("%slease %x expired (etcd unreachable for > %d s?); re-registering", self._ctx(), lease, self._config.lease_ttl)
-                    self._renew_lease(lease)
-            except RendezvousConnectionError as exc:
-                self._note_etcd_failure(exc)
-            except Exception as exc:  # keep refreshing; classify below
-                if self._stop.is_set():
-                    return
-                if is_token_expired(exc):
-                    self._renew_token_quietly(conn, exc)
-                    continue
-                if not is_transient(exc):
-                    log.exception("%slease refresh failed unexpectedly", self._ctx())
-                self._note_etcd_failure(exc)
+    def _keeper_key(self) -> tuple[Any, ...]:
+        return ("lease-keeper", *ClientPool.key(self._config), self._config.lease_ttl)
 
-    def _renew_token_quietly(self, conn: EtcdConnection, stale: BaseException) -> None:
-        """Renew the auth token from a background thread; a failure counts as etcd being unreachable."""
-        try:
-            conn.renew_token(stale)
-        except Exception as exc:  # noqa: BLE001 (the next refresh tries again)
+    def _acquire_keeper(self, conn: EtcdConnection) -> LeaseKeeper:
+        """Our own keeper on our connection, or (with a pool) the one every handler of the pool shares."""
+        interval = refresh_interval(self._config.lease_ttl)
+        pool = self._pool
+        if pool is None:
+            return LeaseKeeper(conn, interval, name=f"rdzv-lease-{self._node_id}")
+        config = self._config
+        return pool.acquire_shared(self._keeper_key(), lambda: LeaseKeeper(
+            EtcdConnection(config, pool=pool), interval, name="rdzv-lease-shared"))
+
+    def _release_keeper(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        if keeper is None:
+            return
+        keeper.remove(self)
+        if self._pool is None:
+            keeper.close()
+            return
+        last = self._pool.release_shared(self._keeper_key())
+        if last is not None:
+            last.close()
+            last.connection.close()
+
+    # LeaseOwner (lease_keeper.py), called from the keeper's thread: never block here.
+    def lease_to_keep(self) -> int | None:
+        return None if self._stop.is_set() else self._lease_id
+
+    def lease_refreshed(self, lease: int, ttl: int) -> None:
+        self._note_etcd_ok()
+        if ttl > 0 or self._stop.is_set():
+            return
+        renewer = self._renewer
+        if renewer is not None and renewer.is_alive():
+            return  # already re-registering
+        log.warning("%slease %x expired (etcd unreachable for > %d s?); re-registering", self._ctx(), lease, self._config.lease_ttl)
+        self._renewer = threading.Thread(target=self._renew_expired_lease, args=(lease,),
+                                         name=f"rdzv-renew-{self._node_id}", daemon=True)
+        self._renewer.start()
+
+    def lease_refresh_failed(self, exc: BaseException) -> None:
+        if not self._stop.is_set():
             self._note_etcd_failure(exc)
+
+    def _renew_expired_lease(self, lease: int) -> None:
+        try:
+            self._renew_lease(lease)
+        except RendezvousConnectionError as exc:
+            self._note_etcd_failure(exc)
+        except Exception:  # the next refresh finds the lease still gone and tries again
+            if not self._stop.is_set():
+                log.exception("%sre-registering after the lease expired failed", self._ctx())
 
     # ================================================================== etcd health
     def _note_etcd_ok(self) -> None:
@@ -1549,12 +1580,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     # ================================================================== teardown
     def _stop_threads(self) -> None:
         self._stop.set()
+        self._release_keeper()
         stream = self._watch_stream
         if stream is not None:
             stream.cancel()
         with self._cond:
             self._cond.notify_all()
-        for thread in self._threads:
+        renewer = self._renewer
+        for thread in [*self._threads, *([renewer] if renewer is not None else [])]:
             if thread is not threading.current_thread():
                 thread.join(timeout=2.0)  # a stuck thread must not hold up a signal-driven leave()
         self._threads.clear()

@@ -61,6 +61,7 @@ class _RunFiles:
     steps: int
     step_time: float
     ckpt_every: int
+    memory_every: int
 
     @property
     def ckpt(self) -> str:
@@ -85,7 +86,12 @@ class _RunFiles:
     def train_args(self) -> list[str]:
         return [TRAIN, "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every), "--step-time",
                 str(self.step_time), "--log-every", "10", "--progress-file", str(self.progress_file),
-                "--ckpt-dir", self.ckpt, "--pg-timeout", "20"]
+                "--ckpt-dir", self.ckpt, "--pg-timeout", "20",
+                "--memory-snapshot-every", str(self.memory_every)]  # 0: off (the examples' default is auto)
+
+    def restores(self) -> list[dict[str, Any]]:
+        """The ``restore_completed`` events (one per node and workers' start that restored something)."""
+        return [e for e in self.events if e["event"] == "restore_completed"]
 
 
 @dataclass
@@ -101,6 +107,8 @@ class Job(_RunFiles):
     steps: int = STEPS
     step_time: float = 0.05
     ckpt_every: int = CKPT_EVERY
+    memory_every: int = 0
+    """``--memory-snapshot-every`` of the training script (0: the memory tier off, restores are durable)."""
     hang_timeout: float | None = None
     """``--hang-timeout`` of the agent (None: spotrun's adaptive default)."""
     launcher: Launcher | None = None
@@ -219,6 +227,11 @@ class Nodes(_RunFiles):
     steps: int = STEPS
     step_time: float = 0.05
     ckpt_every: int = CKPT_EVERY
+    memory_every: int = 0
+    min_nodes: int | None = None
+    """``--nnodes MIN:nodes`` (None: ``--nnodes nodes``, fixed): with a minimum the group goes on smaller."""
+    replace: bool = True
+    """Start a new agent for each one a fault took away (False: a node lost for good)."""
     hang_timeout: float | None = None
     script_extra: tuple[str, ...] = ("--preempt-sync-every", "2")
     agents: list[Launcher] = field(default_factory=list)
@@ -234,7 +247,8 @@ class Nodes(_RunFiles):
     def start_agent(self) -> Launcher:
         self.root.mkdir(parents=True, exist_ok=True)
         name = f"agent{len(self.agents)}"
-        argv = [*SPOTRUN, "--nnodes", str(self.nodes), "--nproc-per-node", "1", "--rdzv-endpoint", self.endpoint,
+        nnodes = str(self.nodes) if self.min_nodes is None else f"{self.min_nodes}:{self.nodes}"
+        argv = [*SPOTRUN, "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", self.endpoint,
                 "--rdzv-id", self.run_id, "--rdzv-conf", self.rdzv_conf, "--max-restarts", str(self.max_restarts),
                 "--stop-grace", "2", "--monitor-interval", "0.1", "--events-file", str(self.events_file),
                 "--log-dir", str(self.root / f"logs-{name}"),
@@ -295,7 +309,8 @@ class Nodes(_RunFiles):
         if record.get("record") not in ("injected", "skipped", "failed"):
             return
         self.step_at_fault.append((record["kind"], step or 0))
-        if record["record"] == "injected" and record["kind"] in (FaultKind.KILL_AGENT.value, FaultKind.TERM_AGENT.value):
+        if self.replace and record["record"] == "injected" and record["kind"] in (FaultKind.KILL_AGENT.value,
+                                                                                 FaultKind.TERM_AGENT.value):
             to_replace.extend(a for a in self.agents if a.pid == record["pid"])
 
     def _healthy(self, progress: ProgressTail, fresh_s: float = 2.0) -> bool:

@@ -1,7 +1,9 @@
 """The chaos suite (``pytest -m chaos``): seeded faults injected into a real spotrun job, then assertions on
 the final state: final step and exit code, final weights bit-identical to an uninterrupted run, only
 committed checkpoints loaded (and the newest one), no process left, no etcd key left, restarts == faults.
-Plus the faults a job cannot survive: each must end with a clear error, a non-zero exit and the last
+With the memory tier on (``--memory-snapshot-every 1``), the unplanned faults (worker SIGKILL, node SIGKILL with
+a replacement or without one, two faults in a row) must restore from memory (``restore_completed`` events) and
+redo at most one step each. Plus the faults a job cannot survive: each must end with a clear error, a non-zero exit and the last
 committed checkpoint intact."""
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import etcd3
 import pytest
 import torch
 
+from checkpoint.memory.keeper import remove_orphaned_keepers
 from elastic.chaos.api import Fault, FaultKind, Schedule
 from elastic.chaos.storage import write_control
 from elastic.events import read_events
@@ -96,6 +99,142 @@ def test_survivable_fault_ends_with_the_reference_weights(tmp_path: Path, etcd_s
     _assert_hangs_found(job.events, injector.injected)
     job.assert_no_process_left()
     _assert_run_left_etcd_clean(etcd_server.endpoint, "survive")
+
+
+MEMORY = ("memory_local", "memory_peer")
+
+
+def _restarts_from_progress(progress: list[dict]) -> list[dict]:
+    """Each restart that restored something, from the progress lines (appended in time order; a restarted
+    worker's first line carries its restore's ``restore_*`` fields): its source(s), the step it restored and
+    the newest step any worker had reported before it (``reached``). ``reached - step`` is the steps redone."""
+    restarts: list[dict] = []
+    reached = 0
+    for line in progress:
+        if "restore_source" in line:
+            if not restarts or len(restarts[-1]["pids"]) == restarts[-1]["world_size"]:
+                restarts.append({"step": line["restore_step"], "reached": reached, "world_size": line["world_size"],
+                                 "pids": set(), "sources": set()})
+            current = restarts[-1]
+            assert line["restore_step"] == current["step"], f"the ranks of one restart restored other steps: {line}"
+            current["pids"].add(line["pid"])
+            current["sources"].add(line["restore_source"])
+        reached = max(reached, line["step"])
+    return restarts
+
+
+def _assert_restored_from_memory(restarts: list[dict], faults: int) -> None:
+    """One restart per fault, each from memory, each redoing at most one step."""
+    assert len(restarts) == faults, restarts
+    for restart in restarts:
+        assert restart["sources"] <= set(MEMORY), f"not restored from memory: {restart}"
+        assert 0 <= restart["reached"] - restart["step"] <= 1, f"more than one step redone: {restart}"
+
+
+def _rel_diff(final: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per tensor, max |final - reference| / max |reference| (as tests/elastic/test_exactness.py: relative to
+    the tensor's magnitude, since a near-cancelled element keeps its terms' absolute rounding)."""
+    assert final.keys() == reference.keys()
+    exact = [k for k, r in reference.items() if not r.is_floating_point() and not torch.equal(final[k], r)]
+    assert not exact, f"integer tensors differ: {exact}"
+    return {k: ((final[k].double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30)).item()
+            for k, r in reference.items() if r.is_floating_point()}
+
+
+def test_unplanned_worker_faults_restore_from_memory_bit_identical(tmp_path: Path, etcd_server, reference) -> None:
+    """Memory tier on (a snapshot every step): worker 1 SIGKILLed, then worker 0 SIGKILLed two steps into the
+    recovered run (two faults in a row, both between the same two durable checkpoints). Each restart restores
+    from the node's memory (``memory_local``, in the progress lines and in one ``restore_completed`` event per
+    fault), redoes at most one step, and the job ends with the reference weights bit for bit. The durable tier
+    alone would redo 2 and 6 steps here."""
+    faults = (Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=12),
+              Fault(kind=FaultKind.KILL_WORKER, target="worker:0", at_step=16))
+    job = Job(tmp_path, etcd_server.endpoint, "memkill", memory_every=1)
+    code, injector = job.run(Schedule(seed=17, faults=faults), timeout=100)
+    assert code == 0, job.output()[-3000:]
+    assert len(injector.injected) == len(faults), injector.injected
+    assert len(job.restarts()) == len(faults), job.restarts()
+    restarts = _restarts_from_progress(read_events(str(job.progress_file)))
+    _assert_restored_from_memory(restarts, len(faults))
+    # The agent says so too: one restore_completed per fault, from this node's memory, at the step restored.
+    events = job.restores()
+    assert [(e["restore_source"], e["restore_step"], e["ranks"]) for e in events] == \
+        [("memory_local", r["step"], [0, 1]) for r in restarts], (events, restarts)
+    assert all(e["restore_bytes"] > 0 for e in events), events
+    assert job.resumed_steps() == [r["step"] for r in restarts]
+    step, tensors = final_state(job.ckpt)
+    assert step == STEPS
+    _assert_same(tensors, reference)
+    job.assert_no_process_left()
+    _assert_run_left_etcd_clean(etcd_server.endpoint, "memkill")
+
+
+def test_a_dead_keeper_is_replaced_and_memory_restores_go_on(tmp_path: Path, etcd_server, reference) -> None:
+    """Memory tier on. The agent's keeper is SIGKILLed: the snapshots stay, and the next worker SIGKILL still
+    restores from memory. Then the new keeper gets a SIGTERM, which makes it remove the node's snapshots as it
+    leaves. The agent logs each death once, starts another keeper and makes the directory again, so the
+    workers' snapshots resume there and the next worker SIGKILL restores from memory again (before: the
+    directory stayed gone, every later snapshot failed and that restore came from the durable step 20).
+    The job ends with the reference weights bit for bit."""
+    faults = (Fault(kind=FaultKind.KILL_KEEPER, target="agent:0", at_step=6),
+              Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=11),
+              Fault(kind=FaultKind.KILL_KEEPER, target="agent:0", at_step=15, params={"signal": "TERM"}),
+              Fault(kind=FaultKind.KILL_WORKER, target="worker:0", at_step=23))
+    job = Job(tmp_path, etcd_server.endpoint, "memkeeper", memory_every=1)
+    code, injector = job.run(Schedule(seed=19, faults=faults), timeout=100)
+    assert code == 0, job.output()[-3000:]
+    assert [r["kind"] for r in injector.injected] == [f.kind.value for f in faults], injector.injected
+    assert len(job.restarts()) == 2, job.restarts()  # a keeper's death stops no worker
+    restarts = _restarts_from_progress(read_events(str(job.progress_file)))
+    _assert_restored_from_memory(restarts, 2)
+    events = job.restores()
+    assert [(e["restore_source"], e["restore_step"]) for e in events] == [("memory_local", r["step"]) for r in restarts]
+    # Each death logged once, by the agent, naming the keeper's PID.
+    deaths = [line for line in job.output().splitlines() if "memory tier keeper (pid" in line and " died " in line]
+    killed, termed = (r["pid"] for r in injector.injected if r["kind"] == FaultKind.KILL_KEEPER.value)
+    assert len(deaths) == 2, deaths
+    assert f"(pid {killed})" in deaths[0] and "snapshots are intact" in deaths[0], deaths
+    assert f"(pid {termed})" in deaths[1] and "removed the directory" in deaths[1], deaths
+    step, tensors = final_state(job.ckpt)
+    assert step == STEPS
+    _assert_same(tensors, reference)
+    job.assert_no_process_left()
+    _assert_run_left_etcd_clean(etcd_server.endpoint, "memkeeper")
+
+
+@pytest.mark.timeout(240)
+def test_node_lost_for_good_restores_from_memory_at_the_smaller_world_size(tmp_path: Path, etcd_server,
+                                                                           reference) -> None:
+    """Two agents of one worker each (``--nnodes 1:2``), memory tier on; node 1 (agent, worker and keeper) is
+    SIGKILLed and not replaced. The survivor's group re-forms alone (world size 1, same global batch) and
+    restores from its own memory, redoing at most one step; the final state is within the 1e-5 bound of the
+    uninterrupted world-size-2 run (the gradient sums are grouped differently, as in test_exactness.py)."""
+    # The first round waits for both agents (up to 60 s: one agent's start-up can lag far behind on a loaded
+    # machine); last_call_timeout is for the first round only, the re-form after the loss does not wait for it.
+    nodes = Nodes(tmp_path, etcd_server.endpoint, "memshrink", memory_every=1, min_nodes=1, replace=False,
+                  rdzv_conf="lease_ttl=2,last_call_timeout=60,join_timeout=300")
+    try:
+        injector = nodes.run(Schedule(seed=4, faults=(Fault(kind=FaultKind.KILL_AGENT, target="agent:1", at_step=12),)),
+                             timeout=210)
+    finally:
+        remove_orphaned_keepers()  # the lost node's keeper directory (its keeper died with it; no agent sweeps it)
+    codes = [a.proc.returncode for a in nodes.agents]
+    assert codes == [0, -signal.SIGKILL], f"exit codes {codes}\n{nodes.output()}"
+    assert len(injector.injected) == 1, injector.injected
+    survivor, lost = nodes.agents
+    progress = read_events(str(nodes.progress_file))
+    assert {p["world_size"] for p in progress if "restore_source" not in p and p["step"] <= 12} == {2}, progress[:3]
+    restarts = _restarts_from_progress(progress)
+    _assert_restored_from_memory(restarts, 1)
+    assert restarts[0]["world_size"] == 1 and restarts[0]["sources"] == {"memory_local"}, restarts
+    (event,) = [e for e in nodes.events_of(survivor) if e["event"] == "restore_completed"]
+    assert (event["restore_source"], event["restore_step"]) == ("memory_local", restarts[0]["step"]), event
+    step, tensors = final_state(nodes.ckpt)
+    assert step == STEPS
+    rel = _rel_diff(tensors, reference)
+    assert max(rel.values()) <= 1e-5, rel
+    nodes.assert_no_process_left()
+    _assert_run_left_etcd_clean(etcd_server.endpoint, "memshrink")
 
 
 def _assert_hangs_found(events: list[dict], injected: list[dict]) -> None:
@@ -250,9 +389,11 @@ def test_spotrun_chaos_cli_wraps_a_standalone_job(tmp_path: Path, reference) -> 
 def test_node_lost_and_node_preempted_end_with_the_reference_weights(tmp_path: Path, etcd_server, reference) -> None:
     """Two agents of one worker each (world size 2, as the reference) and --max-restarts 0: the second agent
     gets a SIGTERM (a preemption: it saves at an agreed step and leaves, nothing lost, nothing charged), its
-    replacement is SIGKILLed with its worker (a node lost: the survivor's restart is free), and a second
-    replacement joins. One run for both cases; the first agent survives both."""
-    nodes = Nodes(tmp_path, etcd_server.endpoint, "nodes", max_restarts=0)
+    replacement is SIGKILLed with its worker and keeper (a node lost: the survivor's restart is free), and a
+    second replacement joins. One run for both cases; the first agent survives both. The memory tier is on: the
+    planned leave restores its agreed step from the durable tier (newer than any snapshot), the node loss from
+    memory (the survivor its own, the replacement the survivor's), redoing at most one step."""
+    nodes = Nodes(tmp_path, etcd_server.endpoint, "nodes", max_restarts=0, memory_every=1)
     faults = (Fault(kind=FaultKind.TERM_AGENT, target="agent:1", at_step=6),
               Fault(kind=FaultKind.KILL_AGENT, target="agent:1", at_step=18))
     injector = nodes.run(Schedule(seed=3, faults=faults), timeout=330)
@@ -281,5 +422,17 @@ def test_node_lost_and_node_preempted_end_with_the_reference_weights(tmp_path: P
     # a membership change) or from the survivor's broken collective first (a worker failure with the peer lost).
     causes = [e["cause"] for e in own if e["event"] == "failure_detected"]
     assert causes in (["membership_change"], ["worker_failure_with_peer_loss"]), causes
+    # Where each restart's state came from: the planned one from the agreed (durable) step, the unplanned one
+    # from memory.
+    planned, unplanned = _restarts_from_progress(progress)
+    assert planned["sources"] == {"durable"} and planned["step"] == leave["step"] == planned["reached"], planned
+    _assert_restored_from_memory([unplanned], 1)
+    replacement = nodes.agents[3]
+    restored = {agent: [(e["restore_source"], e["restore_step"]) for e in nodes.events_of(agent)
+                        if e["event"] == "restore_completed"] for agent in (survivor, replacement)}
+    # The replacement's keeper was empty: its bytes came from the survivor's, and a group's report says
+    # memory_peer when any rank received a byte from another node (so the survivor's event says it too).
+    assert restored[survivor] == [("durable", leave["step"]), ("memory_peer", unplanned["step"])], restored
+    assert restored[replacement] == [("memory_peer", unplanned["step"])], restored
     nodes.assert_no_process_left()
     _assert_run_left_etcd_clean(etcd_server.endpoint, "nodes")

@@ -96,6 +96,53 @@ def test_missing_targets_and_partitions_are_journaled_not_raised(tmp_path: Path,
     assert injector.injected == []
 
 
+# A stand-in agent with a real memory tier keeper (and the watch that replaces it when it dies).
+KEEPER_AGENT = textwrap.dedent("""
+    import sys, time
+    from checkpoint.memory.keeper import Keeper
+    k = Keeper.create("chaos-keeper-test", sys.argv[1])
+    print(k.path, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_kill_keeper_signals_the_agents_keeper_which_the_agent_replaces(tmp_path: Path, agent) -> None:
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="spotrun-memtier-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    proc = subprocess.Popen([sys.executable, "-P", "-c", KEEPER_AGENT, root], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    path = proc.stdout.readline().strip()
+    keepers: list[int] = []
+    try:
+        first = targets.keeper_of(proc.pid)
+        assert first is not None and targets.keeper_of(agent[0]) is None
+        keepers.append(first)
+        faults = (Fault(kind=FaultKind.KILL_KEEPER, target="agent:0", at_s=0),
+                  Fault(kind=FaultKind.KILL_KEEPER, target="agent:1", at_s=0),  # the stand-in has none
+                  Fault(kind=FaultKind.KILL_KEEPER, target="agent:0", at_s=0, params={"signal": "TERM"}))
+        injector = Injector(Schedule(faults=faults), Journal(str(tmp_path / "j.jsonl")), agent_pids=[proc.pid, agent[0]])
+        (killed,) = [r for r in injector.tick(limit=2) if r["record"] == "injected"]
+        assert killed["pid"] == first and killed["signal"] == "KILL"
+        second = wait_for(lambda: (k := targets.keeper_of(proc.pid)) not in (None, first) and k, timeout=30,
+                          what="the agent's second keeper")
+        keepers.append(second)
+        (termed,) = injector.tick()
+        assert termed["record"] == "injected" and termed["pid"] == second and termed["signal"] == "TERM"
+        keepers.append(wait_for(lambda: (k := targets.keeper_of(proc.pid)) not in (None, second) and k, timeout=30,
+                                what="the agent's third keeper"))
+        assert os.path.isdir(path)  # the TERMed keeper removed it; the agent made it again
+        failed = [r for r in read_events(str(tmp_path / "j.jsonl")) if r["record"] == "failed"]
+        assert len(failed) == 1 and "has no memory tier keeper" in failed[0]["reason"], failed
+    finally:
+        proc.kill()
+        proc.wait(10)
+        reap(keepers, 30)
+        shutil.rmtree(root, ignore_errors=True)
+    assert not os.path.exists(path)
+
+
 # --- a real 3-member etcd cluster -----------------------------------------------------------------------------
 
 

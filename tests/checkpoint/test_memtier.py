@@ -38,6 +38,7 @@ from checkpoint.memory.layout import (
     parse_snapshot_name,
     pick_slot,
     room_for,
+    size_for,
     snapshot_name,
 )
 from checkpoint.memory.shm import LocalShmTier, check_room
@@ -173,6 +174,9 @@ def test_snapshot_restore_round_trip_is_bit_exact_and_reuses_two_slots(shm_dir: 
         # the last complete snapshot and the newest: older ones were overwritten (two slots, reused)
         assert [parse_snapshot_name(n)[0].step for n in _snapshots(shm_dir)] == [4, 6]  # type: ignore[index]
         assert tier.snapshots_published == 3
+        # what train_gpt's progress lines report (memory_every, memory_bytes): the interval and both slots
+        assert tier.interval == 2
+        assert tier.nbytes == sum(os.path.getsize(os.path.join(shm_dir, n)) - _tail_bytes(shm_dir, n) for n in _snapshots(shm_dir))
     finally:
         tier.close()
     fresh = _state(1)
@@ -189,6 +193,15 @@ def test_snapshot_restore_round_trip_is_bit_exact_and_reuses_two_slots(shm_dir: 
     for step in range(1, 7):
         _train(ref, step)
     _assert_equal(_tensors(fresh), _tensors(ref))
+
+
+def _tail_bytes(directory: str, name: str) -> int:
+    """Bytes of a snapshot file after its safetensors data (manifest and footer)."""
+    path = os.path.join(directory, name)
+    with open(path, "rb") as f:
+        f.seek(-FOOTER.size, os.SEEK_END)
+        offset, _, _ = decode_footer(f.read(FOOTER.size), os.path.getsize(path))
+    return os.path.getsize(path) - offset
 
 
 def test_restore_skips_a_snapshot_older_than_the_durable_step(shm_dir: str) -> None:
@@ -247,6 +260,56 @@ def test_corrupt_snapshot_is_skipped_like_a_corrupt_step(shm_dir: str, caplog: p
     _assert_equal(_tensors(fresh), _tensors(ref))
 
 
+def test_direct_parts_tile_the_read_on_block_boundaries() -> None:
+    from checkpoint.api import ReadRequest
+    from checkpoint.shard import direct_parts
+
+    req = ReadRequest(fqn="w", file="f", chunk_lengths=(10_000,), dtype="F32", chunk_byte_range=(100, 40_100),
+                      read_range=(100 + 8192, 40_100), src_slices=((2048, 10_000),), dst_slices=(),
+                      dst=ChunkKey("w", (2048,), (7952,)), block_crc32=(0,) * 10)
+    parts = direct_parts(req, 4096, True, 10_000)
+    assert parts[0][0] == 100 + 8192 and parts[-1][1] == 40_100
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous, no gap or overlap
+    assert all((a - 100) % 4096 == 0 for a, _ in parts)  # each starts on a checksum block: checked on its own
+    assert [b - a for a, b in parts[:-1]] == [8192] * (len(parts) - 1)  # whole blocks, at most part_bytes
+    assert direct_parts(req, 4096, False, 10_000)[0] == (100 + 8192, 100 + 8192 + 10_000)
+
+
+def test_a_large_tensor_read_in_parts_by_several_threads_is_exact_and_checked(
+    shm_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from checkpoint.memory.shm import READ_PART_BYTES
+
+    g = torch.Generator().manual_seed(3)
+    big = (READ_PART_BYTES * 5 // 4) // 4 + 1234  # fp32 elements: two parts, the second one short
+    states = [{"emb": torch.randn(big, generator=g), "z": torch.randn(7, 3, generator=g)} for _ in range(2)]  # "emb" first in the file
+    tier = LocalShmTier(shm_dir, MemoryTierConfig(read_threads=3))
+    try:
+        for step, state in enumerate(states, 1):
+            assert tier.snapshot(step, state)
+            tier.wait()
+    finally:
+        tier.close()
+    fresh = {k: torch.zeros_like(v) for k, v in states[0].items()}
+    tier2 = LocalShmTier(shm_dir, MemoryTierConfig(read_threads=3))
+    try:
+        report = tier2.restore(fresh, not_older_than=None)
+        assert report is not None and report.step == 2
+        _assert_equal(fresh, states[1])
+        # a byte in the second part of step 2's large tensor: that part's check fails, step 1 is restored
+        newest = os.path.join(shm_dir, _snapshots(shm_dir)[-1])
+        with open(newest, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+        _flip_byte(newest, 8 + header_len + READ_PART_BYTES + 5)
+        with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
+            report = tier2.restore(fresh, not_older_than=None)
+    finally:
+        tier2.close()
+    assert report is not None and report.step == 1
+    assert "checksum mismatch" in caplog.text and f"block {READ_PART_BYTES >> 20}" in caplog.text
+    _assert_equal(fresh, states[0])
+
+
 def test_snapshot_with_a_damaged_manifest_is_not_a_candidate(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
     state = _state(0)
     tier = LocalShmTier(shm_dir)
@@ -286,6 +349,38 @@ def test_no_room_skips_with_a_warning_and_turns_the_tier_off(shm_dir: str, caplo
     assert not tier.enabled
     assert "must stay free" in caplog.text and "tier off" in caplog.text
     assert os.listdir(shm_dir) == []  # nothing allocated, nothing left
+
+
+def test_a_shm_too_small_for_the_tier_is_one_error_at_start_naming_the_size(
+    shm_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 17 item 6: the size is checked at start (the first snapshot plan), once per node, with the size
+    needed (two snapshots of each rank) and the fix. Before, the first snapshot's slot check said only what one
+    snapshot needs, and a /dev/shm with room for one snapshot but not two turned the tier off mid-run."""
+    from checkpoint.state import flatten
+
+    state = _state(0)
+    fs = os.statvfs(shm_dir)
+    total = fs.f_blocks * fs.f_frsize
+    need = 2 * sum(item.nbytes for item in flatten(state).items)  # one rank: it snapshots everything, twice
+    tier = LocalShmTier(shm_dir, MemoryTierConfig(min_free_bytes=total - need // 2))  # room for less than two
+    try:
+        with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
+            _train(state, 1)
+            assert not tier.snapshot(1, state)
+            _train(state, 2)
+            assert not tier.snapshot(2, state)
+    finally:
+        tier.close()
+    assert not tier.enabled
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    assert f"need {need / 2**20:.1f} MiB ({need} bytes" in errors[0] and "/dev/shm of at least" in errors[0], errors
+    assert "--shm-size" in errors[0] and shm_dir in errors[0]
+    assert "memory snapshot skipped" not in caplog.text  # one message, not one per check
+    assert os.listdir(shm_dir) == []
+    fits = size_for(need, total=total, min_free_bytes=total - need, min_free_fraction=0.0)
+    assert fits is None and size_for(need + 1, total=total, min_free_bytes=total - need, min_free_fraction=0.0)
 
 
 @pytest.mark.parametrize("when_busy", ["skip", "wait"])
@@ -444,6 +539,137 @@ def test_a_keeper_that_dies_at_start_is_logged_as_an_error(
     finally:
         keeper.close()
     assert not os.path.exists(keeper.path)
+
+
+def _new_keeper(keeper: Keeper, old_pid: int) -> int:
+    """Wait until the agent's watch replaced the keeper ``old_pid``; the new keeper's PID."""
+    proc = wait_for(lambda: keeper.process if keeper.process is not None and keeper.process.pid != old_pid else None,
+                    timeout=30, what=f"a keeper in place of pid {old_pid}")
+    return proc.pid
+
+
+def _keeper_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "checkpoint.memory.keeper" and r.levelno >= logging.ERROR]
+
+
+def test_a_keeper_sigkilled_is_replaced_logged_once_and_the_snapshots_stay(
+    shm_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: nothing noticed a dead keeper; a later SIGKILL of the agent left its snapshots in RAM until the
+    next agent start on the host. Now the agent's watch logs it once and starts another keeper."""
+    caplog.set_level(logging.ERROR, logger="checkpoint.memory.keeper")
+    keeper = Keeper.create("memtier-test-run", shm_dir)
+    pids = []
+    try:
+        assert keeper.process is not None
+        snap = Path(keeper.path, "snap-000000001-0badc0de-00000-of-00001.safetensors")
+        snap.write_bytes(b"x")
+        pids.append(keeper.process.pid)
+        os.kill(pids[0], signal.SIGKILL)
+        pids.append(_new_keeper(keeper, pids[0]))
+        errors = _keeper_errors(caplog)
+        assert len(errors) == 1, errors
+        assert f"keeper (pid {pids[0]})" in errors[0] and "died" in errors[0] and "snapshots are intact" in errors[0]
+        assert snap.read_bytes() == b"x"  # a restore still finds them
+        assert Path(f"/proc/{pids[1]}/stat").read_text().split(") ")[1][0] != "Z", "the new keeper is not running"
+        assert remove_orphaned_keepers(shm_dir) == 0  # still locked: no sweep takes a live agent's directory
+        assert keeper.restarts == 1
+    finally:
+        keeper.close()
+        reap(pids, timeout=30)
+    assert not os.path.exists(keeper.path)
+    assert len(_keeper_errors(caplog)) == 1  # closing is not a death
+
+
+def test_a_keeper_sigtermed_took_the_directory_which_is_made_again(
+    shm_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SIGTERM makes the keeper remove the directory (its duty when the agent dies). Before: the directory
+    stayed gone, the workers' snapshots failed, and every later group of workers turned the tier off on every
+    node (one rank without a directory turns it off everywhere). Now the directory is made again: the restore
+    of what was lost finds nothing (state untouched: the caller loads the next source), and snapshots resume."""
+    caplog.set_level(logging.ERROR, logger="checkpoint.memory.keeper")
+    keeper = Keeper.create("memtier-test-run", shm_dir)
+    pids = []
+    state = _state(0)
+    try:
+        assert keeper.process is not None
+        tier = LocalShmTier(keeper.path)
+        try:
+            _train(state, 1)
+            assert tier.snapshot(1, state)
+            tier.wait()
+            pids.append(keeper.process.pid)
+            os.kill(pids[0], signal.SIGTERM)
+            pids.append(_new_keeper(keeper, pids[0]))
+            assert os.path.isdir(keeper.path) and os.listdir(keeper.path) == [OWNER_LOCK]
+            (error,) = _keeper_errors(caplog)
+            assert "removed the directory" in error and "durable tier" in error
+            assert remove_orphaned_keepers(shm_dir) == 0  # locked again before anything was put in it
+            fresh = _state(5)
+            before = _tensors(fresh)
+            assert tier.restore(fresh, not_older_than=None) is None  # nothing in memory: next source
+            _assert_equal(_tensors(fresh), before)  # nothing half-restored
+            for step in (2, 3, 4):  # a slot whose file went with the old directory is skipped (a warning) and
+                _train(state, step)  # dropped; the others land in the new directory
+                tier.snapshot(step, state)
+            tier.wait()
+            assert f"snap-000000004-{tier.gen}-00000-of-00001.safetensors" in _snapshots(keeper.path)
+            again = _state(6)
+            report = tier.restore(again, not_older_than=None)
+            assert report is not None and report.step == 4 and report.source is RestoreSource.MEMORY_LOCAL
+            _assert_equal(_tensors(again), _tensors(state))
+        finally:
+            tier.close()
+    finally:
+        keeper.close()
+        reap(pids, timeout=30)
+    assert not os.path.exists(keeper.path)
+
+
+def test_a_keeper_that_keeps_dying_is_replaced_a_bounded_number_of_times(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(keeper_module, "KEEPER_RESTARTS", 1)
+    caplog.set_level(logging.ERROR, logger="checkpoint.memory.keeper")
+    keeper = Keeper.create("memtier-test-run", shm_dir)
+    pids = []
+    try:
+        assert keeper.process is not None
+        pids.append(keeper.process.pid)
+        os.kill(pids[0], signal.SIGKILL)
+        pids.append(_new_keeper(keeper, pids[0]))
+        os.kill(pids[1], signal.SIGKILL)
+        wait_for(lambda: keeper.process is None, timeout=30, what="the watch giving up")
+        errors = _keeper_errors(caplog)
+        assert len(errors) == 2 and "not starting another" in errors[1], errors
+        assert os.path.isdir(keeper.path)
+    finally:
+        keeper.close()
+        reap(pids, timeout=30)
+    assert not os.path.exists(keeper.path)
+
+
+def test_a_replaced_keeper_still_frees_the_memory_when_its_agent_is_sigkilled(shm_dir: str) -> None:
+    from elastic.chaos.targets import descendants
+
+    agent, path, first = _fake_agent(shm_dir, keeper=True)
+    keepers = [first]
+    try:
+        os.kill(first, signal.SIGKILL)
+        second = wait_for(lambda: next((p for p in descendants(agent.pid) if p != first), None), timeout=30,
+                          what="the fake agent's second keeper")
+        keepers.append(second)
+        wait_for(lambda: b"keeper.py" in Path(f"/proc/{second}/cmdline").read_bytes(), timeout=30,
+                 what="the second keeper's exec")
+        assert os.path.isdir(path)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=30)
+        wait_for(lambda: not os.path.exists(path), timeout=30, what="the second keeper removing the directory")
+    finally:
+        agent.kill()
+        agent.wait(timeout=30)
+        reap(keepers, timeout=30)
 
 
 def test_keeper_standalone_names_match_the_package() -> None:

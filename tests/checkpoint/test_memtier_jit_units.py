@@ -180,6 +180,12 @@ def test_restore_records_round_trip_and_are_deleted_once_read(tmp_path: Path) ->
                                   "restore_seconds": 0.5, "ranks": [0, 1]}  # fmt: skip
     mixed = summarize([records[0], RestoreRecord(1, 2, RestoreSource.DURABLE, 10, 1, 1.0)])
     assert mixed["restore_source"] == "mixed" and mixed["restore_sources"] == {"0": "memory_local", "1": "durable"}
+    assert "restore_fallback" not in mixed
+    # A durable restore with the tier on says why memory was not used, and the event carries it.
+    why = "saved rank(s) [0] have neither their snapshot nor a buddy copy"
+    write_restore_record(str(tmp_path), 0, 1, RestoreReport(RestoreSource.DURABLE, 10, 1, 1.0, fallback=why))
+    (durable,) = collect_restore_records(str(tmp_path))
+    assert durable.fallback == why and summarize([durable])["restore_fallback"] == why
 
 
 @pytest.mark.parametrize(
@@ -196,6 +202,8 @@ def test_restore_records_round_trip_and_are_deleted_once_read(tmp_path: Path) ->
          b'"restore_seconds": 1}', "restore_step"),
         (b'{"rank": 0, "world_size": 1, "restore_source": "durable", "restore_step": 1, "restore_bytes": 1, '
          b'"restore_seconds": true}', "restore_seconds"),
+        (b'{"rank": 0, "world_size": 1, "restore_source": "durable", "restore_step": 1, "restore_bytes": 1, '
+         b'"restore_seconds": 1, "restore_fallback": 7}', "restore_fallback"),
     ],
 )
 def test_hostile_restore_records_are_rejected_by_name(body: bytes, problem: str) -> None:
@@ -306,3 +314,34 @@ def test_jit_leaves_a_stuck_snapshot_in_flight_alone(shm_dir: str) -> None:
     report, fresh = _restored(shm_dir)
     assert report is not None and report.step == 4
     _assert_equal(_tensors(fresh), _tensors(_reference(4)))
+
+
+SLOW_RANK_SECONDS = 0.5
+
+
+def _snapshot_beside_a_slow_rank(rank: int, world: int, directory: str) -> list[float]:
+    import time
+
+    state = _state(0)
+    tier = LocalShmTier(directory, MemoryTierConfig(every="auto"))
+    staged: list[float] = []
+    try:
+        for step in range(1, 5):
+            _train(state, step, rank)
+            if rank == 1:
+                time.sleep(SLOW_RANK_SECONDS)  # a slower rank: rank 0 waits for it in the snapshot vote
+            tier.snapshot(step, state)
+            staged.append(tier.last_stage_seconds)
+        tier.wait()
+        return staged
+    finally:
+        tier.close()
+
+
+def test_auto_does_not_count_the_wait_for_a_slower_rank_as_snapshot_cost(shm_dir: str, tmp_path: Path) -> None:
+    """The vote's wait for a slower rank is time the next gradient all-reduce would wait anyway: counted as
+    snapshot cost it made ``every="auto"`` choose long intervals on a loaded host."""
+    from tests.harness.dist import run_workers
+
+    fast, _ = run_workers(_snapshot_beside_a_slow_rank, 2, (shm_dir,), tmpdir=str(tmp_path), timeout=120)
+    assert max(fast[1:]) < SLOW_RANK_SECONDS / 2, fast  # the first vote may include the group's warm-up

@@ -40,6 +40,7 @@ from checkpoint.memory.peerplan import (
     plan_group,
     transfers,
 )
+from checkpoint.memory.records import collect_restore_records, summarize
 from checkpoint.shard import build_layout
 from tests.harness.dist import run_workers
 
@@ -238,7 +239,8 @@ def _ddp_snapshot(rank: int, world: int, dirs: list[str], nodes: list[str], step
             assert tier.snapshot(step, state)
             snaps[step] = _plain(_ddp_tensors(state))
         tier.wait()
-        return {"snaps": snaps, "sent": tier.buddy_bytes_sent, "received": tier.buddy_copies_received}
+        return {"snaps": snaps, "sent": tier.buddy_bytes_sent, "received": tier.buddy_copies_received,
+                "copy_bytes": tier._node_copy_bytes}
     finally:
         tier.close()
 
@@ -301,11 +303,52 @@ def test_without_a_replacement_the_restore_is_local(keepers: dict[str, str], tmp
     a, b = keepers["A"], keepers["B"]
     out = run_workers(_ddp_snapshot, 2, ([a, b], ["A", "B"], 2, False), tmpdir=str(tmp_path), timeout=120)
     assert out[0]["sent"] == out[1]["sent"] == 0  # pure DDP: nothing unique to a node, no copies
+    assert out[0]["copy_bytes"] == out[1]["copy_bytes"] == 0  # ... and none counted by the size check at start
     assert not [f for d in (a, b) for f in _files(d) if f.startswith("peer-")]
     back = run_workers(_ddp_restore, 2, ([a, b], ["A", "B"], [{}, {}], False), tmpdir=str(tmp_path), timeout=120)
     for r in back:
         assert r["report"]["restore_source"] == "memory_local" and r["report"]["restore_step"] == 2
         _assert_equal(r["tensors"], out[0]["snaps"][2])
+
+
+def _ddp_restore_and_go_on(rank: int, world: int, dirs: list[str], nodes: list[str]) -> dict[str, Any]:
+    """Restore, then train and snapshot one more step (its buddy copies go to the new group's buddies)."""
+    state = _ddp_state(1)
+    tier = _tier(dirs[rank], nodes[rank])
+    try:
+        report = tier.restore(state, not_older_than=None)
+        restored = _plain(_ddp_tensors(state))
+        _ddp_train(state, 4, rank)
+        assert tier.snapshot(4, state)
+        tier.wait()
+        return {"report": None if report is None else report.to_json(), "tensors": restored, "mine": state["mine"].value,
+                "sent": tier.buddy_bytes_sent, "received": tier.buddy_copies_received, "gen": tier.gen}
+    finally:
+        tier.close()
+
+
+def test_a_node_whose_buddy_is_lost_restores_from_its_own_memory_and_copies_to_a_living_buddy(
+    keepers: dict[str, str], tmp_path: Path
+) -> None:
+    """Nodes A, B, C (buddies A -> B -> C -> A), per-rank objects on every rank (so there are buddy copies).
+    B, A's buddy, is lost; A survives. The new group (A and C, world size 2) restores from memory alone, no byte
+    from another node (A has its own snapshot; B's per-rank objects, which new rank 1 takes, are in C's buddy copy),
+    and its next snapshot's copies go to the living buddies: A -> C and C -> A."""
+    a, b, c = keepers["A"], keepers["B"], keepers["C"]
+    out = run_workers(_ddp_snapshot, 3, ([a, b, c], ["A", "B", "C"], 3, True), tmpdir=str(tmp_path), timeout=120)
+    assert [(p[0].step, p[1]) for p in map(parse_any_name, _files(b)) if p is not None and p[0].step == 3] == \
+        [(3, 0), (3, 1)]  # A's copy of step 3 (rank 0) was on B, beside B's own snapshot
+    shutil.rmtree(b)
+    back = run_workers(_ddp_restore_and_go_on, 2, ([a, c], ["A", "C"]), tmpdir=str(tmp_path), timeout=120)
+    for r in back:
+        assert r["report"]["restore_source"] == "memory_local" and r["report"]["restore_step"] == 3, r["report"]
+        _assert_equal(r["tensors"], out[0]["snaps"][3])
+        assert r["received"] == 1 and r["sent"] > 0, r  # one copy each way for step 4
+    gen = back[0]["gen"]
+    # On each living node, the new group's files: its own snapshot and the other node's buddy copy of step 4.
+    new = {d: sorted((f.startswith("peer-"), p[0].step, p[1]) for f in _files(d)
+                     if (p := parse_any_name(f)) is not None and p[0].gen == gen) for d in (a, c)}
+    assert new[a] == [(False, 4, 0), (True, 4, 1)] and new[c] == [(False, 4, 1), (True, 4, 0)], new
 
 
 def _ddp_one_rank_starved(rank: int, world: int, dirs: list[str], nodes: list[str]) -> dict[str, Any]:
@@ -425,7 +468,7 @@ def _fsdp_snapshot(rank: int, world: int, dirs: list[str], nodes: list[str], ckp
                 with Checkpointer(ckpt) as durable:
                     durable.save(step, state)
         tier.wait()
-        return {"full": saved, "sent": tier.buddy_bytes_sent}
+        return {"full": saved, "sent": tier.buddy_bytes_sent, "copy_bytes": tier._node_copy_bytes}
     finally:
         tier.close()
 
@@ -454,6 +497,11 @@ def test_fsdp2_node_loss_restores_the_lost_shards_from_the_buddy_copy(keepers: d
     a, b, c = keepers["A"], keepers["B"], keepers["C"]
     out = run_workers(_fsdp_snapshot, 3, ([a, b, c], ["A", "B", "C"], None), tmpdir=str(tmp_path), timeout=240)
     assert all(o["sent"] > 0 for o in out)  # every rank's shards went to its buddy (A -> B -> C -> A)
+    # The size check at start counts the copies each node keeps: its source's shard bytes (what the source sends
+    # per snapshot, less the copy's header, manifest and footer).
+    for src in range(3):
+        kept, sent = out[(src + 1) % 3]["copy_bytes"], out[src]["sent"] // 3
+        assert 0 < kept <= sent < kept + 65536, (src, kept, sent)
     assert [f for f in _files(b) if f.startswith("peer-")] and [f for f in _files(c) if f.startswith("peer-")]
     shutil.rmtree(a)  # node A is lost with its keeper
     # world 2: rank 0 on C, rank 1 on B. Rank 0's rows include saved rank 0's, whose only copy is B's buddy copy
@@ -475,6 +523,11 @@ def test_a_node_lost_with_its_buddy_falls_back_to_the_durable_tier(keepers: dict
     (r,) = run_workers(_fsdp_restore, 1, ([c], ["C"], ckpt), tmpdir=str(tmp_path), timeout=240)
     assert r["report"]["restore_source"] == "durable" and r["report"]["restore_step"] == 1
     assert "saved rank(s) [0] have neither their snapshot nor a buddy copy" in r["reason"], r["reason"]
+    # ... and says so where the agent reads it: its restore_completed event carries the reason.
+    assert r["report"]["restore_fallback"] == r["reason"]
+    (record,) = collect_restore_records(c)
+    event = summarize([record])
+    assert event["restore_source"] == "durable" and event["restore_fallback"] == r["reason"], event
     _assert_equal(r["full"], out[0]["full"][1])
 
 

@@ -1,4 +1,8 @@
-"""The agent's planned-change logic without processes: exit barrier, notice signals, mailbox posting."""
+"""The agent's planned-change I/O without processes: exit barrier, notice signals, mailbox posting, leaving.
+
+The decisions themselves (what to post, when to give up, when to leave) are the coordinator's and are tested
+on plain data in test_planned_coordinator.py; these tests check that the agent reads the mailbox and the
+rendezvous into its view and performs the actions (events, the lease, the mailbox)."""
 
 from __future__ import annotations
 
@@ -160,8 +164,8 @@ def test_sigterm_is_a_notice_only_when_the_workers_can_save(tmp_path: Path) -> N
         agent._on_notice_signal(signal.SIGTERM, None)
     box.register_helper(0)
     agent._on_notice_signal(signal.SIGTERM, None)
-    assert agent._own_notice is not None and agent._own_notice.source == "sigterm"
-    assert agent._own_notice.deadline == pytest.approx(time.time() + 42.0, abs=5)
+    assert agent.planned.own is not None and agent.planned.own.source == "sigterm"
+    assert agent.planned.own.deadline == pytest.approx(time.time() + 42.0, abs=5)
     agent._publish_own_notice()
     agent._publish_own_notice()
     assert [n["source"] for n in handler.published] == ["sigterm"], "published once"
@@ -224,22 +228,6 @@ def test_a_metadata_notice_without_helpers_leaves_at_once_and_says_why(tmp_path:
     assert handler.left == 1
     agent._left_result(workers_finished=False)
     assert agent.exit_status == 75 and events.records[-1]["exit_code"] == 75
-
-
-def test_a_notice_during_a_restart_waits_for_helpers_that_were_used_before(tmp_path: Path) -> None:
-    from elastic.notice import Notice
-
-    handler = NoticeHandler()
-    agent, box, events = _agent(tmp_path, handler, stop_grace=1.0)
-    box.register_helper(0)
-    assert agent._planned_tick() is PlannedTick.NONE  # healthy, nothing planned: the helper is noted
-    box.clear()  # a restart: the new workers have not constructed their helper yet
-    agent.receive_notice(Notice("aws", time.time() + 30, "spot instance-action terminate"))
-    assert agent._planned_tick() is PlannedTick.NONE, "the workers used the helper before: wait for it"
-    assert not [e for e in events.records if e["event"] == "planned_leave"]
-    box.register_helper(0)
-    assert agent._planned_tick() is PlannedTick.WAITING
-    assert box.read_notice().reason == "preempt"
 
 
 def test_a_leaving_node_revokes_its_lease_before_its_acknowledged_workers_exit(tmp_path: Path) -> None:

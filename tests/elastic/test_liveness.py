@@ -277,6 +277,74 @@ def _etcd_client(etcd: EmbeddedEtcd):  # type: ignore[no-untyped-def]
     return etcd3.client(host=host, port=int(port))
 
 
+def _lease_left(client, survivor, node: str) -> tuple[int, float]:  # type: ignore[no-untyped-def]
+    """(lease, seconds it has left) of ``node``'s registration, as etcd says now (-1 s: the lease is gone)."""
+    value, meta = client.get(survivor._nodes_prefix + node)
+    assert value is not None, f"{node} is not registered"
+    lease = int(meta.lease_id)
+    return lease, float(client.get_lease_info(lease).TTL)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~11 s: it must outwait a whole lease TTL after the pause
+@pytest.mark.timeout(90)
+def test_a_paused_then_resumed_agent_is_never_declared_dead(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """SIGSTOP for less than the lease TTL (a slow or descheduled host): a worker failure makes the survivor
+    probe it meanwhile (its kernel still accepts: alive), and once resumed it refreshes its lease in time and
+    stays a member for good, past the instant its lease would have run out without a refresh."""
+    survivor, proc = _two_agents(etcd_server, handlers, pool, "paused", liveness=True)
+    client = _etcd_client(etcd_server)
+    pause_s = 2.0  # the lease keeps >= TTL - TTL/3 - 2 = 1.3 s after the pause for the resumed refresh
+    try:
+        lease, _ = _lease_left(client, survivor, "child")
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert survivor.probe_peers() == set(), "a paused agent's port still accepts: it must not be taken for dead"
+        assert not survivor.wait_membership_change(pause_s - (time.monotonic() - stopped)), "declared dead while paused"
+        os.kill(proc.pid, signal.SIGCONT)
+        # Until a whole TTL after the pause began (its lease's end had it not been refreshed since), and one more
+        # refresh period: still the same member, on the same lease, with no loss reported.
+        assert not survivor.wait_membership_change(TTL + TTL / 3 - (time.monotonic() - stopped)), \
+            "a resumed agent was declared dead"
+        assert survivor.lost_peers() == set()
+        now_lease, left = _lease_left(client, survivor, "child")
+        assert now_lease == lease and left > 0, "the resumed agent's lease was revoked or replaced"
+        assert proc.poll() is None
+    finally:
+        client.close()
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_confirmed_dead_agents_lease_is_revoked_by_its_peer(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """A SIGKILLed agent's lease, with most of its TTL still to run, is gone from etcd within DEATH_BOUND_S:
+    only the survivor's revoke (after its probe was refused) can have ended it that early."""
+    survivor, proc = _two_agents(etcd_server, handlers, pool, "revoked", liveness=True)
+    client = _etcd_client(etcd_server)
+    try:
+        wait_for(lambda: survivor._peer_watch is not None and survivor._peer_watch.holding is not None, timeout=10,
+                 what="the survivor to hold a connection to the child's liveness port")
+        lease, left = _lease_left(client, survivor, "child")
+        assert left > DEATH_BOUND_S + 1, f"the child's lease has only {left} s left: an expiry would prove nothing"
+        proc.kill()
+        killed = time.monotonic()
+        wait_for(lambda: client.get_lease_info(lease).TTL == -1, timeout=DEATH_BOUND_S,
+                 what="the dead agent's lease to be revoked")
+        revoked_after = time.monotonic() - killed
+        assert revoked_after < left - 0.5, f"lease gone after {revoked_after:.2f} s: it expired, nobody revoked it"
+        assert survivor.wait_membership_change(DEATH_BOUND_S), "the survivor did not see the revoked lease's loss"
+        assert survivor.lost_peers() == {"child"}
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 @pytest.mark.timeout(60)
 def test_the_lease_to_revoke_is_the_registration_keys_not_the_one_it_names(etcd_server: EmbeddedEtcd, handlers) -> None:
     h = handlers(make_config(etcd_server.endpoint, run_id="hostile", min_nodes=1, max_nodes=3))

@@ -25,7 +25,7 @@ from elastic.report import recoveries
 from tests.chaos.jobs import final_state
 from tests.harness.procs import EXAMPLES, REPO, SPOTRUN, Launcher, make_env, read_jsonl, signal_all, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(600)]  # long: ~22 s end to end (CI's long step)
 
 STEPS = 40
 EVERY = 10

@@ -20,7 +20,7 @@ from elastic.etcd_server import EmbeddedEtcd
 from tests.chaos.jobs import STEPS, Job, Nodes, final_state
 from tests.harness.procs import read_jsonl
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(1500)]  # long: ~35 s end to end (CI's long step)
 
 KILL_AT = 15
 DURABLE_BEFORE = 10

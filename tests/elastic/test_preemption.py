@@ -67,7 +67,7 @@ def test_a_deeply_nested_acknowledgement_is_one_warning_not_a_recursion_error(
     box = Mailbox(str(tmp_path))
     box.acknowledge(0, 7)
     (tmp_path / "ack-1.json").write_text("[" * depth + "]" * depth)
-    with caplog.at_level(logging.DEBUG, logger="elastic.preemption"):
+    with caplog.at_level(logging.DEBUG, logger="elastic.worker.mailbox"):
         for _ in range(50):  # the agent polls every 10 ms while its node leaves
             assert box.stops() == ({0: 7}, {}), "rank 1 has not stopped; rank 0's acknowledgement still counts"
     (warning,) = [r for r in caplog.records if r.levelno >= logging.WARNING]  # once, not once per poll

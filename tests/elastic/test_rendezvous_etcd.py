@@ -176,6 +176,12 @@ def test_handlers_sharing_one_client_form_rounds_and_outlive_a_leaver(etcd_serve
     hs = [handlers(config, node_id=f"n{i}", pool=shared) for i in range(3)]
     assert_consistent(rendezvous_all(pool, hs), 3)
     assert len({id(h._conn.client) for h in hs if h._conn is not None}) == 1, "one client for the three"
+    names = [t.name for t in threading.enumerate()]
+    assert names.count("rdzv-lease-shared") == 1, "one lease keeper thread for the three"
+    assert not any(n.startswith("rdzv-lease-n") for n in names), "no lease thread of their own"
+    leases = [h._lease_id for h in hs]
+    assert not any(pool.map(lambda h: h.wait_membership_change(3 * LEASE_TTL), hs)), "the shared keeper let a lease go"
+    assert [h._lease_id for h in hs] == leases
     hs[2].leave()
     rest = hs[:2]
     assert all(pool.map(lambda h: h.wait_membership_change(LOSS_BOUND_S), rest))
