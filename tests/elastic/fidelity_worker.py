@@ -8,7 +8,8 @@ Deliberately written the way many user scripts are: no ``if __name__ == "__main_
 
 ``observe``: every rank writes ``observed.RANK.json`` and exits 0. ``fail``: once all ranks are ready, rank 1
 exits 3, rank 2 ``sys.exit("...")``, rank 3 raises under ``@record``, rank 4 raises without it; rank 0 keeps
-a DataLoader alive and waits for the agent's SIGTERM, which its handler records.
+a DataLoader alive and waits for the agent's SIGTERM, which its handler records. Ranks 1-4 ignore SIGTERM, so
+the exit code each reports is its own however slowly it gets out.
 """
 
 import argparse
@@ -110,6 +111,11 @@ else:
         signal.signal(signal.SIGTERM, on_sigterm)
         loader = iter(batches())  # persistent loader workers stay alive until the worker goes
         next(loader)
+    else:
+        # Ranks 1-4 fail on their own: the agent's SIGTERM after the first failure must not decide which exit
+        # code a slower one reports (on a loaded 2-core CI machine rank 1 and 2 took over 3 s to get out, and
+        # torchrun's summary showed -15 for them): both launchers wait for them, as for any SIGTERM handler.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     wait_for_all_ranks("ready")
     if rank == 0:
         time.sleep(120)

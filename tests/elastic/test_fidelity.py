@@ -63,7 +63,12 @@ def _start(launcher: str, mode: str, root: Path) -> tuple[subprocess.Popen, Path
     out = root / f"{launcher}-{mode}"
     out.mkdir()
     base = TORCHRUN if launcher == "torchrun" else SPOTRUN
-    argv = [*base, "--standalone", "--nproc-per-node", str(NPROC[mode]), "--monitor-interval", "1",
+    # spotrun waits --stop-grace (3 s) between SIGTERM and SIGKILL where torchrun waits 30 s, a documented
+    # default (docs/concepts/launcher.md) that only shows when a worker takes longer to get out: rank 0's
+    # SIGTERM handler, DataLoader shutdown and atexit took over 3 s on a loaded CI machine. With torchrun's
+    # 30 s both must behave the same.
+    grace = ["--stop-grace", "30"] if launcher == "spotrun" else []
+    argv = [*base, "--standalone", "--nproc-per-node", str(NPROC[mode]), "--monitor-interval", "1", *grace,
             str(SCRIPT), "--out", str(out), "--mode", mode]
     env = make_env(FIDELITY_MARK="from-launcher-env")
     env.pop("OMP_NUM_THREADS", None)
