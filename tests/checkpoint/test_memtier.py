@@ -332,21 +332,25 @@ def test_snapshot_with_a_damaged_manifest_is_not_a_candidate(shm_dir: str, caplo
     _assert_equal(_tensors(fresh), before)
 
 
+def _two_snapshots_that_do_not_fit(tier: LocalShmTier, state: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """Two training steps, each followed by a snapshot that must be refused; the tier ends up off."""
+    try:
+        with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
+            for step in (1, 2):
+                _train(state, step)
+                assert not tier.snapshot(step, state)
+    finally:
+        tier.close()
+    assert not tier.enabled
+
+
 def test_no_room_skips_with_a_warning_and_turns_the_tier_off(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
     state = _state(0)
     # Keep the whole filesystem free: no snapshot fits whatever else uses /dev/shm (a fraction of 0.999999 fitted
     # a small state on an empty /dev/shm, and failed only once other runs had left files there).
     fs = os.statvfs(shm_dir)
-    tier = LocalShmTier(shm_dir, MemoryTierConfig(min_free_bytes=fs.f_blocks * fs.f_frsize))
-    try:
-        with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
-            _train(state, 1)
-            assert not tier.snapshot(1, state)
-            _train(state, 2)
-            assert not tier.snapshot(2, state)
-    finally:
-        tier.close()
-    assert not tier.enabled
+    _two_snapshots_that_do_not_fit(LocalShmTier(shm_dir, MemoryTierConfig(min_free_bytes=fs.f_blocks * fs.f_frsize)),
+                                   state, caplog)
     assert "must stay free" in caplog.text and "tier off" in caplog.text
     assert os.listdir(shm_dir) == []  # nothing allocated, nothing left
 
@@ -363,16 +367,9 @@ def test_a_shm_too_small_for_the_tier_is_one_error_at_start_naming_the_size(
     fs = os.statvfs(shm_dir)
     total = fs.f_blocks * fs.f_frsize
     need = 2 * sum(item.nbytes for item in flatten(state).items)  # one rank: it snapshots everything, twice
-    tier = LocalShmTier(shm_dir, MemoryTierConfig(min_free_bytes=total - need // 2))  # room for less than two
-    try:
-        with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
-            _train(state, 1)
-            assert not tier.snapshot(1, state)
-            _train(state, 2)
-            assert not tier.snapshot(2, state)
-    finally:
-        tier.close()
-    assert not tier.enabled
+    # room for less than two
+    _two_snapshots_that_do_not_fit(LocalShmTier(shm_dir, MemoryTierConfig(min_free_bytes=total - need // 2)),
+                                   state, caplog)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, errors
     assert f"need {need / 2**20:.1f} MiB ({need} bytes" in errors[0] and "/dev/shm of at least" in errors[0], errors

@@ -131,7 +131,9 @@ def test_stuck_worker_is_killed_after_the_stop_grace(tmp_path: Path) -> None:
     assert len(starts) == 2
     # torch would wait 30 s for the SIGTERM-ignoring rank 1 before SIGKILL; with a 1 s grace the whole
     # round trip (start, import torch, fail, stop, rendezvous, start) stays well under that.
-    assert starts[1] - starts[0] < 20, f"restart took {starts[1] - starts[0]:.1f} s"
+    timeline = "\n".join(f"{e['t_mono'] - starts[0]:7.2f} {e['event']} {json.dumps(e)[:300]}" for e in evs)
+    assert starts[1] - starts[0] < 20, f"restart took {starts[1] - starts[0]:.1f} s; events:\n{timeline}\n" \
+        f"agent stderr tail:\n{result.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("warm", ["--warm-workers", "--no-warm-workers"])
