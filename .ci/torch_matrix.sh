@@ -47,12 +47,30 @@ CORE=(
   tests/checkpoint/test_distributed.py
 )
 
+build() {  # build() RELEASE VENV: that release's venv, if missing (venv.sh core)
+  PIP_CONSTRAINT=/dev/null SPOTRUN_VENV="$2" SPOTRUN_TORCH="$1" timeout "$(left)" bash "$root/.ci/venv.sh" core
+}
+
+if [ "${1:-}" = "--venvs-only" ]; then
+  # .ci/prepare.sh: only build the venvs (each release's in parallel: downloads, not CPU, dominate), so that
+  # the run after the main suite finds them ready.
+  pids=()
+  for release in $releases; do
+    build "$release" "$venvs/.venv-torch-$release" > "$venvs/.venv-torch-$release.log" 2>&1 &
+    pids+=($!)
+  done
+  status=0
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  for release in $releases; do sed "s/^/[torch $release] /" "$venvs/.venv-torch-$release.log"; done
+  echo "[torch matrix] venvs for $releases built in $SECONDS s (status $status)"
+  exit $status
+fi
+
 status=0
 for release in $releases; do
   venv="$venvs/.venv-torch-$release"
   began=$SECONDS
-  if ! PIP_CONSTRAINT=/dev/null SPOTRUN_VENV="$venv" SPOTRUN_TORCH="$release" \
-      timeout "$(left)" bash "$root/.ci/venv.sh" core; then
+  if ! build "$release" "$venv"; then
     echo "[torch $release] FAILED: building $venv ($((SECONDS - began)) s; matrix budget ${budget} s)" >&2
     status=1
     continue
