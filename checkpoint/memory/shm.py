@@ -2,7 +2,8 @@
 
 Snapshot (``LocalShmTier.snapshot``, every ``config.every`` steps, on every rank):
 
-1. ``flatten`` the state; one vote (``Collective.max_each``: state rejected, items changed, busy, a rank short
+1. ``flatten`` the state (``flatcache.FlatCache``: the items of the last snapshot while the tensors are the
+   same, without DCP's state dicts); one vote (``Collective.max_each``: state rejected, items changed, busy, a rank short
    of room, and the newest step every rank published, ``complete``).
 2. On the first snapshot or when the items changed: every rank's item metadata is gathered and
    ``layout.node_writers`` decides who snapshots what, so each node holds a whole copy of the replicated
@@ -65,6 +66,7 @@ from checkpoint.memory.api import (
     SnapshotManifest,
 )
 from checkpoint.memory.config import MemoryTierConfig
+from checkpoint.memory.flatcache import FlatCache
 from checkpoint.memory.layout import (
     FOOTER,
     choose_every,
@@ -202,6 +204,8 @@ class LocalShmTier:
         self._slots: list[_Slot | None] = [None] * SLOTS
         self._layout: ShardLayout | None = None
         self._signature: tuple[Any, ...] | None = None
+        self._flat_cache = FlatCache()
+        """The state's items between snapshots: no DCP state dicts while the tensors stay the same."""
         self._is_node_leader = False
         self._node_ranks: list[int] = []
         self._snapshot_bytes: list[dict[ChunkKey, int]] = []
@@ -255,7 +259,7 @@ class LocalShmTier:
             return False
         flat: FlatState | None
         try:
-            flat = flatten(state)
+            flat = self._flat_cache.flatten(state)
         except (TypeError, ValueError) as exc:
             self._warn_once("state", "[rank %d step %d] memory snapshot skipped: %s", self.rank, step, exc)
             flat = None
@@ -393,7 +397,7 @@ class LocalShmTier:
         busy_slot = self._wait_briefly(self.config.jit_peer_wait)
         if self._published >= step:
             return False
-        flat = flatten(state)
+        flat = self._flat_cache.flatten(state)
         if _signature(flat) != self._signature:
             raise MemoryTierError("the state's items changed since the last snapshot plan")
         # Keep both the last complete step and this rank's newest one (another rank may hold only that one, so
@@ -601,6 +605,7 @@ class LocalShmTier:
         # (Adam's step count becomes 1): a restore that finds nothing puts it back, or a fresh start with the tier
         # trains differently from one without it.
         fresh = uninitialised_optimizers(state)
+        self._flat_cache.clear()  # a restore may replace the optimizers' state tensors
         report = self._restore(state, not_older_than=not_older_than)
         if report is None:
             forget_optimizer_state(fresh)
@@ -786,4 +791,5 @@ class LocalShmTier:
         (the keeper removes them when the agent exits)."""
         self.wait()
         self._release_slots()
+        self._flat_cache.clear()
         self._executor.shutdown(wait=True)
