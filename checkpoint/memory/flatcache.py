@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from checkpoint.api import JSON, TensorItem
 from checkpoint.state import TENSOR_MARKER, EntryWalker, FlatState, ModelOptimizer, _ModelState, skeleton
@@ -52,16 +53,23 @@ class _Entry:
     fingerprint: tuple[Any, ...]
     items: list[TensorItem]
     skeleton: JSON
-    """A model's skeleton (constant); for an optimizer rebuilt at every use from ``fqns``."""
+    """A model's skeleton (constant). An optimizer's ``param_groups`` are rebuilt at every use (from ``fqns``),
+    and so is its ``state`` unless every leaf there is a tensor."""
     fqns: list[list[str]] | None = None
     """Optimizer: the FQN of every parameter, per param_group (over the optimizers, in order)."""
+    state_names: list[str] | None = None
+    """Optimizer whose ``state`` skeleton names tensors only (Adam, SGD with momentum): those names (the
+    skeleton's ``state`` is then reused as is); None: rebuilt at every use."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     if isinstance(t, DTensor):
-        with torch.no_grad():  # to_local without autograd is the local tensor itself
+        # CHANGE: the local tensor read directly, not through ``to_local()``: that is what ``to_local()`` returns
+        # without grad, and a no_grad context per tensor was most of the fingerprint's cost.
+        local = getattr(t, "_local_tensor", None)
+        if isinstance(local, torch.Tensor):
+            return local
+        with torch.no_grad():
             return t.to_local()
     return t
 
@@ -69,13 +77,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _tensor_print(t: torch.Tensor) -> tuple[Any, ...]:
     """A tensor's identity as an item would see it: object, storage address, shape, strides, dtype (and for a
     DTensor its mesh, placements and global shape)."""
-    from torch.distributed.tensor import DTensor
-
-    local = _local(t)
-    out: tuple[Any, ...] = (id(t), local.data_ptr(), tuple(local.shape), local.stride(), local.dtype)
     if isinstance(t, DTensor):
-        out += (id(t.device_mesh), tuple(t.placements), tuple(t.shape))
-    return out
+        local = _local(t)
+        return (id(t), local.data_ptr(), local.shape, local.stride(), local.dtype,
+                id(t.device_mesh), t.placements, t.shape)
+    return (id(t), t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
 def _model_print(model: nn.Module) -> _ModelFingerprint:
@@ -87,7 +93,9 @@ def _model_print(model: nn.Module) -> _ModelFingerprint:
 def _optim_print(optims: Sequence[torch.optim.Optimizer]) -> tuple[Any, ...]:
     out: list[Any] = []
     for o in optims:
-        groups = tuple((tuple(g), tuple(id(p) for p in g["params"])) for g in o.param_groups)
+        groups = tuple((tuple(g), tuple(id(p) for p in g["params"]),
+                        tuple(_tensor_print(v) for v in g.values() if isinstance(v, torch.Tensor)))
+                       for g in o.param_groups)
         state = tuple(
             (id(p), tuple((k, _tensor_print(v) if isinstance(v, torch.Tensor) else None) for k, v in st.items()))
             for p, st in o.state.items()
@@ -101,24 +109,35 @@ def _has_state_dict_hooks(optims: Sequence[torch.optim.Optimizer]) -> bool:
                for o in optims)
 
 
-def _light_state_dict(optims: Sequence[torch.optim.Optimizer], fqns: Sequence[Sequence[str]]) -> dict[str, Any] | None:
-    """What DCP's ``get_optimizer_state_dict`` returns for these optimizers (no FSDP1, no options), built from
-    the live optimizers and the parameters' FQNs; None when a parameter with state has no FQN."""
+def _light_groups(optims: Sequence[torch.optim.Optimizer], fqns: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
+    """DCP's ``param_groups`` of these optimizers: each live group's values, its parameters named by FQN."""
+    groups = [g for o in optims for g in o.param_groups]
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+            for g, names in zip(groups, fqns, strict=True)]
+
+
+def _light_state(optims: Sequence[torch.optim.Optimizer], fqns: Sequence[Sequence[str]]) -> dict[str, Any] | None:
+    """DCP's ``state`` of these optimizers: each parameter's live state dict under its FQN; None when a
+    parameter with state is in no param_group."""
     state: dict[str, Any] = {}
-    groups: list[dict[str, Any]] = []
     index = 0
     for o in optims:
         names: dict[int, str] = {}
         for g in o.param_groups:
-            group_fqns = fqns[index]
+            names.update(zip((id(p) for p in g["params"]), fqns[index], strict=True))
             index += 1
-            names.update(zip((id(p) for p in g["params"]), group_fqns, strict=True))
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(group_fqns)})
         for p, st in o.state.items():
             if id(p) not in names:
                 return None
             state[names[id(p)]] = st
-    return {"state": state, "param_groups": groups}
+    return state
+
+
+def _light_state_dict(optims: Sequence[torch.optim.Optimizer], fqns: Sequence[Sequence[str]]) -> dict[str, Any] | None:
+    """What DCP's ``get_optimizer_state_dict`` returns for these optimizers (no FSDP1, no options), built from
+    the live optimizers and the parameters' FQNs; None when a parameter with state has no FQN."""
+    state = _light_state(optims, fqns)
+    return None if state is None else {"state": state, "param_groups": _light_groups(optims, fqns)}
 
 
 def _tensor_leaves(skel: JSON) -> list[str]:
@@ -206,8 +225,7 @@ class FlatCache:
         if entry is not None and entry.fingerprint == self._fingerprint(adapter, models):
             skel = entry.skeleton
             if entry.fqns is not None:
-                light = _light_state_dict(adapter.optimizers, entry.fqns)
-                skel = None if light is None else skeleton(light, key, walker.seen)
+                skel = self._optim_skeleton(walker, key, adapter, entry)
             else:
                 walker.seen.update(i.key.fqn for i in entry.items)
             if skel is not None:
@@ -231,6 +249,22 @@ class FlatCache:
             self._entries[key] = made
         else:
             logger.debug("flatten cache: entry %r is not cacheable; flattened through its state_dict every time", key)
+
+    @staticmethod
+    def _optim_skeleton(walker: EntryWalker, key: str, adapter: ModelOptimizer, entry: _Entry) -> JSON:
+        """The optimizer's skeleton now: hyperparameters (a scheduled lr...) and non-tensor state read again."""
+        assert entry.fqns is not None and isinstance(entry.skeleton, dict)
+        optims = adapter.optimizers
+        if entry.state_names is not None:
+            state: JSON = entry.skeleton["state"]
+            walker.seen.update(entry.state_names)
+        else:
+            live = _light_state(optims, entry.fqns)
+            if live is None:
+                return None
+            state = skeleton(live, f"{key}.state", walker.seen)
+        return {"state": state, "param_groups": skeleton(_light_groups(optims, entry.fqns), f"{key}.param_groups",
+                                                         walker.seen)}
 
     @staticmethod
     def _model_entry(key: str, model: nn.Module, skel: JSON, items: list[TensorItem],
@@ -273,4 +307,8 @@ class FlatCache:
         for name, t in _tensors_of(light, key):
             if name not in by_name or not _same_bytes(by_name[name], _local(t)):
                 return None  # DCP gave a copy (an option, a new torch): not the live state
-        return _Entry(fingerprint, list(items), skel, fqns)
+        if not isinstance(skel, dict) or list(skel) != ["state", "param_groups"]:
+            return None  # the rebuilt skeleton lists them in this order
+        state_skel = skel["state"]
+        state_names = _tensor_leaves(state_skel) if _only_tensors(state_skel) else None
+        return _Entry(fingerprint, list(items), skel, fqns, state_names)
