@@ -99,6 +99,9 @@ GROUPS_LOOKED_AT = 4
 """Newest snapshot groups a restore examines (normally there are one or two)."""
 STEP_SAMPLES = 16
 """Recent step times ``every="auto"`` takes the median of."""
+STAGE_SAMPLES = 5
+"""Recent snapshots' staging times ``every="auto"`` takes the median of (one slow vote on a loaded host must not
+set the interval for the next hundred steps)."""
 
 
 READ_PART_BYTES = 8 << 20
@@ -223,6 +226,9 @@ class LocalShmTier:
         self._last_call: float | None = None
         self._staged_at: float | None = None
         self._intervals: list[float] = []
+        self._stages: list[float] = []
+        """Staging seconds of the recent snapshots (not the first ``SLOTS`` of a plan: they map new slots)."""
+        self._stages_to_skip = SLOTS
         self._starved = False
         self._publish_failures = 0
         """Consecutive failed publishes of this rank (PUBLISH_FAILURES_TO_STARVE turn the tier off)."""
@@ -283,7 +289,7 @@ class LocalShmTier:
         if every != self._every:  # "auto": the slowest rank's choice, the same on every rank from the next step
             logger.info("[rank %d step %d] memory snapshot every %d step(s) (was %d): %.4fs staging per snapshot, "
                         "%.4fs per step, overhead target %.1f%%", self.rank, step, every, self._every,
-                        self.last_stage_seconds, self._step_seconds(), 100 * self.config.overhead_target)
+                        self._stage_seconds(), self._step_seconds(), 100 * self.config.overhead_target)
             self._every = int(every)
         if starved:
             self.enabled = False
@@ -296,6 +302,7 @@ class LocalShmTier:
         if changed:
             self._replan(flat)
             self._signature = signature
+            self._stages, self._stages_to_skip = [], SLOTS
             if self._is_node_leader:  # the size check at start: once per node, for all of its ranks' slots
                 self._check_size(SLOTS * (self._node_bytes + self._node_copy_bytes))
         if step % self._every:
@@ -313,6 +320,7 @@ class LocalShmTier:
         assert self._layout is not None
         copy_pieces([self._layout], [slot.views], flat.items)
         self.last_stage_seconds = time.perf_counter() - started - waited
+        self._sample_stage(self.last_stage_seconds)
         self._staged_at = time.perf_counter()
         objects = flat.objects
         rank_objects = flat.rank_objects
@@ -346,14 +354,26 @@ class LocalShmTier:
     def _step_seconds(self) -> float:
         return statistics.median(self._intervals) if self._intervals else 0.0
 
+    def _sample_stage(self, seconds: float) -> None:
+        """Keep a periodic snapshot's staging time for ``every="auto"`` (the first ones of a plan map their slots:
+        a one-off cost, left out)."""
+        if self._stages_to_skip > 0:
+            self._stages_to_skip -= 1
+            return
+        self._stages.append(seconds)
+        del self._stages[:-STAGE_SAMPLES]
+
+    def _stage_seconds(self) -> float:
+        return statistics.median(self._stages) if self._stages else self.last_stage_seconds
+
     def _proposed_every(self) -> int:
         """This rank's interval for the next snapshots: the configured one, or with ``"auto"`` the smallest
         that keeps staging under ``overhead_target`` of the training time (``layout.choose_every``)."""
         if self.config.every != "auto":
             return int(self.config.every)
-        if len(self._intervals) < 2 or self.snapshots_published < 2:
+        if len(self._intervals) < 2 or not self._stages:
             return self._every  # nothing measured yet: keep snapshotting to measure
-        return choose_every(self._step_seconds(), self.last_stage_seconds, self.config.overhead_target,
+        return choose_every(self._step_seconds(), self._stage_seconds(), self.config.overhead_target,
                             self.config.max_every)
 
     def snapshot_on_failure(self, step: int, state: Mapping[str, Any], exc: BaseException | None = None) -> bool:

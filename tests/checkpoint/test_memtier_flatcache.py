@@ -225,3 +225,24 @@ def test_fsdp2_cached_flatten_aliases_the_local_shards(tmp_path: Path) -> None:
         # model and optimizer through DCP at the first call, at step 3 (state cleared: forgotten, then empty
         # at the check) and 4 (new state tensors); reused at step 2 and at the last call
         assert r["hits"] > 0 and r["misses"] >= 2
+
+
+def test_auto_weighs_the_median_of_recent_snapshots_not_one_slow_vote(shm_dirs: tuple[str, str]) -> None:
+    """One snapshot slowed by the host (a vote descheduled on a loaded machine) must not set the interval: ``auto``
+    takes the median of the last few, leaving out the first ones of a plan (they map the slots)."""
+    state = _state()
+    tier = LocalShmTier(shm_dirs[0], MemoryTierConfig(every="auto"))
+    try:
+        for step in range(1, 4):
+            _train(state, step)
+            tier.snapshot(step, state)
+        tier.wait()
+        assert len(tier._stages) == 1  # the first two snapshots of the plan mapped their slots: not sampled
+        tier._intervals = [0.1] * 8  # 100 ms steps; snapshots of 1 ms but one of 500 ms
+        tier._stages = [0.001, 0.001, 0.5, 0.001, 0.001]
+        tier.last_stage_seconds = 0.5
+        assert tier._proposed_every() == 1
+        tier._stages = [0.001, 0.5, 0.5]  # slow as a rule: a longer interval
+        assert tier._proposed_every() == 100  # 0.5 s per snapshot / (2 % of 0.1 s): capped at max_every
+    finally:
+        tier.close()
