@@ -60,6 +60,9 @@ class _Entry:
     state_names: list[str] | None = None
     """Optimizer whose ``state`` skeleton names tensors only (Adam, SGD with momentum): those names (the
     skeleton's ``state`` is then reused as is); None: rebuilt at every use."""
+    cacheable: bool = True
+    """False: this entry cannot be reused under this fingerprint (flattened through DCP at every call, without
+    checking again whether it could be)."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -223,6 +226,10 @@ class FlatCache:
                        models: dict[int, _ModelFingerprint]) -> None:
         entry = self._entries.get(key)
         if entry is not None and entry.fingerprint == self._fingerprint(adapter, models):
+            if not entry.cacheable:
+                walker.add(flat, key, adapter)
+                self.misses += 1
+                return
             skel = entry.skeleton
             if entry.fqns is not None:
                 skel = self._optim_skeleton(walker, key, adapter, entry)
@@ -245,10 +252,10 @@ class FlatCache:
             made = self._optim_entry(key, adapter, value, flat.objects[key], items, fingerprint)
         else:
             made = self._model_entry(key, adapter.model, flat.objects[key], items, fingerprint)
-        if made is not None:
-            self._entries[key] = made
-        else:
+        if made is None:
             logger.debug("flatten cache: entry %r is not cacheable; flattened through its state_dict every time", key)
+            made = _Entry(fingerprint, [], None, cacheable=False)
+        self._entries[key] = made
 
     @staticmethod
     def _optim_skeleton(walker: EntryWalker, key: str, adapter: ModelOptimizer, entry: _Entry) -> JSON:

@@ -246,3 +246,14 @@ def test_auto_weighs_the_median_of_recent_snapshots_not_one_slow_vote(shm_dirs: 
         assert tier._proposed_every() == 100  # 0.5 s per snapshot / (2 % of 0.1 s): capped at max_every
     finally:
         tier.close()
+
+
+def test_an_optimizer_with_state_dict_hooks_is_flattened_through_dcp_every_time() -> None:
+    state, cache = _state(), FlatCache()
+    seen: list[int] = []
+    state["optim"].register_state_dict_post_hook(lambda o, sd: seen.append(1) or sd)
+    for step in range(1, 4):
+        _train(state, step)
+        _assert_same_flat(cache.flatten(state), flatten(state))
+    assert len(seen) == 6  # three cached and three plain flattens, each through the optimizer's state_dict
+    assert (cache.hits, cache.misses) == (2, 4)  # the model reused; the optimizer never
