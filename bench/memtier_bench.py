@@ -15,7 +15,7 @@ alternating per rep):
 * gpt: examples/train_gpt.py under spotrun (2 workers, ``--parallel ddp`` and ``fsdp``, ``--gpt-sizes``: 3M, 12M
   and 25M parameters by default) with ``--memory-snapshot-every auto`` vs without: mean step time of rank 0 after
   the first third of the steps (a snapshot every k steps costs its share), the ratio, the interval the ranks
-  chose, the shared memory the snapshots hold (``memory_bytes`` of the progress lines, both ranks) and the
+  chose, how long a snapshot blocked the step (median ``memory_stage_ms`` of rank 0: what ``auto`` weighs), the shared memory the snapshots hold (``memory_bytes`` of the progress lines, both ranks) and the
   workers' peak resident memory with and without the tier;
 * restore: in one process, a ``--size-mib`` state (16 fp32 tensors): how long ``snapshot`` blocks the caller
   (flatten, vote, copy into the shared-memory slot) and how long the background checksum + publish takes; the
@@ -132,6 +132,8 @@ class GptRun:
     """Peak of the workers' summed resident memory (shared-memory pages they mapped included)."""
     params: int
     """The model's parameters (rank 0's log line), 0 when not found."""
+    stage_ms: float | None = None
+    """Median milliseconds a snapshot blocked rank 0's step (``memory_stage_ms`` of the measured steps; None: tier off)."""
 
 
 def _tree_rss(root: int) -> int:
@@ -197,7 +199,9 @@ def gpt_run(size: str, parallel: str, every: str, steps: int, warmup: int, workd
     shm = sum(int(r.get("memory_bytes", 0)) for r in last.values())
     interval = rank0[-1].get("memory_every")
     found = re.search(r"params=(\d+)", output)
-    return GptRun(seconds, None if interval is None else int(interval), shm, peak, int(found.group(1)) if found else 0)
+    stages = [float(r["memory_stage_ms"]) for r in rank0[warmup:] if "memory_stage_ms" in r]
+    return GptRun(seconds, None if interval is None else int(interval), shm, peak, int(found.group(1)) if found else 0,
+                  statistics.median(stages) if stages else None)
 
 
 def bench_gpt_overhead(reps: int, sizes: Sequence[str], parallels: Sequence[str], steps: dict[str, int],
@@ -208,8 +212,8 @@ def bench_gpt_overhead(reps: int, sizes: Sequence[str], parallels: Sequence[str]
           "Host memory: the shared memory the snapshot slots hold (both ranks), and the workers' peak resident "
           "memory with / without the tier (mapped snapshot pages included).\n")
     print("| model | parallel | params | step without (ms) | step with auto (ms) | ratio with / without | "
-          "interval chosen (steps) | snapshot shm (MB) | worker RSS with / without (MB) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "interval chosen (steps) | snapshot blocks (ms) | snapshot shm (MB) | worker RSS with / without (MB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for size in sizes:
         for parallel in parallels:
             n = steps[size]
@@ -224,6 +228,7 @@ def bench_gpt_overhead(reps: int, sizes: Sequence[str], parallels: Sequence[str]
             print(f"| {size} | {parallel} | {params / 1e6:.1f} M | {spread([r.step_seconds * 1e3 for r in off], '{:.0f}')} | "
                   f"{spread([r.step_seconds * 1e3 for r in on], '{:.0f}')} | {spread(ratios)} | "
                   f"{spread([float(r.every or 0) for r in on], '{:.0f}')} | "
+                  f"{spread([r.stage_ms or 0.0 for r in on], '{:.1f}')} | "
                   f"{spread([r.shm_bytes / 1e6 for r in on], '{:.0f}')} | "
                   f"{spread([r.rss_bytes / 1e6 for r in on], '{:.0f}')} / {spread([r.rss_bytes / 1e6 for r in off], '{:.0f}')} |",
                   flush=True)

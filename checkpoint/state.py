@@ -61,6 +61,7 @@ __all__ = [
     "BYTES_MARKER",
     "INLINE_TENSOR_MARKER",
     "TENSOR_MARKER",
+    "EntryWalker",
     "FlatState",
     "ModelOptimizer",
     "PerRank",
@@ -71,6 +72,7 @@ __all__ = [
     "encode_tensor",
     "flatten",
     "per_rank_entries",
+    "skeleton",
     "st_to_dtype",
     "total_bytes",
 ]
@@ -440,17 +442,18 @@ def decode_tensor(path: str, spec: Any) -> torch.Tensor:
 
 
 def _walk(
-    value: Any, path: str, items: list[TensorItem], seen: set[str], inline: _InlineBudget | None = None
+    value: Any, path: str, items: list[TensorItem] | None, seen: set[str], inline: _InlineBudget | None = None
 ) -> JSON:
     """Return the JSON skeleton of ``value``, appending its tensor leaves to ``items`` (or inlining them
-    when ``inline`` is given: a per-rank entry)."""
+    when ``inline`` is given: a per-rank entry; or only naming them when ``items`` is None: ``skeleton``)."""
     if isinstance(value, torch.Tensor):
         if inline is not None:
             return encode_tensor(path, value, inline)
         if path in seen:
             raise ValueError(f"two entries of the state flatten to the same name {path!r}; rename one")
         seen.add(path)
-        items.append(_tensor_item(path, value))
+        if items is not None:
+            items.append(_tensor_item(path, value))
         return {TENSOR_MARKER: path}
     ok, scalar = _json_scalar(value)
     if ok:
@@ -492,26 +495,11 @@ def flatten(state: Mapping[str, Any], *, as_shared: Iterable[str] = (), keep_sta
     (loading a checkpoint that saved them as shared state, before they were per-rank).
     """
     flat = FlatState()
-    seen: set[str] = set()
-    per_rank = per_rank_entries(state)
-    shared = set(as_shared)
-    budget = _InlineBudget()
-    for key, adapter in _adapters(state).items():
-        value = adapter
-        if _is_stateful(adapter):
-            value = adapter.state_dict()
-            if keep_state_dicts:
-                flat.state_dicts[key] = value
-        try:
-            if key in per_rank and key not in shared:
-                flat.rank_objects[key] = _walk(value, key, flat.items, seen, budget)
-                flat.per_rank[key] = per_rank[key].on_resize
-                continue
-            flat.objects[key] = _walk(value, key, flat.items, seen)
-        except TypeError as exc:
-            if not _is_stateful(adapter) or "cannot checkpoint" not in str(exc):
-                raise
-            raise TypeError(f"{exc} (from {type(adapter).__name__}.state_dict() of key {key!r})") from None
+    walker = EntryWalker(state, as_shared=as_shared)
+    for key, adapter in walker.adapters.items():
+        value = walker.add(flat, key, adapter)
+        if keep_state_dicts and _is_stateful(adapter):
+            flat.state_dicts[key] = value
     logger.debug(
         "flatten: %d tensor items, %d shared and %d per-rank top-level keys",
         len(flat.items),
@@ -519,6 +507,44 @@ def flatten(state: Mapping[str, Any], *, as_shared: Iterable[str] = (), keep_sta
         len(flat.rank_objects),
     )
     return flat
+
+
+class EntryWalker:
+    """``flatten`` one top-level entry at a time (``checkpoint.memory.flatcache`` reuses some entries' items)."""
+
+    __slots__ = ("adapters", "budget", "per_rank", "seen", "shared")
+
+    def __init__(self, state: Mapping[str, Any], *, as_shared: Iterable[str] = ()) -> None:
+        self.adapters: dict[str, Any] = _adapters(state)
+        """Each top-level key's value, or what stands for it (``_ModelState``, ``ModelOptimizer``)."""
+        self.per_rank = per_rank_entries(state)
+        self.shared = set(as_shared)
+        self.budget = _InlineBudget()
+        self.seen: set[str] = set()
+        """The tensor names taken so far (two entries may not flatten to the same name)."""
+
+    def add(self, flat: FlatState, key: str, adapter: Any) -> Any:
+        """Append ``key``'s items and skeleton to ``flat``; returns the value walked (its ``state_dict()`` for a
+        stateful adapter, else the adapter itself)."""
+        value = adapter
+        if _is_stateful(adapter):
+            value = adapter.state_dict()
+        try:
+            if key in self.per_rank and key not in self.shared:
+                flat.rank_objects[key] = _walk(value, key, flat.items, self.seen, self.budget)
+                flat.per_rank[key] = self.per_rank[key].on_resize
+                return value
+            flat.objects[key] = _walk(value, key, flat.items, self.seen)
+        except TypeError as exc:
+            if not _is_stateful(adapter) or "cannot checkpoint" not in str(exc):
+                raise
+            raise TypeError(f"{exc} (from {type(adapter).__name__}.state_dict() of key {key!r})") from None
+        return value
+
+
+def skeleton(value: Any, path: str, seen: set[str] | None = None) -> JSON:
+    """The JSON skeleton ``flatten`` gives ``value`` at ``path`` (tensors named, not turned into items)."""
+    return _walk(value, path, None, set() if seen is None else seen)
 
 
 # --------------------------------------------------------------------------- apply

@@ -33,7 +33,8 @@ Run it (from the repository root):
 Every ``--log-every`` steps rank 0 prints ``step=N loss=X world_size=W`` (X: the global-batch mean loss, nats
 per character); ``--progress-file`` lines are the same as ``examples/train_ddp.py``'s
 (rank, world_size, step, pid, t_wall, loss; with the memory tier also memory_every, the snapshot interval in
-use, and memory_bytes, the shared memory this rank's snapshots hold). Copy it with ``train_ddp.py``: it imports that file's launcher
+use, memory_bytes, the shared memory this rank's snapshots hold, and memory_stage_ms, how long its last snapshot
+blocked the step). Copy it with ``train_ddp.py``: it imports that file's launcher
 and checkpoint helpers (``init_distributed``, ``open_checkpointer``, ``append_progress``).
 """
 
@@ -349,12 +350,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def memory_fields(memory: Any) -> dict[str, int]:
-    """Progress fields of the memory tier (bench/memtier_bench.py): the snapshot interval in use and the host
-    shared memory this rank's snapshot slots hold; none without the tier."""
+def memory_fields(memory: Any) -> dict[str, float]:
+    """Progress fields of the memory tier (bench/memtier_bench.py): the snapshot interval in use, the host
+    shared memory this rank's snapshot slots hold and the milliseconds its last snapshot blocked the step (what
+    ``every="auto"`` weighs); none without the tier."""
     if memory is None or not memory.enabled:
         return {}
-    return {"memory_every": memory.interval, "memory_bytes": memory.nbytes}
+    return {"memory_every": memory.interval, "memory_bytes": memory.nbytes,
+            "memory_stage_ms": round(1e3 * memory.last_stage_seconds, 3)}
 
 
 @record

@@ -2,7 +2,8 @@
 
 Snapshot (``LocalShmTier.snapshot``, every ``config.every`` steps, on every rank):
 
-1. ``flatten`` the state; one vote (``Collective.max_each``: state rejected, items changed, busy, a rank short
+1. ``flatten`` the state (``flatcache.FlatCache``: the items of the last snapshot while the tensors are the
+   same, without DCP's state dicts); one vote (``Collective.max_each``: state rejected, items changed, busy, a rank short
    of room, and the newest step every rank published, ``complete``).
 2. On the first snapshot or when the items changed: every rank's item metadata is gathered and
    ``layout.node_writers`` decides who snapshots what, so each node holds a whole copy of the replicated
@@ -65,6 +66,7 @@ from checkpoint.memory.api import (
     SnapshotManifest,
 )
 from checkpoint.memory.config import MemoryTierConfig
+from checkpoint.memory.flatcache import FlatCache
 from checkpoint.memory.layout import (
     FOOTER,
     choose_every,
@@ -97,6 +99,9 @@ GROUPS_LOOKED_AT = 4
 """Newest snapshot groups a restore examines (normally there are one or two)."""
 STEP_SAMPLES = 16
 """Recent step times ``every="auto"`` takes the median of."""
+STAGE_SAMPLES = 5
+"""Recent snapshots' staging times ``every="auto"`` takes the median of (one slow vote on a loaded host must not
+set the interval for the next hundred steps)."""
 
 
 READ_PART_BYTES = 8 << 20
@@ -202,6 +207,8 @@ class LocalShmTier:
         self._slots: list[_Slot | None] = [None] * SLOTS
         self._layout: ShardLayout | None = None
         self._signature: tuple[Any, ...] | None = None
+        self._flat_cache = FlatCache()
+        """The state's items between snapshots: no DCP state dicts while the tensors stay the same."""
         self._is_node_leader = False
         self._node_ranks: list[int] = []
         self._snapshot_bytes: list[dict[ChunkKey, int]] = []
@@ -219,6 +226,9 @@ class LocalShmTier:
         self._last_call: float | None = None
         self._staged_at: float | None = None
         self._intervals: list[float] = []
+        self._stages: list[float] = []
+        """Staging seconds of the recent snapshots (not the first ``SLOTS`` of a plan: they map new slots)."""
+        self._stages_to_skip = SLOTS
         self._starved = False
         self._publish_failures = 0
         """Consecutive failed publishes of this rank (PUBLISH_FAILURES_TO_STARVE turn the tier off)."""
@@ -255,7 +265,7 @@ class LocalShmTier:
             return False
         flat: FlatState | None
         try:
-            flat = flatten(state)
+            flat = self._flat_cache.flatten(state)
         except (TypeError, ValueError) as exc:
             self._warn_once("state", "[rank %d step %d] memory snapshot skipped: %s", self.rank, step, exc)
             flat = None
@@ -279,7 +289,7 @@ class LocalShmTier:
         if every != self._every:  # "auto": the slowest rank's choice, the same on every rank from the next step
             logger.info("[rank %d step %d] memory snapshot every %d step(s) (was %d): %.4fs staging per snapshot, "
                         "%.4fs per step, overhead target %.1f%%", self.rank, step, every, self._every,
-                        self.last_stage_seconds, self._step_seconds(), 100 * self.config.overhead_target)
+                        self._stage_seconds(), self._step_seconds(), 100 * self.config.overhead_target)
             self._every = int(every)
         if starved:
             self.enabled = False
@@ -292,6 +302,7 @@ class LocalShmTier:
         if changed:
             self._replan(flat)
             self._signature = signature
+            self._stages, self._stages_to_skip = [], SLOTS
             if self._is_node_leader:  # the size check at start: once per node, for all of its ranks' slots
                 self._check_size(SLOTS * (self._node_bytes + self._node_copy_bytes))
         if step % self._every:
@@ -309,6 +320,7 @@ class LocalShmTier:
         assert self._layout is not None
         copy_pieces([self._layout], [slot.views], flat.items)
         self.last_stage_seconds = time.perf_counter() - started - waited
+        self._sample_stage(self.last_stage_seconds)
         self._staged_at = time.perf_counter()
         objects = flat.objects
         rank_objects = flat.rank_objects
@@ -342,14 +354,26 @@ class LocalShmTier:
     def _step_seconds(self) -> float:
         return statistics.median(self._intervals) if self._intervals else 0.0
 
+    def _sample_stage(self, seconds: float) -> None:
+        """Keep a periodic snapshot's staging time for ``every="auto"`` (the first ones of a plan map their slots:
+        a one-off cost, left out)."""
+        if self._stages_to_skip > 0:
+            self._stages_to_skip -= 1
+            return
+        self._stages.append(seconds)
+        del self._stages[:-STAGE_SAMPLES]
+
+    def _stage_seconds(self) -> float:
+        return statistics.median(self._stages) if self._stages else self.last_stage_seconds
+
     def _proposed_every(self) -> int:
         """This rank's interval for the next snapshots: the configured one, or with ``"auto"`` the smallest
         that keeps staging under ``overhead_target`` of the training time (``layout.choose_every``)."""
         if self.config.every != "auto":
             return int(self.config.every)
-        if len(self._intervals) < 2 or self.snapshots_published < 2:
+        if len(self._intervals) < 2 or not self._stages:
             return self._every  # nothing measured yet: keep snapshotting to measure
-        return choose_every(self._step_seconds(), self.last_stage_seconds, self.config.overhead_target,
+        return choose_every(self._step_seconds(), self._stage_seconds(), self.config.overhead_target,
                             self.config.max_every)
 
     def snapshot_on_failure(self, step: int, state: Mapping[str, Any], exc: BaseException | None = None) -> bool:
@@ -393,7 +417,7 @@ class LocalShmTier:
         busy_slot = self._wait_briefly(self.config.jit_peer_wait)
         if self._published >= step:
             return False
-        flat = flatten(state)
+        flat = self._flat_cache.flatten(state)
         if _signature(flat) != self._signature:
             raise MemoryTierError("the state's items changed since the last snapshot plan")
         # Keep both the last complete step and this rank's newest one (another rank may hold only that one, so
@@ -601,6 +625,7 @@ class LocalShmTier:
         # (Adam's step count becomes 1): a restore that finds nothing puts it back, or a fresh start with the tier
         # trains differently from one without it.
         fresh = uninitialised_optimizers(state)
+        self._flat_cache.clear()  # a restore may replace the optimizers' state tensors
         report = self._restore(state, not_older_than=not_older_than)
         if report is None:
             forget_optimizer_state(fresh)
@@ -786,4 +811,5 @@ class LocalShmTier:
         (the keeper removes them when the agent exits)."""
         self.wait()
         self._release_slots()
+        self._flat_cache.clear()
         self._executor.shutdown(wait=True)
