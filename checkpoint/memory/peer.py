@@ -372,8 +372,10 @@ class PeerShmTier(LocalShmTier):
             if choice is None:
                 reason = _fallback_reason(held, floor, gathered, touched)
                 self.last_fallback_reason = reason
-                # A first start has nothing anywhere (info); anything else lost snapshots (warning).
-                level = logging.INFO if not held else logging.WARNING
+                # A first start has nothing anywhere (info); anything else lost snapshots (warning). Every rank
+                # decided the same from the same gathered offers: rank 0 says it, the others only at debug level
+                # (one line per job, not one per rank).
+                level = logging.DEBUG if self.rank != 0 else logging.INFO if not held else logging.WARNING
                 logger.log(level, "[rank %d] no memory snapshot to restore, falling back to the durable tier: %s",
                            self.rank, reason)
                 if touched:
