@@ -364,13 +364,14 @@ def defer_dynamo_import_effects() -> None:
             # torch touches torch._dynamo where it is already imported (init_process_group clears dynamo's trace
             # rule caches "if 'torch._dynamo' in sys.modules"), which under torchrun imports nothing.
             return dynamo
-        torch.__getattr__ = lazy
-        torch._dynamo = dynamo
+        namespace["__getattr__"] = lazy
+        namespace["_dynamo"] = dynamo
         _set_world_defaults(slots, world)
         return dynamo
 
-    torch.__getattr__ = first_dynamo_touch
-    del torch._dynamo
+    namespace = vars(torch)
+    namespace["__getattr__"] = first_dynamo_touch
+    del namespace["_dynamo"]
 
 
 def _world_default_slots(module: Any) -> list[tuple[Any, int]]:
