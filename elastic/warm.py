@@ -375,7 +375,7 @@ def defer_dynamo_import_effects() -> None:
 
 
 def _world_default_slots(module: Any) -> list[tuple[Any, int]]:
-    """``(function, index in __defaults__)`` of each public function of ``module`` whose ``group`` parameter
+    """``(function, index in __defaults__)`` of each function defined in ``module`` whose ``group`` parameter
     defaults to None (what ``group.WORLD`` was when the forkserver imported it)."""
     slots = []
     for value in vars(module).values():
