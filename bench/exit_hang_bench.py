@@ -69,8 +69,20 @@ def worker_pids(leader: int) -> list[int]:
     return seen
 
 
+def stack_command(pid: int) -> list[str] | None:
+    """``py-spy dump --native`` when py-spy is on PATH or next to the interpreter, else gdb's native backtrace of
+    every thread (it names the same C++ frames, ``~ProcessGroupGloo`` included); None when neither is there (a hung
+    run then cannot be told from a slow one: the summary counts those apart instead of dropping them silently)."""
+    spy = shutil.which("py-spy") or (str(BIN / "py-spy") if (BIN / "py-spy").exists() else None)
+    if spy:
+        return [spy, "dump", "--native", "--pid", str(pid)]
+    gdb = shutil.which("gdb")
+    if gdb:
+        return [gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt"]
+    return None
+
+
 def dump(pids: list[int], path: Path) -> None:
-    spy = shutil.which("py-spy") or str(BIN / "py-spy")
     with path.open("w") as out:
         for pid in pids:
             try:
@@ -79,8 +91,14 @@ def dump(pids: list[int], path: Path) -> None:
                 continue
             out.write(f"===== pid {pid}: {args}\n")
             out.flush()
-            subprocess.run([spy, "dump", "--native", "--pid", str(pid)], stdout=out, stderr=subprocess.STDOUT,
-                           timeout=60, check=False)
+            cmd = stack_command(pid)
+            if cmd is None:
+                out.write("no stack: neither py-spy nor gdb found\n")
+                continue
+            try:
+                subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=60, check=False)
+            except subprocess.TimeoutExpired:
+                out.write(f"no stack: {cmd[0]} timed out\n")
 
 
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:
@@ -116,6 +134,9 @@ def main() -> None:
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     counts: dict[str, list[int]] = {}
+    slow: dict[str, int] = {}
+    if stack_command(os.getpid()) is None:
+        print("warning: neither py-spy nor gdb found: hung runs cannot be told from slow ones", flush=True)
     try:
         for i in range(args.runs):
             for mode in args.modes.split(","):  # interleaved: the machine's load hits every mode alike
@@ -145,6 +166,8 @@ def main() -> None:
                     verdict = "ok" if not hung else "HUNG(exit deadlock)" if deadlock else "TIMEOUT(no deadlock stack)"
                     if not hung or deadlock:  # a slow run says nothing either way
                         counts.setdefault(mode, []).append(int(hung))
+                    else:
+                        slow[mode] = slow.get(mode, 0) + 1
                     load1 = os.getloadavg()[0]
                     print(f"{args.script} {mode} run {i}: {verdict} rc={rc} {took:.1f}s load={load1:.1f}", flush=True)
     finally:
@@ -154,7 +177,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         hangs = counts.get(mode, [])
         print(f"SUMMARY script={args.script} load={args.load} {mode}: {sum(hangs)} exit deadlocks of {len(hangs)} runs "
-              f"(slow runs without the deadlock left out)",
+              f"({slow.get(mode, 0)} slow runs without the deadlock stack left out)",
               flush=True)
 
 

@@ -321,6 +321,88 @@ def become_fresh_interpreter(launch: WarmLaunch, target: str, *, module: bool) -
     first = script_directory(target, module=module)
     sys.path[:] = fresh_sys_path(launch.agent_path, launch.agent_argv0, os.getcwd(), first,
                                  bool(getattr(sys.flags, "safe_path", False)))
+    defer_dynamo_import_effects()
+
+
+#: ``torch.distributed.nn.functional``'s functions whose ``group`` default is ``group.WORLD`` as it was when the
+#: module was imported (torch evaluates ``def all_reduce(tensor, op=ReduceOp.SUM, group=group.WORLD)`` once).
+_WORLD_DEFAULT_PARAMETER = "group"
+
+
+def defer_dynamo_import_effects() -> None:
+    """Give ``torch.distributed.nn.functional`` the ``group`` defaults a fresh interpreter would give it.
+
+    Under torchrun that module is first imported when the script first touches ``torch._dynamo`` (a lazy
+    attribute of ``torch``; ``DistributedDataParallel.__init__`` does, after ``init_process_group``), so its ten
+    ``group=group.WORLD`` defaults hold the default process group and keep it alive until the interpreter exits.
+    The forkserver imported it (through ``torch._dynamo`` and ``torch.distributed.checkpoint``) before any group
+    existed, so in a warm worker they hold None: a script that destroys the group while its DDP module is alive
+    then frees the gloo group with the module, with the GIL held, and can deadlock at exit (torch's destructor
+    deadlock, pytorch/pytorch#56297 class: a gloo thread waits for the GIL to free the backward pass's
+    ``contextvars`` context held by its last allreduce, while the main thread joins it), where torchrun's worker
+    exits. CHANGE: ``torch._dynamo`` is made lazy again in the child (the attribute is removed, the module stays
+    imported); on the first touch once a default group exists, ``torch``'s own lazy ``__getattr__`` is restored,
+    the attribute set back, and those defaults take that group, as the import would have given them. Known
+    difference left: a script that touches ``torch._dynamo`` (or imports ``torch.distributed.checkpoint``) before
+    ``init_process_group`` gets None under torchrun, the group here (kept alive until exit: no deadlock)."""
+    torch = sys.modules.get("torch")
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    dynamo = sys.modules.get("torch._dynamo")
+    if torch is None or functional is None or dynamo is None or torch.__dict__.get("_dynamo") is not dynamo:
+        return
+    lazy = torch.__dict__.get("__getattr__")
+    if not callable(lazy):
+        return
+    slots = _world_default_slots(functional)
+
+    def first_dynamo_touch(name: str) -> Any:
+        if name != "_dynamo":
+            return lazy(name)
+        world = _default_group()
+        if world is None:
+            # No group yet: the import would have captured None, which the defaults hold already. Stay armed:
+            # torch touches torch._dynamo where it is already imported (init_process_group clears dynamo's trace
+            # rule caches "if 'torch._dynamo' in sys.modules"), which under torchrun imports nothing.
+            return dynamo
+        namespace["__getattr__"] = lazy
+        namespace["_dynamo"] = dynamo
+        _set_world_defaults(slots, world)
+        return dynamo
+
+    namespace = vars(torch)
+    namespace["__getattr__"] = first_dynamo_touch
+    del namespace["_dynamo"]
+
+
+def _world_default_slots(module: Any) -> list[tuple[Any, int]]:
+    """``(function, index in __defaults__)`` of each function defined in ``module`` whose ``group`` parameter
+    defaults to None (what ``group.WORLD`` was when the forkserver imported it)."""
+    slots = []
+    for value in vars(module).values():
+        code = getattr(value, "__code__", None)
+        defaults = getattr(value, "__defaults__", None)
+        if code is None or not defaults or getattr(value, "__module__", None) != module.__name__:
+            continue
+        positional = code.co_varnames[:code.co_argcount]
+        if _WORLD_DEFAULT_PARAMETER not in positional:
+            continue
+        index = positional.index(_WORLD_DEFAULT_PARAMETER) - (len(positional) - len(defaults))
+        if index >= 0 and defaults[index] is None:
+            slots.append((value, index))
+    return slots
+
+
+def _set_world_defaults(slots: list[tuple[Any, int]], world: Any) -> None:
+    for function, index in slots:
+        defaults = list(function.__defaults__)
+        defaults[index] = world
+        function.__defaults__ = tuple(defaults)
+
+
+def _default_group() -> Any:
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    member = getattr(c10d, "GroupMember", None)
+    return getattr(member, "WORLD", None)
 
 
 def _reset_multiprocessing() -> None:

@@ -64,6 +64,30 @@ def wait_for_all_ranks(name: str) -> None:
         time.sleep(0.02)
 
 
+def observe_ddp_process_group() -> dict:
+    """What a DDP script can see of torch's import-order-dependent state: ``torch._dynamo`` is a lazy attribute
+    of ``torch`` until DDP's constructor touches it, and the import it triggers gives the ten ``group=group.WORLD``
+    defaults of ``torch.distributed.nn.functional`` the default group (which they then keep alive: freeing DDP
+    after ``destroy_process_group`` does not free the group, see docs/concepts/launcher.md)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    world_group = dist.group.WORLD
+    before = sys.getrefcount(world_group)
+    lazy_before = "_dynamo" not in vars(torch)
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    functional = sys.modules["torch.distributed.nn.functional"]
+    holding = sorted(name for name, fn in vars(functional).items()
+                     if callable(fn) and world_group in (getattr(fn, "__defaults__", None) or ()))
+    seen = {"dynamo_lazy_before_ddp": lazy_before, "dynamo_attribute_after_ddp": "_dynamo" in vars(torch),
+            "functional_defaults_holding_world": holding,
+            "world_refs_added_by_ddp": sys.getrefcount(world_group) - before}
+    del model
+    dist.destroy_process_group()
+    return seen
+
+
 if args.mode == "observe":
     main_module = sys.modules["__main__"]
     observed = {
@@ -94,6 +118,7 @@ if args.mode == "observe":
         "batches": list(batches()),
         "torch_threads": torch.get_num_threads(),
     }
+    observed["ddp"] = observe_ddp_process_group()
     draws = {"numpy": numpy.random.random(), "random": random.random(), "torch": torch.rand(1).item(),
              "torch_seed": torch.initial_seed()}
     with open(os.path.join(args.out, f"observed.{rank}.json"), "w") as handle:

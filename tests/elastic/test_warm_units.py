@@ -129,3 +129,68 @@ def test_a_worker_started_during_the_agents_background_import_does_not_get_its_v
     warm.note_agent_import_start(before, ("TORCHINDUCTOR_", "TRITON_"))
     now = {**before, "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root", "RANK_HINT": "x"}
     assert warm.agent_environ_now(now) == {**before, "RANK_HINT": "x"}
+
+
+def _fake_torch(monkeypatch: pytest.MonkeyPatch, *, dynamo_imported: bool = True) -> SimpleNamespace:
+    """A stand-in for the modules ``warm.defer_dynamo_import_effects`` reads, as the forkserver leaves them:
+    ``torch._dynamo`` imported and bound on ``torch``, ``torch.distributed.nn.functional`` imported before any
+    process group existed (its ``group`` defaults are None)."""
+    from types import ModuleType
+
+    torch = ModuleType("torch")
+
+    def lazy(name: str) -> object:
+        raise AttributeError(f"module 'torch' has no attribute {name!r}")
+
+    torch.__getattr__ = lazy  # type: ignore[attr-defined]  # torch's own lazy-module hook
+    dynamo = ModuleType("torch._dynamo")
+    functional = ModuleType("torch.distributed.nn.functional")
+    exec("def all_reduce(tensor, op=0, group=None):\n    return group\n"
+         "def gather(tensor, dst=0, group=None):\n    return group\n"
+         "def no_group(tensor, dst=None):\n    return dst\n", functional.__dict__)
+    functional.__dict__["imported"] = lambda tensor, group=None: group  # another module's function: left alone
+    functional.__dict__["imported"].__module__ = "elsewhere"
+    c10d = ModuleType("torch.distributed.distributed_c10d")
+    c10d.GroupMember = SimpleNamespace(WORLD=None)  # type: ignore[attr-defined]  # torch's class property
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.distributed.nn.functional", functional)
+    monkeypatch.setitem(sys.modules, "torch.distributed.distributed_c10d", c10d)
+    if dynamo_imported:
+        torch._dynamo = dynamo  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "torch._dynamo", dynamo)
+    else:
+        monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    return SimpleNamespace(torch=torch, dynamo=dynamo, functional=functional, c10d=c10d, lazy=lazy)
+
+
+def test_functional_group_defaults_take_the_default_group_at_the_first_dynamo_touch_after_init(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun, DDP's constructor imports torch._dynamo (a lazy attribute of torch), which imports
+    torch.distributed.nn.functional: its ``group=group.WORLD`` defaults then hold the default group."""
+    fake = _fake_torch(monkeypatch)
+    warm.defer_dynamo_import_effects()
+    assert "_dynamo" not in vars(fake.torch)  # lazy again, as in a fresh interpreter
+    # init_process_group touches torch._dynamo before it sets the group: nothing captured, still lazy.
+    assert fake.torch._dynamo is fake.dynamo
+    assert "_dynamo" not in vars(fake.torch)
+    assert fake.functional.all_reduce(None) is None
+    world = object()
+    fake.c10d.GroupMember.WORLD = world
+    assert fake.torch._dynamo is fake.dynamo  # DDP's constructor: the import torchrun's worker does here
+    assert vars(fake.torch)["_dynamo"] is fake.dynamo
+    assert vars(fake.torch)["__getattr__"] is fake.lazy  # torch's own hook back, for good
+    assert fake.functional.all_reduce(None) is world and fake.functional.gather(None) is world
+    assert fake.functional.all_reduce.__defaults__ == (0, world)
+    assert fake.functional.no_group(None) is None and fake.functional.imported(None) is None
+    with pytest.raises(AttributeError):
+        fake.torch.not_there  # noqa: B018 - other names still reach torch's hook
+    fake.c10d.GroupMember.WORLD = object()  # a later group: the import happened once, the defaults stay
+    assert fake.torch._dynamo is fake.dynamo and fake.functional.all_reduce(None) is world
+
+
+def test_functional_group_defaults_untouched_when_the_forkserver_did_not_import_dynamo(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _fake_torch(monkeypatch, dynamo_imported=False)
+    warm.defer_dynamo_import_effects()
+    assert vars(fake.torch)["__getattr__"] is fake.lazy
+    assert fake.functional.all_reduce.__defaults__ == (0, None)
