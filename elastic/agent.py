@@ -500,9 +500,9 @@ class SpotrunAgent(LocalElasticAgent):
             # waits up to 30 s before SIGKILL; workers stuck in a collective with a Python SIGTERM handler
             # never run it. Terminate them ourselves with the short grace first.
             processes = worker_processes(self._pcontext) if self._pcontext is not None else None
-            if processes and any(proc.exitcode not in (None, 0) for proc in processes):
+            if self._pcontext is not None and processes and any(proc.exitcode not in (None, 0) for proc in processes):
                 self._workers_closing()
-                terminate_processes(processes, self._settings.stop_grace)
+                _stop_workers(self._pcontext, signal.SIGTERM, self._settings.stop_grace)
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and self._pcontext is not None:
             # CHANGE: torch's MultiprocessContext (warm workers) reports only the first dead process in
@@ -1089,15 +1089,25 @@ def _default_close_timeout(pcontext: PContext, grace: float, on_close: Callable[
         on_close()
         wait = grace if timeout is None else timeout
         began = time.monotonic()
-        _stop_releasing_returned_workers(pcontext, death_sig or signal.SIGTERM, wait)
-        # CHANGE (warm workers): torch's MultiprocessContext signals only each worker's PID; warm workers lead
-        # their own process group like torchrun's subprocess workers, so signal the group (DataLoader workers
-        # too), as torch's SubprocessHandler.close does. torch's close then only joins and closes log tails.
-        remaining = max(0.0, wait - (time.monotonic() - began))
-        terminate_processes(worker_processes(pcontext) or [], remaining, death_sig or signal.SIGTERM)
+        _stop_workers(pcontext, death_sig or signal.SIGTERM, wait)
         original(death_sig, max(0.0, wait - (time.monotonic() - began)))  # type: ignore[arg-type]  # torch says int; any seconds work
 
     pcontext.close = close  # type: ignore[method-assign]  # this instance only (CHANGE above)
+
+
+def _stop_workers(pcontext: PContext, sig: signal.Signals, grace: float) -> None:
+    """Signal every live worker, wait up to ``grace`` s, SIGKILL the rest; a worker whose script already
+    returned is let go at once (``_stop_releasing_returned_workers``). Every path by which the agent stops its
+    workers goes through here: before, the stop on a worker's death (``_monitor_workers``) skipped the release,
+    and a warm worker that exited 0 on the SIGTERM sat in torch's ``_wrap`` for the whole grace (30 s with
+    ``--stop-grace 30``, long enough for the agent's lease to lapse on a loaded machine)."""
+    began = time.monotonic()
+    _stop_releasing_returned_workers(pcontext, sig, grace)
+    # CHANGE (warm workers): torch's MultiprocessContext signals only each worker's PID; warm workers lead
+    # their own process group like torchrun's subprocess workers, so signal the group (DataLoader workers
+    # too), as torch's SubprocessHandler.close does. torch's close then only joins and closes log tails.
+    remaining = max(0.0, grace - (time.monotonic() - began))
+    terminate_processes(worker_processes(pcontext) or [], remaining, sig)
 
 
 def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signals, timeout: float) -> None:

@@ -130,6 +130,12 @@ if args.mode == "observe":
 else:
     if rank == 0:
         def on_sigterm(signum: int, frame: object) -> None:
+            # Both launchers SIGTERM the worker's whole process group, so the DataLoader workers die with it and
+            # torch's SIGCHLD handler in this process raises "DataLoader worker ... is killed by signal" at
+            # whatever Python line runs next, sometimes inside the atexit handler, whose marker is then lost (seen
+            # under torchrun). A torch race, not a launcher difference: SIGCHLD's handler goes first (CPython runs
+            # a pending SIGTERM's handler before a pending SIGCHLD's, and skips one that is no longer set).
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             mark("sigterm", "handled")
             sys.exit(0)
 

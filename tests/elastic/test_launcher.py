@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,23 @@ def test_stuck_worker_is_killed_after_the_stop_grace(tmp_path: Path) -> None:
     timeline = "\n".join(f"{e['t_mono'] - starts[0]:7.2f} {e['event']} {json.dumps(e)[:300]}" for e in evs)
     assert starts[1] - starts[0] < 20, f"restart took {starts[1] - starts[0]:.1f} s; events:\n{timeline}\n" \
         f"agent stderr tail:\n{result.stderr[-3000:]}"
+
+
+def test_a_survivor_that_exits_0_on_sigterm_does_not_hold_the_agent_for_the_stop_grace(tmp_path: Path) -> None:
+    """Rank 0 fails; rank 1 handles the agent's SIGTERM by returning from its script. A warm worker then waits in
+    torch's ``_wrap`` for the agent to read its return value, which a stopping agent never does: it sat there
+    for the whole stop grace (found with ``--stop-grace 30``: the agent's lease lapsed meanwhile on a loaded
+    machine and the job re-formed twice). It must be let go at once."""
+    out = tmp_path / "out"
+    result = run_cli([*SPOTRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--stop-grace", "60",
+                      "--monitor-interval", "0.2", FAULT, "--steps", "0", "--fail-at-step", "5", "--fail-ranks", "0",
+                      "--exit-code", "3", "--no-collective", "--exit-0-on-sigterm", "--out", str(out)],
+                     timeout=240)
+    ended = time.monotonic()
+    assert result.returncode == 1, result.stderr[-3000:]
+    failed_at = max(p["t_mono"] for p in read_jsonl(out / "progress.jsonl") if p["rank"] == 0)
+    assert ended - failed_at < 30, f"the agent ended {ended - failed_at:.1f} s after rank 0 failed (grace 60 s)"
+    assert "exitcode  : 3" in result.stderr
 
 
 @pytest.mark.parametrize("warm", ["--warm-workers", "--no-warm-workers"])
