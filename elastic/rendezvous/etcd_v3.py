@@ -112,6 +112,7 @@ from .state import (
     reform_of,
 )
 from .store import EtcdV3Store
+from .watch_mux import WatchMux
 from .worker_store import WorkerStoreHost, agent_hosts_store
 
 log = logging.getLogger(__name__)
@@ -338,6 +339,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Refreshes our lease: our own, or the one the pool's handlers share (``lease_keeper.py``)."""
         self._renewer: threading.Thread | None = None
         """Re-registers after our lease was found gone (off the keeper's thread, which serves every lease)."""
+        self._mux_fatal: BaseException | None = None
+        """The pool's shared watch (``watch_mux``) gave up with this error."""
 
     # ================================================================== torch interface
     def get_backend(self) -> str:
@@ -1298,6 +1301,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """One watch stream over the wanted view; True when it ended because the wanted view changed."""
         conn = self._require_conn()
         stream = None
+        with self._cond:
+            shared = self._pool is not None and not self._want_full()
+        if shared:
+            return self._follow_shared()
         try:
             with self._cond:
                 full = self._want_full()
@@ -1350,10 +1357,82 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             raise WatchCanceledError("watch stream ended")
         return False
 
+    # ------------------------------------------------------------------ the pool's shared watch (watch_mux.py)
+    def _follow_shared(self) -> bool:
+        """Follow the followers' view through the watch every handler of the pool shares (one stream per
+        process instead of one per handler); True when it ended because the wanted view changed.
+
+        CHANGE (vs one stream per handler): only with a ``ClientPool``, i.e. many agents in one process (the
+        bench, tests); a real agent (no pool) keeps its own stream."""
+        mux = self._acquire_mux()
+        with self._cond:
+            epoch = self._view_epoch
+        mux.subscribe(self)  # never under our condition: the mux's callbacks take it
+        try:
+            with self._cond:
+                while True:
+                    if self._stop.is_set():
+                        return False
+                    fatal = self._mux_fatal
+                    if isinstance(fatal, RendezvousError):  # a copy: every handler of the pool raises it
+                        raise type(fatal)(str(fatal)) from fatal
+                    if fatal is not None:
+                        raise RendezvousWatchError(f"the shared etcd watch failed: {describe(fatal)}") from fatal
+                    if self._view_epoch != epoch or self._want_full():
+                        return True
+                    self._cond.wait(_SAFETY_RECHECK_S)
+        finally:
+            mux.unsubscribe(self)
+            self._release_mux()
+
+    def _mux_key(self) -> tuple[Any, ...]:
+        return ("watch-mux", *ClientPool.key(self._config), self._config.run_prefix)
+
+    def _acquire_mux(self) -> WatchMux:
+        pool, config = self._pool, self._config
+        assert pool is not None
+        ranges = self._watched_ranges(False)
+        return pool.acquire_shared(self._mux_key(), lambda: WatchMux(
+            EtcdConnection(config, pool=pool), ranges, name=f"rdzv-watch-mux-{config.run_id}"))
+
+    def _release_mux(self) -> None:
+        assert self._pool is not None
+        last = self._pool.release_shared(self._mux_key())
+        if last is not None:
+            last.close()
+            last.connection.close()
+
+    # WatchSubscriber (watch_mux.py), called from the mux's thread under its lock: never block here.
+    def watch_reset(self, kvs: Any, revisions: Any) -> None:
+        mirror = _Mirror(loaded=True, full=False)
+        for range_kvs, revision in zip(kvs, revisions, strict=True):
+            mirror.watch_revs.append(int(revision))
+            mirror.revision = max(mirror.revision, int(revision))
+            for kv in range_kvs:
+                self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision, kv.lease)
+        with self._cond:
+            self._mirror = mirror
+            self._cond.notify_all()
+        self._note_etcd_ok()
+
+    def watch_events(self, events: Any, watch_id: int) -> None:
+        self._apply_events(events, watch_id)
+        self._note_etcd_ok()
+
+    def watch_failed(self, exc: BaseException) -> None:
+        if not self._stop.is_set():
+            self._note_etcd_failure(exc)
+
+    def watch_fatal(self, exc: BaseException) -> None:
+        with self._cond:
+            self._mux_fatal = exc
+            self._cond.notify_all()
+
     def _change_view(self) -> None:
         """The wanted view changed outside the watch thread: make it reload (call after the change)."""
         with self._cond:
             self._view_epoch += 1
+            self._cond.notify_all()  # a follower on the shared watch waits on the condition, not a stream
         stream = self._watch_stream
         if stream is not None:
             stream.cancel()
