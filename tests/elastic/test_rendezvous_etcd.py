@@ -179,6 +179,7 @@ def test_handlers_sharing_one_client_form_rounds_and_outlive_a_leaver(etcd_serve
     names = [t.name for t in threading.enumerate()]
     assert names.count("rdzv-lease-shared") == 1, "one lease keeper thread for the three"
     assert not any(n.startswith("rdzv-lease-n") for n in names), "no lease thread of their own"
+    assert sum(n.startswith("rdzv-watch-mux-") for n in names) == 1, "the followers share one watch stream"
     leases = [h._lease_id for h in hs]
     assert not any(pool.map(lambda h: h.wait_membership_change(3 * LEASE_TTL), hs)), "the shared keeper let a lease go"
     assert [h._lease_id for h in hs] == leases
