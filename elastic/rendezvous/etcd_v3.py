@@ -339,6 +339,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Refreshes our lease: our own, or the one the pool's handlers share (``lease_keeper.py``)."""
         self._renewer: threading.Thread | None = None
         """Re-registers after our lease was found gone (off the keeper's thread, which serves every lease)."""
+        self._mux: WatchMux | None = None
+        """With a pool: the watch its handlers share (``watch_mux.py``), held from connect to release."""
         self._mux_fatal: BaseException | None = None
         """The pool's shared watch (``watch_mux``) gave up with this error."""
 
@@ -969,9 +971,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._connect_failed = True
                     raise
                 try:
-                    self._load(conn)
+                    if self._pool is None:
+                        self._load(conn)
+                    else:
+                        self._load_shared()
                 except BaseException as exc:
                     self._connect_failed = isinstance(exc, RendezvousConnectionError)
+                    self._release_mux()
                     conn.close()
                     raise
                 self._conn = conn
@@ -1364,7 +1370,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
         CHANGE (vs one stream per handler): only with a ``ClientPool``, i.e. many agents in one process (the
         bench, tests); a real agent (no pool) keeps its own stream."""
-        mux = self._acquire_mux()
+        mux = self._mux
+        assert mux is not None  # held from connect to release
         with self._cond:
             epoch = self._view_epoch
         mux.subscribe(self)  # never under our condition: the mux's callbacks take it
@@ -1383,7 +1390,21 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._cond.wait(_SAFETY_RECHECK_S)
         finally:
             mux.unsubscribe(self)
-            self._release_mux()
+
+    def _load_shared(self) -> None:
+        """``_load`` from the pool's shared watch: its keys, without a read of our own (bounded by etcd_timeout)."""
+        self._mux = mux = self._acquire_mux()
+        try:
+            state = mux.state(self._config.etcd_timeout)
+        except RendezvousError:
+            raise
+        except Exception as exc:
+            raise RendezvousWatchError(f"{self._ctx()}the shared etcd watch failed: {describe(exc)}") from exc
+        if state is None:
+            raise RendezvousConnectionError(
+                f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for {self._config.etcd_timeout:.0f} s "
+                f"while trying to read the rendezvous state (shared watch)")
+        self.watch_reset(*state)
 
     def _mux_key(self) -> tuple[Any, ...]:
         return ("watch-mux", *ClientPool.key(self._config), self._config.run_prefix)
@@ -1396,7 +1417,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             EtcdConnection(config, pool=pool), ranges, name=f"rdzv-watch-mux-{config.run_id}"))
 
     def _release_mux(self) -> None:
-        assert self._pool is not None
+        mux, self._mux = self._mux, None
+        if mux is None or self._pool is None:
+            return
+        mux.unsubscribe(self)
         last = self._pool.release_shared(self._mux_key())
         if last is not None:
             last.close()
@@ -1670,6 +1694,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if thread is not threading.current_thread():
                 thread.join(timeout=2.0)  # a stuck thread must not hold up a signal-driven leave()
         self._threads.clear()
+        self._release_mux()
 
     def _ctx(self) -> str:
         record = self._my_round

@@ -78,6 +78,8 @@ class WatchMux:
         self._revs: list[int] = [0] * len(self._ranges)
         """Per range: the revision it was read at or the highest one its watcher delivered."""
         self._loaded = False
+        self._loaded_once = threading.Event()
+        """Set once the ranges were read (or the mux gave up): ``state`` waits for it."""
         self._fatal: BaseException | None = None
         self._token_renewed = False
         self._stream: WatchStream | None = None
@@ -105,6 +107,18 @@ class WatchMux:
             self._subscribers.append(subscriber)
             if self._loaded:
                 subscriber.watch_reset(self._snapshot_locked(), list(self._revs))
+
+    def state(self, timeout: float) -> tuple[list[list[Any]], list[int]] | None:
+        """The watched ranges' keys and revisions (as ``watch_reset`` gives them) once the mux has read them, or
+        None after ``timeout`` s; raises the error the mux gave up with. A handler loads its first view from it
+        instead of reading the ranges itself."""
+        self._loaded_once.wait(timeout)
+        with self._lock:
+            if self._fatal is not None:
+                raise self._fatal
+            if not self._loaded:
+                return None
+            return self._snapshot_locked(), list(self._revs)
 
     def unsubscribe(self, subscriber: WatchSubscriber) -> int:
         """Stop delivering to ``subscriber`` (nothing reaches it once this returns); returns how many are left."""
@@ -143,6 +157,7 @@ class WatchMux:
                       exc_info=not isinstance(exc, RendezvousConnectionError))
             with self._lock:
                 self._fatal = exc
+                self._loaded_once.set()
                 for subscriber in list(self._subscribers):
                     subscriber.watch_fatal(exc)
 
@@ -202,6 +217,7 @@ class WatchMux:
             revs.append(int(resp.header.revision))
         with self._lock:
             self._kvs, self._revs, self._loaded = kvs, revs, True
+            self._loaded_once.set()
             snapshot = self._snapshot_locked()
             for subscriber in list(self._subscribers):
                 subscriber.watch_reset(snapshot, list(revs))
