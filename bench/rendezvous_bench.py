@@ -139,6 +139,7 @@ def thread_cpu() -> dict[str, float]:
 def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: Any) -> None:
     """One worker process: its share of the agents, driven by the parent's events."""
     faulthandler.enable()  # a hard crash (grpc's C core) still says where on stderr
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack on stderr
     if plan.log_dir is None:
         logging.basicConfig(level=logging.ERROR)
     else:  # every handler's INFO lines, one file per worker process

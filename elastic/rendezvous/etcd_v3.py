@@ -207,6 +207,12 @@ class _Mirror:
     """The coordinator's proposal for the next round (``post/proposal``)."""
     reform: Reform | None = None
     """The coordinator's last notice that a committed round is broken or a node waits (``post/reform``)."""
+    proposal_ring: dict[str, Any] = field(default_factory=dict)
+    """The proposal's ``ring``: node -> [addr, liveness port, lease] of its participants, as the coordinator's
+    mirror of their registrations had them; its rank 0 copies it into the round record."""
+    round_ring: dict[str, Peer] = field(default_factory=dict)
+    """The committed round's ``ring`` (validated): a participant finds its ring successor's liveness port there
+    instead of reading its registration (one read per agent per round less)."""
 
 
 @dataclass(slots=True)
@@ -422,7 +428,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     checked_at=checked_at,
                     recheck_s=_SAFETY_RECHECK_S,
                 )
-                seen_mod, proposal = mirror.committed_mod, mirror.proposal
+                seen_mod, proposal, ring = mirror.committed_mod, mirror.proposal, mirror.proposal_ring
                 decision = follow(view)
                 if decision.action != previous:
                     log.info("%sround %d: %s (%s)", self._ctx(), target, decision.action.value, decision.reason)
@@ -449,7 +455,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     joined_target = (target, self._lease_id)
             elif action is Action.COMMIT:
                 assert proposal is not None
-                if self._commit(target, decision.participants, seen_mod, proposal.mod_revision):
+                if self._commit(target, decision.participants, seen_mod, proposal.mod_revision, ring):
                     committed_mod = seen_mod
             elif action is Action.CHECK:
                 checked_at = self._clock()
@@ -691,13 +697,34 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             listener.close()
 
     def _watch_ring_successor(self, record: RoundRecord, rank: int) -> None:
-        """Hold a connection to the next participant's liveness port (the last one watches the first)."""
+        """Hold a connection to the next participant's liveness port (the last one watches the first): from the
+        round record's ``ring`` when it has the successor, else from its registration (one read)."""
         watch = self._peer_watch
         if watch is None:
             return
         successor = record.participants[(rank + 1) % len(record.participants)]
-        peer = self._current_peer(successor) if successor != self._node_id else None
-        watch.watch(peer)
+        if successor == self._node_id:
+            watch.watch(None)
+            return
+        with self._cond:
+            peer = self._mirror.round_ring.get(successor) if self._mirror.committed == record else None
+        watch.watch(peer if peer is not None else self._current_peer(successor))
+
+    @staticmethod
+    def _ring_of(ring: Any, participants: tuple[str, ...]) -> dict[str, Peer]:
+        """The round record's ``ring`` as peers; entries that are not well-formed are left out (that
+        participant's successor reads its registration). A revoke always checks the registration first."""
+        if not isinstance(ring, dict):
+            return {}
+        peers: dict[str, Peer] = {}
+        for node in participants:
+            entry = ring.get(node)
+            if not isinstance(entry, list) or len(entry) != 3:
+                continue
+            peer = peer_from_registration(node, {"addr": entry[0], "live_port": entry[1]}, entry[2])
+            if peer is not None:
+                peers[node] = peer
+        return peers
 
     def _current_peer(self, node: str) -> Peer | None:
         """``node``'s liveness port and lease from its registration now: from the full mirror, else one read."""
@@ -919,7 +946,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._lease_id == stale_lease:
                 self._register(self._require_conn())
 
-    def _commit(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int) -> bool:
+    def _commit(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int,
+                ring: dict[str, Any] | None = None) -> bool:
         """Commit the coordinator's proposal (of revision ``proposal_mod``) as round ``target``; this node is its
         rank 0 and hosts the workers' store. False when the round key, the proposal or the closed key moved."""
         conn = self._require_conn()
@@ -932,6 +960,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             "committed_by": self._node_id,
             "time": time.time(),
         }
+        if ring:  # add-only field: an older agent ignores it and reads its successor's registration
+            record["ring"] = {node: ring[node] for node in participants if node in ring}
         join_dir = f"{self._join_prefix}{target}/"
         # (Not compared: that each participant's join key still exists. etcd caps a txn at 128 ops, and a
         # participant that died since our snapshot is caught by the watch right after: the round breaks.)
@@ -1185,6 +1215,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     master_port=int(data["master_port"]),
                 )
                 mirror.committed, mirror.committed_mod = record, mod_revision
+                mirror.round_ring = self._ring_of(data.get("ring"), record.participants)
                 for stale in [n for n in mirror.joins if n <= record.number]:
                     del mirror.joins[stale]
                 for gone in [n for n in mirror.notices if n not in mirror.nodes]:  # kept for the last round only
@@ -1200,6 +1231,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             elif rel == "post/proposal":
                 data = json.loads(value)
                 mirror.proposal = Proposal(int(data["number"]), tuple(data["participants"]), mod_revision)
+                ring = data.get("ring")
+                mirror.proposal_ring = dict(ring) if isinstance(ring, dict) else {}
             elif rel == "post/reform":
                 data = json.loads(value)
                 reform = mirror.reform = Reform(int(data["round"]), int(data["waiting"]), tuple(data["lost"]))
@@ -1252,7 +1285,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     and old_coordinator[0] in round_now.participants:
                 self._participant_left(mirror, round_now, old_coordinator[0])
         elif rel == "post/proposal":
-            mirror.proposal = None
+            mirror.proposal, mirror.proposal_ring = None, {}
         elif rel == "post/reform":
             mirror.reform = None
 
@@ -1562,7 +1595,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 current is not None and current.number == target and current.participants == decision.participants
             ):
                 duty.proposed = proposal
-                return lambda: self._propose(target, decision.participants, seen_mod, proposal_mod, lease)
+                ring = {n: [p.addr, p.port, p.lease] for n in decision.participants if (p := mirror.peers.get(n)) is not None}
+                return lambda: self._propose(target, decision.participants, seen_mod, proposal_mod, lease, ring)
             self._cond.wait(self._wait_time(decision))
             return None
 
@@ -1585,12 +1619,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         log.info("%scoordinator: round %d must re-form (%d waiting, lost: %s)", self._ctx(), reform.round,
                  reform.waiting, ", ".join(reform.lost) or "none")
 
-    def _propose(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int, lease: int) -> None:
+    def _propose(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int, lease: int,
+                 ring: dict[str, list[Any]] | None = None) -> None:
         """Post the proposal unless the round key or the proposal moved since the decision (on our lease: a dead
         coordinator's proposal vanishes with it)."""
         conn = self._require_conn()
         tx = conn.client.transactions
-        value = json.dumps({"number": target, "participants": list(participants), "by": self._node_id})
+        value = json.dumps({"number": target, "participants": list(participants), "by": self._node_id,
+                            "ring": ring or {}})
         ok, _ = conn.call(f"propose round {target}", lambda: conn.client.transaction(
             compare=[tx.mod(self._round_key) == seen_mod, tx.mod(self._proposal_key) == proposal_mod],
             success=[tx.put(self._proposal_key, value, lease=lease)], failure=[]))
