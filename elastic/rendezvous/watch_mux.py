@@ -17,6 +17,7 @@ and must not call the mux while holding a lock their callbacks take (the mux's l
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -57,6 +58,12 @@ class WatchSubscriber(Protocol):
 
     def watch_fatal(self, exc: BaseException) -> None:
         """The mux gave up (retrying cannot help); no callback follows."""
+
+
+def _read_range(conn: EtcdConnection, key: str, range_end: bytes | None) -> Any:
+    if range_end is None:
+        return conn.client.get_response(key)
+    return conn.client.get_range_response(key, range_end)
 
 
 class _Canceled(Exception):
@@ -143,7 +150,7 @@ class WatchMux:
             retry=retry_if_exception(
                 lambda exc: not self._stop.is_set() and (is_transient(exc) or isinstance(exc, WatchCanceledError))
             ),
-            sleep=self._stop.wait,
+            sleep=self._sleep_unless_stopped,
             reraise=True,
         )
         try:
@@ -160,6 +167,9 @@ class WatchMux:
                 self._loaded_once.set()
                 for subscriber in list(self._subscribers):
                     subscriber.watch_fatal(exc)
+
+    def _sleep_unless_stopped(self, seconds: float) -> None:
+        self._stop.wait(seconds)
 
     def _watch_once(self) -> None:
         """Read the ranges unless loaded, then follow them from the next revision until the stream breaks."""
@@ -208,11 +218,7 @@ class WatchMux:
         kvs: list[dict[bytes, Any]] = []
         revs: list[int] = []
         for key, range_end in self._ranges:
-            if range_end is None:
-                resp = conn.call("read the rendezvous state", lambda key=key: conn.client.get_response(key))
-            else:
-                resp = conn.call("read the rendezvous state",
-                                 lambda key=key, end=range_end: conn.client.get_range_response(key, end))
+            resp = conn.call("read the rendezvous state", functools.partial(_read_range, conn, key, range_end))
             kvs.append({bytes(kv.key): kv for kv in resp.kvs})
             revs.append(int(resp.header.revision))
         with self._lock:
