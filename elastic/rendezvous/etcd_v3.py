@@ -54,6 +54,7 @@ import functools
 import json
 import logging
 import os
+import random
 import re
 import socket
 import threading
@@ -124,6 +125,21 @@ STORE_TIMEOUT = timedelta(seconds=60)
 
 _SAFETY_RECHECK_S = 2.0
 """Longest a waiting loop sleeps without a mirror change; only a backstop, wake-ups come from the watch."""
+
+ELECT_SPREAD_PER_NODE_S = 0.0005
+"""Without a coordinator, a node waits a random delay of up to this many seconds per ``max_nodes`` (at most
+``ELECT_SPREAD_MAX_S``) before it tries the election, and only tries when none won meanwhile: at 1,000 agents
+that starting together, the first winner's key reaches most of them before their turn, instead of 1,000
+election transactions (which, retried after a mass lease loss, kept an overloaded etcd answering "too many
+requests"). Below 10 ms (max_nodes < 20) there is no wait."""
+
+ELECT_SPREAD_MAX_S = 1.0
+
+
+def election_spread(max_nodes: int) -> float:
+    """The longest random wait before an election try (0: try at once)."""
+    spread = min(ELECT_SPREAD_MAX_S, ELECT_SPREAD_PER_NODE_S * max_nodes)
+    return spread if spread >= 0.01 else 0.0
 
 
 def _is_lease_not_found(exc: BaseException | None) -> bool:
@@ -229,10 +245,12 @@ class _CoordinatorDuty:
     reason: str = ""
     elect_tried_at: int | None = None
     """Mirror revision when this node last tried to become the coordinator."""
+    elect_after: float | None = None
+    """When (clock) this node may try the election (``election_spread``); None: not drawn yet."""
 
     def reset(self) -> None:
         self.target = self.proposed = self.reform = self.elect_tried_at = None
-        self.last_call = self.rejoin = None
+        self.last_call = self.rejoin = self.elect_after = None
 
 
 class _WatchTokenRenewed(WatchCanceledError):
@@ -1562,6 +1580,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     if self._mirror.revision == duty.elect_tried_at:
                         duty.elect_tried_at = None  # nothing came: try again
                     return None
+                renewer = self._renewer
+                if renewer is not None and renewer.is_alive():  # our lease is being replaced: elect on the new one
+                    self._cond.wait(_SAFETY_RECHECK_S)
+                    return None
+                now = self._clock()
+                if duty.elect_after is None:
+                    duty.elect_after = now + random.uniform(0.0, election_spread(self._config.max_nodes))
+                if now < duty.elect_after:
+                    self._cond.wait(duty.elect_after - now)  # a winner's key wakes us (and we do not try)
+                    return None
+                duty.elect_after = None
                 duty.elect_tried_at = mirror.revision
                 return lambda: self._elect(lease)
             if mirror.coordinator != (self._node_id, lease) or not mirror.full:

@@ -597,3 +597,12 @@ def test_the_round_record_names_each_participants_liveness_port_and_the_ring_use
         watch = by_node[node]._peer_watch
         assert watch is not None and watch.target is not None and watch.target.node == successor
         assert watch.target.port == by_node[successor]._liveness.port  # type: ignore[union-attr]
+
+
+def test_the_election_wait_grows_with_max_nodes_and_is_capped() -> None:
+    """A small job elects at once; 1,000 agents spread their tries over ~0.5 s (see ``election_spread``)."""
+    from elastic.rendezvous.etcd_v3 import ELECT_SPREAD_MAX_S, election_spread
+
+    assert election_spread(3) == 0.0 and election_spread(19) == 0.0
+    assert 0.4 <= election_spread(1000) <= 0.6
+    assert election_spread(100_000) == ELECT_SPREAD_MAX_S
