@@ -20,7 +20,10 @@ figures are an upper bound for N agents on N machines. Per N it reports:
   lease keepalive streams left out: they are per second, not per round).
 
 The handlers of one worker process share one etcd client (gRPC channel), as ``--channels shared`` (the
-default) says; ``--channels per-agent`` gives each its own, as N agents on N machines have.
+default) says, and with it one lease keeper and one follower watch stream (``watch_mux.py``); ``--channels
+per-agent`` gives each its own client, as N agents on N machines have. ``--profile PREFIX`` writes a cProfile of
+every thread of the first worker process and its CPU seconds by thread kind (where the agents' CPU goes);
+``kill -USR1`` of a worker prints every thread's stack.
 """
 
 from __future__ import annotations

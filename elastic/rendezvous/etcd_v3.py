@@ -5,12 +5,13 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
     P/ctl/nodes/{node}         registration, attached to the node's lease (vanishes <= lease_ttl after death)
     P/ctl/join/{round}/{node}  "I want to be in round N", attached to the node's lease
     P/ctl/round                the committed round record (JSON: number, participants, master addr/port:
-                               the workers' TCPStore, hosted by the round's rank-0 agent: ``worker_store``)
+                               the workers' TCPStore, hosted by the round's rank-0 agent: ``worker_store``;
+                               ring: each participant's [addr, liveness port, lease], copied from the proposal)
     P/ctl/closed               present once the job ended (set_closed/shutdown), until its last agent left
     P/ctl/notice/{node}        the node's preemption deadline (JSON), attached to its lease (publish_notice)
     P/ctl/post/coordinator     the coordinator (JSON: node, lease), on its lease; created by transaction when absent
     P/ctl/post/proposal        the coordinator's proposal for the next round (JSON: number, participants in rank
-                               order), on its lease; deleted by the commit
+                               order, ring), on its lease; deleted by the commit
     P/ctl/post/reform          the coordinator's notice that committed round N must re-form (JSON: round, waiting,
                                lost participants)
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
@@ -30,7 +31,8 @@ O(N) traffic per round: one node, the coordinator, mirrors all of ``P/ctl/`` thr
 polling) and runs the pure ``state.coordinate`` on it; when a round may close it posts the proposal, and when
 the committed round breaks (a participant lost or re-joining, a newcomer with a free slot) the reform notice.
 Every other node's stream watches only ``P/ctl/closed`` and ``[P/ctl/notice/, P/ctl/round]`` (notices, posts,
-round): the N registrations and N joins of a round reach one watcher, not N. A joining node runs the pure
+round): the N registrations and N joins of a round reach one watcher, not N. Handlers that share a ``ClientPool``
+(many simulated agents in one process) share that follower stream too (``watch_mux.py``). A joining node runs the pure
 ``state.follow``: it writes its join key and waits for the round key; the proposal's rank 0 commits it with one
 transaction that compares the round key's and the proposal's mod revisions (a stale agent, or a superseded
 proposal, fails) and that the job is not closed, then writes the record, clears the round's join keys and the
