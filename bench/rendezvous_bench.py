@@ -20,21 +20,27 @@ figures are an upper bound for N agents on N machines. Per N it reports:
   lease keepalive streams left out: they are per second, not per round).
 
 The handlers of one worker process share one etcd client (gRPC channel), as ``--channels shared`` (the
-default) says; ``--channels per-agent`` gives each its own, as N agents on N machines have.
+default) says, and with it one lease keeper and one follower watch stream (``watch_mux.py``); ``--channels
+per-agent`` gives each its own client, as N agents on N machines have. ``--profile PREFIX`` writes a cProfile of
+every thread of the first worker process and its CPU seconds by thread kind (where the agents' CPU goes);
+``kill -USR1`` of a worker prints every thread's stack.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import faulthandler
 import logging
 import math
 import multiprocessing as mp
 import os
+import pstats
 import queue
 import re
 import signal
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -60,11 +66,83 @@ class _Plan:
     shared_channels: bool
     silent_loss: bool = False
     log_dir: str | None = None
+    profile: str | None = None
+
+
+class _ThreadProfiles:
+    """cProfile in every thread of this process started after ``start`` (``threading.setprofile``), merged and
+    written by ``dump``: where the agents' CPU goes (``--profile``), without py-spy."""
+
+    def __init__(self) -> None:
+        self._profiles: list[cProfile.Profile] = []
+        self._lock = threading.Lock()
+        self._cpu_at_start: dict[str, float] = {}
+
+    def _hook(self, *_args: Any) -> None:
+        prof = cProfile.Profile(time.thread_time)  # CPU seconds of this thread, not wall time
+        with self._lock:
+            self._profiles.append(prof)
+        prof.enable()  # replaces this hook for the rest of the thread
+
+    def start(self) -> None:
+        self._cpu_at_start = thread_cpu()
+        threading.setprofile(self._hook)
+        self._hook()
+
+    def dump(self, path: str) -> None:
+        threading.setprofile(None)  # type: ignore[arg-type]  # None removes the hook
+        with self._lock:
+            profiles = list(self._profiles)
+        stats: pstats.Stats | None = None
+        for prof in profiles:
+            prof.create_stats()
+            if not getattr(prof, "stats", None):
+                continue
+            if stats is None:
+                stats = pstats.Stats(prof)
+            else:
+                stats.add(prof)
+        if stats is not None:
+            stats.dump_stats(path)
+        with open(path.replace(".pstats", ".threads"), "w") as f:
+            now = thread_cpu()
+            rows = sorted(((kind, seconds - self._cpu_at_start.get(kind, 0.0)) for kind, seconds in now.items()),
+                          key=lambda kv: -kv[1])
+            f.write("".join(f"{seconds:9.2f} s  {kind}\n" for kind, seconds in rows))
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, by kind (Python thread names without their agent id;
+    threads that are not Python's, grpc's C core among them, and ended ones under "other"), and "total"."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(tid: int | str) -> float:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    by_kind: dict[str, float] = {}
+    named = 0.0
+    for thread in threading.enumerate():
+        if thread.native_id is None:
+            continue
+        kind = re.sub(r"agent\d+|\d+", "#", thread.name)
+        seconds = cpu(thread.native_id)
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds
+        named += seconds
+    total = time.process_time()
+    by_kind["other (C threads, ended threads)"] = total - named
+    by_kind["total"] = total
+    return by_kind
 
 
 def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: Any) -> None:
     """One worker process: its share of the agents, driven by the parent's events."""
     faulthandler.enable()  # a hard crash (grpc's C core) still says where on stderr
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack on stderr
     if plan.log_dir is None:
         logging.basicConfig(level=logging.ERROR)
     else:  # every handler's INFO lines, one file per worker process
@@ -104,19 +182,27 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: An
         info = handlers[i].next_rendezvous()
         results.put(("recovered", i, time.time(), info.world_size))
 
+    profiles = _ThreadProfiles() if plan.profile is not None and 0 in ids else None
     try:
         with ThreadPoolExecutor(max_workers=len(ids)) as pool:
             results.put(("ready", -1, time.time(), time.process_time()))
             go.wait()
+            if profiles is not None:
+                profiles.start()
             for fut in [pool.submit(first_round, i) for i in ids]:
                 fut.result()
             results.put(("cpu-first", -1, time.time(), time.process_time()))
+            if profiles is not None:
+                profiles.dump(f"{plan.profile}-first.pstats")
+                profiles.start()
             crash.wait()
             if plan.victim in handlers:
                 handlers[plan.victim]._simulate_crash(silent=plan.silent_loss)
             for fut in [pool.submit(survive, i) for i in ids if i != plan.victim]:
                 fut.result()
             results.put(("cpu-recovery", -1, time.time(), time.process_time()))
+            if profiles is not None:
+                profiles.dump(f"{plan.profile}-recovery.pstats")
     except Exception as exc:  # noqa: BLE001 (report to the parent instead of dying silently)
         results.put(("error", -1, time.time(), repr(exc)))
     finally:
@@ -182,9 +268,11 @@ def etcd_counters(server: EmbeddedEtcd) -> tuple[float, float]:
 
 
 def bench(n: int, server: EmbeddedEtcd, lease_ttl: int, last_call: float, rejoin: float, procs: int,
-          shared_channels: bool = True, silent_loss: bool = False, log_dir: str | None = None) -> dict[str, float]:
+          shared_channels: bool = True, silent_loss: bool = False, log_dir: str | None = None,
+          profile: str | None = None) -> dict[str, float]:
     plan = _Plan(server.endpoint, f"bench-{n}-{time.time_ns()}", n, lease_ttl, last_call, rejoin, victim=n // 2,
-                 shared_channels=shared_channels, silent_loss=silent_loss, log_dir=log_dir)
+                 shared_channels=shared_channels, silent_loss=silent_loss, log_dir=log_dir,
+                 profile=None if profile is None else f"{profile}-{n}")
     ctx = mp.get_context("spawn")
     go, crash, results = ctx.Event(), ctx.Event(), ctx.Queue()
     shares = [list(range(n))[k::procs] for k in range(procs)]
@@ -254,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the lost agent's liveness port closes (killed) or stays open, silent (power off)")
     parser.add_argument("--log-dir", default=None,
                         help="write every agent's INFO log lines there (one file per worker process)")
+    parser.add_argument("--profile", default=None, metavar="PREFIX",
+                        help="cProfile every thread of the first worker process: PREFIX-N-first.pstats and "
+                             "PREFIX-N-recovery.pstats (first round included; read with python -m pstats)")
     args = parser.parse_args(argv)
     # A SIGTERM (timeout, Ctrl-C's cousin) still stops etcd and removes its data directory.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
@@ -272,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 procs = args.procs or max(1, math.ceil(n / 32))
                 r = bench(n, server, args.lease_ttl, args.last_call, args.rejoin, min(procs, n),
                           shared_channels=args.channels == "shared", silent_loss=args.loss == "silent",
-                          log_dir=args.log_dir)
+                          log_dir=args.log_dir, profile=args.profile)
                 print(
                     f"{n:>7} {procs:>6} {r['first_round_s']:>11.3f}s {r['loss_detection_s']:>9.3f}s "
                     f"{r['recovery_round_s']:>14.3f}s {r['loss_to_recovered_s']:>11.3f}s "

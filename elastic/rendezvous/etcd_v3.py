@@ -5,12 +5,13 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
     P/ctl/nodes/{node}         registration, attached to the node's lease (vanishes <= lease_ttl after death)
     P/ctl/join/{round}/{node}  "I want to be in round N", attached to the node's lease
     P/ctl/round                the committed round record (JSON: number, participants, master addr/port:
-                               the workers' TCPStore, hosted by the round's rank-0 agent: ``worker_store``)
+                               the workers' TCPStore, hosted by the round's rank-0 agent: ``worker_store``;
+                               ring: each participant's [addr, liveness port, lease], copied from the proposal)
     P/ctl/closed               present once the job ended (set_closed/shutdown), until its last agent left
     P/ctl/notice/{node}        the node's preemption deadline (JSON), attached to its lease (publish_notice)
     P/ctl/post/coordinator     the coordinator (JSON: node, lease), on its lease; created by transaction when absent
     P/ctl/post/proposal        the coordinator's proposal for the next round (JSON: number, participants in rank
-                               order), on its lease; deleted by the commit
+                               order, ring), on its lease; deleted by the commit
     P/ctl/post/reform          the coordinator's notice that committed round N must re-form (JSON: round, waiting,
                                lost participants)
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
@@ -30,7 +31,8 @@ O(N) traffic per round: one node, the coordinator, mirrors all of ``P/ctl/`` thr
 polling) and runs the pure ``state.coordinate`` on it; when a round may close it posts the proposal, and when
 the committed round breaks (a participant lost or re-joining, a newcomer with a free slot) the reform notice.
 Every other node's stream watches only ``P/ctl/closed`` and ``[P/ctl/notice/, P/ctl/round]`` (notices, posts,
-round): the N registrations and N joins of a round reach one watcher, not N. A joining node runs the pure
+round): the N registrations and N joins of a round reach one watcher, not N. Handlers that share a ``ClientPool``
+(many simulated agents in one process) share that follower stream too (``watch_mux.py``). A joining node runs the pure
 ``state.follow``: it writes its join key and waits for the round key; the proposal's rank 0 commits it with one
 transaction that compares the round key's and the proposal's mod revisions (a stale agent, or a superseded
 proposal, fails) and that the job is not closed, then writes the record, clears the round's join keys and the
@@ -54,6 +56,7 @@ import functools
 import json
 import logging
 import os
+import random
 import re
 import socket
 import threading
@@ -112,6 +115,7 @@ from .state import (
     reform_of,
 )
 from .store import EtcdV3Store
+from .watch_mux import WatchMux
 from .worker_store import WorkerStoreHost, agent_hosts_store
 
 log = logging.getLogger(__name__)
@@ -123,6 +127,21 @@ STORE_TIMEOUT = timedelta(seconds=60)
 
 _SAFETY_RECHECK_S = 2.0
 """Longest a waiting loop sleeps without a mirror change; only a backstop, wake-ups come from the watch."""
+
+ELECT_SPREAD_PER_NODE_S = 0.0005
+"""Without a coordinator, a node waits a random delay of up to this many seconds per ``max_nodes`` (at most
+``ELECT_SPREAD_MAX_S``) before it tries the election, and only tries when none won meanwhile: at 1,000 agents
+that starting together, the first winner's key reaches most of them before their turn, instead of 1,000
+election transactions (which, retried after a mass lease loss, kept an overloaded etcd answering "too many
+requests"). Below 10 ms (max_nodes < 20) there is no wait."""
+
+ELECT_SPREAD_MAX_S = 1.0
+
+
+def election_spread(max_nodes: int) -> float:
+    """The longest random wait before an election try (0: try at once)."""
+    spread = min(ELECT_SPREAD_MAX_S, ELECT_SPREAD_PER_NODE_S * max_nodes)
+    return spread if spread >= 0.01 else 0.0
 
 
 def _is_lease_not_found(exc: BaseException | None) -> bool:
@@ -206,6 +225,13 @@ class _Mirror:
     """The coordinator's proposal for the next round (``post/proposal``)."""
     reform: Reform | None = None
     """The coordinator's last notice that a committed round is broken or a node waits (``post/reform``)."""
+    proposal_ring: dict[str, Any] = field(default_factory=dict)
+    """The proposal's ``ring``: node -> [addr, liveness port, lease] of its participants, as the coordinator's
+    mirror of their registrations had them; its rank 0 copies it into the round record."""
+    round_ring: dict[str, Any] = field(default_factory=dict)
+    """The committed round's ``ring`` as read (validated per entry when used, ``_ring_peer``): a participant finds
+    its ring successor's liveness port there instead of reading its registration (one read per agent per round
+    less). Not validated up front: 1,000 agents in one process would each check 1,000 entries."""
 
 
 @dataclass(slots=True)
@@ -222,10 +248,12 @@ class _CoordinatorDuty:
     reason: str = ""
     elect_tried_at: int | None = None
     """Mirror revision when this node last tried to become the coordinator."""
+    elect_after: float | None = None
+    """When (clock) this node may try the election (``election_spread``); None: not drawn yet."""
 
     def reset(self) -> None:
         self.target = self.proposed = self.reform = self.elect_tried_at = None
-        self.last_call = self.rejoin = None
+        self.last_call = self.rejoin = self.elect_after = None
 
 
 class _WatchTokenRenewed(WatchCanceledError):
@@ -338,6 +366,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Refreshes our lease: our own, or the one the pool's handlers share (``lease_keeper.py``)."""
         self._renewer: threading.Thread | None = None
         """Re-registers after our lease was found gone (off the keeper's thread, which serves every lease)."""
+        self._mux: WatchMux | None = None
+        """With a pool: the watch its handlers share (``watch_mux.py``), held from connect to release."""
+        self._mux_fatal: BaseException | None = None
+        """The pool's shared watch (``watch_mux``) gave up with this error."""
 
     # ================================================================== torch interface
     def get_backend(self) -> str:
@@ -417,7 +449,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     checked_at=checked_at,
                     recheck_s=_SAFETY_RECHECK_S,
                 )
-                seen_mod, proposal = mirror.committed_mod, mirror.proposal
+                seen_mod, proposal, ring = mirror.committed_mod, mirror.proposal, mirror.proposal_ring
                 decision = follow(view)
                 if decision.action != previous:
                     log.info("%sround %d: %s (%s)", self._ctx(), target, decision.action.value, decision.reason)
@@ -444,7 +476,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     joined_target = (target, self._lease_id)
             elif action is Action.COMMIT:
                 assert proposal is not None
-                if self._commit(target, decision.participants, seen_mod, proposal.mod_revision):
+                if self._commit(target, decision.participants, seen_mod, proposal.mod_revision, ring):
                     committed_mod = seen_mod
             elif action is Action.CHECK:
                 checked_at = self._clock()
@@ -686,13 +718,27 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             listener.close()
 
     def _watch_ring_successor(self, record: RoundRecord, rank: int) -> None:
-        """Hold a connection to the next participant's liveness port (the last one watches the first)."""
+        """Hold a connection to the next participant's liveness port (the last one watches the first): from the
+        round record's ``ring`` when it has the successor, else from its registration (one read)."""
         watch = self._peer_watch
         if watch is None:
             return
         successor = record.participants[(rank + 1) % len(record.participants)]
-        peer = self._current_peer(successor) if successor != self._node_id else None
-        watch.watch(peer)
+        if successor == self._node_id:
+            watch.watch(None)
+            return
+        with self._cond:
+            peer = self._ring_peer(successor, self._mirror.round_ring) if self._mirror.committed == record else None
+        watch.watch(peer if peer is not None else self._current_peer(successor))
+
+    @staticmethod
+    def _ring_peer(node: str, ring: dict[str, Any]) -> Peer | None:
+        """``node``'s entry of the round record's ``ring`` as a peer; None when absent or not well-formed (its
+        predecessor then reads its registration). A revoke always checks the registration first."""
+        entry = ring.get(node)
+        if not isinstance(entry, list) or len(entry) != 3:
+            return None
+        return peer_from_registration(node, {"addr": entry[0], "live_port": entry[1]}, entry[2])
 
     def _current_peer(self, node: str) -> Peer | None:
         """``node``'s liveness port and lease from its registration now: from the full mirror, else one read."""
@@ -914,7 +960,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._lease_id == stale_lease:
                 self._register(self._require_conn())
 
-    def _commit(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int) -> bool:
+    def _commit(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int,
+                ring: dict[str, Any] | None = None) -> bool:
         """Commit the coordinator's proposal (of revision ``proposal_mod``) as round ``target``; this node is its
         rank 0 and hosts the workers' store. False when the round key, the proposal or the closed key moved."""
         conn = self._require_conn()
@@ -927,6 +974,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             "committed_by": self._node_id,
             "time": time.time(),
         }
+        if ring:  # add-only field: an older agent ignores it and reads its successor's registration
+            record["ring"] = {node: ring[node] for node in participants if node in ring}
         join_dir = f"{self._join_prefix}{target}/"
         # (Not compared: that each participant's join key still exists. etcd caps a txn at 128 ops, and a
         # participant that died since our snapshot is caught by the watch right after: the round breaks.)
@@ -966,9 +1015,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._connect_failed = True
                     raise
                 try:
-                    self._load(conn)
+                    if self._pool is None:
+                        self._load(conn)
+                    else:
+                        self._load_shared()
                 except BaseException as exc:
                     self._connect_failed = isinstance(exc, RendezvousConnectionError)
+                    self._release_mux()
                     conn.close()
                     raise
                 self._conn = conn
@@ -1176,6 +1229,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     master_port=int(data["master_port"]),
                 )
                 mirror.committed, mirror.committed_mod = record, mod_revision
+                ring = data.get("ring")
+                mirror.round_ring = ring if isinstance(ring, dict) else {}
                 for stale in [n for n in mirror.joins if n <= record.number]:
                     del mirror.joins[stale]
                 for gone in [n for n in mirror.notices if n not in mirror.nodes]:  # kept for the last round only
@@ -1191,6 +1246,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             elif rel == "post/proposal":
                 data = json.loads(value)
                 mirror.proposal = Proposal(int(data["number"]), tuple(data["participants"]), mod_revision)
+                ring = data.get("ring")
+                mirror.proposal_ring = ring if isinstance(ring, dict) else {}
             elif rel == "post/reform":
                 data = json.loads(value)
                 reform = mirror.reform = Reform(int(data["round"]), int(data["waiting"]), tuple(data["lost"]))
@@ -1243,7 +1300,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     and old_coordinator[0] in round_now.participants:
                 self._participant_left(mirror, round_now, old_coordinator[0])
         elif rel == "post/proposal":
-            mirror.proposal = None
+            mirror.proposal, mirror.proposal_ring = None, {}
         elif rel == "post/reform":
             mirror.reform = None
 
@@ -1298,6 +1355,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """One watch stream over the wanted view; True when it ended because the wanted view changed."""
         conn = self._require_conn()
         stream = None
+        with self._cond:
+            shared = self._pool is not None and not self._want_full()
+        if shared:
+            return self._follow_shared()
         try:
             with self._cond:
                 full = self._want_full()
@@ -1350,10 +1411,100 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             raise WatchCanceledError("watch stream ended")
         return False
 
+    # ------------------------------------------------------------------ the pool's shared watch (watch_mux.py)
+    def _follow_shared(self) -> bool:
+        """Follow the followers' view through the watch every handler of the pool shares (one stream per
+        process instead of one per handler); True when it ended because the wanted view changed.
+
+        CHANGE (vs one stream per handler): only with a ``ClientPool``, i.e. many agents in one process (the
+        bench, tests); a real agent (no pool) keeps its own stream."""
+        mux = self._mux
+        assert mux is not None  # held from connect to release
+        with self._cond:
+            epoch = self._view_epoch
+        mux.subscribe(self)  # never under our condition: the mux's callbacks take it
+        try:
+            with self._cond:
+                while True:
+                    if self._stop.is_set():
+                        return False
+                    fatal = self._mux_fatal
+                    if isinstance(fatal, RendezvousError):  # a copy: every handler of the pool raises it
+                        raise type(fatal)(str(fatal)) from fatal
+                    if fatal is not None:
+                        raise RendezvousWatchError(f"the shared etcd watch failed: {describe(fatal)}") from fatal
+                    if self._view_epoch != epoch or self._want_full():
+                        return True
+                    self._cond.wait(_SAFETY_RECHECK_S)
+        finally:
+            mux.unsubscribe(self)
+
+    def _load_shared(self) -> None:
+        """``_load`` from the pool's shared watch: its keys, without a read of our own (bounded by etcd_timeout)."""
+        self._mux = mux = self._acquire_mux()
+        try:
+            state = mux.state(self._config.etcd_timeout)
+        except RendezvousError:
+            raise
+        except Exception as exc:
+            raise RendezvousWatchError(f"{self._ctx()}the shared etcd watch failed: {describe(exc)}") from exc
+        if state is None:
+            raise RendezvousConnectionError(
+                f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for {self._config.etcd_timeout:.0f} s "
+                f"while trying to read the rendezvous state (shared watch)")
+        self.watch_reset(*state)
+
+    def _mux_key(self) -> tuple[Any, ...]:
+        return ("watch-mux", *ClientPool.key(self._config), self._config.run_prefix)
+
+    def _acquire_mux(self) -> WatchMux:
+        pool, config = self._pool, self._config
+        assert pool is not None
+        ranges = self._watched_ranges(False)
+        return pool.acquire_shared(self._mux_key(), lambda: WatchMux(
+            EtcdConnection(config, pool=pool), ranges, name=f"rdzv-watch-mux-{config.run_id}"))
+
+    def _release_mux(self) -> None:
+        mux, self._mux = self._mux, None
+        if mux is None or self._pool is None:
+            return
+        mux.unsubscribe(self)
+        last = self._pool.release_shared(self._mux_key())
+        if last is not None:
+            last.close()
+            last.connection.close()
+
+    # WatchSubscriber (watch_mux.py), called from the mux's thread under its lock: never block here.
+    def watch_reset(self, kvs: Any, revisions: Any) -> None:
+        mirror = _Mirror(loaded=True, full=False)
+        for range_kvs, revision in zip(kvs, revisions, strict=True):
+            mirror.watch_revs.append(int(revision))
+            mirror.revision = max(mirror.revision, int(revision))
+            for kv in range_kvs:
+                self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision, kv.lease)
+        with self._cond:
+            self._mirror = mirror
+            self._cond.notify_all()
+        self._note_etcd_ok()
+
+    def watch_events(self, events: Any, watch_id: int) -> None:
+        self._apply_events(events, watch_id)
+        self._note_etcd_ok()
+
+    def watch_failed(self, exc: BaseException) -> None:
+        if not self._stop.is_set():
+            self._note_etcd_failure(exc)
+
+    def watch_fatal(self, exc: BaseException) -> None:
+        with self._cond:
+            self._mux_fatal = exc
+            self._cond.notify_all()
+
     def _change_view(self) -> None:
         """The wanted view changed outside the watch thread: make it reload (call after the change)."""
         with self._cond:
             self._view_epoch += 1
+            self._cond.notify_all()  # a follower on the shared watch waits on the condition, not a stream
         stream = self._watch_stream
         if stream is not None:
             stream.cancel()
@@ -1426,6 +1577,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     if self._mirror.revision == duty.elect_tried_at:
                         duty.elect_tried_at = None  # nothing came: try again
                     return None
+                renewer = self._renewer
+                if renewer is not None and renewer.is_alive():  # our lease is being replaced: elect on the new one
+                    self._cond.wait(_SAFETY_RECHECK_S)
+                    return None
+                now = self._clock()
+                if duty.elect_after is None:
+                    duty.elect_after = now + random.uniform(0.0, election_spread(self._config.max_nodes))
+                if now < duty.elect_after:
+                    self._cond.wait(duty.elect_after - now)  # a winner's key wakes us (and we do not try)
+                    return None
+                duty.elect_after = None
                 duty.elect_tried_at = mirror.revision
                 return lambda: self._elect(lease)
             if mirror.coordinator != (self._node_id, lease) or not mirror.full:
@@ -1459,7 +1621,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 current is not None and current.number == target and current.participants == decision.participants
             ):
                 duty.proposed = proposal
-                return lambda: self._propose(target, decision.participants, seen_mod, proposal_mod, lease)
+                ring = {n: [p.addr, p.port, p.lease] for n in decision.participants if (p := mirror.peers.get(n)) is not None}
+                return lambda: self._propose(target, decision.participants, seen_mod, proposal_mod, lease, ring)
             self._cond.wait(self._wait_time(decision))
             return None
 
@@ -1482,12 +1645,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         log.info("%scoordinator: round %d must re-form (%d waiting, lost: %s)", self._ctx(), reform.round,
                  reform.waiting, ", ".join(reform.lost) or "none")
 
-    def _propose(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int, lease: int) -> None:
+    def _propose(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int, lease: int,
+                 ring: dict[str, list[Any]] | None = None) -> None:
         """Post the proposal unless the round key or the proposal moved since the decision (on our lease: a dead
         coordinator's proposal vanishes with it)."""
         conn = self._require_conn()
         tx = conn.client.transactions
-        value = json.dumps({"number": target, "participants": list(participants), "by": self._node_id})
+        value = json.dumps({"number": target, "participants": list(participants), "by": self._node_id,
+                            "ring": ring or {}})
         ok, _ = conn.call(f"propose round {target}", lambda: conn.client.transaction(
             compare=[tx.mod(self._round_key) == seen_mod, tx.mod(self._proposal_key) == proposal_mod],
             success=[tx.put(self._proposal_key, value, lease=lease)], failure=[]))
@@ -1591,6 +1756,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if thread is not threading.current_thread():
                 thread.join(timeout=2.0)  # a stuck thread must not hold up a signal-driven leave()
         self._threads.clear()
+        self._release_mux()
 
     def _ctx(self) -> str:
         record = self._my_round

@@ -179,6 +179,7 @@ def test_handlers_sharing_one_client_form_rounds_and_outlive_a_leaver(etcd_serve
     names = [t.name for t in threading.enumerate()]
     assert names.count("rdzv-lease-shared") == 1, "one lease keeper thread for the three"
     assert not any(n.startswith("rdzv-lease-n") for n in names), "no lease thread of their own"
+    assert sum(n.startswith("rdzv-watch-mux-") for n in names) == 1, "the followers share one watch stream"
     leases = [h._lease_id for h in hs]
     assert not any(pool.map(lambda h: h.wait_membership_change(3 * LEASE_TTL), hs)), "the shared keeper let a lease go"
     assert [h._lease_id for h in hs] == leases
@@ -569,3 +570,39 @@ def test_an_address_this_host_cannot_serve_is_a_clear_config_error() -> None:
     host = WorkerStoreHost("no-such-host.invalid", enabled=True)
     with pytest.raises(RendezvousConfigError, match=r"workers' store of round 3 at no-such-host\.invalid"):
         host.port_for(3)
+
+
+@pytest.mark.timeout(60)
+def test_the_round_record_names_each_participants_liveness_port_and_the_ring_uses_it(
+        etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """The coordinator's proposal carries every participant's liveness port and lease (from its mirror of the
+    registrations) and the commit copies them into the round record: each agent holds a connection to its ring
+    successor without reading that successor's registration (one read per agent per round less)."""
+    import json
+
+    config = make_config(etcd_server.endpoint, run_id="ring", min_nodes=3, max_nodes=3)
+    hs = [handlers(config, node_id=f"n{i}") for i in range(3)]
+    assert_consistent(rendezvous_all(pool, hs), 3)
+    conn = hs[0]._require_conn()
+    value, _ = conn.client.get(config.run_prefix + "ctl/round")
+    record = json.loads(value)
+    by_node = {h.node_id: h for h in hs}
+    for node, (addr, port, lease) in record["ring"].items():
+        h = by_node[node]
+        assert h._liveness is not None and (port, lease) == (h._liveness.port, h._lease_id), f"{node}'s ring entry"
+        assert isinstance(addr, str) and addr
+    assert set(record["ring"]) == set(by_node)
+    for rank, node in enumerate(record["participants"]):
+        successor = record["participants"][(rank + 1) % 3]
+        watch = by_node[node]._peer_watch
+        assert watch is not None and watch.target is not None and watch.target.node == successor
+        assert watch.target.port == by_node[successor]._liveness.port  # type: ignore[union-attr]
+
+
+def test_the_election_wait_grows_with_max_nodes_and_is_capped() -> None:
+    """A small job elects at once; 1,000 agents spread their tries over ~0.5 s (see ``election_spread``)."""
+    from elastic.rendezvous.etcd_v3 import ELECT_SPREAD_MAX_S, election_spread
+
+    assert election_spread(3) == 0.0 and election_spread(19) == 0.0
+    assert 0.4 <= election_spread(1000) <= 0.6
+    assert election_spread(100_000) == ELECT_SPREAD_MAX_S
