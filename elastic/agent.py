@@ -41,6 +41,7 @@ import logging
 import os
 import signal
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -1033,14 +1034,16 @@ def complete_failures(
     died_at: dict[int, float],
     close_started_at: float | None,
 ) -> dict[int, ProcessFailure]:
-    """Every rank that failed on its own, by global rank, in the order they died (root cause first)."""
-    merged = dict(failures)
+    """Every rank that failed on its own, by global rank, in the order they died (root cause first). A worker
+    that had returned and was SIGKILLed only to release it (``_RELEASED``) is no failure, whatever torch says."""
+    released = _RELEASED.get(pcontext, set())
+    merged = {rank: f for rank, f in failures.items() if f.local_rank not in released}
     pids = pcontext.pids()
     for local_rank, when in died_at.items():
         global_rank = worker_group.workers[local_rank].global_rank
         exitcode = _exitcode(pcontext, local_rank)
         on_its_own = close_started_at is None or when < close_started_at
-        if global_rank in merged or not on_its_own or exitcode == 0:
+        if global_rank in merged or not on_its_own or exitcode == 0 or local_rank in released:
             continue
         merged[global_rank] = ProcessFailure(
             local_rank=local_rank, pid=pids.get(local_rank, -1), exitcode=exitcode,
@@ -1110,6 +1113,11 @@ def _stop_workers(pcontext: PContext, sig: signal.Signals, grace: float) -> None
     terminate_processes(worker_processes(pcontext) or [], remaining, sig)
 
 
+_RELEASED: weakref.WeakKeyDictionary[PContext, set[int]] = weakref.WeakKeyDictionary()
+"""Local ranks of each process context that had returned (script done, exit 0) and were SIGKILLed only to let
+them out of torch's ``_wrap``: their -9 is not a failure (``complete_failures``), as under torchrun they exit 0."""
+
+
 def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signals, timeout: float) -> None:
     """CHANGE: a function worker that already returned waits in torch's ``_wrap`` for the agent's next poll
     (``_worker_finished_event``); an agent that is closing never polls again, so a worker that exited 0 on
@@ -1122,6 +1130,8 @@ def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signa
         return
     from multiprocessing.connection import wait as wait_for_sentinels
 
+    released = _RELEASED.setdefault(pcontext, set())
+
     for proc in processes:
         if proc.is_alive() and proc.pid is not None:  # alive implies started, so a pid
             signal_worker(proc.pid, death_sig)  # its process group when it leads one (warm workers)
@@ -1133,6 +1143,7 @@ def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signa
         for rank, proc in alive:
             queue = ret_vals.get(rank)
             if queue is not None and not queue.empty() and proc.pid is not None:
+                released.add(rank)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
         wait_for_sentinels([proc.sentinel for _, proc in alive], timeout=min(0.1, max(0.0, deadline - time.monotonic())))
