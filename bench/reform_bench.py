@@ -1,7 +1,7 @@
 """Re-form cost: today's process restart (spotrun, real agents) vs rebuilding the process group in place
 inside surviving workers (issue 18 item 4: measured, then decided). gloo on CPU.
 
-    python bench/reform_bench.py                  # 2 cycles of each side
+    python bench/reform_bench.py                  # 2 cycles of each side, in one run
     python bench/reform_bench.py --cycles 1 --sides inplace
 
 Job: ``examples/train_ddp.py``'s model, optimizer (SGD + momentum) and data cursor (``elastic.data``), DDP.
@@ -15,6 +15,9 @@ Job: ``examples/train_ddp.py``'s model, optimizer (SGD + momentum) and data curs
   ``workers_started`` -> first step of the new group. What the in-place path would remove is
   ``rendezvous_completed -> first step`` (stopping and starting the workers: warm fork, process-group init,
   memory-tier restore, DDP construction, the first step).
+* ``agent-inplace``: the same with ``SPOTRUN_REFORM_IN_PLACE=1`` (the prototype, ``elastic.worker.reform``):
+  the survivors of a ``notice`` keep their processes and rebuild their group when the agent posts the new
+  round; ``join`` and ``kill`` still restart (the prototype covers a peer's planned leave only).
 * ``inplace``: N processes (started before timing: they stand for surviving workers) train the same job at
   world N; at the change, the survivors keep model, optimizer and cursor in memory and time
   ``del ddp`` + ``destroy_process_group``, ``init_process_group`` at the new size (a fresh TCP store port,
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -45,7 +49,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the shared process harness
 from bench.elastic_bench import rendezvous_endpoint
-from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, Timeout, free_port, make_env, read_jsonl, signal_all, wait_for
+from elastic.api import ENV_REFORM_IN_PLACE
+from tests.harness.procs import (
+    EXAMPLES,
+    SPOTRUN,
+    Launcher,
+    Timeout,
+    free_port,
+    make_env,
+    read_jsonl,
+    signal_all,
+    wait_for,
+)
 
 JOB = str(EXAMPLES / "train_ddp.py")
 STEP_TIME = 0.05
@@ -63,15 +78,13 @@ def _agent_argv(endpoint: str, nodes: int, workdir: Path) -> list[str]:
             "--preempt-sync-every", "4", "--progress-file", str(workdir / "progress.jsonl")]
 
 
-def _first_new_step(workdir: Path, after: float, world: int, old_pids: set[int]) -> float | None:
+def _first_step_at(workdir: Path, after: float, world: int) -> float | None:
+    """The first step at ``world`` after ``after`` (before it the group trained at another size; an in-place
+    survivor keeps its pid, so the pid does not tell the new group)."""
     for rec in read_jsonl(workdir / "progress.jsonl"):
-        if rec["t_wall"] > after and rec["world_size"] == world and rec["pid"] not in old_pids:
+        if rec["t_wall"] > after and rec["world_size"] == world:
             return float(rec["t_wall"])
     return None
-
-
-def _pids_so_far(workdir: Path) -> set[int]:
-    return {rec["pid"] for rec in read_jsonl(workdir / "progress.jsonl")}
 
 
 def _node0_events(workdir: Path, node0_pid: int, after: float) -> dict[str, float]:
@@ -86,10 +99,14 @@ def _node0_events(workdir: Path, node0_pid: int, after: float) -> dict[str, floa
     return out
 
 
-def restart_side(nodes: int, cycles: int, workdir: Path, timeout: float) -> dict[str, list[dict[str, float]]]:
-    """change -> list of {stage: seconds from the change's origin (agreed step commit, or the death)}."""
+def restart_side(nodes: int, cycles: int, workdir: Path, timeout: float, *,
+                 in_place: bool = False) -> dict[str, list[dict[str, float]]]:
+    """change -> list of {stage: seconds from the change's origin (agreed step commit, or the death)}.
+    ``in_place``: the agents and workers run with SPOTRUN_REFORM_IN_PLACE=1 (the prototype: a notice re-forms
+    around the survivors' processes; a join and a kill restart them as before)."""
     results: dict[str, list[dict[str, float]]] = {c: [] for c in CHANGES}
-    env = make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"), OMP_NUM_THREADS="1")
+    extra = {ENV_REFORM_IN_PLACE: "1"} if in_place else {}
+    env = make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"), OMP_NUM_THREADS="1", **extra)
     with rendezvous_endpoint("spotrun") as endpoint:
         agents: list[Launcher] = []
 
@@ -98,29 +115,35 @@ def restart_side(nodes: int, cycles: int, workdir: Path, timeout: float) -> dict
             agents.append(agent)
             return agent
 
-        def wait_world(world: int, after: float, old: set[int], what: str) -> float:
-            return wait_for(lambda: _first_new_step(workdir, after, world, old), timeout, what, interval=0.05)
+        def wait_world(world: int, after: float, what: str) -> float:
+            return wait_for(lambda: _first_step_at(workdir, after, world), timeout, what, interval=0.05)
 
         try:
             for _ in range(nodes):
                 start()
-            wait_world(nodes, 0.0, set(), f"{nodes} agents to train together")
+            wait_world(nodes, 0.0, f"{nodes} agents to train together")
             for cycle in range(cycles):
+                if cycle:  # the last cycle's kill left N-1 nodes: a replacement first (not measured)
+                    t_join = time.time()
+                    start()
+                    wait_world(nodes, t_join, f"cycle {cycle}: back to {nodes} nodes")
+                    time.sleep(1.0)
                 for change in CHANGES:
-                    old = _pids_so_far(workdir)
+                    live = [a for a in agents[1:] if a.proc.poll() is None]  # never agent 0, whose events are read
                     t_fault = time.time()
                     if change == "notice":
-                        agents[-1].signal(signal.SIGTERM)
+                        live[-1].signal(signal.SIGTERM)
                     elif change == "join":
                         start()
                     else:
-                        signal_all(agents[-1].snapshot_tree(), signal.SIGKILL)
+                        signal_all(live[-1].snapshot_tree(), signal.SIGKILL)
                     world = nodes if change == "join" else nodes - 1
-                    first = wait_world(world, t_fault, old, f"cycle {cycle}: first step after {change}")
+                    first = wait_world(world, t_fault, f"cycle {cycle}: first step after {change}")
                     ev = _node0_events(workdir, agents[0].pid, t_fault)
                     origin = t_fault if change == "kill" else ev.get("committed_at", ev.get("planned_restart", t_fault))
                     row = {k: ev[k] - origin for k in ("rendezvous_completed", "workers_started") if k in ev}
                     row["first_step"] = first - origin
+                    row["fault_to_origin"] = origin - t_fault  # notice/join: reaching and committing the agreed step
                     results[change].append(row)
                     time.sleep(1.0)  # a few steps of the new group before the next change
         finally:
@@ -201,6 +224,8 @@ def _inplace_worker(rank: int, world: int, ports: list[int], change: str, out: A
     if change == "notice" and rank == last:
         return
     new_world = world if change == "join" else world - 1
+    if joiner:  # connect once rank 0 listens, as to an agent's store opened before its round commits (a TCPStore
+        _wait_listening(ports[1])  # client that finds nothing backs off for up to ~1 s: not what is measured)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=new_world,
                             timeout=timeout)
     t_init = time.time()
@@ -219,6 +244,16 @@ def _inplace_worker(rank: int, world: int, ports: list[int], change: str, out: A
              "first_step": t_step - t_ddp, "first_step_at": t_step})
     del ddp
     dist.destroy_process_group()
+
+
+def _wait_listening(port: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.002)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
 def inplace_side(nodes: int, cycles: int) -> dict[str, list[dict[str, float]]]:
@@ -265,58 +300,69 @@ def _med(rows: list[dict[str, float]], key: str) -> str:
     return f"{statistics.median(vals):.3f}" + (f" ({min(vals):.2f}-{max(vals):.2f})" if len(vals) > 1 else "")
 
 
-def report(restart: dict[str, list[dict[str, float]]], inplace: dict[str, list[dict[str, float]]],
-           nodes: int) -> None:
-    print(f"load average at the end: {os.getloadavg()[0]:.1f} / {os.getloadavg()[1]:.1f} / "
-          f"{os.getloadavg()[2]:.1f} on {os.cpu_count()} cores")
-    print(f"\nrestart side (spotrun today, {nodes} agents, seconds from the agreed step's commit / the death; "
-          "median (min-max)):\n")
-    print("| change | -> rendezvous_completed | -> workers_started | -> first step | restart part (rdzv done -> step) |")
-    print("|---|---|---|---|---|")
-    for change, rows in restart.items():
+def _agent_table(title: str, rows_by_change: dict[str, list[dict[str, float]]]) -> None:
+    print(f"\n{title} (seconds from the agreed step's commit, or from the death for kill; median (min-max)):\n")
+    print("| change | fault -> agreed step committed | -> rendezvous_completed | -> workers_started | -> first step "
+          "| rdzv done -> first step |")
+    print("|---|---|---|---|---|---|")
+    for change, rows in rows_by_change.items():
         part = [{"p": r["first_step"] - r["rendezvous_completed"]} for r in rows if "rendezvous_completed" in r]
-        print(f"| {change} | {_med(rows, 'rendezvous_completed')} | {_med(rows, 'workers_started')} | "
+        print(f"| {change} | {_med(rows, 'fault_to_origin') if change != 'kill' else '-'} | "
+              f"{_med(rows, 'rendezvous_completed')} | {_med(rows, 'workers_started')} | "
               f"{_med(rows, 'first_step')} | {_med(part, 'p')} |")
-    print("\nin-place side (slowest survivor, seconds):\n")
-    print("| change | detect | destroy | init_process_group | DDP (+state) | first step | total |")
-    print("|---|---|---|---|---|---|---|")
-    for change, rows in inplace.items():
-        print(f"| {change} | {_med(rows, 'detect')} | {_med(rows, 'destroy')} | {_med(rows, 'init_process_group')} | "
-              f"{_med(rows, 'ddp_and_state')} | {_med(rows, 'first_step')} | {_med(rows, 'total')} |")
-    if restart and inplace:
-        print("\nratio (restart part / in-place total), median:")
-        for change in CHANGES:
-            part = [r["first_step"] - r["rendezvous_completed"] for r in restart.get(change, []) if "rendezvous_completed" in r]
-            tot = [r["total"] for r in inplace.get(change, [])]
-            if part and tot:
-                print(f"  {change}: {statistics.median(part):.3f} s / {statistics.median(tot):.3f} s = "
-                      f"{statistics.median(part) / statistics.median(tot):.1f}x")
+
+
+def report(results: dict[str, dict[str, list[dict[str, float]]]], nodes: int) -> None:
+    load = os.getloadavg()
+    print(f"load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} cores")
+    if "restart" in results:
+        _agent_table(f"restart: spotrun today, {nodes} agents", results["restart"])
+    if "agent-inplace" in results:
+        _agent_table(f"agent-inplace: spotrun with SPOTRUN_REFORM_IN_PLACE=1, {nodes} agents (notice in place; "
+                     "join and kill restart as today)", results["agent-inplace"])
+    if "inplace" in results:
+        print("\ninplace: the rebuild alone in surviving processes (slowest survivor, seconds):\n")
+        print("| change | detect | destroy | init_process_group | DDP (+state) | first step | total |")
+        print("|---|---|---|---|---|---|---|")
+        for change, rows in results["inplace"].items():
+            print(f"| {change} | {_med(rows, 'detect')} | {_med(rows, 'destroy')} | "
+                  f"{_med(rows, 'init_process_group')} | {_med(rows, 'ddp_and_state')} | {_med(rows, 'first_step')} "
+                  f"| {_med(rows, 'total')} |")
+    restart, agent = results.get("restart", {}), results.get("agent-inplace", {})
+    if restart.get("notice") and agent.get("notice"):
+        today = statistics.median(r["first_step"] for r in restart["notice"])
+        inplace = statistics.median(r["first_step"] for r in agent["notice"])
+        print(f"\nnotice, agreed step -> first step: restart {today:.3f} s, in place {inplace:.3f} s "
+              f"({today / inplace:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=3, help="group size before a leave (>= 2; 3: DDP at both sizes)")
     p.add_argument("--cycles", type=int, default=2, help="notice, join and kill, this many times per side")
-    p.add_argument("--sides", default="restart,inplace")
+    p.add_argument("--sides", default="restart,agent-inplace,inplace",
+                   help="comma-separated: restart, agent-inplace, inplace")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for any step")
     p.add_argument("--workdir", default=None, help="keep logs, progress and events here (default: temporary)")
     args = p.parse_args(argv)
-    if args.nodes < 2 or args.cycles < 1:
-        p.error("--nodes must be >= 2 and --cycles >= 1")
-    sides = set(args.sides.split(","))
-    restart: dict[str, list[dict[str, float]]] = {}
-    inplace: dict[str, list[dict[str, float]]] = {}
+    sides = [side for side in args.sides.split(",") if side]
+    if args.nodes < 2 or args.cycles < 1 or not set(sides) <= {"restart", "agent-inplace", "inplace"}:
+        p.error("--nodes must be >= 2, --cycles >= 1, --sides among restart, agent-inplace, inplace")
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
     with tempfile.TemporaryDirectory(prefix="reform-bench-") as tmp:
-        workdir = Path(args.workdir or tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
-        if "inplace" in sides:
-            inplace = inplace_side(args.nodes, args.cycles)
-        if "restart" in sides:
+        root = Path(args.workdir or tmp)
+        for side in sides:
+            workdir = root / side
+            workdir.mkdir(parents=True, exist_ok=True)
+            if side == "inplace":
+                results[side] = inplace_side(args.nodes, args.cycles)
+                continue
             try:
-                restart = restart_side(args.nodes, args.cycles, workdir, args.timeout)
+                results[side] = restart_side(args.nodes, args.cycles, workdir, args.timeout,
+                                             in_place=side == "agent-inplace")
             except Timeout as exc:
-                print(f"restart side timed out: {exc} (logs in {workdir})", file=sys.stderr)
-    report(restart, inplace, args.nodes)
+                print(f"{side} timed out: {exc} (logs in {workdir})", file=sys.stderr)
+    report(results, args.nodes)
     return 0
 
 
