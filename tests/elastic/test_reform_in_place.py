@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,7 @@ def test_a_waiting_worker_takes_its_assignment_and_one_with_its_own_notice_exits
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~30 s on 2 loaded cores; a prototype's end-to-end case
 @pytest.mark.timeout(240)
 def test_a_peers_planned_leave_keeps_the_survivors_worker_process(tmp_path: Path, etcd_server) -> None:
     env = make_env(**{ENV_REFORM_IN_PLACE: "1"})
@@ -79,3 +81,46 @@ def test_a_peers_planned_leave_keeps_the_survivors_worker_process(tmp_path: Path
     assert len(restart) == 1 and restart[0]["agreed_step"] == agreed, _events(tmp_path, "planned_restart")
     started = [e for e in _events(tmp_path, "workers_started") if e.get("in_place")]
     assert len(started) == 1 and started[0]["world_size"] == 1 and started[0]["t_wall"] > restart[0]["t_wall"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_agent_re_forms_in_place_only_when_every_worker_waits_for_a_peers_leave(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool) -> None:
+    from elastic.agent import PlannedTick
+    from tests.elastic.test_agent_planned import NoticeHandler
+    from tests.elastic.test_agent_planned import _agent as unit_agent
+
+    if enabled:
+        monkeypatch.setenv(ENV_REFORM_IN_PLACE, "1")
+    handler = NoticeHandler()
+    agent, box, _ = unit_agent(tmp_path, handler)
+    box.register_helper(0)
+    handler.peers = {"b": {"deadline": time.time() + 60, "source": "aws"}}
+    assert agent._planned_tick() is PlannedTick.WAITING and box.read_notice().reason == "peer_preempt"
+    box.acknowledge(0, 12)
+    assert agent._waiting_in_place() is None, "acknowledged, but the worker did not say it waits"
+    box.mark_waiting(0)
+    stopped = agent._waiting_in_place()
+    if not enabled:
+        assert stopped is None, "without SPOTRUN_REFORM_IN_PLACE=1 the workers are restarted as before"
+        return
+    assert stopped is not None and stopped.step == 12
+
+
+@pytest.mark.timeout(30)
+def test_this_nodes_own_notice_never_re_forms_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.agent import PlannedTick
+    from elastic.notice import Notice
+    from tests.elastic.test_agent_planned import NoticeHandler
+    from tests.elastic.test_agent_planned import _agent as unit_agent
+
+    monkeypatch.setenv(ENV_REFORM_IN_PLACE, "1")
+    agent, box, _ = unit_agent(tmp_path, NoticeHandler())
+    box.register_helper(0)
+    agent.receive_notice(Notice("sigterm", time.time() + 60, "SIGTERM"))
+    assert agent._planned_tick() is PlannedTick.WAITING
+    box.acknowledge(0, 12)
+    box.mark_waiting(0)
+    assert agent._waiting_in_place() is None, "the leaving node's workers exit"
+    assert agent._leaving_stop() is not None
