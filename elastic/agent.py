@@ -204,9 +204,9 @@ class SpotrunAgent(LocalElasticAgent):
         self._mailbox = mailbox
         self._notices = spec.rdzv_handler if isinstance(spec.rdzv_handler, NoticeAwareHandler) else None
         self.planned = PlannedChanges(stop_grace=settings.stop_grace, resize_timeout=settings.resize_timeout)
+        """This agent's planned-change state (its notice, the stop posted to its workers), ticked by the monitor loop."""
         self._in_place_enabled = in_place_enabled()
         """SPOTRUN_REFORM_IN_PLACE=1 (prototype): a peer's planned leave re-forms around waiting workers."""
-        """This agent's planned-change state (its notice, the stop posted to its workers), ticked by the monitor loop."""
         self._notice_signals = self._notice_signal_graces()
         self._in_rendezvous = False
         """Between rounds: no workers run, a notice is acted on at once (``_NoticeWhileNotTraining``)."""
@@ -869,7 +869,16 @@ class SpotrunAgent(LocalElasticAgent):
                    reason=posted.reason if posted is not None else "unknown",
                    committed_at=self._committed_at() if stopped.saved else None, saved=stopped.saved,
                    why=stopped.why, agreed_step=stopped.step, in_place=True)
+        previous = self._round_members()
         self._rendezvous(group)  # torch's: new ranks in group.workers, this round's MASTER_ADDR/PORT
+        current = self._round_members()
+        if previous is None or current is None or not current <= previous:
+            # A node joined in the same round (a spare, a replacement): its fresh worker restores through
+            # collectives that the waiting survivors would not join. Start new workers, as without the flag.
+            logger.info("%s the re-formed round admitted a new node; restarting the workers instead", self._ctx())
+            self._stop_workers(group)
+            self._start_workers_after_rendezvous(group)
+            return
         pids = self._pcontext.pids()
         for worker in group.workers:
             worker.id = pids[worker.local_rank]  # what torch's _start_workers records; its monitor compares them
@@ -886,6 +895,12 @@ class SpotrunAgent(LocalElasticAgent):
         group.state = WorkerState.HEALTHY
         self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()), in_place=True)
         self._recovery_cause = None
+
+    def _start_workers_after_rendezvous(self, group: WorkerGroup) -> None:
+        """What torch's ``_initialize_workers`` does after its rendezvous (2.13 to 2.15)."""
+        for local_rank, worker_id in self._start_workers(group).items():
+            group.workers[local_rank].id = worker_id
+        group.state = WorkerState.HEALTHY
 
     def _acknowledged_stop(self) -> Stopped | None:
         """Where every local worker stopped for the planned change, saved or not (None: they did not all)."""
