@@ -1,7 +1,7 @@
 """Re-form cost: today's process restart (spotrun, real agents) vs rebuilding the process group in place
 inside surviving workers (issue 18 item 4: measured, then decided). gloo on CPU.
 
-    python bench/reform_bench.py                  # 2 cycles of each side, in one run
+    python bench/reform_bench.py                  # 2 cycles of each side, interleaved, in one run
     python bench/reform_bench.py --cycles 1 --sides inplace
 
 Job: ``examples/train_ddp.py``'s model, optimizer (SGD + momentum) and data cursor (``elastic.data``), DDP.
@@ -348,20 +348,25 @@ def main(argv: list[str] | None = None) -> int:
     sides = [side for side in args.sides.split(",") if side]
     if args.nodes < 2 or args.cycles < 1 or not set(sides) <= {"restart", "agent-inplace", "inplace"}:
         p.error("--nodes must be >= 2, --cycles >= 1, --sides among restart, agent-inplace, inplace")
-    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    results: dict[str, dict[str, list[dict[str, float]]]] = {side: {c: [] for c in CHANGES} for side in sides}
+    load = os.getloadavg()
+    print(f"load average at the start: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="reform-bench-") as tmp:
         root = Path(args.workdir or tmp)
-        for side in sides:
-            workdir = root / side
-            workdir.mkdir(parents=True, exist_ok=True)
-            if side == "inplace":
-                results[side] = inplace_side(args.nodes, args.cycles)
-                continue
-            try:
-                results[side] = restart_side(args.nodes, args.cycles, workdir, args.timeout,
-                                             in_place=side == "agent-inplace")
-            except Timeout as exc:
-                print(f"{side} timed out: {exc} (logs in {workdir})", file=sys.stderr)
+        # Interleaved (one cycle of each side in turn, each from a fresh job): on a shared host the load drifts,
+        # and running one side after the other would hand the drift to the comparison.
+        for cycle in range(args.cycles):
+            for side in sides:
+                workdir = root / f"{side}-{cycle}"
+                workdir.mkdir(parents=True, exist_ok=True)
+                try:
+                    rows = inplace_side(args.nodes, 1) if side == "inplace" else restart_side(
+                        args.nodes, 1, workdir, args.timeout, in_place=side == "agent-inplace")
+                except Timeout as exc:
+                    print(f"{side} cycle {cycle} timed out: {exc} (logs in {workdir})", file=sys.stderr)
+                    continue
+                for change, changes in rows.items():
+                    results[side][change] += changes
     report(results, args.nodes)
     return 0
 
