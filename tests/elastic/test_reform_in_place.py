@@ -124,3 +124,29 @@ def test_this_nodes_own_notice_never_re_forms_in_place(tmp_path: Path, monkeypat
     box.mark_waiting(0)
     assert agent._waiting_in_place() is None, "the leaving node's workers exit"
     assert agent._leaving_stop() is not None
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~40 s on 2 loaded cores
+@pytest.mark.timeout(300)
+def test_a_leave_that_admits_a_spare_restarts_the_survivors_worker(tmp_path: Path, etcd_server) -> None:
+    """The re-formed round takes a waiting spare in: its fresh worker restores through collectives, so the
+    survivor's worker is restarted (as without the flag) instead of re-formed in place, and no step is lost."""
+    env = make_env(**{ENV_REFORM_IN_PLACE: "1"})
+    agents = [_agent(tmp_path, name, etcd_server.endpoint, "spare", steps=150, env=env) for name in ("a", "b")]
+    a, b = agents
+    with _running(agents):
+        wait_for(lambda: _training_at(tmp_path, 2, 2), 120, "two agents to train at world size 2")
+        agents.append(_agent(tmp_path, "c", etcd_server.endpoint, "spare", steps=150, env=env))
+        spare = f":{agents[2].pid}"
+        wait_for(lambda: any(e["node"].endswith(spare) for e in _events(tmp_path, "rendezvous_started")), 60,
+                 "the spare to wait in the rendezvous")
+        b.signal(signal.SIGTERM)
+        assert b.wait(30) == 0, "the preempted agent leaves"
+        agreed = _events(tmp_path, "planned_leave")[0]["step"]
+        assert a.wait(120) == 0 and agents[2].wait(60) == 0, "the survivor and the spare finish the run"
+    progress = _progress(tmp_path)
+    old = {p["pid"] for p in progress if p["step"] <= agreed}
+    after = [p for p in progress if p["step"] == agreed + 1]
+    assert len(after) == 2 and all(p["world_size"] == 2 and p["pid"] not in old for p in after), after
+    assert not [e for e in _events(tmp_path, "workers_started") if e.get("in_place")], "nothing re-formed in place"
