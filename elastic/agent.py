@@ -94,7 +94,8 @@ from elastic.rendezvous.api import (
     is_permanent,
 )
 from elastic.torch_internals import check_agent_internals, worker_processes, worker_return_values
-from elastic.worker.mailbox import Mailbox
+from elastic.worker.mailbox import GroupAssignment, Mailbox
+from elastic.worker.reform import IN_PLACE_REASONS, in_place_enabled
 from elastic.workers import (
     DeathClock,
     PdeathsigEntrypoint,
@@ -205,6 +206,8 @@ class SpotrunAgent(LocalElasticAgent):
         self._notices = spec.rdzv_handler if isinstance(spec.rdzv_handler, NoticeAwareHandler) else None
         self.planned = PlannedChanges(stop_grace=settings.stop_grace, resize_timeout=settings.resize_timeout)
         """This agent's planned-change state (its notice, the stop posted to its workers), ticked by the monitor loop."""
+        self._in_place_enabled = in_place_enabled()
+        """SPOTRUN_REFORM_IN_PLACE=1 (prototype): a peer's planned leave re-forms around waiting workers."""
         self._notice_signals = self._notice_signal_graces()
         self._in_rendezvous = False
         """Between rounds: no workers run, a notice is acted on at once (``_NoticeWhileNotTraining``)."""
@@ -664,6 +667,11 @@ class SpotrunAgent(LocalElasticAgent):
                     self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
                     return result
             elif state == WorkerState.HEALTHY:
+                if (waiting := self._waiting_in_place()) is not None:
+                    # CHANGE (prototype, SPOTRUN_REFORM_IN_PLACE=1): the workers acknowledged a peer's planned
+                    # leave and wait in their processes: re-form around them instead of restarting them.
+                    self._reform_in_place(waiting)
+                    continue
                 planned = self._planned_tick()
                 if planned is PlannedTick.WAITING:
                     continue
@@ -736,10 +744,13 @@ class SpotrunAgent(LocalElasticAgent):
         # A leaving node also polls its mailbox for the acknowledgements (a directory listing, every
         # ACK_POLL_INTERVAL): the peers' rendezvous waits for this node's lease, not for its workers' exit.
         leaving = poll_acks and self.planned.own is not None and self._mailbox is not None
-        step = ACK_POLL_INTERVAL if leaving else timeout
+        # Workers that re-form in place never exit: the same poll sees them waiting (SPOTRUN_REFORM_IN_PLACE).
+        in_place = poll_acks and self._in_place_posted()
+        step = ACK_POLL_INTERVAL if leaving or in_place else timeout
         while True:
             remaining = timeout - (time.monotonic() - began)
-            if remaining <= 0 or (leaving and self._acknowledged_stop() is not None):
+            if remaining <= 0 or (leaving and self._acknowledged_stop() is not None) or (
+                    in_place and self._waiting_in_place() is not None):
                 return
             if wait_for_workers(processes, returns, min(step, remaining)):
                 # never spin: a worker that returned stays "ready" until torch's next poll has read it
@@ -824,6 +835,73 @@ class SpotrunAgent(LocalElasticAgent):
                 self._restart_workers(self._worker_group)  # not charged: a membership change
             else:
                 raise AssertionError(f"unknown planned action {action!r}")
+
+    def _in_place_posted(self) -> bool:
+        """SPOTRUN_REFORM_IN_PLACE is on and the stop posted to the workers is one that re-forms in place."""
+        posted = self.planned.posted
+        return (self._in_place_enabled and self._mailbox is not None and not self.planned.leaving
+                and posted is not None and posted.reason in IN_PLACE_REASONS)
+
+    def _waiting_in_place(self) -> Stopped | None:
+        """Where every local worker stopped for a peer's planned leave and now waits in its process for the
+        re-formed group (``elastic.worker.reform``); None otherwise."""
+        if not self._in_place_posted() or (stopped := self._acknowledged_stop()) is None:
+            return None
+        assert self._mailbox is not None, "_in_place_posted checks the mailbox"
+        try:
+            waiting = self._mailbox.waiting()
+        except OSError:
+            return None
+        return stopped if len(waiting) >= self._worker_group.spec.local_world_size else None
+
+    def _reform_in_place(self, stopped: Stopped) -> None:
+        """The survivors' side of a peer's planned leave without a restart: the same rendezvous round as
+        :meth:`_restart_for_planned_change`, then each waiting worker is told its new rank, world size and
+        store (``group-{local_rank}.json``) and rebuilds its process group; its process, imports, model and
+        optimizer stay. The events keep their order (``planned_restart`` ... ``workers_started``, with
+        ``in_place: true``)."""
+        assert self._mailbox is not None and self._pcontext is not None, "only with running workers and a mailbox"
+        group = self._worker_group
+        posted = self.planned.posted
+        logger.info("%s workers stopped at step %d for a planned change (%s); re-forming around them in place",
+                    self._ctx(), stopped.step, posted.reason if posted is not None else "?")
+        self._begin_recovery(RecoveryCause.PLANNED_LEAVE)
+        self._emit(RecoveryEvent.PLANNED_RESTART, step=stopped.committed,
+                   reason=posted.reason if posted is not None else "unknown",
+                   committed_at=self._committed_at() if stopped.saved else None, saved=stopped.saved,
+                   why=stopped.why, agreed_step=stopped.step, in_place=True)
+        previous = self._round_members()
+        self._rendezvous(group)  # torch's: new ranks in group.workers, this round's MASTER_ADDR/PORT
+        current = self._round_members()
+        if previous is None or current is None or not current <= previous:
+            # A node joined in the same round (a spare, a replacement): its fresh worker restores through
+            # collectives that the waiting survivors would not join. Start new workers, as without the flag.
+            logger.info("%s the re-formed round admitted a new node; restarting the workers instead", self._ctx())
+            self._stop_workers(group)
+            self._start_workers_after_rendezvous(group)
+            return
+        pids = self._pcontext.pids()
+        for worker in group.workers:
+            worker.id = pids[worker.local_rank]  # what torch's _start_workers records; its monitor compares them
+        self._mailbox.clear()  # the acks, waiting marks and helpers of the old group
+        self.planned.new_group()
+        restart_count = group.spec.max_restarts - self._remaining_restarts
+        assert group.group_rank is not None and group.group_world_size is not None and group.master_addr is not None \
+            and group.master_port is not None, "set by the rendezvous"
+        for worker in group.workers:
+            self._mailbox.assign(worker.local_rank, GroupAssignment(
+                rank=worker.global_rank, world_size=worker.world_size, group_rank=group.group_rank,
+                group_world_size=group.group_world_size, master_addr=group.master_addr,
+                master_port=group.master_port, restart_count=restart_count))
+        group.state = WorkerState.HEALTHY
+        self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()), in_place=True)
+        self._recovery_cause = None
+
+    def _start_workers_after_rendezvous(self, group: WorkerGroup) -> None:
+        """What torch's ``_initialize_workers`` does after its rendezvous (2.13 to 2.15)."""
+        for local_rank, worker_id in self._start_workers(group).items():
+            group.workers[local_rank].id = worker_id
+        group.state = WorkerState.HEALTHY
 
     def _acknowledged_stop(self) -> Stopped | None:
         """Where every local worker stopped for the planned change, saved or not (None: they did not all)."""

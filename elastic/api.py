@@ -50,6 +50,10 @@ ENV_RESIZE_TIMEOUT = "SPOTRUN_RESIZE_TIMEOUT"
 ENV_PLANNED_LEAVE_EXIT_CODE = "SPOTRUN_PLANNED_LEAVE_EXIT_CODE"
 #: Directory of the agent<->worker mailbox (set by spotrun for its workers; absent under torchrun).
 ENV_NOTICE_DIR = "SPOTRUN_NOTICE_DIR"
+#: ``1``: prototype (issue 18 item 4). For a peer's planned leave, workers that use
+#: ``elastic.worker.reform.InPlaceReform`` keep their process and rebuild their process group at the new size
+#: instead of being restarted (the agent and its workers both read it; docs/concepts/reform-in-place.md).
+ENV_REFORM_IN_PLACE = "SPOTRUN_REFORM_IN_PLACE"
 
 #: TCP port of the agent's Prometheus exporter (``--metrics-port``; unset: no exporter).
 ENV_METRICS_PORT = "SPOTRUN_METRICS_PORT"

@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from elastic.data import BatchConfig, ElasticBatches, ElasticDataError, StepPlan
 from elastic.deterministic import ShardGradReducer
+from elastic.preemption import Preemption
 
 logger = logging.getLogger("train_ddp")
 
@@ -290,41 +291,71 @@ def main(argv: list[str] | None = None) -> None:
     # spotrun then re-forms the group and the next start resumes there (SIGTERM under plain torchrun).
     preemption = None
     if ckpt is not None:
-        from elastic.preemption import Preemption  # spotrun's package, like the Checkpointer
-
         preemption = Preemption(sync_every=args.preempt_sync_every)
     dataset = synthetic_regression(args.dataset_size, args.seed)
     # The sampler starts at the restored cursor and yields this rank's micro-batches step after step.
     sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))
     micro = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=args.loader_workers))
 
+    # SPOTRUN_REFORM_IN_PLACE=1 (prototype): for a peer's planned leave this process stays, rebuilds its group
+    # at the new size and goes on from memory (docs/concepts/reform-in-place.md); otherwise it exits as above.
+    reform = None
+    if preemption is not None:
+        from elastic.worker.reform import InPlaceReform
+
+        reform = InPlaceReform()
+
     try:
-        while trainer.step < args.steps:
-            plan = batches.plan(rank, world)
-            optimizer.zero_grad(set_to_none=True)
-            if reducer is None:
-                loss = global_mean_loss(train_step(model, ddp, plan, micro, device), args.global_batch)
-            else:
-                loss = deterministic_step(model, reducer, plan, micro, device)
-            optimizer.step()
-            batches.advance()
-            trainer.step += 1
-            trainer.samples_seen += args.global_batch
-            if args.step_time:
-                time.sleep(args.step_time)
-            if args.progress_file:
-                append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
-                                                     "pid": os.getpid(), "t_wall": time.time(),
-                                                     "loss": loss.item(), **restored})
-                restored = {}
-            if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
-                print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
-            if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
+        while True:
+            stopped = False
+            while trainer.step < args.steps:
+                plan = batches.plan(rank, world)
+                optimizer.zero_grad(set_to_none=True)
+                if reducer is None:
+                    loss = global_mean_loss(train_step(model, ddp, plan, micro, device), args.global_batch)
+                else:
+                    loss = deterministic_step(model, reducer, plan, micro, device)
+                optimizer.step()
+                batches.advance()
+                trainer.step += 1
+                trainer.samples_seen += args.global_batch
+                if args.step_time:
+                    time.sleep(args.step_time)
+                if args.progress_file:
+                    append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
+                                                         "pid": os.getpid(), "t_wall": time.time(),
+                                                         "loss": loss.item(), **restored})
+                    restored = {}
+                if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
+                    print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
+                if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
+                    stopped = True
+                    break
+                if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
+                    ckpt.save(trainer.step, state)
+                if memory is not None:
+                    memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
+            assignment = reform.wait() if stopped and reform is not None else None
+            if assignment is None:
                 break
-            if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
-                ckpt.save(trainer.step, state)
+            # Everything holding the old group goes first (DDP's reducer, the helpers' gloo groups).
+            del ddp
+            preemption = None
             if memory is not None:
-                memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
+                memory.close()
+            ckpt.close()
+            reform.rebuild(assignment, "nccl" if device.type == "cuda" else "gloo", timedelta(seconds=args.pg_timeout))
+            rank, world = assignment.rank, assignment.world_size
+            ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option), args.ckpt_retry_timeout)
+            memory = open_memory_tier(args.memory_snapshot_every)
+            if reducer is not None:
+                reducer = ShardGradReducer(model.parameters(), num_shards=args.shards, global_batch=args.global_batch)
+            ddp = DistributedDataParallel(model) if reducer is None else model
+            preemption = Preemption(sync_every=args.preempt_sync_every)
+            sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))
+            micro = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=args.loader_workers))
+            restored = {"reformed_in_place": True}
+            logger.info("%s re-formed in place at step %d: rank %d/%d", ctx, trainer.step, rank, world)
         if ckpt is not None:
             ckpt.wait()
     except BaseException as exc:

@@ -6,9 +6,8 @@
 * ``data``           the elastic data cursor: one global position, each rank's share at any world size
 * ``deterministic``  a fixed-order shard gradient reducer (bit-identical results at any world size)
 * ``runfiles``       per-run file names an agent and its workers both derive from torch's environment
-
-The in-place re-form (surviving workers rebuilding their process group at the new world size instead of
-being replaced) is worker-side code too and belongs here, speaking to its agent through the mailbox.
+* ``reform``         ``InPlaceReform`` (prototype, ``SPOTRUN_REFORM_IN_PLACE=1``): surviving workers rebuild
+                     their process group at the new world size instead of being replaced
 
 Nothing here imports the agent (``elastic.agent``, ``elastic.launcher``, the rendezvous): a worker pays
 for what it uses. The old import paths (``elastic.preemption``, ``elastic.data``, ``elastic.deterministic``,

@@ -19,6 +19,11 @@ The files (the *mailbox* is a private directory the agent creates and names in
   save could not commit before ``save_by`` and was not started, ``{"step", "time", "saved": false, "why"}``
   (a record without ``saved`` is a committed one). Workers that all acknowledged and exited 0 ended for a
   planned change, not because training finished.
+* ``waiting-{local_rank}``  written by a worker that acknowledged the agreed step and, instead of exiting,
+  waits in place for its new group (``SPOTRUN_REFORM_IN_PLACE=1``, :mod:`elastic.worker.reform`).
+* ``group-{local_rank}.json``  written by the agent for such a worker once the survivors re-formed: its new
+  ``rank``, ``world_size``, ``group_rank``, ``group_world_size``, ``master_addr``, ``master_port``,
+  ``restart_count``; the worker removes it when read.
 * ``.agent.lock``  held (``flock``) by the agent for its whole life: the kernel releases it when the agent dies,
   even by SIGKILL, so the next agent on the host removes the orphaned mailbox (:func:`remove_orphaned_mailboxes`)
   and a worker never follows a link to a dead agent's mailbox.
@@ -97,7 +102,28 @@ class Acknowledgement:
     """Why it was not saved (empty when saved)."""
 
 
+@dataclass(frozen=True, slots=True)
+class GroupAssignment:
+    """What the agent tells a worker waiting in place (``group-{local_rank}.json``): its place in the
+    re-formed group, as the environment torch's agent gives a new worker."""
+
+    rank: int
+    world_size: int
+    group_rank: int
+    group_world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+
+    def to_env(self) -> dict[str, str]:
+        """The worker environment variables that change with the group (what ``env://`` reads)."""
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "GROUP_RANK": str(self.group_rank),
+                "GROUP_WORLD_SIZE": str(self.group_world_size), "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port), "TORCHELASTIC_RESTART_COUNT": str(self.restart_count)}
+
+
 _HELPER_FILE = re.compile(r"helper-(\d+)")
+_WAITING_FILE = re.compile(r"waiting-(\d+)")
 _ACK_FILE = re.compile(r"ack-(\d+)\.json")
 
 
@@ -154,6 +180,17 @@ class Mailbox:
     def helpers(self) -> set[int]:
         # Only finished files: a worker's atomic write first creates "helper-N.tmpPID" beside its target.
         return {int(m.group(1)) for n in os.listdir(self.path) if (m := _HELPER_FILE.fullmatch(n))}
+
+    def waiting(self) -> set[int]:
+        """Local ranks that acknowledged and wait in place for their new group (``waiting-{local_rank}``)."""
+        return {int(m.group(1)) for n in os.listdir(self.path) if (m := _WAITING_FILE.fullmatch(n))}
+
+    def assign(self, local_rank: int, assignment: GroupAssignment) -> None:
+        """Tell a worker waiting in place its new group (it removes the file when read)."""
+        _write_atomic(os.path.join(self.path, f"group-{local_rank}.json"), {
+            "rank": assignment.rank, "world_size": assignment.world_size, "group_rank": assignment.group_rank,
+            "group_world_size": assignment.group_world_size, "master_addr": assignment.master_addr,
+            "master_port": assignment.master_port, "restart_count": assignment.restart_count})
 
     def acknowledgements(self) -> dict[int, Acknowledgement]:
         """local rank -> its acknowledgement (unreadable or malformed files are skipped: workers write them,
@@ -289,6 +326,34 @@ class Mailbox:
 
     def register_helper(self, local_rank: int) -> None:
         _write_atomic(os.path.join(self.path, f"helper-{local_rank}"), {"pid": os.getpid()})
+
+    def mark_waiting(self, local_rank: int) -> None:
+        _write_atomic(os.path.join(self.path, f"waiting-{local_rank}"), {"pid": os.getpid()})
+
+    def take_assignment(self, local_rank: int) -> GroupAssignment | None:
+        """This worker's new group, removed from the mailbox once read (None: not posted yet).
+
+        Raises:
+            ValueError: the file is not a valid assignment (the agent wrote it: a bug, not a worker's stray write).
+        """
+        path = os.path.join(self.path, f"group-{local_rank}.json")
+        if not os.path.exists(path):
+            return None
+        try:
+            data = _load_json(path)
+        except FileNotFoundError:
+            return None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: not a JSON object")
+        try:
+            assignment = GroupAssignment(
+                rank=int(data["rank"]), world_size=int(data["world_size"]), group_rank=int(data["group_rank"]),
+                group_world_size=int(data["group_world_size"]), master_addr=str(data["master_addr"]),
+                master_port=int(data["master_port"]), restart_count=int(data["restart_count"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: not a group assignment: {exc}") from exc
+        os.unlink(path)
+        return assignment
 
     def acknowledge(self, local_rank: int, step: int, *, saved: bool = True, why: str | None = None) -> None:
         record: dict[str, JsonScalar] = {"step": step, "time": time.time()}
