@@ -54,14 +54,16 @@ build() {  # build() RELEASE VENV: that release's venv, if missing (venv.sh core
 if [ "${1:-}" = "--venvs-only" ]; then
   # .ci/prepare.sh: only build the venvs (each release's in parallel: downloads, not CPU, dominate), so that
   # the run after the main suite finds them ready.
+  logs="$(mktemp -d)"
+  trap 'rm -rf "$logs"' EXIT
   pids=()
   for release in $releases; do
-    build "$release" "$venvs/.venv-torch-$release" > "$venvs/.venv-torch-$release.log" 2>&1 &
+    build "$release" "$venvs/.venv-torch-$release" > "$logs/$release.log" 2>&1 &
     pids+=($!)
   done
   status=0
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-  for release in $releases; do sed "s/^/[torch $release] /" "$venvs/.venv-torch-$release.log"; done
+  for release in $releases; do sed "s/^/[torch $release] /" "$logs/$release.log"; done
   echo "[torch matrix] venvs for $releases built in $SECONDS s (status $status)"
   exit $status
 fi
