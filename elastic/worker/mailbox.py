@@ -115,6 +115,21 @@ class GroupAssignment:
     master_port: int
     restart_count: int
 
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name} {value} not in [0, {bound})" for name, value, bound in (
+                ("rank", self.rank, self.world_size), ("group_rank", self.group_rank, self.group_world_size))
+            if not 0 <= value < bound
+        ]
+        if not 0 < self.master_port < 65536:
+            problems.append(f"master_port {self.master_port} not in [1, 65535]")
+        if not self.master_addr or any(c.isspace() for c in self.master_addr):
+            problems.append(f"master_addr {self.master_addr!r} is not a host name")
+        if self.restart_count < 0:
+            problems.append(f"restart_count {self.restart_count} < 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+
     def to_env(self) -> dict[str, str]:
         """The worker environment variables that change with the group (what ``env://`` reads)."""
         return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "GROUP_RANK": str(self.group_rank),

@@ -37,6 +37,21 @@ def test_an_assignment_is_read_once_and_gives_the_new_environment(tmp_path: Path
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("damage", [{"rank": 3}, {"world_size": 0}, {"master_port": 0}, {"master_addr": ""},
+                                    {"group_rank": -1}, {"rank": "x"}, {"restart_count": None}])
+def test_a_damaged_assignment_is_a_clear_error_naming_the_file(tmp_path: Path, damage: dict) -> None:
+    """Nothing read is trusted: a group-N.json out of range (a rank past the world size would hang the new
+    group's init) is refused with the file's name, not turned into a worker environment."""
+    import dataclasses
+    import json
+
+    box = _box(tmp_path)
+    (tmp_path / "mailbox" / "group-0.json").write_text(json.dumps({**dataclasses.asdict(ASSIGNMENT), **damage}))
+    with pytest.raises(ValueError, match="group-0.json: not a group assignment"):
+        box.take_assignment(0)
+
+
+@pytest.mark.timeout(30)
 def test_a_waiting_worker_takes_its_assignment_and_one_with_its_own_notice_exits(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     box = _box(tmp_path)
