@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -75,6 +76,7 @@ class WorkerStoreHost:
         if self._hosted is not None and self._hosted.round == round_number:
             return self._hosted.port
         self.close()
+        self._check_resolves(round_number)
         try:
             # wait_for_workers=False: the server must not block for clients; workers connect when they start.
             store = TCPStore(self._addr, 0, None, True, WORKER_STORE_TIMEOUT, wait_for_workers=False)
@@ -86,6 +88,19 @@ class WorkerStoreHost:
         self._hosted = _Hosted(round_number, store)
         log.debug("hosting the workers' store of round %d on %s:%d", round_number, self._addr, self._hosted.port)
         return self._hosted.port
+
+    def _check_resolves(self, round_number: int) -> None:
+        """A name that does not resolve fails at once: TCPStore's own client would retry it for ~20 s
+        (WORKER_STORE_TIMEOUT, twice) before saying the same. An address that resolves but is not this host's
+        is left to TCPStore's connect, as torchrun does (it may still be reachable, e.g. through NAT)."""
+        try:
+            socket.getaddrinfo(self._addr, None, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise RendezvousConfigError(
+                f"cannot host the workers' store of round {round_number} at {self._addr} (this agent's address, "
+                f"--local-addr or the host name; the workers connect to it as MASTER_ADDR): it does not resolve "
+                f"({exc})"
+            ) from exc
 
     def round_completed(self, round_number: int, master_port: int, rank: int) -> None:
         """Keep the store only if the completed round is the one it was opened for (we committed it)."""
