@@ -84,7 +84,19 @@ def _dist_forkserver() -> Iterator[None]:
         dist.shutdown()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist's controller (tests/run.sh runs the whole suite in two workers): a worker's count of the long
+    cases it left out, so the controller's summary says it as a one-process run does."""
+    left_out = getattr(node, "workeroutput", {}).get("long_left_out", 0)
+    config: pytest.Config = node.config  # type: ignore[attr-defined]
+    config.stash[_LONG_LEFT_OUT] = max(config.stash.get(_LONG_LEFT_OUT, 0), left_out)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)  # an xdist worker: tell the controller
+    if workeroutput is not None:
+        workeroutput["long_left_out"] = session.config.stash.get(_LONG_LEFT_OUT, 0)
     me = os.getpid()
     deadline = time.monotonic() + 10.0
     left = descendants(me)
