@@ -490,13 +490,18 @@ def test_keeper_removes_the_directory_at_close(shm_dir: str) -> None:
     assert keeper.process is None
 
 
+def _sigkill_agent_and_wait_freed(agent: subprocess.Popen[str], path: str) -> None:
+    """SIGKILL the fake agent: its keeper (the one it has now) must notice and remove the snapshot directory."""
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(timeout=30)
+    wait_for(lambda: not os.path.exists(path), timeout=30, what="the keeper removing its directory")
+
+
 def test_keeper_process_frees_the_memory_when_its_agent_is_sigkilled(shm_dir: str) -> None:
     agent, path, keeper_pid = _fake_agent(shm_dir, keeper=True)
     try:
         assert os.path.isdir(path) and keeper_pid > 0
-        agent.send_signal(signal.SIGKILL)
-        agent.wait(timeout=30)
-        wait_for(lambda: not os.path.exists(path), timeout=30, what="the keeper removing its directory")
+        _sigkill_agent_and_wait_freed(agent, path)
     finally:
         agent.kill()
         agent.wait(timeout=30)
@@ -515,9 +520,7 @@ def test_keeper_ignores_the_users_modules_in_the_working_directory(shm_dir: str,
     try:
         assert os.path.isdir(path) and keeper_pid > 0
         assert Path(f"/proc/{keeper_pid}/stat").read_text().split(") ")[1][0] != "Z", "the keeper died at start"
-        agent.send_signal(signal.SIGKILL)
-        agent.wait(timeout=30)
-        wait_for(lambda: not os.path.exists(path), timeout=30, what="the keeper removing its directory")
+        _sigkill_agent_and_wait_freed(agent, path)
         assert not marker.exists(), marker.read_text()
     finally:
         agent.kill()
@@ -660,9 +663,7 @@ def test_a_replaced_keeper_still_frees_the_memory_when_its_agent_is_sigkilled(sh
         wait_for(lambda: b"keeper.py" in Path(f"/proc/{second}/cmdline").read_bytes(), timeout=30,
                  what="the second keeper's exec")
         assert os.path.isdir(path)
-        agent.send_signal(signal.SIGKILL)
-        agent.wait(timeout=30)
-        wait_for(lambda: not os.path.exists(path), timeout=30, what="the second keeper removing the directory")
+        _sigkill_agent_and_wait_freed(agent, path)
     finally:
         agent.kill()
         agent.wait(timeout=30)
