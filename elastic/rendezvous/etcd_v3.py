@@ -98,6 +98,7 @@ from .etcd_client import (
     is_transient,
     prefix_end,
 )
+from .keys import RunKeys
 from .lease_keeper import LeaseKeeper, refresh_interval
 from .liveness import LivenessListener, Peer, PeerWatch, Verdict, peer_from_registration, probe_all
 from .state import (
@@ -315,19 +316,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._addr = config.local_addr or socket.getfqdn()
         self._worker_store = WorkerStoreHost(self._addr, enabled=agent_hosts_store())
 
-        prefix = config.run_prefix
-        self._ctl = prefix + "ctl/"
-        self._nodes_prefix = self._ctl + "nodes/"
-        self._join_prefix = self._ctl + "join/"
-        self._round_key = self._ctl + "round"
-        self._closed_key = self._ctl + "closed"
-        self._notice_prefix = self._ctl + "notice/"
-        self._post_prefix = self._ctl + "post/"
-        self._coordinator_key = self._post_prefix + "coordinator"
-        self._proposal_key = self._post_prefix + "proposal"
-        self._reform_key = self._post_prefix + "reform"
-        self._store_prefix = prefix + "store/"
-        self._finished_key = prefix + "finished"
+        self._keys = RunKeys(config.run_prefix)
 
         self._cond = threading.Condition()
         self._mirror = _Mirror()
@@ -508,7 +497,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._mirror.full and self._mirror.loaded:
                 return self._snapshot(self._mirror, target, join_deadline, None, None)
         conn = self._require_conn()
-        resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self._ctl))
+        resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self._keys.ctl))
         mirror = _Mirror(revision=int(resp.header.revision), loaded=True, full=True)
         for kv in resp.kvs:
             self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision)
@@ -528,7 +517,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         conn = self._ensure_connected()
         conn.call(
             "mark the rendezvous closed",
-            lambda: conn.client.put(self._closed_key, json.dumps({"by": self._node_id, "time": time.time()})),
+            lambda: conn.client.put(self._keys.closed_key, json.dumps({"by": self._node_id, "time": time.time()})),
             within=self._config.close_timeout,
         )
         with self._cond:
@@ -579,7 +568,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(f"{self._ctx()}etcd at {self._config.endpoint_str} is unreachable")
         conn = self._ensure_connected()
         within = self._config.close_timeout
-        existing, _ = conn.call("read the finished marker", lambda: conn.client.get(self._finished_key), within=within)
+        existing, _ = conn.call("read the finished marker", lambda: conn.client.get(self._keys.finished_key), within=within)
         if existing is not None:
             return  # another agent of the round wrote it first
         value = json.dumps({"by": self._node_id, "time": time.time(), "round": self.round})
@@ -587,12 +576,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         tx = conn.client.transactions
         written, _ = conn.call(
             "write the finished marker",
-            lambda: conn.client.transaction(compare=[tx.version(self._finished_key) == 0],
-                                            success=[tx.put(self._finished_key, value, lease=lease.id)], failure=[]),
+            lambda: conn.client.transaction(compare=[tx.version(self._keys.finished_key) == 0],
+                                            success=[tx.put(self._keys.finished_key, value, lease=lease.id)], failure=[]),
             within=within,
         )
         if written:
-            log.info("%srun finished: marker %s kept for %d s (finished_ttl)", self._ctx(), self._finished_key, ttl)
+            log.info("%srun finished: marker %s kept for %d s (finished_ttl)", self._ctx(), self._keys.finished_key, ttl)
             return
         try:  # another agent wrote it since we looked
             conn.call("revoke the unused lease", lambda: conn.client.revoke_lease(lease.id), within=min(2.0, within))
@@ -618,7 +607,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def publish_notice(self, notice: dict[str, Any]) -> None:
         conn = self._ensure_connected()
-        key = f"{self._ctl}notice/{self._node_id}"
+        key = self._keys.notice_prefix + self._node_id
         value = json.dumps({**notice, "node": self._node_id})
         self._with_live_lease(lambda: conn.call("publish a preemption notice", lambda: conn.client.put(key, value, lease=self._lease_id)))
         log.info("%spublished preemption notice %s", self._ctx(), value)
@@ -749,7 +738,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if conn is None:
             return None
         try:
-            value, meta = conn.call(f"read {node}'s registration", lambda: conn.client.get(self._nodes_prefix + node),
+            value, meta = conn.call(f"read {node}'s registration", lambda: conn.client.get(self._keys.nodes_prefix + node),
                                     within=min(5.0, self._config.etcd_timeout))
         except RendezvousError as exc:
             log.warning("%scould not read the registration of %s: %s", self._ctx(), node, exc)
@@ -773,10 +762,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._mirror.full and self._mirror.loaded:
                 return [self._mirror.peers[n] for n in nodes if n in self._mirror.peers]
         conn = self._require_conn()
-        resp = conn.call("read the registrations", lambda: conn.client.get_prefix_response(self._nodes_prefix),
+        resp = conn.call("read the registrations", lambda: conn.client.get_prefix_response(self._keys.nodes_prefix),
                          within=min(5.0, self._config.etcd_timeout))
         wanted = set(nodes)
-        found = {kv.key.decode()[len(self._nodes_prefix):]: (kv.value, int(kv.lease)) for kv in resp.kvs}
+        found = {kv.key.decode()[len(self._keys.nodes_prefix):]: (kv.value, int(kv.lease)) for kv in resp.kvs}
         return [p for n, (v, lease) in found.items() if n in wanted and (p := self._peer_of(n, v, lease)) is not None]
 
     def _revoke_dead_peer(self, peer: Peer) -> bool:
@@ -893,7 +882,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._my_round = record
         self._joining = None
         self._worker_store.round_completed(record.number, record.master_port, rank)
-        store = EtcdV3Store(self._require_conn(), f"{self._store_prefix}{record.number}/", STORE_TIMEOUT)
+        store = EtcdV3Store(self._require_conn(), f"{self._keys.store_prefix}{record.number}/", STORE_TIMEOUT)
         log.info(
             "%sround %d complete in %.3f s: rank %d of %d, master %s:%d",
             self._ctx(),
@@ -917,7 +906,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Put our join key for ``target`` unless the round key moved since our snapshot."""
         conn = self._require_conn()
         tx = conn.client.transactions
-        key = f"{self._join_prefix}{target}/{self._node_id}"
+        key = f"{self._keys.join_prefix}{target}/{self._node_id}"
         value = json.dumps({"seq": self._seq, "addr": self._addr})
         with self._cond:
             self._joining = target
@@ -927,7 +916,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             ok, _ = conn.call(
                 f"join round {target}",
                 lambda: conn.client.transaction(
-                    compare=[tx.mod(self._round_key) == seen_mod], success=[tx.put(key, value, lease=lease)], failure=[]
+                    compare=[tx.mod(self._keys.round_key) == seen_mod], success=[tx.put(key, value, lease=lease)], failure=[]
                 ),
             )
             return bool(ok)
@@ -976,18 +965,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         }
         if ring:  # add-only field: an older agent ignores it and reads its successor's registration
             record["ring"] = {node: ring[node] for node in participants if node in ring}
-        join_dir = f"{self._join_prefix}{target}/"
+        join_dir = f"{self._keys.join_prefix}{target}/"
         # (Not compared: that each participant's join key still exists. etcd caps a txn at 128 ops, and a
         # participant that died since our snapshot is caught by the watch right after: the round breaks.)
-        compare = [tx.mod(self._round_key) == seen_mod, tx.version(self._closed_key) == 0,
-                   tx.mod(self._proposal_key) == proposal_mod]
+        compare = [tx.mod(self._keys.round_key) == seen_mod, tx.version(self._keys.closed_key) == 0,
+                   tx.mod(self._keys.proposal_key) == proposal_mod]
         success = [
-            tx.put(self._round_key, json.dumps(record)),
+            tx.put(self._keys.round_key, json.dumps(record)),
             tx.delete(join_dir, range_end=prefix_end(join_dir)),
-            tx.delete(self._proposal_key),
+            tx.delete(self._keys.proposal_key),
         ]
         if target > 2:
-            old_store = f"{self._store_prefix}{target - 2}/"
+            old_store = f"{self._keys.store_prefix}{target - 2}/"
             success.append(tx.delete(old_store, range_end=prefix_end(old_store)))
         ok, _ = conn.call(
             f"commit round {target}", lambda: conn.client.transaction(compare=compare, success=success, failure=[])
@@ -1051,7 +1040,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """``RendezvousFinishedError`` when ``finished_ttl`` is on and the run's ``finished`` marker exists."""
         if self._config.finished_ttl <= 0:
             return
-        value, _meta = conn.call("read the finished marker", lambda: conn.client.get(self._finished_key))
+        value, _meta = conn.call("read the finished marker", lambda: conn.client.get(self._keys.finished_key))
         if value is None:
             return
         raise RendezvousFinishedError(f"{self._ctx()}{describe_finished(value, self._config)}")
@@ -1107,10 +1096,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         is registered. False when the compare failed."""
         tx = conn.client.transactions
         prefix = self._config.run_prefix
-        closed = tx.version(self._closed_key) > 0 if closed_mod is None else tx.mod(self._closed_key) == closed_mod
-        compare = [closed, tx.version(self._nodes_prefix, range_end=prefix_end(self._nodes_prefix)) == 0]
-        after_marker = self._finished_key + "\0"  # the first key after it
-        success = [tx.delete(prefix, range_end=self._finished_key),
+        closed = tx.version(self._keys.closed_key) > 0 if closed_mod is None else tx.mod(self._keys.closed_key) == closed_mod
+        compare = [closed, tx.version(self._keys.nodes_prefix, range_end=prefix_end(self._keys.nodes_prefix)) == 0]
+        after_marker = self._keys.finished_key + "\0"  # the first key after it
+        success = [tx.delete(prefix, range_end=self._keys.finished_key),
                    tx.delete(after_marker, range_end=prefix_end(prefix))]
         ok, _ = conn.call(
             "delete the ended run's keys",
@@ -1151,7 +1140,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self._liveness is not None:
             registration.update(live_port=self._liveness.port, lease=lease.id)
         value = json.dumps(registration)
-        resp = conn.call("register this node", lambda: conn.client.put(self._nodes_prefix + self._node_id, value, lease=lease.id))
+        resp = conn.call("register this node", lambda: conn.client.put(self._keys.nodes_prefix + self._node_id, value, lease=lease.id))
         with self._cond:
             self._lease_id = lease.id
             if self._seq is None:
@@ -1161,7 +1150,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             conn.call(
                 f"re-join round {joining}",
                 lambda: conn.client.put(
-                    f"{self._join_prefix}{joining}/{self._node_id}",
+                    f"{self._keys.join_prefix}{joining}/{self._node_id}",
                     json.dumps({"seq": self._seq, "addr": self._addr}),
                     lease=lease.id,
                 ),
@@ -1169,14 +1158,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         log.info("%sregistered (lease %x, ttl %d s)", self._ctx(), lease.id, self._config.lease_ttl)
 
     # ================================================================== mirror maintenance
-    def _watched_ranges(self, full: bool) -> list[tuple[str, bytes | None]]:
-        """The key ranges the mirror follows: all of ``P/ctl/`` (full view), else the closed key and
-        ``[notice/, round]``, which holds the notices, the coordinator's posts and the round key, not the
-        registrations or joins (``ctl/nodes/`` sorts before ``ctl/notice/``)."""
-        if full:
-            return [(self._ctl, prefix_end(self._ctl))]
-        return [(self._closed_key, None), (self._notice_prefix, (self._round_key + "\0").encode())]
-
     def _want_full(self) -> bool:
         """Whether this node should mirror every key now (called under the condition)."""
         coordinator = self._mirror.coordinator
@@ -1192,7 +1173,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _load(self, conn: EtcdConnection, full: bool = False) -> None:
         """Read the watched ranges (start, a change of view, or after the watch fell behind a compaction)."""
         mirror = _Mirror(loaded=True, full=full)
-        for key, range_end in self._watched_ranges(full):
+        for key, range_end in self._keys.watched_ranges(full):
             resp = conn.call("read the rendezvous state", functools.partial(self._read_range, conn, key, range_end))
             revision = int(resp.header.revision)
             mirror.watch_revs.append(revision)
@@ -1205,7 +1186,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _apply_put(self, mirror: _Mirror, key: str, value: bytes, mod_revision: int, lease: int = 0) -> None:
         """Apply one key's value; ``lease``: the lease the key is attached to (etcd's metadata, 0: none)."""
-        rel = key[len(self._ctl) :]
+        rel = key[len(self._keys.ctl) :]
         try:
             if rel.startswith("nodes/"):
                 info = json.loads(value)
@@ -1262,7 +1243,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._fatal = RendezvousStateError(f"{self._ctx()}corrupt rendezvous key {key!r} in etcd: {exc}")
 
     def _apply_delete(self, mirror: _Mirror, key: str) -> None:
-        rel = key[len(self._ctl) :]
+        rel = key[len(self._keys.ctl) :]
         if rel.startswith("nodes/"):
             node = rel[len("nodes/") :]
             mirror.nodes.pop(node, None)
@@ -1368,7 +1349,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._load(conn, full)
             with self._cond:
                 starts = [rev + 1 for rev in self._mirror.watch_revs]
-            ranges = self._watched_ranges(full)
+            ranges = self._keys.watched_ranges(full)
             stream = conn.watch_ranges([(key, end, start) for (key, end), start in zip(ranges, starts, strict=True)])
             self._watch_stream = stream
             if self._stop.is_set() or self._view_epoch != epoch:
@@ -1460,7 +1441,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _acquire_mux(self) -> WatchMux:
         pool, config = self._pool, self._config
         assert pool is not None
-        ranges = self._watched_ranges(False)
+        ranges = self._keys.watched_ranges(False)
         return pool.acquire_shared(self._mux_key(), lambda: WatchMux(
             EtcdConnection(config, pool=pool), ranges, name=f"rdzv-watch-mux-{config.run_id}"))
 
@@ -1514,7 +1495,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         refused again with a fresh token, the user really lacks the permission and the job cannot go on."""
         if self._watch_token_renewed:
             raise RendezvousConnectionError(
-                f"{self._ctx()}etcd refuses to let user {self._config.user!r} watch {self._ctl!r} ({reason}), "
+                f"{self._ctx()}etcd refuses to let user {self._config.user!r} watch {self._keys.ctl!r} ({reason}), "
                 f"even with a fresh token: grant its role readwrite on the prefix {self._config.etcd_prefix!r}/"
             )
         conn.call("renew the auth token", conn.renew_token)
@@ -1632,8 +1613,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         tx = conn.client.transactions
         value = json.dumps({"node": self._node_id, "lease": lease})
         won, _ = conn.call("elect a coordinator", lambda: conn.client.transaction(
-            compare=[tx.version(self._coordinator_key) == 0],
-            success=[tx.put(self._coordinator_key, value, lease=lease)], failure=[]))
+            compare=[tx.version(self._keys.coordinator_key) == 0],
+            success=[tx.put(self._keys.coordinator_key, value, lease=lease)], failure=[]))
         if won:
             log.info("%scoordinating the rendezvous (mirrors every registration and join)", self._ctx())
 
@@ -1641,7 +1622,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         conn = self._require_conn()
         value = json.dumps({"round": reform.round, "waiting": reform.waiting, "lost": list(reform.lost),
                             "by": self._node_id})
-        conn.call("post a reform notice", lambda: conn.client.put(self._reform_key, value))
+        conn.call("post a reform notice", lambda: conn.client.put(self._keys.reform_key, value))
         log.info("%scoordinator: round %d must re-form (%d waiting, lost: %s)", self._ctx(), reform.round,
                  reform.waiting, ", ".join(reform.lost) or "none")
 
@@ -1654,8 +1635,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         value = json.dumps({"number": target, "participants": list(participants), "by": self._node_id,
                             "ring": ring or {}})
         ok, _ = conn.call(f"propose round {target}", lambda: conn.client.transaction(
-            compare=[tx.mod(self._round_key) == seen_mod, tx.mod(self._proposal_key) == proposal_mod],
-            success=[tx.put(self._proposal_key, value, lease=lease)], failure=[]))
+            compare=[tx.mod(self._keys.round_key) == seen_mod, tx.mod(self._keys.proposal_key) == proposal_mod],
+            success=[tx.put(self._keys.proposal_key, value, lease=lease)], failure=[]))
         if ok:
             log.info("%scoordinator: proposed round %d with %d nodes (rank 0: %s)", self._ctx(), target,
                      len(participants), participants[0])
