@@ -98,6 +98,7 @@ from .etcd_client import (
     is_transient,
     prefix_end,
 )
+from .health import EtcdHealth, unreachable_at_shutdown
 from .keys import RunKeys
 from .lease_keeper import LeaseKeeper, refresh_interval
 from .liveness import LivenessListener, Peer, PeerWatch, Verdict, peer_from_registration, probe_all
@@ -120,6 +121,17 @@ from .watch_mux import WatchMux
 from .worker_store import WorkerStoreHost, agent_hosts_store
 
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "ELECT_SPREAD_MAX_S",
+    "ELECT_SPREAD_PER_NODE_S",
+    "STORE_TIMEOUT",
+    "EtcdV3RendezvousHandler",
+    "describe_finished",
+    "election_spread",
+    "unreachable_at_shutdown",
+    "watch_failure",
+]
 
 T = TypeVar("T")
 
@@ -180,13 +192,6 @@ def describe_finished(value: bytes, config: EtcdRendezvousConfig) -> str:
     return (f"run '{config.run_id}' already finished successfully{at}: nothing to do, exiting 0 (its marker "
             f"{config.run_prefix}finished lasts finished_ttl={config.finished_ttl} s after the end; to start a new "
             f"job before then, use another --rdzv-id)")
-
-
-def unreachable_at_shutdown(*, connect_failed: bool, fatal: RendezvousError | None) -> bool:
-    """True when ``shutdown`` must not try to mark the job closed: etcd was already unreachable for
-    ``etcd_timeout`` (or never reached), so ``close_timeout`` more would only double the wait. A failed watch
-    (``RendezvousWatchError``) or a corrupt key does not say etcd is away: closing is still tried."""
-    return connect_failed or isinstance(fatal, RendezvousConnectionError)
 
 
 def _default_node_id() -> str:
@@ -319,6 +324,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._keys = RunKeys(config.run_prefix)
 
         self._cond = threading.Condition()
+        self._health = EtcdHealth(config, self._cond, clock, self._ctx)
         self._mirror = _Mirror()
         self._lost: dict[int, set[str]] = {}
         """round number -> participants whose registration was deleted while that round was current."""
@@ -335,10 +341,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._watch_stream: Any = None
-        self._fatal: RendezvousError | None = None
-        self._unreachable_since: float | None = None
         self._released = False
-        self._connect_failed = False
         self._watch_token_renewed = False
         """The watch was refused and the token renewed; a second refusal in a row is fatal."""
         self._clearing = False
@@ -424,7 +427,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         log.info("%sjoining round %d (min=%d max=%d)", self._ctx(), target, self._config.min_nodes, self._config.max_nodes)
         while True:
             with self._cond:
-                self._raise_if_fatal()
+                self._health.raise_if_fatal()
                 mirror = self._mirror
                 view = FollowerView(
                     node_id=self._node_id,
@@ -502,14 +505,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         for kv in resp.kvs:
             self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision)
         with self._cond:
-            self._raise_if_fatal()
+            self._health.raise_if_fatal()
             return self._snapshot(mirror, target, join_deadline, None, None)
 
     def is_closed(self) -> bool:
         if not self._released:  # after leave()/shutdown(): the last state seen, without I/O
             self._ensure_connected()
         with self._cond:
-            self._raise_if_fatal()
+            self._health.raise_if_fatal()
             return self._mirror.closed
 
     def set_closed(self) -> None:
@@ -530,13 +533,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if not self._released:
             self._ensure_connected()
         with self._cond:
-            self._raise_if_fatal()
+            self._health.raise_if_fatal()
             return self._nodes_waiting_locked()
 
     def shutdown(self) -> bool:
         """torch semantics: close the rendezvous (the job is over), then release this node. Idempotent."""
         ok = closed_here = True
-        if unreachable_at_shutdown(connect_failed=self._connect_failed, fatal=self._fatal):
+        if self._health.unreachable():
             log.warning("%snot marking the rendezvous closed: etcd is unreachable", self._ctx())
             ok = closed_here = False
         elif not self._released:
@@ -564,7 +567,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         ttl = self._config.finished_ttl
         if ttl <= 0:
             return
-        if unreachable_at_shutdown(connect_failed=self._connect_failed, fatal=self._fatal):
+        if self._health.unreachable():
             raise RendezvousConnectionError(f"{self._ctx()}etcd at {self._config.endpoint_str} is unreachable")
         conn = self._ensure_connected()
         within = self._config.close_timeout
@@ -590,14 +593,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def membership_changed(self) -> bool:
         with self._cond:
-            self._raise_if_fatal()
+            self._health.raise_if_fatal()
             return self._membership_changed_locked()
 
     def wait_membership_change(self, timeout: float) -> bool:
         deadline = self._clock() + max(0.0, timeout)
         with self._cond:
             while True:
-                self._raise_if_fatal()
+                self._health.raise_if_fatal()
                 if self._membership_changed_locked():
                     return True
                 remaining = deadline - self._clock()
@@ -1001,7 +1004,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 try:
                     conn = EtcdConnection(self._config, context=self._ctx, pool=self._pool)
                 except RendezvousConnectionError:
-                    self._connect_failed = True
+                    self._health.connect_failed = True
                     raise
                 try:
                     if self._pool is None:
@@ -1009,7 +1012,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     else:
                         self._load_shared()
                 except BaseException as exc:
-                    self._connect_failed = isinstance(exc, RendezvousConnectionError)
+                    self._health.connect_failed = isinstance(exc, RendezvousConnectionError)
                     self._release_mux()
                     conn.close()
                     raise
@@ -1069,7 +1072,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         announced = found_closed = False
         while True:
             with self._cond:
-                self._raise_if_fatal()
+                self._health.raise_if_fatal()
                 mirror = self._mirror
                 if not mirror.closed:
                     return found_closed
@@ -1115,7 +1118,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Block until the watch delivered a state with ``ready(mirror)`` (or ``deadline`` passed)."""
         with self._cond:
             while not ready(self._mirror):
-                self._raise_if_fatal()
+                self._health.raise_if_fatal()
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     return
@@ -1240,7 +1243,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
             # Someone wrote garbage under our prefix (a value that is JSON but not an object, or nested past
             # the parser's depth): refuse to guess.
-            self._fatal = RendezvousStateError(f"{self._ctx()}corrupt rendezvous key {key!r} in etcd: {exc}")
+            self._health.corrupt(RendezvousStateError(f"{self._ctx()}corrupt rendezvous key {key!r} in etcd: {exc}"))
 
     def _apply_delete(self, mirror: _Mirror, key: str) -> None:
         rel = key[len(self._keys.ctl) :]
@@ -1320,10 +1323,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if not self._stop.is_set():
                 # Our own errors carry a clear message; an unexpected one (a bug) keeps its traceback.
                 log.error("%sthe rendezvous watch failed: %s", self._ctx(), exc, exc_info=not isinstance(exc, RendezvousError))
-                with self._cond:
-                    if self._fatal is None:  # the first cause (an outage the lease thread measured) explains the rest
-                        self._fatal = watch_failure(exc, self._ctx())
-                    self._cond.notify_all()
+                # The first cause (an outage the lease thread measured) explains the rest.
+                self._health.fail(watch_failure(exc, self._ctx()))
 
     def _watch_once(self) -> None:
         """Load the view this node wants and follow it; when the wanted view changes (this node became or
@@ -1360,7 +1361,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._renew_token_for_watch(conn, response.cancel_reason)
                     raise _WatchTokenRenewed(response.cancel_reason)
                 self._watch_token_renewed = False  # a fresh token got the watch through
-                self._note_etcd_ok()
+                self._health.ok()
                 if response.compact_revision:
                     with self._cond:
                         self._mirror.loaded = False  # resync on the next attempt
@@ -1386,7 +1387,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if is_token_expired(exc):
                 self._renew_token_for_watch(conn, describe(exc))
                 raise _WatchTokenRenewed(describe(exc)) from exc
-            self._note_etcd_failure(exc)
+            self._health.failed(exc)
             raise
         if not self._stop.is_set():
             raise WatchCanceledError("watch stream ended")
@@ -1466,15 +1467,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._cond:
             self._mirror = mirror
             self._cond.notify_all()
-        self._note_etcd_ok()
+        self._health.ok()
 
     def watch_events(self, events: Any, watch_id: int) -> None:
         self._apply_events(events, watch_id)
-        self._note_etcd_ok()
+        self._health.ok()
 
     def watch_failed(self, exc: BaseException) -> None:
         if not self._stop.is_set():
-            self._note_etcd_failure(exc)
+            self._health.failed(exc)
 
     def watch_fatal(self, exc: BaseException) -> None:
         with self._cond:
@@ -1545,7 +1546,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._cond:
             if self._stop.is_set():
                 return None
-            if self._fatal is not None:
+            if self._health.fatal is not None:
                 self._cond.wait(_SAFETY_RECHECK_S)
                 return None
             mirror, lease = self._mirror, self._lease_id
@@ -1673,7 +1674,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return None if self._stop.is_set() else self._lease_id
 
     def lease_refreshed(self, lease: int, ttl: int) -> None:
-        self._note_etcd_ok()
+        self._health.ok()
         if ttl > 0 or self._stop.is_set():
             return
         renewer = self._renewer
@@ -1686,42 +1687,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def lease_refresh_failed(self, exc: BaseException) -> None:
         if not self._stop.is_set():
-            self._note_etcd_failure(exc)
+            self._health.failed(exc)
 
     def _renew_expired_lease(self, lease: int) -> None:
         try:
             self._renew_lease(lease)
         except RendezvousConnectionError as exc:
-            self._note_etcd_failure(exc)
+            self._health.failed(exc)
         except Exception:  # the next refresh finds the lease still gone and tries again
             if not self._stop.is_set():
                 log.exception("%sre-registering after the lease expired failed", self._ctx())
-
-    # ================================================================== etcd health
-    def _note_etcd_ok(self) -> None:
-        if self._unreachable_since is not None:
-            log.info("%setcd reachable again after %.1f s", self._ctx(), self._clock() - self._unreachable_since)
-            self._unreachable_since = None
-
-    def _note_etcd_failure(self, exc: BaseException) -> None:
-        now = self._clock()
-        if self._unreachable_since is None:
-            self._unreachable_since = now
-            log.warning("%setcd at %s unreachable: %s", self._ctx(), self._config.endpoint_str, describe(exc))
-            return
-        if now - self._unreachable_since > self._config.etcd_timeout and self._fatal is None:
-            with self._cond:
-                self._fatal = RendezvousOutageError(
-                    f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for "
-                    f"{now - self._unreachable_since:.1f} s, more than etcd_timeout="
-                    f"{self._config.etcd_timeout:g} s (last error: {describe(exc)}); giving up"
-                )
-                self._cond.notify_all()
-            log.error("%s", self._fatal)  # the message starts with the context
-
-    def _raise_if_fatal(self) -> None:
-        if self._fatal is not None:
-            raise type(self._fatal)(str(self._fatal)) from self._fatal
 
     # ================================================================== teardown
     def _stop_threads(self) -> None:
