@@ -63,12 +63,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import grpc
-from etcd3.etcdrpc import kv_pb2
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
@@ -102,11 +101,11 @@ from .health import EtcdHealth, unreachable_at_shutdown
 from .keys import RunKeys
 from .lease_keeper import LeaseKeeper, refresh_interval
 from .liveness import LivenessListener, Peer, PeerWatch, Verdict, peer_from_registration, probe_all
+from .mirror import Mirror, MirrorUpdater
 from .state import (
     Action,
     Decision,
     FollowerView,
-    Proposal,
     Reform,
     RoundRecord,
     Snapshot,
@@ -200,47 +199,6 @@ def _default_node_id() -> str:
 
 
 @dataclass(slots=True)
-class _Mirror:
-    """Local copy of ``P/ctl/`` as delivered by the watch (guarded by the handler's condition)."""
-
-    nodes: dict[str, int] = field(default_factory=dict)
-    """node id -> ordering key (its first registration revision)."""
-    joins: dict[int, dict[str, int]] = field(default_factory=dict)
-    """round -> {node id -> ordering key}."""
-    committed: RoundRecord | None = None
-    committed_mod: int = 0
-    """mod revision of the round key (0: none yet), compared by the commit transaction."""
-    closed_mod: int = 0
-    """mod revision of the closed key (0: open), compared when an ended run is cleared for reuse."""
-    closed: bool = False
-    notices: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """node id -> its published preemption notice (``publish_notice``)."""
-    peers: dict[str, Peer] = field(default_factory=dict)
-    """node id -> its liveness port and lease, from its registration (``liveness.py``; absent: lease only)."""
-    revision: int = 0
-    """Highest etcd revision applied."""
-    loaded: bool = False
-    full: bool = False
-    """``nodes/`` and ``join/`` are mirrored too (the coordinator, or a newcomer clearing an ended run); else
-    ``nodes``, ``joins`` and ``peers`` stay empty and only the closed key, notices, posts and round are."""
-    watch_revs: list[int] = field(default_factory=list)
-    """Per watcher of the stream (one per watched range), the highest revision it delivered or was loaded at."""
-    coordinator: tuple[str, int] | None = None
-    """(node id, lease) of the coordinator (``post/coordinator``), None while there is none."""
-    proposal: Proposal | None = None
-    """The coordinator's proposal for the next round (``post/proposal``)."""
-    reform: Reform | None = None
-    """The coordinator's last notice that a committed round is broken or a node waits (``post/reform``)."""
-    proposal_ring: dict[str, Any] = field(default_factory=dict)
-    """The proposal's ``ring``: node -> [addr, liveness port, lease] of its participants, as the coordinator's
-    mirror of their registrations had them; its rank 0 copies it into the round record."""
-    round_ring: dict[str, Any] = field(default_factory=dict)
-    """The committed round's ``ring`` as read (validated per entry when used, ``_ring_peer``): a participant finds
-    its ring successor's liveness port there instead of reading its registration (one read per agent per round
-    less). Not validated up front: 1,000 agents in one process would each check 1,000 entries."""
-
-
-@dataclass(slots=True)
 class _CoordinatorDuty:
     """What the coordinator thread remembers between its decisions (its own writes not yet mirrored)."""
 
@@ -325,11 +283,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
         self._cond = threading.Condition()
         self._health = EtcdHealth(config, self._cond, clock, self._ctx)
-        self._mirror = _Mirror()
-        self._lost: dict[int, set[str]] = {}
-        """round number -> participants whose registration was deleted while that round was current."""
-        self._finished: dict[int, set[str]] = {}
-        """round number -> participants seen leaving after the job was closed (``lost_peers`` only)."""
+        self._mirror = Mirror()
+        self._updater = MirrorUpdater(self._keys.ctl, self._ctx, self._health.corrupt)
         self._my_round: RoundRecord | None = None
         self._joining: int | None = None
         """Round this node has a join key for (re-written after a lease loss)."""
@@ -501,9 +456,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 return self._snapshot(self._mirror, target, join_deadline, None, None)
         conn = self._require_conn()
         resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self._keys.ctl))
-        mirror = _Mirror(revision=int(resp.header.revision), loaded=True, full=True)
+        mirror = Mirror(revision=int(resp.header.revision), loaded=True, full=True)
         for kv in resp.kvs:
-            self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision)
+            self._updater.put(mirror, kv.key.decode(), kv.value, kv.mod_revision)
         with self._cond:
             self._health.raise_if_fatal()
             return self._snapshot(mirror, target, join_deadline, None, None)
@@ -626,7 +581,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             mine = self._my_round
             if mine is None:
                 return set()
-            lost = set(self._lost.get(mine.number, ())) | self._finished.get(mine.number, set())
+            lost = set(self._updater.lost.get(mine.number, ())) | self._updater.finished.get(mine.number, set())
             mirror = self._mirror
             if mirror.full:
                 lost |= set(mine.participants) - set(mirror.nodes)
@@ -831,7 +786,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # ================================================================== snapshot / decisions
     def _snapshot(
-        self, mirror: _Mirror, target: int, join_deadline: float, last_call: float | None, rejoin: float | None
+        self, mirror: Mirror, target: int, join_deadline: float, last_call: float | None, rejoin: float | None
     ) -> Snapshot:
         """``mirror`` (a full one) as ``decide``/``coordinate`` see it."""
         committed = mirror.committed
@@ -868,7 +823,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         else:
             reform = mirror.reform
             waiting = reform.waiting if reform is not None and reform.round == committed.number else 0
-        waiting = max(waiting, len(self._lost.get(committed.number, ())))
+        waiting = max(waiting, len(self._updater.lost.get(committed.number, ())))
         mine = self._my_round
         if mine is not None and mine.number < committed.number:
             waiting = max(waiting, 1)  # a newer round formed without us: we must re-rendezvous
@@ -1114,7 +1069,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _wait_revision_after(self, revision: int, deadline: float) -> None:
         self._wait_mirror(lambda m: m.revision > revision, deadline)
 
-    def _wait_mirror(self, ready: Callable[[_Mirror], bool], deadline: float) -> None:
+    def _wait_mirror(self, ready: Callable[[Mirror], bool], deadline: float) -> None:
         """Block until the watch delivered a state with ``ready(mirror)`` (or ``deadline`` passed)."""
         with self._cond:
             while not ready(self._mirror):
@@ -1175,135 +1130,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _load(self, conn: EtcdConnection, full: bool = False) -> None:
         """Read the watched ranges (start, a change of view, or after the watch fell behind a compaction)."""
-        mirror = _Mirror(loaded=True, full=full)
+        mirror = Mirror(loaded=True, full=full)
         for key, range_end in self._keys.watched_ranges(full):
             resp = conn.call("read the rendezvous state", functools.partial(self._read_range, conn, key, range_end))
-            revision = int(resp.header.revision)
-            mirror.watch_revs.append(revision)
-            mirror.revision = max(mirror.revision, revision)
-            for kv in resp.kvs:
-                self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision, kv.lease)
+            self._updater.add_range(mirror, resp.kvs, int(resp.header.revision))
         with self._cond:
             self._mirror = mirror
             self._cond.notify_all()
-
-    def _apply_put(self, mirror: _Mirror, key: str, value: bytes, mod_revision: int, lease: int = 0) -> None:
-        """Apply one key's value; ``lease``: the lease the key is attached to (etcd's metadata, 0: none)."""
-        rel = key[len(self._keys.ctl) :]
-        try:
-            if rel.startswith("nodes/"):
-                info = json.loads(value)
-                node = rel[len("nodes/") :]
-                mirror.nodes[node] = int(info.get("seq") or mod_revision)
-                peer = peer_from_registration(node, info, int(lease))
-                if peer is not None:
-                    mirror.peers[node] = peer
-                else:
-                    mirror.peers.pop(node, None)
-            elif rel.startswith("join/"):
-                number, _, node = rel[len("join/") :].partition("/")
-                info = json.loads(value)
-                mirror.joins.setdefault(int(number), {})[node] = int(info.get("seq") or mod_revision)
-            elif rel == "round":
-                data = json.loads(value)
-                record = RoundRecord(
-                    number=int(data["number"]),
-                    participants=tuple(data["participants"]),
-                    master_addr=str(data["master_addr"]),
-                    master_port=int(data["master_port"]),
-                )
-                mirror.committed, mirror.committed_mod = record, mod_revision
-                ring = data.get("ring")
-                mirror.round_ring = ring if isinstance(ring, dict) else {}
-                for stale in [n for n in mirror.joins if n <= record.number]:
-                    del mirror.joins[stale]
-                for gone in [n for n in mirror.notices if n not in mirror.nodes]:  # kept for the last round only
-                    del mirror.notices[gone]
-            elif rel == "closed":
-                mirror.closed_mod = mod_revision
-                mirror.closed = True
-            elif rel.startswith("notice/"):
-                mirror.notices[rel[len("notice/") :]] = dict(json.loads(value))
-            elif rel == "post/coordinator":
-                info = json.loads(value)
-                mirror.coordinator = (str(info["node"]), int(info["lease"]))
-            elif rel == "post/proposal":
-                data = json.loads(value)
-                mirror.proposal = Proposal(int(data["number"]), tuple(data["participants"]), mod_revision)
-                ring = data.get("ring")
-                mirror.proposal_ring = ring if isinstance(ring, dict) else {}
-            elif rel == "post/reform":
-                data = json.loads(value)
-                reform = mirror.reform = Reform(int(data["round"]), int(data["waiting"]), tuple(data["lost"]))
-                current = mirror.committed
-                if not mirror.full and current is not None and reform.round == current.number:
-                    for node in reform.lost:  # as the coordinator saw them go
-                        if node in current.participants:
-                            self._participant_left(mirror, current, node)
-        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
-            # Someone wrote garbage under our prefix (a value that is JSON but not an object, or nested past
-            # the parser's depth): refuse to guess.
-            self._health.corrupt(RendezvousStateError(f"{self._ctx()}corrupt rendezvous key {key!r} in etcd: {exc}"))
-
-    def _apply_delete(self, mirror: _Mirror, key: str) -> None:
-        rel = key[len(self._keys.ctl) :]
-        if rel.startswith("nodes/"):
-            node = rel[len("nodes/") :]
-            mirror.nodes.pop(node, None)
-            mirror.peers.pop(node, None)
-            committed = mirror.committed
-            if committed is not None and node in committed.participants:
-                self._participant_left(mirror, committed, node)
-        elif rel == "round":  # an ended run was cleared for reuse: numbering starts again
-            mirror.committed, mirror.committed_mod = None, 0
-            for gone in [n for n in mirror.notices if n not in mirror.nodes]:
-                del mirror.notices[gone]
-        elif rel.startswith("join/"):
-            number, _, node = rel[len("join/") :].partition("/")
-            joins = mirror.joins.get(int(number))
-            if joins is not None:
-                joins.pop(node, None)
-        elif rel == "closed":
-            mirror.closed_mod = 0
-            mirror.closed = False
-        elif rel.startswith("notice/"):
-            node = rel[len("notice/") :]
-            committed = mirror.committed
-            # The notice goes with its node's lease. A participant of the current round that left for it keeps
-            # it here until the next round: a node leaving for its notice revokes its lease ~10 ms after its
-            # workers acknowledged the agreed step, possibly before a peer's agent looked at the notices, and
-            # without it that peer would take the planned leave for a crash.
-            if committed is None or node not in committed.participants:
-                mirror.notices.pop(node, None)
-        elif rel == "post/coordinator":
-            old_coordinator, mirror.coordinator = mirror.coordinator, None
-            round_now = mirror.committed
-            # Its lease ended: without the registrations, this is how a follower learns of the coordinator's loss
-            # at once (the next coordinator's reform post would tell it too, a little later).
-            if not mirror.full and old_coordinator is not None and round_now is not None \
-                    and old_coordinator[0] in round_now.participants:
-                self._participant_left(mirror, round_now, old_coordinator[0])
-        elif rel == "post/proposal":
-            mirror.proposal, mirror.proposal_ring = None, {}
-        elif rel == "post/reform":
-            mirror.reform = None
-
-    def _participant_left(self, mirror: _Mirror, committed: RoundRecord, node: str) -> None:
-        """A participant of the committed round is gone. After the job was closed (every agent that closes it
-        passed the exit barrier or gave up) it finished: not a loss, nothing to re-form for. Otherwise the
-        round is broken (``membership_changed``), whether it left for its preemption notice or crashed."""
-        if mirror.closed:
-            self._finished.setdefault(committed.number, set()).add(node)
-            log.info("%sparticipant %s of round %d finished and left", self._ctx(), node, committed.number)
-            return
-        if node in self._lost.get(committed.number, ()):
-            return  # known already (a follower hears of a loss from the coordinator key and the reform post)
-        self._lost.setdefault(committed.number, set()).add(node)
-        if node in mirror.notices:
-            log.info("%sparticipant %s of round %d left for its preemption notice", self._ctx(), node,
-                     committed.number)
-        else:
-            log.warning("%sparticipant %s of round %d lost its lease", self._ctx(), node, committed.number)
 
     def _sleep_unless_stopped(self, seconds: float) -> None:
         """The watch loop's retry backoff: cut short by shutdown."""
@@ -1458,12 +1291,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # WatchSubscriber (watch_mux.py), called from the mux's thread under its lock: never block here.
     def watch_reset(self, kvs: Any, revisions: Any) -> None:
-        mirror = _Mirror(loaded=True, full=False)
+        mirror = Mirror(loaded=True, full=False)
         for range_kvs, revision in zip(kvs, revisions, strict=True):
-            mirror.watch_revs.append(int(revision))
-            mirror.revision = max(mirror.revision, int(revision))
-            for kv in range_kvs:
-                self._apply_put(mirror, kv.key.decode(), kv.value, kv.mod_revision, kv.lease)
+            self._updater.add_range(mirror, range_kvs, int(revision))
         with self._cond:
             self._mirror = mirror
             self._cond.notify_all()
@@ -1480,6 +1310,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def watch_fatal(self, exc: BaseException) -> None:
         with self._cond:
             self._mux_fatal = exc
+            self._cond.notify_all()
+
+    def _apply_events(self, events: Any, watch_id: int) -> None:
+        with self._cond:
+            self._updater.apply_events(self._mirror, events, watch_id)
             self._cond.notify_all()
 
     def _change_view(self) -> None:
@@ -1501,20 +1336,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             )
         conn.call("renew the auth token", conn.renew_token)
         self._watch_token_renewed = True
-
-    def _apply_events(self, events: Any, watch_id: int) -> None:
-        with self._cond:
-            mirror = self._mirror
-            for ev in events:
-                key = ev.kv.key.decode()
-                if ev.type == kv_pb2.Event.PUT:
-                    self._apply_put(mirror, key, ev.kv.value, ev.kv.mod_revision, ev.kv.lease)
-                else:
-                    self._apply_delete(mirror, key)
-                mirror.revision = max(mirror.revision, int(ev.kv.mod_revision))
-                if 0 <= watch_id < len(mirror.watch_revs):
-                    mirror.watch_revs[watch_id] = max(mirror.watch_revs[watch_id], int(ev.kv.mod_revision))
-            self._cond.notify_all()
 
     # ================================================================== coordination
     def _coordinate_loop(self) -> None:
@@ -1578,7 +1399,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 return None
             committed = mirror.committed
             reform = reform_of(committed, mirror.nodes, mirror.joins.get(committed.number + 1, {}) if committed else (),
-                               self._lost.get(committed.number, ()) if committed else (), self._config.max_nodes,
+                               self._updater.lost.get(committed.number, ()) if committed else (), self._config.max_nodes,
                                mirror.closed)
             posted = duty.reform if duty.reform is not None else mirror.reform
             if reform is not None and reform.news_after(posted):
