@@ -52,7 +52,6 @@ round closes as soon as every live node has joined: no last-call wait on recover
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -68,7 +67,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import grpc
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_attempt
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
@@ -82,26 +81,20 @@ from .api import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousFinishedError,
-    RendezvousOutageError,
     RendezvousStateError,
     RendezvousTimeoutError,
-    RendezvousWatchError,
 )
 from .etcd_client import (
     ClientPool,
     EtcdConnection,
-    WatchCanceledError,
-    describe,
-    is_auth_refusal,
-    is_token_expired,
-    is_transient,
     prefix_end,
 )
 from .health import EtcdHealth, unreachable_at_shutdown
 from .keys import RunKeys
 from .lease_keeper import LeaseKeeper, refresh_interval
 from .liveness import LivenessListener, Peer, PeerWatch, Verdict, peer_from_registration, probe_all
-from .mirror import Mirror, MirrorUpdater
+from .mirror import SAFETY_RECHECK_S, Mirror, MirrorUpdater
+from .mirror_watch import MirrorWatch, watch_failure
 from .state import (
     Action,
     Decision,
@@ -116,7 +109,6 @@ from .state import (
     reform_of,
 )
 from .store import EtcdV3Store
-from .watch_mux import WatchMux
 from .worker_store import WorkerStoreHost, agent_hosts_store
 
 log = logging.getLogger(__name__)
@@ -136,9 +128,6 @@ T = TypeVar("T")
 
 STORE_TIMEOUT = timedelta(seconds=60)
 """Default timeout of the agents' store (torch's c10d backend uses 60 s too); barriers set their own."""
-
-_SAFETY_RECHECK_S = 2.0
-"""Longest a waiting loop sleeps without a mirror change; only a backstop, wake-ups come from the watch."""
 
 ELECT_SPREAD_PER_NODE_S = 0.0005
 """Without a coordinator, a node waits a random delay of up to this many seconds per ``max_nodes`` (at most
@@ -163,20 +152,6 @@ def _is_lease_not_found(exc: BaseException | None) -> bool:
         and exc.code() == grpc.StatusCode.NOT_FOUND
         and "lease not found" in (exc.details() or "")
     )
-
-
-def watch_failure(exc: BaseException, context: str) -> RendezvousError:
-    """The handler's fatal error once its watch gave up with ``exc``.
-
-    A connection error caused by a transient one is ``EtcdConnection.call`` giving up on an etcd that stayed
-    unreachable for its bound (the watch reloads and renews its token through it): an outage, as the lease
-    thread would report it. Anything else (etcd refused the watch, an unexpected error) happened while etcd
-    answered: a failed watch, after which ``shutdown`` still marks the job closed."""
-    if isinstance(exc, RendezvousOutageError) or (
-        isinstance(exc, RendezvousConnectionError) and exc.__cause__ is not None and is_transient(exc.__cause__)
-    ):
-        return RendezvousOutageError(f"{context}the etcd watch gave up: {exc}")
-    return RendezvousWatchError(f"{context}the etcd watch failed: {exc}")
 
 
 def describe_finished(value: bytes, config: EtcdRendezvousConfig) -> str:
@@ -218,10 +193,6 @@ class _CoordinatorDuty:
     def reset(self) -> None:
         self.target = self.proposed = self.reform = self.elect_tried_at = None
         self.last_call = self.rejoin = self.elect_after = None
-
-
-class _WatchTokenRenewed(WatchCanceledError):
-    """etcd refused the watch for its auth token, which has been renewed: watch again at once."""
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
@@ -283,7 +254,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
         self._cond = threading.Condition()
         self._health = EtcdHealth(config, self._cond, clock, self._ctx)
-        self._mirror = Mirror()
         self._updater = MirrorUpdater(self._keys.ctl, self._ctx, self._health.corrupt)
         self._my_round: RoundRecord | None = None
         self._joining: int | None = None
@@ -295,14 +265,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._registered = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._watch_stream: Any = None
         self._released = False
-        self._watch_token_renewed = False
-        """The watch was refused and the token renewed; a second refusal in a row is fatal."""
-        self._clearing = False
-        """A newcomer is clearing an ended run: it mirrors every key (``_clear_ended_run``)."""
-        self._view_epoch = 0
-        """Bumped (under the condition) when the wanted view changes from outside the watch thread."""
         self._start_lock = threading.Lock()
         self._lease_lock = threading.Lock()
         self._liveness: LivenessListener | None = None
@@ -313,10 +276,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Refreshes our lease: our own, or the one the pool's handlers share (``lease_keeper.py``)."""
         self._renewer: threading.Thread | None = None
         """Re-registers after our lease was found gone (off the keeper's thread, which serves every lease)."""
-        self._mux: WatchMux | None = None
-        """With a pool: the watch its handlers share (``watch_mux.py``), held from connect to release."""
-        self._mux_fatal: BaseException | None = None
-        """The pool's shared watch (``watch_mux``) gave up with this error."""
+        self._watch = MirrorWatch(config, self._keys, self._updater, self._health, self._cond, self._stop,
+                                  node_id=self._node_id, lease=lambda: self._lease_id, require_conn=self._require_conn,
+                                  clock=clock, ctx=self._ctx, pool=pool)
+        """Keeps ``_mirror`` current from etcd's watch (its thread starts at connect)."""
+
+    @property
+    def _mirror(self) -> Mirror:
+        """The mirror of ``P/ctl/`` that the watch keeps (read it under the condition)."""
+        return self._watch.mirror
 
     # ================================================================== torch interface
     def get_backend(self) -> str:
@@ -394,7 +362,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     now=self._clock(),
                     join_deadline=join_deadline,
                     checked_at=checked_at,
-                    recheck_s=_SAFETY_RECHECK_S,
+                    recheck_s=SAFETY_RECHECK_S,
                 )
                 seen_mod, proposal, ring = mirror.committed_mod, mirror.proposal, mirror.proposal_ring
                 decision = follow(view)
@@ -561,7 +529,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 remaining = deadline - self._clock()
                 if remaining <= 0 or self._stop.is_set():
                     return False
-                self._cond.wait(min(remaining, _SAFETY_RECHECK_S))
+                self._cond.wait(min(remaining, SAFETY_RECHECK_S))
 
     def publish_notice(self, notice: dict[str, Any]) -> None:
         conn = self._ensure_connected()
@@ -808,8 +776,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _wait_time(self, decision: Decision) -> float:
         if decision.wake_at is None:
-            return _SAFETY_RECHECK_S
-        return max(0.0, min(decision.wake_at - self._clock(), _SAFETY_RECHECK_S))
+            return SAFETY_RECHECK_S
+        return max(0.0, min(decision.wake_at - self._clock(), SAFETY_RECHECK_S))
 
     def _nodes_waiting_locked(self) -> int:
         """From the full mirror (the coordinator), else from the coordinator's reform post."""
@@ -962,17 +930,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._health.connect_failed = True
                     raise
                 try:
-                    if self._pool is None:
-                        self._load(conn)
-                    else:
-                        self._load_shared()
+                    self._watch.load(conn)
                 except BaseException as exc:
                     self._health.connect_failed = isinstance(exc, RendezvousConnectionError)
-                    self._release_mux()
+                    self._watch.release_mux()
                     conn.close()
                     raise
                 self._conn = conn
-                watcher = threading.Thread(target=self._watch_loop, name=f"rdzv-watch-{self._node_id}", daemon=True)
+                watcher = threading.Thread(target=self._watch.follow, name=f"rdzv-watch-{self._node_id}", daemon=True)
                 watcher.start()
                 self._threads.append(watcher)
             return self._conn
@@ -1012,18 +977,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._cond:
             if not self._mirror.closed:
                 return False
-            self._clearing = True
-        self._change_view()
+            self._watch.clearing = True
+        self._watch.change_view()
         try:
             return self._clear_ended_run_watching_all(conn)
         finally:
             with self._cond:
-                self._clearing = False
-            self._change_view()
+                self._watch.clearing = False
+            self._watch.change_view()
 
     def _clear_ended_run_watching_all(self, conn: EtcdConnection) -> bool:
         deadline = self._clock() + self._config.join_timeout
-        self._wait_mirror(lambda m: m.full, deadline)
+        self._watch.wait_for(lambda m: m.full, deadline)
         announced = found_closed = False
         while True:
             with self._cond:
@@ -1040,13 +1005,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     if not announced:
                         log.info("%srun id reused: waiting for %d agent(s) of the ended job to leave", self._ctx(), live)
                         announced = True
-                    self._cond.wait(min(remaining, _SAFETY_RECHECK_S))
+                    self._cond.wait(min(remaining, SAFETY_RECHECK_S))
                     continue
             if self._delete_ended_run(conn, closed_mod):
                 log.info("%srun id reused: cleared the keys of the ended job", self._ctx())
-                self._wait_mirror(lambda m: not m.closed, deadline)  # the deletes arrive in one watch response
+                self._watch.wait_for(lambda m: not m.closed, deadline)  # the deletes arrive in one watch response
             else:  # another newcomer cleared it, or a node registered: wait for that change, then look again
-                self._wait_revision_after(seen, deadline)
+                self._watch.wait_revision_after(seen, deadline)
 
     def _delete_ended_run(self, conn: EtcdConnection, closed_mod: int | None, *, within: float | None = None) -> bool:
         """Delete every key of the run but its ``finished`` marker (which expires on its own lease) in one
@@ -1065,19 +1030,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             within=within,
         )
         return bool(ok)
-
-    def _wait_revision_after(self, revision: int, deadline: float) -> None:
-        self._wait_mirror(lambda m: m.revision > revision, deadline)
-
-    def _wait_mirror(self, ready: Callable[[Mirror], bool], deadline: float) -> None:
-        """Block until the watch delivered a state with ``ready(mirror)`` (or ``deadline`` passed)."""
-        with self._cond:
-            while not ready(self._mirror):
-                self._health.raise_if_fatal()
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    return
-                self._cond.wait(min(remaining, _SAFETY_RECHECK_S))
 
     def _register(self, conn: EtcdConnection) -> None:
         """Grant a lease and write our node key under it (again after an expiry; ``seq`` is kept).
@@ -1115,233 +1067,24 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             )
         log.info("%sregistered (lease %x, ttl %d s)", self._ctx(), lease.id, self._config.lease_ttl)
 
-    # ================================================================== mirror maintenance
-    def _want_full(self) -> bool:
-        """Whether this node should mirror every key now (called under the condition)."""
-        coordinator = self._mirror.coordinator
-        leading = coordinator is not None and coordinator == (self._node_id, self._lease_id)
-        return leading or self._clearing
-
-    @staticmethod
-    def _read_range(conn: EtcdConnection, key: str, range_end: bytes | None) -> Any:
-        if range_end is None:
-            return conn.client.get_response(key)
-        return conn.client.get_range_response(key, range_end)
-
-    def _load(self, conn: EtcdConnection, full: bool = False) -> None:
-        """Read the watched ranges (start, a change of view, or after the watch fell behind a compaction)."""
-        mirror = Mirror(loaded=True, full=full)
-        for key, range_end in self._keys.watched_ranges(full):
-            resp = conn.call("read the rendezvous state", functools.partial(self._read_range, conn, key, range_end))
-            self._updater.add_range(mirror, resp.kvs, int(resp.header.revision))
-        with self._cond:
-            self._mirror = mirror
-            self._cond.notify_all()
-
-    def _sleep_unless_stopped(self, seconds: float) -> None:
-        """The watch loop's retry backoff: cut short by shutdown."""
-        self._stop.wait(seconds)
-
-    def _watch_loop(self) -> None:
-        retrying = Retrying(
-            stop=lambda _state: self._stop.is_set(),
-            wait=wait_random_exponential(multiplier=0.05, max=1.0),
-            retry=retry_if_exception(lambda exc: not self._stop.is_set() and (is_transient(exc) or isinstance(exc, WatchCanceledError))),
-            sleep=self._sleep_unless_stopped,
-            reraise=True,
-        )
-        try:
-            retrying(self._watch_once)
-        except Exception as exc:  # the thread must report, not die silently
-            if not self._stop.is_set():
-                # Our own errors carry a clear message; an unexpected one (a bug) keeps its traceback.
-                log.error("%sthe rendezvous watch failed: %s", self._ctx(), exc, exc_info=not isinstance(exc, RendezvousError))
-                # The first cause (an outage the lease thread measured) explains the rest.
-                self._health.fail(watch_failure(exc, self._ctx()))
-
-    def _watch_once(self) -> None:
-        """Load the view this node wants and follow it; when the wanted view changes (this node became or
-        stopped being the coordinator, or clears an ended run), load the other view and follow that."""
-        while not self._stop.is_set():
-            if not self._follow_view():
-                return
-
-    def _follow_view(self) -> bool:
-        """One watch stream over the wanted view; True when it ended because the wanted view changed."""
-        conn = self._require_conn()
-        stream = None
-        with self._cond:
-            shared = self._pool is not None and not self._want_full()
-        if shared:
-            return self._follow_shared()
-        try:
-            with self._cond:
-                full = self._want_full()
-                needs_load = not self._mirror.loaded or self._mirror.full != full
-                epoch = self._view_epoch
-            if needs_load:
-                self._load(conn, full)
-            with self._cond:
-                starts = [rev + 1 for rev in self._mirror.watch_revs]
-            ranges = self._keys.watched_ranges(full)
-            stream = conn.watch_ranges([(key, end, start) for (key, end), start in zip(ranges, starts, strict=True)])
-            self._watch_stream = stream
-            if self._stop.is_set() or self._view_epoch != epoch:
-                stream.cancel()
-                return not self._stop.is_set()
-            for response in stream:
-                if response.canceled and is_auth_refusal(response.cancel_reason):
-                    self._renew_token_for_watch(conn, response.cancel_reason)
-                    raise _WatchTokenRenewed(response.cancel_reason)
-                self._watch_token_renewed = False  # a fresh token got the watch through
-                self._health.ok()
-                if response.compact_revision:
-                    with self._cond:
-                        self._mirror.loaded = False  # resync on the next attempt
-                    raise WatchCanceledError(f"watch fell behind compaction at {response.compact_revision}")
-                if response.canceled:
-                    raise WatchCanceledError(f"watch canceled by etcd: {response.cancel_reason}")
-                if response.events:
-                    self._apply_events(response.events, int(response.watch_id))
-                with self._cond:
-                    if self._want_full() != full:
-                        stream.cancel()
-                        return True
-        except RendezvousConnectionError:
-            raise
-        except Exception as exc:
-            if self._stop.is_set():
-                return False
-            with self._cond:
-                if self._view_epoch != epoch or self._want_full() != full:
-                    return True  # canceled from outside for a change of view
-            if isinstance(exc, _WatchTokenRenewed):
-                raise
-            if is_token_expired(exc):
-                self._renew_token_for_watch(conn, describe(exc))
-                raise _WatchTokenRenewed(describe(exc)) from exc
-            self._health.failed(exc)
-            raise
-        if not self._stop.is_set():
-            raise WatchCanceledError("watch stream ended")
-        return False
-
-    # ------------------------------------------------------------------ the pool's shared watch (watch_mux.py)
-    def _follow_shared(self) -> bool:
-        """Follow the followers' view through the watch every handler of the pool shares (one stream per
-        process instead of one per handler); True when it ended because the wanted view changed.
-
-        CHANGE (vs one stream per handler): only with a ``ClientPool``, i.e. many agents in one process (the
-        bench, tests); a real agent (no pool) keeps its own stream."""
-        mux = self._mux
-        assert mux is not None  # held from connect to release
-        with self._cond:
-            epoch = self._view_epoch
-        mux.subscribe(self)  # never under our condition: the mux's callbacks take it
-        try:
-            with self._cond:
-                while True:
-                    if self._stop.is_set():
-                        return False
-                    fatal = self._mux_fatal
-                    if isinstance(fatal, RendezvousError):  # a copy: every handler of the pool raises it
-                        raise type(fatal)(str(fatal)) from fatal
-                    if fatal is not None:
-                        raise RendezvousWatchError(f"the shared etcd watch failed: {describe(fatal)}") from fatal
-                    if self._view_epoch != epoch or self._want_full():
-                        return True
-                    self._cond.wait(_SAFETY_RECHECK_S)
-        finally:
-            mux.unsubscribe(self)
-
-    def _load_shared(self) -> None:
-        """``_load`` from the pool's shared watch: its keys, without a read of our own (bounded by etcd_timeout)."""
-        self._mux = mux = self._acquire_mux()
-        try:
-            state = mux.state(self._config.etcd_timeout)
-        except RendezvousError:
-            raise
-        except Exception as exc:
-            raise RendezvousWatchError(f"{self._ctx()}the shared etcd watch failed: {describe(exc)}") from exc
-        if state is None:
-            raise RendezvousConnectionError(
-                f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for {self._config.etcd_timeout:.0f} s "
-                f"while trying to read the rendezvous state (shared watch)")
-        self.watch_reset(*state)
-
-    def _mux_key(self) -> tuple[Any, ...]:
-        return ("watch-mux", *ClientPool.key(self._config), self._config.run_prefix)
-
-    def _acquire_mux(self) -> WatchMux:
-        pool, config = self._pool, self._config
-        assert pool is not None
-        ranges = self._keys.watched_ranges(False)
-        return pool.acquire_shared(self._mux_key(), lambda: WatchMux(
-            EtcdConnection(config, pool=pool), ranges, name=f"rdzv-watch-mux-{config.run_id}"))
-
-    def _release_mux(self) -> None:
-        mux, self._mux = self._mux, None
-        if mux is None or self._pool is None:
-            return
-        mux.unsubscribe(self)
-        last = self._pool.release_shared(self._mux_key())
-        if last is not None:
-            last.close()
-            last.connection.close()
-
-    # WatchSubscriber (watch_mux.py), called from the mux's thread under its lock: never block here.
+    # WatchSubscriber (watch_mux.py): the mirror's watch subscribes itself; these pass a caller's calls on to it.
     def watch_reset(self, kvs: Any, revisions: Any) -> None:
-        mirror = Mirror(loaded=True, full=False)
-        for range_kvs, revision in zip(kvs, revisions, strict=True):
-            self._updater.add_range(mirror, range_kvs, int(revision))
-        with self._cond:
-            self._mirror = mirror
-            self._cond.notify_all()
-        self._health.ok()
+        self._watch.watch_reset(kvs, revisions)
 
     def watch_events(self, events: Any, watch_id: int) -> None:
-        self._apply_events(events, watch_id)
-        self._health.ok()
+        self._watch.watch_events(events, watch_id)
 
     def watch_failed(self, exc: BaseException) -> None:
-        if not self._stop.is_set():
-            self._health.failed(exc)
+        self._watch.watch_failed(exc)
 
     def watch_fatal(self, exc: BaseException) -> None:
-        with self._cond:
-            self._mux_fatal = exc
-            self._cond.notify_all()
-
-    def _apply_events(self, events: Any, watch_id: int) -> None:
-        with self._cond:
-            self._updater.apply_events(self._mirror, events, watch_id)
-            self._cond.notify_all()
-
-    def _change_view(self) -> None:
-        """The wanted view changed outside the watch thread: make it reload (call after the change)."""
-        with self._cond:
-            self._view_epoch += 1
-            self._cond.notify_all()  # a follower on the shared watch waits on the condition, not a stream
-        stream = self._watch_stream
-        if stream is not None:
-            stream.cancel()
-
-    def _renew_token_for_watch(self, conn: EtcdConnection, reason: str) -> None:
-        """etcd refused the watch for its token (after a restart it says "permission denied"): renew once;
-        refused again with a fresh token, the user really lacks the permission and the job cannot go on."""
-        if self._watch_token_renewed:
-            raise RendezvousConnectionError(
-                f"{self._ctx()}etcd refuses to let user {self._config.user!r} watch {self._keys.ctl!r} ({reason}), "
-                f"even with a fresh token: grant its role readwrite on the prefix {self._config.etcd_prefix!r}/"
-            )
-        conn.call("renew the auth token", conn.renew_token)
-        self._watch_token_renewed = True
+        self._watch.watch_fatal(exc)
 
     # ================================================================== coordination
     def _coordinate_loop(self) -> None:
         """While no node coordinates, try to; while this node does, post proposals and reform notices.
 
-        The coordinator mirrors every key (``_want_full``); everything else it learns is posted as one key
+        The coordinator mirrors every key (``MirrorWatch``); everything else it learns is posted as one key
         each node watches, so a round costs O(N) watch events instead of every join reaching every node."""
         duty = _CoordinatorDuty()
         while not self._stop.is_set():
@@ -1360,7 +1103,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             except Exception:  # a bug: say so, do not die silently; the followers' deadline checks still work
                 log.exception("%scoordinator step failed", self._ctx())
                 duty.reset()
-                self._stop.wait(_SAFETY_RECHECK_S)
+                self._stop.wait(SAFETY_RECHECK_S)
 
     def _coordinator_step(self, duty: _CoordinatorDuty) -> Callable[[], None] | None:
         """Decide under the lock what the coordinator role asks for now; return the I/O to do (or wait)."""
@@ -1368,21 +1111,21 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._stop.is_set():
                 return None
             if self._health.fatal is not None:
-                self._cond.wait(_SAFETY_RECHECK_S)
+                self._cond.wait(SAFETY_RECHECK_S)
                 return None
             mirror, lease = self._mirror, self._lease_id
             if not mirror.loaded or mirror.closed or lease is None or self._released:
-                self._cond.wait(_SAFETY_RECHECK_S)
+                self._cond.wait(SAFETY_RECHECK_S)
                 return None
             if mirror.coordinator is None:
                 if duty.elect_tried_at == mirror.revision:  # our try's outcome is not in the mirror yet
-                    self._cond.wait(_SAFETY_RECHECK_S)
+                    self._cond.wait(SAFETY_RECHECK_S)
                     if self._mirror.revision == duty.elect_tried_at:
                         duty.elect_tried_at = None  # nothing came: try again
                     return None
                 renewer = self._renewer
                 if renewer is not None and renewer.is_alive():  # our lease is being replaced: elect on the new one
-                    self._cond.wait(_SAFETY_RECHECK_S)
+                    self._cond.wait(SAFETY_RECHECK_S)
                     return None
                 now = self._clock()
                 if duty.elect_after is None:
@@ -1395,7 +1138,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 return lambda: self._elect(lease)
             if mirror.coordinator != (self._node_id, lease) or not mirror.full:
                 duty.reset()
-                self._cond.wait(_SAFETY_RECHECK_S)
+                self._cond.wait(SAFETY_RECHECK_S)
                 return None
             committed = mirror.committed
             reform = reform_of(committed, mirror.nodes, mirror.joins.get(committed.number + 1, {}) if committed else (),
@@ -1523,9 +1266,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _stop_threads(self) -> None:
         self._stop.set()
         self._release_keeper()
-        stream = self._watch_stream
-        if stream is not None:
-            stream.cancel()
+        self._watch.cancel()
         with self._cond:
             self._cond.notify_all()
         renewer = self._renewer
@@ -1533,7 +1274,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if thread is not threading.current_thread():
                 thread.join(timeout=2.0)  # a stuck thread must not hold up a signal-driven leave()
         self._threads.clear()
-        self._release_mux()
+        self._watch.release_mux()
 
     def _ctx(self) -> str:
         record = self._my_round

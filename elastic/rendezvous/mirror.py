@@ -25,6 +25,9 @@ from .state import Proposal, Reform, RoundRecord
 log = logging.getLogger("elastic.rendezvous.etcd_v3")
 """The handler's parts log as the handler (the same logger name in every line as before they were parts)."""
 
+SAFETY_RECHECK_S = 2.0
+"""Longest a waiting loop sleeps without a mirror change; only a backstop, wake-ups come from the watch."""
+
 
 @dataclass(slots=True)
 class Mirror:
