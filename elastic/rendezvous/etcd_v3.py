@@ -95,9 +95,9 @@ from .lease_keeper import LeaseKeeper, refresh_interval
 from .liveness import LivenessListener, Peer, PeerWatch, Verdict, peer_from_registration, probe_all
 from .mirror import SAFETY_RECHECK_S, Mirror, MirrorUpdater
 from .mirror_watch import MirrorWatch, watch_failure
+from .rounds import RoundWriter, snapshot_of, wait_time
 from .state import (
     Action,
-    Decision,
     FollowerView,
     Reform,
     RoundRecord,
@@ -280,6 +280,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                                   node_id=self._node_id, lease=lambda: self._lease_id, require_conn=self._require_conn,
                                   clock=clock, ctx=self._ctx, pool=pool)
         """Keeps ``_mirror`` current from etcd's watch (its thread starts at connect)."""
+        self._rounds = RoundWriter(self._keys, node_id=self._node_id, addr=self._addr,
+                                   store_port=self._worker_store.port_for, require_conn=self._require_conn, ctx=self._ctx)
+        """The transactions that form rounds (join, commit; the coordinator's election, proposal, reform)."""
 
     @property
     def _mirror(self) -> Mirror:
@@ -373,7 +376,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 if action is Action.COMMIT and committed_mod == seen_mod:
                     action = Action.WAIT  # our commit is not in the mirror yet
                 if action is Action.WAIT:
-                    self._cond.wait(self._wait_time(decision))
+                    self._cond.wait(wait_time(decision, self._clock))
                     continue
                 if action is Action.DONE:
                     info, record, rank = self._complete_round(began)
@@ -391,7 +394,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     joined_target = (target, self._lease_id)
             elif action is Action.COMMIT:
                 assert proposal is not None
-                if self._commit(target, decision.participants, seen_mod, proposal.mod_revision, ring):
+                if self._rounds.commit(target, decision.participants, seen_mod, proposal.mod_revision, ring):
                     committed_mod = seen_mod
             elif action is Action.CHECK:
                 checked_at = self._clock()
@@ -421,7 +424,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """A ``Snapshot`` of every key: from the mirror when it is full, else from one range read."""
         with self._cond:
             if self._mirror.full and self._mirror.loaded:
-                return self._snapshot(self._mirror, target, join_deadline, None, None)
+                return snapshot_of(self._mirror, node_id=self._node_id, config=self._config, now=self._clock(), target=target,
+                                   join_deadline=join_deadline)
         conn = self._require_conn()
         resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self._keys.ctl))
         mirror = Mirror(revision=int(resp.header.revision), loaded=True, full=True)
@@ -429,7 +433,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._updater.put(mirror, kv.key.decode(), kv.value, kv.mod_revision)
         with self._cond:
             self._health.raise_if_fatal()
-            return self._snapshot(mirror, target, join_deadline, None, None)
+            return snapshot_of(mirror, node_id=self._node_id, config=self._config, now=self._clock(), target=target,
+                               join_deadline=join_deadline)
 
     def is_closed(self) -> bool:
         if not self._released:  # after leave()/shutdown(): the last state seen, without I/O
@@ -753,32 +758,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._conn.close()
 
     # ================================================================== snapshot / decisions
-    def _snapshot(
-        self, mirror: Mirror, target: int, join_deadline: float, last_call: float | None, rejoin: float | None
-    ) -> Snapshot:
-        """``mirror`` (a full one) as ``decide``/``coordinate`` see it."""
-        committed = mirror.committed
-        pending = (committed.number if committed else 0) + 1
-        return Snapshot(
-            node_id=self._node_id,
-            target=target,
-            committed=committed,
-            live=frozenset(mirror.nodes),
-            joined=dict(mirror.joins.get(pending, {})),
-            closed=mirror.closed,
-            min_nodes=self._config.min_nodes,
-            max_nodes=self._config.max_nodes,
-            now=self._clock(),
-            join_deadline=join_deadline,
-            last_call_deadline=last_call,
-            rejoin_deadline=rejoin,
-        )
-
-    def _wait_time(self, decision: Decision) -> float:
-        if decision.wake_at is None:
-            return SAFETY_RECHECK_S
-        return max(0.0, min(decision.wake_at - self._clock(), SAFETY_RECHECK_S))
-
     def _nodes_waiting_locked(self) -> int:
         """From the full mirror (the coordinator), else from the coordinator's reform post."""
         mirror = self._mirror
@@ -829,25 +808,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     # ================================================================== writes
     def _write_join(self, target: int, seen_mod: int) -> bool:
-        """Put our join key for ``target`` unless the round key moved since our snapshot."""
-        conn = self._require_conn()
-        tx = conn.client.transactions
-        key = f"{self._keys.join_prefix}{target}/{self._node_id}"
-        value = json.dumps({"seq": self._seq, "addr": self._addr})
+        """Put our join key for ``target`` unless the round key moved since our snapshot (under our live lease)."""
+        seq = self._seq
         with self._cond:
             self._joining = target
-
-        def put_join() -> bool:
-            lease = self._lease_id
-            ok, _ = conn.call(
-                f"join round {target}",
-                lambda: conn.client.transaction(
-                    compare=[tx.mod(self._keys.round_key) == seen_mod], success=[tx.put(key, value, lease=lease)], failure=[]
-                ),
-            )
-            return bool(ok)
-
-        return self._with_live_lease(put_join)
+        return self._with_live_lease(lambda: self._rounds.join(target, seen_mod, seq, self._lease_id))
 
     def _with_live_lease(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (which writes under our lease); if etcd says the lease is gone, re-register and rerun."""
@@ -874,44 +839,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._lease_lock:
             if self._lease_id == stale_lease:
                 self._register(self._require_conn())
-
-    def _commit(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int,
-                ring: dict[str, Any] | None = None) -> bool:
-        """Commit the coordinator's proposal (of revision ``proposal_mod``) as round ``target``; this node is its
-        rank 0 and hosts the workers' store. False when the round key, the proposal or the closed key moved."""
-        conn = self._require_conn()
-        tx = conn.client.transactions
-        record = {
-            "number": target,
-            "participants": list(participants),
-            "master_addr": self._addr,
-            "master_port": self._worker_store.port_for(target),
-            "committed_by": self._node_id,
-            "time": time.time(),
-        }
-        if ring:  # add-only field: an older agent ignores it and reads its successor's registration
-            record["ring"] = {node: ring[node] for node in participants if node in ring}
-        join_dir = f"{self._keys.join_prefix}{target}/"
-        # (Not compared: that each participant's join key still exists. etcd caps a txn at 128 ops, and a
-        # participant that died since our snapshot is caught by the watch right after: the round breaks.)
-        compare = [tx.mod(self._keys.round_key) == seen_mod, tx.version(self._keys.closed_key) == 0,
-                   tx.mod(self._keys.proposal_key) == proposal_mod]
-        success = [
-            tx.put(self._keys.round_key, json.dumps(record)),
-            tx.delete(join_dir, range_end=prefix_end(join_dir)),
-            tx.delete(self._keys.proposal_key),
-        ]
-        if target > 2:
-            old_store = f"{self._keys.store_prefix}{target - 2}/"
-            success.append(tx.delete(old_store, range_end=prefix_end(old_store)))
-        ok, _ = conn.call(
-            f"commit round {target}", lambda: conn.client.transaction(compare=compare, success=success, failure=[])
-        )
-        if ok:
-            log.info("%scommitted round %d with %d nodes: %s", self._ctx(), target, len(participants), ", ".join(participants))
-        else:
-            log.info("%scommit of round %d lost a race (state moved); re-deciding", self._ctx(), target)
-        return bool(ok)
 
     # ================================================================== start-up
     def _require_conn(self) -> EtcdConnection:
@@ -1135,7 +1062,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     return None
                 duty.elect_after = None
                 duty.elect_tried_at = mirror.revision
-                return lambda: self._elect(lease)
+                return lambda: self._rounds.elect(lease)
             if mirror.coordinator != (self._node_id, lease) or not mirror.full:
                 duty.reset()
                 self._cond.wait(SAFETY_RECHECK_S)
@@ -1147,11 +1074,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             posted = duty.reform if duty.reform is not None else mirror.reform
             if reform is not None and reform.news_after(posted):
                 duty.reform = reform
-                return lambda: self._post_reform(reform)
+                return lambda: self._rounds.post_reform(reform)
             target = (committed.number if committed else 0) + 1
             if duty.target != (target, mirror.committed_mod):
                 duty.target, duty.last_call, duty.rejoin = (target, mirror.committed_mod), None, None
-            snap = self._snapshot(mirror, target, float("inf"), duty.last_call, duty.rejoin)
+            snap = snapshot_of(mirror, node_id=self._node_id, config=self._config, now=self._clock(), target=target,
+                               join_deadline=float("inf"), last_call=duty.last_call, rejoin=duty.rejoin)
             decision = coordinate(snap)
             if decision.reason != duty.reason:
                 log.debug("%scoordinator, round %d: %s (%s)", self._ctx(), target, decision.action.value, decision.reason)
@@ -1168,43 +1096,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             ):
                 duty.proposed = proposal
                 ring = {n: [p.addr, p.port, p.lease] for n in decision.participants if (p := mirror.peers.get(n)) is not None}
-                return lambda: self._propose(target, decision.participants, seen_mod, proposal_mod, lease, ring)
-            self._cond.wait(self._wait_time(decision))
+                return lambda: self._rounds.propose(target, decision.participants, seen_mod, proposal_mod, lease, ring)
+            self._cond.wait(wait_time(decision, self._clock))
             return None
-
-    def _elect(self, lease: int) -> None:
-        """Become the coordinator if there is none (the key lives on our lease: it ends with us)."""
-        conn = self._require_conn()
-        tx = conn.client.transactions
-        value = json.dumps({"node": self._node_id, "lease": lease})
-        won, _ = conn.call("elect a coordinator", lambda: conn.client.transaction(
-            compare=[tx.version(self._keys.coordinator_key) == 0],
-            success=[tx.put(self._keys.coordinator_key, value, lease=lease)], failure=[]))
-        if won:
-            log.info("%scoordinating the rendezvous (mirrors every registration and join)", self._ctx())
-
-    def _post_reform(self, reform: Reform) -> None:
-        conn = self._require_conn()
-        value = json.dumps({"round": reform.round, "waiting": reform.waiting, "lost": list(reform.lost),
-                            "by": self._node_id})
-        conn.call("post a reform notice", lambda: conn.client.put(self._keys.reform_key, value))
-        log.info("%scoordinator: round %d must re-form (%d waiting, lost: %s)", self._ctx(), reform.round,
-                 reform.waiting, ", ".join(reform.lost) or "none")
-
-    def _propose(self, target: int, participants: tuple[str, ...], seen_mod: int, proposal_mod: int, lease: int,
-                 ring: dict[str, list[Any]] | None = None) -> None:
-        """Post the proposal unless the round key or the proposal moved since the decision (on our lease: a dead
-        coordinator's proposal vanishes with it)."""
-        conn = self._require_conn()
-        tx = conn.client.transactions
-        value = json.dumps({"number": target, "participants": list(participants), "by": self._node_id,
-                            "ring": ring or {}})
-        ok, _ = conn.call(f"propose round {target}", lambda: conn.client.transaction(
-            compare=[tx.mod(self._keys.round_key) == seen_mod, tx.mod(self._keys.proposal_key) == proposal_mod],
-            success=[tx.put(self._keys.proposal_key, value, lease=lease)], failure=[]))
-        if ok:
-            log.info("%scoordinator: proposed round %d with %d nodes (rank 0: %s)", self._ctx(), target,
-                     len(participants), participants[0])
 
     # ================================================================== lease keepalive
     def _keeper_key(self) -> tuple[Any, ...]:

@@ -518,10 +518,10 @@ def test_stale_commit_is_rejected_and_old_stores_are_dropped(etcd_server: Embedd
     assert h.round == 2
     assert not info2.store.check(["k"]), "a new round starts from an empty store"
     # An agent still acting on round 1's view tries to commit "its" round 2: etcd refuses.
-    assert h._commit(2, ("ghost",), stale_mod, 0) is False
+    assert h._rounds.commit(2, ("ghost",), stale_mod, 0) is False
     assert h._mirror.committed is not None and h._mirror.committed.participants == ("solo",)
     # A commit of a proposal the coordinator has replaced since (its revision moved) fails too.
-    assert h._commit(3, ("ghost",), h._mirror.committed_mod, stale_mod) is False
+    assert h._rounds.commit(3, ("ghost",), h._mirror.committed_mod, stale_mod) is False
     assert h._mirror.committed.number == 2
     h.next_rendezvous()  # round 3 drops round 1's store
     assert not info1.store.check(["k"])
