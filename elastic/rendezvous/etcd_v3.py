@@ -55,18 +55,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-import grpc
 from tenacity import Retrying, retry_if_exception, stop_after_attempt
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
@@ -84,12 +81,13 @@ from .api import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
+from .coordinator import ELECT_SPREAD_MAX_S, ELECT_SPREAD_PER_NODE_S, Coordinator, election_spread
 from .etcd_client import (
     ClientPool,
     EtcdConnection,
     prefix_end,
 )
-from .health import EtcdHealth, unreachable_at_shutdown
+from .health import EtcdHealth, is_lease_not_found, unreachable_at_shutdown
 from .keys import RunKeys
 from .lease_keeper import LeaseKeeper, refresh_interval
 from .liveness import LivenessListener, Peer, PeerWatch, Verdict, peer_from_registration, probe_all
@@ -99,14 +97,11 @@ from .rounds import RoundWriter, snapshot_of, wait_time
 from .state import (
     Action,
     FollowerView,
-    Reform,
     RoundRecord,
     Snapshot,
-    coordinate,
     decide,
     follow,
     membership,
-    reform_of,
 )
 from .store import EtcdV3Store
 from .worker_store import WorkerStoreHost, agent_hosts_store
@@ -129,31 +124,6 @@ T = TypeVar("T")
 STORE_TIMEOUT = timedelta(seconds=60)
 """Default timeout of the agents' store (torch's c10d backend uses 60 s too); barriers set their own."""
 
-ELECT_SPREAD_PER_NODE_S = 0.0005
-"""Without a coordinator, a node waits a random delay of up to this many seconds per ``max_nodes`` (at most
-``ELECT_SPREAD_MAX_S``) before it tries the election, and only tries when none won meanwhile: at 1,000 agents
-that starting together, the first winner's key reaches most of them before their turn, instead of 1,000
-election transactions (which, retried after a mass lease loss, kept an overloaded etcd answering "too many
-requests"). Below 10 ms (max_nodes < 20) there is no wait."""
-
-ELECT_SPREAD_MAX_S = 1.0
-
-
-def election_spread(max_nodes: int) -> float:
-    """The longest random wait before an election try (0: try at once)."""
-    spread = min(ELECT_SPREAD_MAX_S, ELECT_SPREAD_PER_NODE_S * max_nodes)
-    return spread if spread >= 0.01 else 0.0
-
-
-def _is_lease_not_found(exc: BaseException | None) -> bool:
-    return (
-        isinstance(exc, grpc.RpcError)
-        and hasattr(exc, "code")
-        and exc.code() == grpc.StatusCode.NOT_FOUND
-        and "lease not found" in (exc.details() or "")
-    )
-
-
 def describe_finished(value: bytes, config: EtcdRendezvousConfig) -> str:
     """The message of a newcomer that found the run's ``finished`` marker (``value``, JSON; any garbage
     still means finished: only a successful end writes the key)."""
@@ -171,28 +141,6 @@ def describe_finished(value: bytes, config: EtcdRendezvousConfig) -> str:
 def _default_node_id() -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname().split(".")[0]) or "host"
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-@dataclass(slots=True)
-class _CoordinatorDuty:
-    """What the coordinator thread remembers between its decisions (its own writes not yet mirrored)."""
-
-    target: tuple[int, int] | None = None
-    """(round to form, round-key revision) the deadlines below belong to."""
-    last_call: float | None = None
-    rejoin: float | None = None
-    proposed: tuple[int, tuple[str, ...], int, int] | None = None
-    """(round, participants, round-key revision, proposal revision) of our last proposal."""
-    reform: Reform | None = None
-    reason: str = ""
-    elect_tried_at: int | None = None
-    """Mirror revision when this node last tried to become the coordinator."""
-    elect_after: float | None = None
-    """When (clock) this node may try the election (``election_spread``); None: not drawn yet."""
-
-    def reset(self) -> None:
-        self.target = self.proposed = self.reform = self.elect_tried_at = None
-        self.last_call = self.rejoin = self.elect_after = None
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
@@ -283,6 +231,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._rounds = RoundWriter(self._keys, node_id=self._node_id, addr=self._addr,
                                    store_port=self._worker_store.port_for, require_conn=self._require_conn, ctx=self._ctx)
         """The transactions that form rounds (join, commit; the coordinator's election, proposal, reform)."""
+        self._coordinator = Coordinator(
+            config, self._rounds, self._updater, self._health, self._cond, self._stop, node_id=self._node_id,
+            mirror=lambda: self._watch.mirror, lease=lambda: self._lease_id, renewing=self._renewing,
+            released=lambda: self._released, clock=clock, ctx=self._ctx)
+        """The coordinator role: tries the election while none holds it, and runs it while this node does."""
 
     @property
     def _mirror(self) -> Mirror:
@@ -715,7 +668,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             conn.call("revoke a dead peer's lease", lambda: conn.client.revoke_lease(peer.lease), within=2.0)
         except RendezvousError as exc:
-            if _is_lease_not_found(exc.__cause__):  # it went on its own meanwhile (revoked or expired)
+            if is_lease_not_found(exc.__cause__):  # it went on its own meanwhile (revoked or expired)
                 log.debug("%speer %s's lease was already gone", self._ctx(), peer.node)
                 return False
             log.warning("%scould not revoke the lease of dead peer %s (it expires in <= %d s): %s", self._ctx(),
@@ -822,14 +775,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             try:
                 return fn()
             except RendezvousConnectionError as exc:
-                if _is_lease_not_found(exc.__cause__):
+                if is_lease_not_found(exc.__cause__):
                     log.warning("%slease %x is gone (expired or revoked); re-registering", self._ctx(), lease or 0)
                     self._renew_lease(lease)
                 raise
 
         retrying = Retrying(
             stop=stop_after_attempt(4),
-            retry=retry_if_exception(lambda exc: isinstance(exc, RendezvousConnectionError) and _is_lease_not_found(exc.__cause__)),
+            retry=retry_if_exception(lambda exc: isinstance(exc, RendezvousConnectionError) and is_lease_not_found(exc.__cause__)),
             reraise=True,
         )
         return retrying(attempt)
@@ -882,7 +835,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._registered = True
             self._keeper = self._acquire_keeper(conn)
             self._keeper.add(self)
-            coordinator = threading.Thread(target=self._coordinate_loop, name=f"rdzv-coord-{self._node_id}", daemon=True)
+            coordinator = threading.Thread(target=self._coordinator.run, name=f"rdzv-coord-{self._node_id}", daemon=True)
             coordinator.start()
             self._threads.append(coordinator)
 
@@ -965,7 +918,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """
         retrying = Retrying(
             stop=stop_after_attempt(3),
-            retry=retry_if_exception(lambda exc: isinstance(exc, RendezvousConnectionError) and _is_lease_not_found(exc.__cause__)),
+            retry=retry_if_exception(lambda exc: isinstance(exc, RendezvousConnectionError) and is_lease_not_found(exc.__cause__)),
             reraise=True,
         )
         retrying(self._register_once, conn)
@@ -1007,99 +960,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def watch_fatal(self, exc: BaseException) -> None:
         self._watch.watch_fatal(exc)
 
-    # ================================================================== coordination
-    def _coordinate_loop(self) -> None:
-        """While no node coordinates, try to; while this node does, post proposals and reform notices.
-
-        The coordinator mirrors every key (``MirrorWatch``); everything else it learns is posted as one key
-        each node watches, so a round costs O(N) watch events instead of every join reaching every node."""
-        duty = _CoordinatorDuty()
-        while not self._stop.is_set():
-            try:
-                step = self._coordinator_step(duty)
-                if step is not None:
-                    step()
-            except RendezvousError as exc:
-                if self._stop.is_set():
-                    return
-                # A lease that just ended (the lease thread re-registers) is no news; anything else is.
-                level = logging.INFO if _is_lease_not_found(exc.__cause__) else logging.WARNING
-                log.log(level, "%scoordinator: %s; trying again", self._ctx(), exc)
-                duty.reset()
-                self._stop.wait(0.5)
-            except Exception:  # a bug: say so, do not die silently; the followers' deadline checks still work
-                log.exception("%scoordinator step failed", self._ctx())
-                duty.reset()
-                self._stop.wait(SAFETY_RECHECK_S)
-
-    def _coordinator_step(self, duty: _CoordinatorDuty) -> Callable[[], None] | None:
-        """Decide under the lock what the coordinator role asks for now; return the I/O to do (or wait)."""
-        with self._cond:
-            if self._stop.is_set():
-                return None
-            if self._health.fatal is not None:
-                self._cond.wait(SAFETY_RECHECK_S)
-                return None
-            mirror, lease = self._mirror, self._lease_id
-            if not mirror.loaded or mirror.closed or lease is None or self._released:
-                self._cond.wait(SAFETY_RECHECK_S)
-                return None
-            if mirror.coordinator is None:
-                if duty.elect_tried_at == mirror.revision:  # our try's outcome is not in the mirror yet
-                    self._cond.wait(SAFETY_RECHECK_S)
-                    if self._mirror.revision == duty.elect_tried_at:
-                        duty.elect_tried_at = None  # nothing came: try again
-                    return None
-                renewer = self._renewer
-                if renewer is not None and renewer.is_alive():  # our lease is being replaced: elect on the new one
-                    self._cond.wait(SAFETY_RECHECK_S)
-                    return None
-                now = self._clock()
-                if duty.elect_after is None:
-                    duty.elect_after = now + random.uniform(0.0, election_spread(self._config.max_nodes))
-                if now < duty.elect_after:
-                    self._cond.wait(duty.elect_after - now)  # a winner's key wakes us (and we do not try)
-                    return None
-                duty.elect_after = None
-                duty.elect_tried_at = mirror.revision
-                return lambda: self._rounds.elect(lease)
-            if mirror.coordinator != (self._node_id, lease) or not mirror.full:
-                duty.reset()
-                self._cond.wait(SAFETY_RECHECK_S)
-                return None
-            committed = mirror.committed
-            reform = reform_of(committed, mirror.nodes, mirror.joins.get(committed.number + 1, {}) if committed else (),
-                               self._updater.lost.get(committed.number, ()) if committed else (), self._config.max_nodes,
-                               mirror.closed)
-            posted = duty.reform if duty.reform is not None else mirror.reform
-            if reform is not None and reform.news_after(posted):
-                duty.reform = reform
-                return lambda: self._rounds.post_reform(reform)
-            target = (committed.number if committed else 0) + 1
-            if duty.target != (target, mirror.committed_mod):
-                duty.target, duty.last_call, duty.rejoin = (target, mirror.committed_mod), None, None
-            snap = snapshot_of(mirror, node_id=self._node_id, config=self._config, now=self._clock(), target=target,
-                               join_deadline=float("inf"), last_call=duty.last_call, rejoin=duty.rejoin)
-            decision = coordinate(snap)
-            if decision.reason != duty.reason:
-                log.debug("%scoordinator, round %d: %s (%s)", self._ctx(), target, decision.action.value, decision.reason)
-                duty.reason = decision.reason
-            if decision.action is Action.START_LAST_CALL:
-                duty.last_call = snap.now + self._config.last_call_timeout
-                duty.rejoin = snap.now + self._config.rejoin_timeout
-                return None
-            current = mirror.proposal
-            seen_mod, proposal_mod = mirror.committed_mod, current.mod_revision if current is not None else 0
-            proposal = (target, decision.participants, seen_mod, proposal_mod)
-            if decision.action is Action.PROPOSE and duty.proposed != proposal and not (
-                current is not None and current.number == target and current.participants == decision.participants
-            ):
-                duty.proposed = proposal
-                ring = {n: [p.addr, p.port, p.lease] for n in decision.participants if (p := mirror.peers.get(n)) is not None}
-                return lambda: self._rounds.propose(target, decision.participants, seen_mod, proposal_mod, lease, ring)
-            self._cond.wait(wait_time(decision, self._clock))
-            return None
-
     # ================================================================== lease keepalive
     def _keeper_key(self) -> tuple[Any, ...]:
         return ("lease-keeper", *ClientPool.key(self._config), self._config.lease_ttl)
@@ -1126,6 +986,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if last is not None:
             last.close()
             last.connection.close()
+
+    def _renewing(self) -> bool:
+        """A re-registration is replacing our lease (the coordinator elects on the new one)."""
+        renewer = self._renewer
+        return renewer is not None and renewer.is_alive()
 
     # LeaseOwner (lease_keeper.py), called from the keeper's thread: never block here.
     def lease_to_keep(self) -> int | None:

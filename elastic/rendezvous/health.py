@@ -13,6 +13,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+import grpc
+
 from .api import EtcdRendezvousConfig, RendezvousConnectionError, RendezvousError, RendezvousOutageError
 from .etcd_client import describe
 
@@ -25,6 +27,16 @@ def unreachable_at_shutdown(*, connect_failed: bool, fatal: RendezvousError | No
     ``etcd_timeout`` (or never reached), so ``close_timeout`` more would only double the wait. A failed watch
     (``RendezvousWatchError``) or a corrupt key does not say etcd is away: closing is still tried."""
     return connect_failed or isinstance(fatal, RendezvousConnectionError)
+
+
+def is_lease_not_found(exc: BaseException | None) -> bool:
+    """etcd says the lease named by a call no longer exists (expired or revoked): re-register, not an outage."""
+    return (
+        isinstance(exc, grpc.RpcError)
+        and hasattr(exc, "code")
+        and exc.code() == grpc.StatusCode.NOT_FOUND
+        and "lease not found" in (exc.details() or "")
+    )
 
 
 class EtcdHealth:
