@@ -19,7 +19,7 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
                                round), on a lease of ``finished_ttl`` s; a newcomer exits 0 at once
 
 After a clean end (every agent's ``shutdown()``) nothing is left under ``P`` but the opt-in ``finished``
-marker: the last agent to leave deletes the run's other keys (``_reap_ended_run``). A run id can be used again after its job ended (a Kubernetes
+marker: the last agent to leave deletes the run's other keys (``EndedRun.reap``). A run id can be used again after its job ended (a Kubernetes
 Job's name, torchrun's default id); when keys of the ended job are still there (its agents are still
 leaving, or the last one could not reach etcd), a new agent that finds ``P/ctl/closed`` waits until no node
 of the ended job is registered any more, then deletes everything under ``P`` in one transaction that
@@ -81,11 +81,11 @@ from .api import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
+from .cleanup import EndedRun
 from .coordinator import ELECT_SPREAD_MAX_S, ELECT_SPREAD_PER_NODE_S, Coordinator, election_spread
 from .etcd_client import (
     ClientPool,
     EtcdConnection,
-    prefix_end,
 )
 from .health import EtcdHealth, is_lease_not_found, unreachable_at_shutdown
 from .keys import RunKeys
@@ -236,6 +236,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             mirror=lambda: self._watch.mirror, lease=lambda: self._lease_id, renewing=self._renewing,
             released=lambda: self._released, clock=clock, ctx=self._ctx)
         """The coordinator role: tries the election while none holds it, and runs it while this node does."""
+        self._ended_run = EndedRun(config, self._keys, self._watch, self._health, self._cond, clock=clock, ctx=self._ctx)
+        """Deletes the run's keys when its job ended: as its last agent, or as a newcomer reusing the run id."""
 
     @property
     def _mirror(self) -> Mirror:
@@ -543,33 +545,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             except RendezvousError as exc:
                 log.warning("%scould not revoke lease %x (it expires in <= %d s): %s", self._ctx(), lease, self._config.lease_ttl, exc)
         if conn is not None and reap:
-            self._reap_ended_run(conn)
+            self._ended_run.reap(conn)
         if conn is not None:
             conn.close()
         log.info("%sleft the rendezvous", self._ctx())
-
-    def _reap_ended_run(self, conn: EtcdConnection) -> None:
-        """The last agent of an ended job to leave deletes every key of the run (closed marker, last round,
-        stores), in one transaction that compares that the run is still closed and that no node is registered.
-
-        Why delete rather than keep ``ctl/closed`` as a tombstone for late agents: once no agent of the
-        ended job is registered, a newcomer that finds the closed marker clears it and starts a new job anyway
-        (run-id reuse, ``_clear_ended_run``), so the marker would protect nobody and only leave keys behind.
-        While another agent is still registered (in its exit barrier, or a spare about to see the job closed)
-        the compare fails and nothing is deleted: that agent's own shutdown runs this again, and the last one
-        wins. Once a newcomer has cleared the run for a new job there is no closed key: nothing is deleted.
-        Left behind only when the last agent cannot reach etcd, or an agent crashed within ``lease_ttl`` of
-        the end (its key outlives the others): a newcomer with the run id clears those keys as before."""
-        prefix = self._config.run_prefix
-        try:
-            ok = self._delete_ended_run(conn, None, within=min(2.0, self._config.etcd_timeout))
-        except RendezvousError as exc:
-            log.warning("%scould not delete the ended run's keys (the next job with this run id will): %s", self._ctx(), exc)
-            return
-        if ok:
-            log.info("%slast agent of the ended job: deleted the run's keys under %s", self._ctx(), prefix)
-        else:
-            log.info("%sother agents of the ended job are still registered: the last to leave deletes its keys", self._ctx())
 
     # ================================================================== liveness (liveness.py)
     def _start_liveness(self) -> None:
@@ -828,7 +807,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._registered:
                 return
             self._raise_if_run_finished(conn)
-            if self._clear_ended_run(conn):  # the ended job's agents may have left a marker since
+            if self._ended_run.clear(conn):  # the ended job's agents may have left a marker since
                 self._raise_if_run_finished(conn)
             self._start_liveness()
             self._register(conn)
@@ -847,69 +826,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if value is None:
             return
         raise RendezvousFinishedError(f"{self._ctx()}{describe_finished(value, self._config)}")
-
-    def _clear_ended_run(self, conn: EtcdConnection) -> bool:
-        """If this run id's previous job ended (closed), wait for its agents to leave and clear its keys;
-        True when it found the run closed.
-
-        Gives up waiting at join_timeout; ``next_rendezvous`` then reports the run as closed. Mirrors every key
-        meanwhile (it counts the registered nodes)."""
-        with self._cond:
-            if not self._mirror.closed:
-                return False
-            self._watch.clearing = True
-        self._watch.change_view()
-        try:
-            return self._clear_ended_run_watching_all(conn)
-        finally:
-            with self._cond:
-                self._watch.clearing = False
-            self._watch.change_view()
-
-    def _clear_ended_run_watching_all(self, conn: EtcdConnection) -> bool:
-        deadline = self._clock() + self._config.join_timeout
-        self._watch.wait_for(lambda m: m.full, deadline)
-        announced = found_closed = False
-        while True:
-            with self._cond:
-                self._health.raise_if_fatal()
-                mirror = self._mirror
-                if not mirror.closed:
-                    return found_closed
-                found_closed = True
-                closed_mod, live, seen = mirror.closed_mod, len(mirror.nodes), mirror.revision
-                if live:
-                    remaining = deadline - self._clock()
-                    if remaining <= 0:
-                        return True
-                    if not announced:
-                        log.info("%srun id reused: waiting for %d agent(s) of the ended job to leave", self._ctx(), live)
-                        announced = True
-                    self._cond.wait(min(remaining, SAFETY_RECHECK_S))
-                    continue
-            if self._delete_ended_run(conn, closed_mod):
-                log.info("%srun id reused: cleared the keys of the ended job", self._ctx())
-                self._watch.wait_for(lambda m: not m.closed, deadline)  # the deletes arrive in one watch response
-            else:  # another newcomer cleared it, or a node registered: wait for that change, then look again
-                self._watch.wait_revision_after(seen, deadline)
-
-    def _delete_ended_run(self, conn: EtcdConnection, closed_mod: int | None, *, within: float | None = None) -> bool:
-        """Delete every key of the run but its ``finished`` marker (which expires on its own lease) in one
-        transaction, if it is still closed (by the marker of revision ``closed_mod``; None: any) and no node
-        is registered. False when the compare failed."""
-        tx = conn.client.transactions
-        prefix = self._config.run_prefix
-        closed = tx.version(self._keys.closed_key) > 0 if closed_mod is None else tx.mod(self._keys.closed_key) == closed_mod
-        compare = [closed, tx.version(self._keys.nodes_prefix, range_end=prefix_end(self._keys.nodes_prefix)) == 0]
-        after_marker = self._keys.finished_key + "\0"  # the first key after it
-        success = [tx.delete(prefix, range_end=self._keys.finished_key),
-                   tx.delete(after_marker, range_end=prefix_end(prefix))]
-        ok, _ = conn.call(
-            "delete the ended run's keys",
-            lambda: conn.client.transaction(compare=compare, success=success, failure=[]),
-            within=within,
-        )
-        return bool(ok)
 
     def _register(self, conn: EtcdConnection) -> None:
         """Grant a lease and write our node key under it (again after an expiry; ``seq`` is kept).
