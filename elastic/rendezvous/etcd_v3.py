@@ -90,9 +90,9 @@ from .etcd_client import (
 from .health import EtcdHealth, is_lease_not_found, unreachable_at_shutdown
 from .keys import RunKeys
 from .lease_keeper import LeaseKeeper, refresh_interval
-from .liveness import LivenessListener, Peer, PeerWatch, Verdict, peer_from_registration, probe_all
 from .mirror import SAFETY_RECHECK_S, Mirror, MirrorUpdater
 from .mirror_watch import MirrorWatch, watch_failure
+from .peers import PeerLiveness
 from .rounds import RoundWriter, snapshot_of, wait_time
 from .state import (
     Action,
@@ -216,10 +216,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._released = False
         self._start_lock = threading.Lock()
         self._lease_lock = threading.Lock()
-        self._liveness: LivenessListener | None = None
-        """Our liveness port (``liveness_probe``): held connections end the moment this process dies."""
-        self._peer_watch: PeerWatch | None = None
-        """Our connection to the next participant's liveness port (a ring over the round)."""
         self._keeper: LeaseKeeper | None = None
         """Refreshes our lease: our own, or the one the pool's handlers share (``lease_keeper.py``)."""
         self._renewer: threading.Thread | None = None
@@ -238,6 +234,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """The coordinator role: tries the election while none holds it, and runs it while this node does."""
         self._ended_run = EndedRun(config, self._keys, self._watch, self._health, self._cond, clock=clock, ctx=self._ctx)
         """Deletes the run's keys when its job ended: as its last agent, or as a newcomer reusing the run id."""
+        self._peers = PeerLiveness(config, self._keys, self._cond, node_id=self._node_id,
+                                   mirror=lambda: self._watch.mirror, my_round=lambda: self._my_round,
+                                   conn=lambda: self._conn, require_conn=self._require_conn,
+                                   released=lambda: self._released, ctx=self._ctx)
+        """Our liveness port and our watch on the ring successor's; revokes a dead peer's lease."""
 
     @property
     def _mirror(self) -> Mirror:
@@ -355,7 +356,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 checked_at = self._clock()
                 if not self._check_deadline(target, join_deadline):
                     joined_target = None  # our join key is gone: write it again
-        self._watch_ring_successor(record, rank)
+        self._peers.watch_successor(record, rank)
         return info
 
     def _check_deadline(self, target: int, join_deadline: float) -> bool:
@@ -531,13 +532,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if close_worker_store:
             self._worker_store.close()  # our workers are stopped by now (shutdown comes after them)
         if self._released:
-            self._stop_liveness()  # after a silent ``_simulate_crash``: its port was left open until now
+            self._peers.stop()  # after a silent ``_simulate_crash``: its port was left open until now
             return
         self._released = True
         with self._cond:
             reap = reap or self._mirror.closed
         self._stop_threads()
-        self._stop_liveness()
+        self._peers.stop()
         conn, lease = self._conn, self._lease_id
         if conn is not None and lease is not None:
             try:
@@ -550,131 +551,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             conn.close()
         log.info("%sleft the rendezvous", self._ctx())
 
-    # ================================================================== liveness (liveness.py)
-    def _start_liveness(self) -> None:
-        if not self._config.liveness_probe or self._liveness is not None:
-            return
-        try:
-            self._liveness = LivenessListener(max_held=4 * self._config.max_nodes + 16)
-        except OSError as exc:  # no port to listen on: the lease alone tells of this node's death
-            log.warning("%sno liveness port (%s): peers learn of this node's death from its lease only", self._ctx(), exc)
-            return
-        self._peer_watch = PeerWatch(self._revoke_dead_peer)
-
-    def _stop_liveness(self) -> None:
-        watch, listener = self._peer_watch, self._liveness
-        self._peer_watch = self._liveness = None
-        if watch is not None:
-            watch.close()
-        if listener is not None:
-            listener.close()
-
-    def _watch_ring_successor(self, record: RoundRecord, rank: int) -> None:
-        """Hold a connection to the next participant's liveness port (the last one watches the first): from the
-        round record's ``ring`` when it has the successor, else from its registration (one read)."""
-        watch = self._peer_watch
-        if watch is None:
-            return
-        successor = record.participants[(rank + 1) % len(record.participants)]
-        if successor == self._node_id:
-            watch.watch(None)
-            return
-        with self._cond:
-            peer = self._ring_peer(successor, self._mirror.round_ring) if self._mirror.committed == record else None
-        watch.watch(peer if peer is not None else self._current_peer(successor))
-
-    @staticmethod
-    def _ring_peer(node: str, ring: dict[str, Any]) -> Peer | None:
-        """``node``'s entry of the round record's ``ring`` as a peer; None when absent or not well-formed (its
-        predecessor then reads its registration). A revoke always checks the registration first."""
-        entry = ring.get(node)
-        if not isinstance(entry, list) or len(entry) != 3:
-            return None
-        return peer_from_registration(node, {"addr": entry[0], "live_port": entry[1]}, entry[2])
-
-    def _current_peer(self, node: str) -> Peer | None:
-        """``node``'s liveness port and lease from its registration now: from the full mirror, else one read."""
-        with self._cond:
-            if self._mirror.full and self._mirror.loaded:
-                return self._mirror.peers.get(node)
-        conn = self._conn
-        if conn is None:
-            return None
-        try:
-            value, meta = conn.call(f"read {node}'s registration", lambda: conn.client.get(self._keys.nodes_prefix + node),
-                                    within=min(5.0, self._config.etcd_timeout))
-        except RendezvousError as exc:
-            log.warning("%scould not read the registration of %s: %s", self._ctx(), node, exc)
-            return None
-        return self._peer_of(node, value, int(getattr(meta, "lease_id", 0) or 0))
-
-    def _peer_of(self, node: str, value: bytes | None, lease: int) -> Peer | None:
-        """``node``'s peer from its registration's value and the lease etcd attached the key to (never the
-        lease the value names: a hostile value could name another node's)."""
-        if value is None:
-            return None
-        try:
-            return peer_from_registration(node, json.loads(value), lease)
-        except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
-            log.warning("%scorrupt registration of %s: %s", self._ctx(), node, exc)
-            return None
-
-    def _current_peers(self, nodes: list[str]) -> list[Peer]:
-        """The registered ``nodes``' liveness ports: from the full mirror, else one range read of ``nodes/``."""
-        with self._cond:
-            if self._mirror.full and self._mirror.loaded:
-                return [self._mirror.peers[n] for n in nodes if n in self._mirror.peers]
-        conn = self._require_conn()
-        resp = conn.call("read the registrations", lambda: conn.client.get_prefix_response(self._keys.nodes_prefix),
-                         within=min(5.0, self._config.etcd_timeout))
-        wanted = set(nodes)
-        found = {kv.key.decode()[len(self._keys.nodes_prefix):]: (kv.value, int(kv.lease)) for kv in resp.kvs}
-        return [p for n, (v, lease) in found.items() if n in wanted and (p := self._peer_of(n, v, lease)) is not None]
-
-    def _revoke_dead_peer(self, peer: Peer) -> bool:
-        """``peer``'s process is gone (its liveness port refuses): revoke its lease so that every agent's watch
-        sees its registration go now, not after ``lease_ttl``. Only the lease it is registered with now (a
-        peer that re-registered since is someone we know nothing bad about)."""
-        with self._cond:
-            closed = self._mirror.closed
-        current = self._current_peer(peer.node)
-        conn = self._conn
-        if current is None or current.lease != peer.lease or conn is None or self._released:
-            return False
-        if closed:  # the job ended: a peer that exits is one that finished (its shutdown revokes its own lease)
-            log.debug("%speer %s exited after the job was closed", self._ctx(), peer.node)
-            return False
-        try:
-            conn.call("revoke a dead peer's lease", lambda: conn.client.revoke_lease(peer.lease), within=2.0)
-        except RendezvousError as exc:
-            if is_lease_not_found(exc.__cause__):  # it went on its own meanwhile (revoked or expired)
-                log.debug("%speer %s's lease was already gone", self._ctx(), peer.node)
-                return False
-            log.warning("%scould not revoke the lease of dead peer %s (it expires in <= %d s): %s", self._ctx(),
-                        peer.node, self._config.lease_ttl, exc)
-            return False
-        log.warning("%speer %s's agent process is gone (its liveness port %s:%d refuses connections): revoked its "
-                    "lease", self._ctx(), peer.node, peer.addr, peer.port)
-        return True
-
     def probe_peers(self) -> set[str]:
         """Probe every other participant of this node's round now (a worker failed: a dead peer would explain
-        it) and revoke the lease of each whose process is gone; returns those nodes. Silent peers (a partition,
-        a powered-off host) are left to their lease. One read of the registrations unless this node coordinates
-        (then none), and a revoke per dead peer."""
-        mine = self._my_round
-        watch = self._peer_watch
-        if mine is None or self._released or not self._config.liveness_probe or watch is None:
-            return set()
-        try:
-            peers = self._current_peers([n for n in mine.participants if n != self._node_id])
-        except RendezvousError as exc:
-            log.warning("%scould not read the peers' registrations to probe them: %s", self._ctx(), exc)
-            return set()
-        if not peers:
-            return set()
-        dead = {node for node, found in probe_all(peers, watch.seen).items() if found is Verdict.DEAD}
-        return {p.node for p in peers if p.node in dead and self._revoke_dead_peer(p)}
+        it) and revoke the lease of each whose process is gone; returns those nodes (``PeerLiveness.probe``)."""
+        return self._peers.probe()
 
     # ================================================================== test hooks
     def _simulate_crash(self, *, silent: bool = False) -> None:
@@ -685,7 +565,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._released = True
         self._stop_threads()
         if not silent:
-            self._stop_liveness()
+            self._peers.stop()
         if self._conn is not None:
             self._conn.close()
 
@@ -809,7 +689,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._raise_if_run_finished(conn)
             if self._ended_run.clear(conn):  # the ended job's agents may have left a marker since
                 self._raise_if_run_finished(conn)
-            self._start_liveness()
+            self._peers.start()
             self._register(conn)
             self._registered = True
             self._keeper = self._acquire_keeper(conn)
@@ -843,8 +723,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         lease = conn.call("grant a lease", lambda: conn.client.lease(self._config.lease_ttl))
         registration: dict[str, Any] = {"node_id": self._node_id, "host": socket.gethostname(), "addr": self._addr,
                                         "pid": os.getpid(), "seq": self._seq}
-        if self._liveness is not None:
-            registration.update(live_port=self._liveness.port, lease=lease.id)
+        if self._peers.listener is not None:
+            registration.update(live_port=self._peers.listener.port, lease=lease.id)
         value = json.dumps(registration)
         resp = conn.call("register this node", lambda: conn.client.put(self._keys.nodes_prefix + self._node_id, value, lease=lease.id))
         with self._cond:

@@ -327,7 +327,7 @@ def test_a_confirmed_dead_agents_lease_is_revoked_by_its_peer(etcd_server: Embed
     survivor, proc = _two_agents(etcd_server, handlers, pool, "revoked", liveness=True)
     client = _etcd_client(etcd_server)
     try:
-        wait_for(lambda: survivor._peer_watch is not None and survivor._peer_watch.holding is not None, timeout=10,
+        wait_for(lambda: survivor._peers.watch is not None and survivor._peers.watch.holding is not None, timeout=10,
                  what="the survivor to hold a connection to the child's liveness port")
         lease, left = _lease_left(client, survivor, "child")
         assert left > DEATH_BOUND_S + 1, f"the child's lease has only {left} s left: an expiry would prove nothing"

@@ -589,14 +589,14 @@ def test_the_round_record_names_each_participants_liveness_port_and_the_ring_use
     by_node = {h.node_id: h for h in hs}
     for node, (addr, port, lease) in record["ring"].items():
         h = by_node[node]
-        assert h._liveness is not None and (port, lease) == (h._liveness.port, h._lease_id), f"{node}'s ring entry"
+        assert h._peers.listener is not None and (port, lease) == (h._peers.listener.port, h._lease_id), f"{node}'s ring entry"
         assert isinstance(addr, str) and addr
     assert set(record["ring"]) == set(by_node)
     for rank, node in enumerate(record["participants"]):
         successor = record["participants"][(rank + 1) % 3]
-        watch = by_node[node]._peer_watch
+        watch = by_node[node]._peers.watch
         assert watch is not None and watch.target is not None and watch.target.node == successor
-        assert watch.target.port == by_node[successor]._liveness.port  # type: ignore[union-attr]
+        assert watch.target.port == by_node[successor]._peers.listener.port  # type: ignore[union-attr]
 
 
 def test_the_election_wait_grows_with_max_nodes_and_is_capped() -> None:
