@@ -62,9 +62,8 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
-from tenacity import Retrying, retry_if_exception, stop_after_attempt
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
@@ -83,16 +82,13 @@ from .api import (
 )
 from .cleanup import EndedRun
 from .coordinator import ELECT_SPREAD_MAX_S, ELECT_SPREAD_PER_NODE_S, Coordinator, election_spread
-from .etcd_client import (
-    ClientPool,
-    EtcdConnection,
-)
-from .health import EtcdHealth, is_lease_not_found, unreachable_at_shutdown
+from .etcd_client import ClientPool, EtcdConnection
+from .health import EtcdHealth, unreachable_at_shutdown
 from .keys import RunKeys
-from .lease_keeper import LeaseKeeper, refresh_interval
 from .mirror import SAFETY_RECHECK_S, Mirror, MirrorUpdater
 from .mirror_watch import MirrorWatch, watch_failure
 from .peers import PeerLiveness
+from .registration import Registration
 from .rounds import RoundWriter, snapshot_of, wait_time
 from .state import (
     Action,
@@ -119,10 +115,9 @@ __all__ = [
     "watch_failure",
 ]
 
-T = TypeVar("T")
-
 STORE_TIMEOUT = timedelta(seconds=60)
 """Default timeout of the agents' store (torch's c10d backend uses 60 s too); barriers set their own."""
+
 
 def describe_finished(value: bytes, config: EtcdRendezvousConfig) -> str:
     """The message of a newcomer that found the run's ``finished`` marker (``value``, JSON; any garbage
@@ -192,53 +187,52 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if node_id is not None and (not node_id or "/" in node_id):
             raise ValueError(f"node_id {node_id!r} must be non-empty and contain no '/'")
         self._config = config
-        self._node_id = node_id or _default_node_id()
+        self._node_id = node_id = node_id or _default_node_id()
         self._clock = clock
         self._pool = pool
         self._addr = config.local_addr or socket.getfqdn()
         self._worker_store = WorkerStoreHost(self._addr, enabled=agent_hosts_store())
 
         self._keys = RunKeys(config.run_prefix)
-
         self._cond = threading.Condition()
-        self._health = EtcdHealth(config, self._cond, clock, self._ctx)
-        self._updater = MirrorUpdater(self._keys.ctl, self._ctx, self._health.corrupt)
-        self._my_round: RoundRecord | None = None
-        self._joining: int | None = None
-        """Round this node has a join key for (re-written after a lease loss)."""
-
-        self._conn: EtcdConnection | None = None
-        self._lease_id: int | None = None
-        self._seq: int | None = None
-        self._registered = False
+        """Guards the mirror and this node's round state; notified on every change (waiting loops wake on it)."""
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._my_round: RoundRecord | None = None
+        self._conn: EtcdConnection | None = None
+        self._registered = False
         self._released = False
+        self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
-        self._lease_lock = threading.Lock()
-        self._keeper: LeaseKeeper | None = None
-        """Refreshes our lease: our own, or the one the pool's handlers share (``lease_keeper.py``)."""
-        self._renewer: threading.Thread | None = None
-        """Re-registers after our lease was found gone (off the keeper's thread, which serves every lease)."""
+
+        # The parts, each owning one thing; they share the condition, and reach the handler's state through the
+        # callables they are given.
+        self._health = EtcdHealth(config, self._cond, clock, self._ctx)
+        """Whether etcd answers; the fatal error every public method raises once the handler cannot go on."""
+        self._updater = MirrorUpdater(self._keys.ctl, self._ctx, self._health.corrupt)
+        """Applies keys and events to the mirror; knows which participants left which round."""
         self._watch = MirrorWatch(config, self._keys, self._updater, self._health, self._cond, self._stop,
-                                  node_id=self._node_id, lease=lambda: self._lease_id, require_conn=self._require_conn,
-                                  clock=clock, ctx=self._ctx, pool=pool)
+                                  node_id=node_id, lease=lambda: self._registration.lease_id,
+                                  require_conn=self._require_conn, clock=clock, ctx=self._ctx, pool=pool)
         """Keeps ``_mirror`` current from etcd's watch (its thread starts at connect)."""
-        self._rounds = RoundWriter(self._keys, node_id=self._node_id, addr=self._addr,
-                                   store_port=self._worker_store.port_for, require_conn=self._require_conn, ctx=self._ctx)
+        self._peers = PeerLiveness(config, self._keys, self._cond, node_id=node_id, mirror=lambda: self._watch.mirror,
+                                   my_round=lambda: self._my_round, conn=lambda: self._conn,
+                                   require_conn=self._require_conn, released=lambda: self._released, ctx=self._ctx)
+        """Our liveness port and our watch on the ring successor's; revokes a dead peer's lease."""
+        self._registration = Registration(
+            config, self._keys, self._health, self._cond, self._stop, node_id=node_id, addr=self._addr,
+            live_port=lambda: self._peers.listener.port if self._peers.listener is not None else None,
+            require_conn=self._require_conn, ctx=self._ctx, pool=pool)
+        """Our lease and node key (registered again when the lease is gone), kept alive by a ``LeaseKeeper``."""
+        self._rounds = RoundWriter(self._keys, node_id=node_id, addr=self._addr, store_port=self._worker_store.port_for,
+                                   require_conn=self._require_conn, ctx=self._ctx)
         """The transactions that form rounds (join, commit; the coordinator's election, proposal, reform)."""
         self._coordinator = Coordinator(
-            config, self._rounds, self._updater, self._health, self._cond, self._stop, node_id=self._node_id,
-            mirror=lambda: self._watch.mirror, lease=lambda: self._lease_id, renewing=self._renewing,
-            released=lambda: self._released, clock=clock, ctx=self._ctx)
+            config, self._rounds, self._updater, self._health, self._cond, self._stop, node_id=node_id,
+            mirror=lambda: self._watch.mirror, lease=lambda: self._registration.lease_id,
+            renewing=self._registration.renewing, released=lambda: self._released, clock=clock, ctx=self._ctx)
         """The coordinator role: tries the election while none holds it, and runs it while this node does."""
         self._ended_run = EndedRun(config, self._keys, self._watch, self._health, self._cond, clock=clock, ctx=self._ctx)
         """Deletes the run's keys when its job ended: as its last agent, or as a newcomer reusing the run id."""
-        self._peers = PeerLiveness(config, self._keys, self._cond, node_id=self._node_id,
-                                   mirror=lambda: self._watch.mirror, my_round=lambda: self._my_round,
-                                   conn=lambda: self._conn, require_conn=self._require_conn,
-                                   released=lambda: self._released, ctx=self._ctx)
-        """Our liveness port and our watch on the ring successor's; revokes a dead peer's lease."""
 
     @property
     def _mirror(self) -> Mirror:
@@ -316,7 +310,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     target=target,
                     committed=mirror.committed,
                     closed=mirror.closed,
-                    joined=joined_target == (target, self._lease_id),
+                    joined=joined_target == (target, self._registration.lease_id),
                     proposal=mirror.proposal,
                     now=self._clock(),
                     join_deadline=join_deadline,
@@ -347,7 +341,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             # I/O outside the lock (the watch thread needs it to deliver our own writes).
             if action is Action.JOIN:
                 if self._write_join(target, seen_mod):
-                    joined_target = (target, self._lease_id)
+                    joined_target = (target, self._registration.lease_id)
             elif action is Action.COMMIT:
                 assert proposal is not None
                 if self._rounds.commit(target, decision.participants, seen_mod, proposal.mod_revision, ring):
@@ -496,7 +490,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         conn = self._ensure_connected()
         key = self._keys.notice_prefix + self._node_id
         value = json.dumps({**notice, "node": self._node_id})
-        self._with_live_lease(lambda: conn.call("publish a preemption notice", lambda: conn.client.put(key, value, lease=self._lease_id)))
+        self._registration.with_live_lease(lambda: conn.call("publish a preemption notice", lambda: conn.client.put(key, value, lease=self._registration.lease_id)))
         log.info("%spublished preemption notice %s", self._ctx(), value)
 
     def peer_notices(self) -> dict[str, dict[str, Any]]:
@@ -539,7 +533,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             reap = reap or self._mirror.closed
         self._stop_threads()
         self._peers.stop()
-        conn, lease = self._conn, self._lease_id
+        conn, lease = self._conn, self._registration.lease_id
         if conn is not None and lease is not None:
             try:
                 conn.call("revoke this node's lease", lambda: conn.client.revoke_lease(lease), within=min(2.0, self._config.etcd_timeout))
@@ -597,7 +591,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         rank = record.rank_of(self._node_id)
         assert rank is not None
         self._my_round = record
-        self._joining = None
+        self._registration.joining = None
         self._worker_store.round_completed(record.number, record.master_port, rank)
         store = EtcdV3Store(self._require_conn(), f"{self._keys.store_prefix}{record.number}/", STORE_TIMEOUT)
         log.info(
@@ -621,36 +615,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     # ================================================================== writes
     def _write_join(self, target: int, seen_mod: int) -> bool:
         """Put our join key for ``target`` unless the round key moved since our snapshot (under our live lease)."""
-        seq = self._seq
+        registration = self._registration
+        seq = registration.seq
         with self._cond:
-            self._joining = target
-        return self._with_live_lease(lambda: self._rounds.join(target, seen_mod, seq, self._lease_id))
-
-    def _with_live_lease(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (which writes under our lease); if etcd says the lease is gone, re-register and rerun."""
-
-        def attempt() -> T:
-            lease = self._lease_id
-            try:
-                return fn()
-            except RendezvousConnectionError as exc:
-                if is_lease_not_found(exc.__cause__):
-                    log.warning("%slease %x is gone (expired or revoked); re-registering", self._ctx(), lease or 0)
-                    self._renew_lease(lease)
-                raise
-
-        retrying = Retrying(
-            stop=stop_after_attempt(4),
-            retry=retry_if_exception(lambda exc: isinstance(exc, RendezvousConnectionError) and is_lease_not_found(exc.__cause__)),
-            reraise=True,
-        )
-        return retrying(attempt)
-
-    def _renew_lease(self, stale_lease: int | None) -> None:
-        """Re-register unless another thread already replaced ``stale_lease``."""
-        with self._lease_lock:
-            if self._lease_id == stale_lease:
-                self._register(self._require_conn())
+            registration.joining = target
+        return registration.with_live_lease(lambda: self._rounds.join(target, seen_mod, seq, registration.lease_id))
 
     # ================================================================== start-up
     def _require_conn(self) -> EtcdConnection:
@@ -690,10 +659,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._ended_run.clear(conn):  # the ended job's agents may have left a marker since
                 self._raise_if_run_finished(conn)
             self._peers.start()
-            self._register(conn)
+            self._registration.register(conn)
             self._registered = True
-            self._keeper = self._acquire_keeper(conn)
-            self._keeper.add(self)
+            self._registration.keep(conn)
             coordinator = threading.Thread(target=self._coordinator.run, name=f"rdzv-coord-{self._node_id}", daemon=True)
             coordinator.start()
             self._threads.append(coordinator)
@@ -706,42 +674,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if value is None:
             return
         raise RendezvousFinishedError(f"{self._ctx()}{describe_finished(value, self._config)}")
-
-    def _register(self, conn: EtcdConnection) -> None:
-        """Grant a lease and write our node key under it (again after an expiry; ``seq`` is kept).
-
-        Under heavy load the fresh lease itself can expire before we use it: then start over.
-        """
-        retrying = Retrying(
-            stop=stop_after_attempt(3),
-            retry=retry_if_exception(lambda exc: isinstance(exc, RendezvousConnectionError) and is_lease_not_found(exc.__cause__)),
-            reraise=True,
-        )
-        retrying(self._register_once, conn)
-
-    def _register_once(self, conn: EtcdConnection) -> None:
-        lease = conn.call("grant a lease", lambda: conn.client.lease(self._config.lease_ttl))
-        registration: dict[str, Any] = {"node_id": self._node_id, "host": socket.gethostname(), "addr": self._addr,
-                                        "pid": os.getpid(), "seq": self._seq}
-        if self._peers.listener is not None:
-            registration.update(live_port=self._peers.listener.port, lease=lease.id)
-        value = json.dumps(registration)
-        resp = conn.call("register this node", lambda: conn.client.put(self._keys.nodes_prefix + self._node_id, value, lease=lease.id))
-        with self._cond:
-            self._lease_id = lease.id
-            if self._seq is None:
-                self._seq = int(resp.header.revision)
-            joining = self._joining
-        if joining is not None:  # keep our place in the round being formed
-            conn.call(
-                f"re-join round {joining}",
-                lambda: conn.client.put(
-                    f"{self._keys.join_prefix}{joining}/{self._node_id}",
-                    json.dumps({"seq": self._seq, "addr": self._addr}),
-                    lease=lease.id,
-                ),
-            )
-        log.info("%sregistered (lease %x, ttl %d s)", self._ctx(), lease.id, self._config.lease_ttl)
 
     # WatchSubscriber (watch_mux.py): the mirror's watch subscribes itself; these pass a caller's calls on to it.
     def watch_reset(self, kvs: Any, revisions: Any) -> None:
@@ -756,75 +688,24 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def watch_fatal(self, exc: BaseException) -> None:
         self._watch.watch_fatal(exc)
 
-    # ================================================================== lease keepalive
-    def _keeper_key(self) -> tuple[Any, ...]:
-        return ("lease-keeper", *ClientPool.key(self._config), self._config.lease_ttl)
-
-    def _acquire_keeper(self, conn: EtcdConnection) -> LeaseKeeper:
-        """Our own keeper on our connection, or (with a pool) the one every handler of the pool shares."""
-        interval = refresh_interval(self._config.lease_ttl)
-        pool = self._pool
-        if pool is None:
-            return LeaseKeeper(conn, interval, name=f"rdzv-lease-{self._node_id}")
-        config = self._config
-        return pool.acquire_shared(self._keeper_key(), lambda: LeaseKeeper(
-            EtcdConnection(config, pool=pool), interval, name="rdzv-lease-shared"))
-
-    def _release_keeper(self) -> None:
-        keeper, self._keeper = self._keeper, None
-        if keeper is None:
-            return
-        keeper.remove(self)
-        if self._pool is None:
-            keeper.close()
-            return
-        last = self._pool.release_shared(self._keeper_key())
-        if last is not None:
-            last.close()
-            last.connection.close()
-
-    def _renewing(self) -> bool:
-        """A re-registration is replacing our lease (the coordinator elects on the new one)."""
-        renewer = self._renewer
-        return renewer is not None and renewer.is_alive()
-
-    # LeaseOwner (lease_keeper.py), called from the keeper's thread: never block here.
+    # LeaseOwner (lease_keeper.py): the registration is the keeper's owner; these pass a caller's calls on to it.
     def lease_to_keep(self) -> int | None:
-        return None if self._stop.is_set() else self._lease_id
+        return self._registration.lease_to_keep()
 
     def lease_refreshed(self, lease: int, ttl: int) -> None:
-        self._health.ok()
-        if ttl > 0 or self._stop.is_set():
-            return
-        renewer = self._renewer
-        if renewer is not None and renewer.is_alive():
-            return  # already re-registering
-        log.warning("%slease %x expired (etcd unreachable for > %d s?); re-registering", self._ctx(), lease, self._config.lease_ttl)
-        self._renewer = threading.Thread(target=self._renew_expired_lease, args=(lease,),
-                                         name=f"rdzv-renew-{self._node_id}", daemon=True)
-        self._renewer.start()
+        self._registration.lease_refreshed(lease, ttl)
 
     def lease_refresh_failed(self, exc: BaseException) -> None:
-        if not self._stop.is_set():
-            self._health.failed(exc)
-
-    def _renew_expired_lease(self, lease: int) -> None:
-        try:
-            self._renew_lease(lease)
-        except RendezvousConnectionError as exc:
-            self._health.failed(exc)
-        except Exception:  # the next refresh finds the lease still gone and tries again
-            if not self._stop.is_set():
-                log.exception("%sre-registering after the lease expired failed", self._ctx())
+        self._registration.lease_refresh_failed(exc)
 
     # ================================================================== teardown
     def _stop_threads(self) -> None:
         self._stop.set()
-        self._release_keeper()
+        self._registration.release_keeper()
         self._watch.cancel()
         with self._cond:
             self._cond.notify_all()
-        renewer = self._renewer
+        renewer = self._registration.renewer
         for thread in [*self._threads, *([renewer] if renewer is not None else [])]:
             if thread is not threading.current_thread():
                 thread.join(timeout=2.0)  # a stuck thread must not hold up a signal-driven leave()

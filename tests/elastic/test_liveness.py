@@ -353,10 +353,10 @@ def test_the_lease_to_revoke_is_the_registration_keys_not_the_one_it_names(etcd_
     client = _etcd_client(etcd_server)
     try:
         own = client.lease(30)
-        hostile = {"node_id": "intruder", "addr": "127.0.0.1", "live_port": 9, "lease": h._lease_id, "seq": 1}
+        hostile = {"node_id": "intruder", "addr": "127.0.0.1", "live_port": 9, "lease": h._registration.lease_id, "seq": 1}
         client.put(RunKeys(h.config.run_prefix).nodes_prefix + "intruder", json.dumps(hostile), lease=own)
         peer = wait_for(lambda: h._mirror.peers.get("intruder"), timeout=10, what="the registration to be seen")
-        assert peer.lease == own.id != h._lease_id
+        assert peer.lease == own.id != h._registration.lease_id
         client.revoke_lease(own.id)
     finally:
         client.close()
