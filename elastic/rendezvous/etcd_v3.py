@@ -48,6 +48,24 @@ Loss detection: when a participant's registration disappears, the coordinator's 
 reform notice (a follower sees the coordinator's own loss from its key), ``membership_changed()`` becomes True and ``num_nodes_waiting()`` >= 1, so torch's stock agent (which
 re-rendezvous when ``num_nodes_waiting() > 0`` while healthy) and ours restart into a new round. That
 round closes as soon as every live node has joined: no last-call wait on recovery.
+
+The handler is the face torch sees (this module); each of its parts owns one thing, around the pure ``state``
+functions that decide (``follow``, ``decide``, ``coordinate``, ``reform_of``), and they share the handler's
+condition::
+
+    keys.py          RunKeys: the key names above
+    health.py        EtcdHealth: the outage clock and the fatal error every public method raises
+    mirror.py        Mirror (the local copy of P/ctl/), MirrorUpdater (keys and events -> mirror; who left)
+    mirror_watch.py  MirrorWatch: the watch thread that keeps the mirror current (own stream or WatchMux)
+    registration.py  Registration: this node's lease and node key, kept by a LeaseKeeper, renewed when lost
+    rounds.py        RoundWriter: join, commit, elect, propose, reform transactions; the Snapshot decided on
+    coordinator.py   Coordinator: the coordinator thread (election, proposals, reform notices)
+    peers.py         PeerLiveness: the liveness port, the ring successor's watch, dead peers' revokes
+    cleanup.py       EndedRun: the keys of an ended run, deleted by its last agent or by a newcomer
+
+What stays here: torch's interface and the extra API (``next_rendezvous`` follows ``state.follow`` and
+writes through the parts), connecting, the preemption notices (a put under the lease; the mirror keeps
+the others'), the round this node completed and the membership it reports, and teardown.
 """
 
 from __future__ import annotations
@@ -231,7 +249,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             mirror=lambda: self._watch.mirror, lease=lambda: self._registration.lease_id,
             renewing=self._registration.renewing, released=lambda: self._released, clock=clock, ctx=self._ctx)
         """The coordinator role: tries the election while none holds it, and runs it while this node does."""
-        self._ended_run = EndedRun(config, self._keys, self._watch, self._health, self._cond, clock=clock, ctx=self._ctx)
+        self._ended_run = EndedRun(config, self._keys, self._watch, self._health, self._cond, clock=clock,
+                                   ctx=self._ctx)
         """Deletes the run's keys when its job ended: as its last agent, or as a newcomer reusing the run id."""
 
     @property
@@ -374,8 +393,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """A ``Snapshot`` of every key: from the mirror when it is full, else from one range read."""
         with self._cond:
             if self._mirror.full and self._mirror.loaded:
-                return snapshot_of(self._mirror, node_id=self._node_id, config=self._config, now=self._clock(), target=target,
-                                   join_deadline=join_deadline)
+                return snapshot_of(self._mirror, node_id=self._node_id, config=self._config, now=self._clock(),
+                                   target=target, join_deadline=join_deadline)
         conn = self._require_conn()
         resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self._keys.ctl))
         mirror = Mirror(revision=int(resp.header.revision), loaded=True, full=True)
@@ -490,7 +509,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         conn = self._ensure_connected()
         key = self._keys.notice_prefix + self._node_id
         value = json.dumps({**notice, "node": self._node_id})
-        self._registration.with_live_lease(lambda: conn.call("publish a preemption notice", lambda: conn.client.put(key, value, lease=self._registration.lease_id)))
+        registration = self._registration
+        registration.with_live_lease(lambda: conn.call("publish a preemption notice",
+                                                       lambda: conn.client.put(key, value, lease=registration.lease_id)))
         log.info("%spublished preemption notice %s", self._ctx(), value)
 
     def peer_notices(self) -> dict[str, dict[str, Any]]:
