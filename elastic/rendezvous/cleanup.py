@@ -1,4 +1,8 @@
-"""``EndedRun``: the keys of a run whose job ended, deleted by its last agent or by the next job's first ones.
+"""``EndedRun``: the end of a run in etcd: its ``finished`` marker, and its keys once its job ended.
+
+With ``finished_ttl`` the agents of a run that finished successfully leave a ``P/finished`` marker on a lease of
+that many seconds (``mark_finished``: the first of them writes it); a newcomer that finds it exits 0 at once
+(``raise_if_finished``) instead of starting the finished job again.
 
 A run id can be used again after its job ended (a Kubernetes Job's name, torchrun's default id). The last agent
 of the ended job to leave deletes the run's keys (``reap``); when it could not (etcd away, an agent crashed near
@@ -10,11 +14,13 @@ newcomers racing to clear the same run are serialised by the compare.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 
-from .api import EtcdRendezvousConfig, RendezvousError
+from .api import EtcdRendezvousConfig, RendezvousError, RendezvousFinishedError
 from .etcd_client import EtcdConnection, prefix_end
 from .health import EtcdHealth
 from .keys import RunKeys
@@ -25,17 +31,33 @@ log = logging.getLogger("elastic.rendezvous.etcd_v3")
 """The handler's parts log as the handler (the same logger name in every line as before they were parts)."""
 
 
+def describe_finished(value: bytes, config: EtcdRendezvousConfig) -> str:
+    """The message of a newcomer that found the run's ``finished`` marker (``value``, JSON; any garbage
+    still means finished: only a successful end writes the key)."""
+    try:
+        data = json.loads(value)
+        by, when = str(data["by"]), float(data["time"])
+        at = f" by node {by} at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(when))}"
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        at = ""
+    return (f"run '{config.run_id}' already finished successfully{at}: nothing to do, exiting 0 (its marker "
+            f"{config.run_prefix}finished lasts finished_ttl={config.finished_ttl} s after the end; to start a new "
+            f"job before then, use another --rdzv-id)")
+
+
 class EndedRun:
-    """Deletes an ended run's keys (``reap``: its last agent; ``clear``: a newcomer with the same run id)."""
+    """The finished marker (``mark_finished``, ``raise_if_finished``) and an ended run's keys (``reap``: its last
+    agent deletes them; ``clear``: a newcomer with the same run id does)."""
 
     def __init__(self, config: EtcdRendezvousConfig, keys: RunKeys, watch: MirrorWatch, health: EtcdHealth,
-                 cond: threading.Condition, *, clock: Callable[[], float], ctx: Callable[[], str]) -> None:
+                 cond: threading.Condition, *, node_id: str, clock: Callable[[], float], ctx: Callable[[], str]) -> None:
         """Args:
             watch: the handler's mirror, and the view it follows (every key while a newcomer clears the run).
             health: a fatal error ends a newcomer's wait.
             cond: the handler's condition (guards the mirror)."""
         self._config = config
         self._keys = keys
+        self._node_id = node_id
         self._watch = watch
         self._health = health
         self._cond = cond
@@ -127,3 +149,37 @@ class EndedRun:
             within=within,
         )
         return bool(ok)
+
+    def raise_if_finished(self, conn: EtcdConnection) -> None:
+        """``RendezvousFinishedError`` when ``finished_ttl`` is on and the run's ``finished`` marker exists."""
+        if self._config.finished_ttl <= 0:
+            return
+        value, _meta = conn.call("read the finished marker", lambda: conn.client.get(self._keys.finished_key))
+        if value is None:
+            return
+        raise RendezvousFinishedError(f"{self._ctx()}{describe_finished(value, self._config)}")
+
+    def mark_finished(self, conn: EtcdConnection, round_number: int | None) -> None:
+        """Leave the ``finished`` marker for ``finished_ttl`` s (> 0) unless another agent of the last round
+        (``round_number``) wrote it first: one lease, not one per agent; each call bounded by ``close_timeout``."""
+        ttl = self._config.finished_ttl
+        within = self._config.close_timeout
+        existing, _ = conn.call("read the finished marker", lambda: conn.client.get(self._keys.finished_key), within=within)
+        if existing is not None:
+            return  # another agent of the round wrote it first
+        value = json.dumps({"by": self._node_id, "time": time.time(), "round": round_number})
+        lease = conn.call("grant the finished marker's lease", lambda: conn.client.lease(ttl), within=within)
+        tx = conn.client.transactions
+        written, _ = conn.call(
+            "write the finished marker",
+            lambda: conn.client.transaction(compare=[tx.version(self._keys.finished_key) == 0],
+                                            success=[tx.put(self._keys.finished_key, value, lease=lease.id)], failure=[]),
+            within=within,
+        )
+        if written:
+            log.info("%srun finished: marker %s kept for %d s (finished_ttl)", self._ctx(), self._keys.finished_key, ttl)
+            return
+        try:  # another agent wrote it since we looked
+            conn.call("revoke the unused lease", lambda: conn.client.revoke_lease(lease.id), within=min(2.0, within))
+        except RendezvousError as exc:
+            log.debug("%scould not revoke the unused lease %x (it expires in %d s): %s", self._ctx(), lease.id, ttl, exc)

@@ -61,7 +61,7 @@ condition::
     rounds.py        RoundWriter: join, commit, elect, propose, reform transactions; the Snapshot decided on
     coordinator.py   Coordinator: the coordinator thread (election, proposals, reform notices)
     peers.py         PeerLiveness: the liveness port, the ring successor's watch, dead peers' revokes
-    cleanup.py       EndedRun: the keys of an ended run, deleted by its last agent or by a newcomer
+    cleanup.py       EndedRun: the finished marker; an ended run's keys, deleted by its last agent or a newcomer
 
 What stays here: torch's interface and the extra API (``next_rendezvous`` follows ``state.follow`` and
 writes through the parts), connecting, the preemption notices (a put under the lease; the mirror keeps
@@ -94,11 +94,10 @@ from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
-    RendezvousFinishedError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from .cleanup import EndedRun
+from .cleanup import EndedRun, describe_finished
 from .coordinator import ELECT_SPREAD_MAX_S, ELECT_SPREAD_PER_NODE_S, Coordinator, election_spread
 from .etcd_client import ClientPool, EtcdConnection
 from .health import EtcdHealth, unreachable_at_shutdown
@@ -135,20 +134,6 @@ __all__ = [
 
 STORE_TIMEOUT = timedelta(seconds=60)
 """Default timeout of the agents' store (torch's c10d backend uses 60 s too); barriers set their own."""
-
-
-def describe_finished(value: bytes, config: EtcdRendezvousConfig) -> str:
-    """The message of a newcomer that found the run's ``finished`` marker (``value``, JSON; any garbage
-    still means finished: only a successful end writes the key)."""
-    try:
-        data = json.loads(value)
-        by, when = str(data["by"]), float(data["time"])
-        at = f" by node {by} at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(when))}"
-    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-        at = ""
-    return (f"run '{config.run_id}' already finished successfully{at}: nothing to do, exiting 0 (its marker "
-            f"{config.run_prefix}finished lasts finished_ttl={config.finished_ttl} s after the end; to start a new "
-            f"job before then, use another --rdzv-id)")
 
 
 def _default_node_id() -> str:
@@ -249,9 +234,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             mirror=lambda: self._watch.mirror, lease=lambda: self._registration.lease_id,
             renewing=self._registration.renewing, released=lambda: self._released, clock=clock, ctx=self._ctx)
         """The coordinator role: tries the election while none holds it, and runs it while this node does."""
-        self._ended_run = EndedRun(config, self._keys, self._watch, self._health, self._cond, clock=clock,
-                                   ctx=self._ctx)
-        """Deletes the run's keys when its job ended: as its last agent, or as a newcomer reusing the run id."""
+        self._ended_run = EndedRun(config, self._keys, self._watch, self._health, self._cond, node_id=node_id,
+                                   clock=clock, ctx=self._ctx)
+        """The finished marker, and the run's keys once its job ended (deleted by its last agent, or by a
+        newcomer reusing the run id)."""
 
     @property
     def _mirror(self) -> Mirror:
@@ -454,7 +440,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def connect(self) -> None:
         """Reach etcd (``ConnectableHandler``); raises ``RendezvousFinishedError`` when the run already finished
         (its ``finished`` marker, with ``finished_ttl``), so the launcher exits 0 before it starts anything."""
-        self._raise_if_run_finished(self._ensure_connected())
+        self._ended_run.raise_if_finished(self._ensure_connected())
 
     def mark_finished(self) -> None:
         """Leave the ``finished`` marker for ``finished_ttl`` s (``FinishMarkingHandler``; no-op when 0): the run
@@ -466,27 +452,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return
         if self._health.unreachable():
             raise RendezvousConnectionError(f"{self._ctx()}etcd at {self._config.endpoint_str} is unreachable")
-        conn = self._ensure_connected()
-        within = self._config.close_timeout
-        existing, _ = conn.call("read the finished marker", lambda: conn.client.get(self._keys.finished_key), within=within)
-        if existing is not None:
-            return  # another agent of the round wrote it first
-        value = json.dumps({"by": self._node_id, "time": time.time(), "round": self.round})
-        lease = conn.call("grant the finished marker's lease", lambda: conn.client.lease(ttl), within=within)
-        tx = conn.client.transactions
-        written, _ = conn.call(
-            "write the finished marker",
-            lambda: conn.client.transaction(compare=[tx.version(self._keys.finished_key) == 0],
-                                            success=[tx.put(self._keys.finished_key, value, lease=lease.id)], failure=[]),
-            within=within,
-        )
-        if written:
-            log.info("%srun finished: marker %s kept for %d s (finished_ttl)", self._ctx(), self._keys.finished_key, ttl)
-            return
-        try:  # another agent wrote it since we looked
-            conn.call("revoke the unused lease", lambda: conn.client.revoke_lease(lease.id), within=min(2.0, within))
-        except RendezvousError as exc:
-            log.debug("%scould not revoke the unused lease %x (it expires in %d s): %s", self._ctx(), lease.id, ttl, exc)
+        self._ended_run.mark_finished(self._ensure_connected(), self.round)
 
     def membership_changed(self) -> bool:
         with self._cond:
@@ -676,9 +642,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._start_lock:
             if self._registered:
                 return
-            self._raise_if_run_finished(conn)
+            self._ended_run.raise_if_finished(conn)
             if self._ended_run.clear(conn):  # the ended job's agents may have left a marker since
-                self._raise_if_run_finished(conn)
+                self._ended_run.raise_if_finished(conn)
             self._peers.start()
             self._registration.register(conn)
             self._registered = True
@@ -686,15 +652,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             coordinator = threading.Thread(target=self._coordinator.run, name=f"rdzv-coord-{self._node_id}", daemon=True)
             coordinator.start()
             self._threads.append(coordinator)
-
-    def _raise_if_run_finished(self, conn: EtcdConnection) -> None:
-        """``RendezvousFinishedError`` when ``finished_ttl`` is on and the run's ``finished`` marker exists."""
-        if self._config.finished_ttl <= 0:
-            return
-        value, _meta = conn.call("read the finished marker", lambda: conn.client.get(self._keys.finished_key))
-        if value is None:
-            return
-        raise RendezvousFinishedError(f"{self._ctx()}{describe_finished(value, self._config)}")
 
     # WatchSubscriber (watch_mux.py): the mirror's watch subscribes itself; these pass a caller's calls on to it.
     def watch_reset(self, kvs: Any, revisions: Any) -> None:
