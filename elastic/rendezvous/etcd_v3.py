@@ -550,7 +550,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self._conn is not None:
             self._conn.close()
 
-    # ================================================================== snapshot / decisions
+    # ================================================================== this node's round and membership
     def _nodes_waiting_locked(self) -> int:
         """From the full mirror (the coordinator), else from the coordinator's reform post."""
         mirror = self._mirror
@@ -599,7 +599,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         )
         return info, record, rank
 
-    # ================================================================== writes
     def _write_join(self, target: int, seen_mod: int) -> bool:
         """Put our join key for ``target`` unless the round key moved since our snapshot (under our live lease)."""
         registration = self._registration
