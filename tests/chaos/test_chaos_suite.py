@@ -55,7 +55,7 @@ def _etcd_keys(endpoint: str, run_id: str) -> list[str]:
 def _assert_run_left_etcd_clean(endpoint: str, run_id: str) -> None:
     """After a clean end no key of the run is left: registrations and join keys go with their revoked leases,
     and the last agent to leave deletes the closed marker, the last round record and the rounds' c10d store
-    (elastic/rendezvous/etcd_v3.py, ``_reap_ended_run``)."""
+    (elastic/rendezvous/cleanup.py, ``EndedRun.reap``)."""
     try:
         wait_for(lambda: not _etcd_keys(endpoint, run_id), 5, f"run {run_id!r}'s etcd keys to go")
     except Timeout:

@@ -17,6 +17,7 @@ import pytest
 
 from elastic.etcd_server import EmbeddedEtcd
 from elastic.rendezvous.api import RendezvousStateError
+from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.liveness import (
     LivenessListener,
     Peer,
@@ -279,7 +280,7 @@ def _etcd_client(etcd: EmbeddedEtcd):  # type: ignore[no-untyped-def]
 
 def _lease_left(client, survivor, node: str) -> tuple[int, float]:  # type: ignore[no-untyped-def]
     """(lease, seconds it has left) of ``node``'s registration, as etcd says now (-1 s: the lease is gone)."""
-    value, meta = client.get(survivor._nodes_prefix + node)
+    value, meta = client.get(RunKeys(survivor.config.run_prefix).nodes_prefix + node)
     assert value is not None, f"{node} is not registered"
     lease = int(meta.lease_id)
     return lease, float(client.get_lease_info(lease).TTL)
@@ -326,7 +327,7 @@ def test_a_confirmed_dead_agents_lease_is_revoked_by_its_peer(etcd_server: Embed
     survivor, proc = _two_agents(etcd_server, handlers, pool, "revoked", liveness=True)
     client = _etcd_client(etcd_server)
     try:
-        wait_for(lambda: survivor._peer_watch is not None and survivor._peer_watch.holding is not None, timeout=10,
+        wait_for(lambda: survivor._peers.watch is not None and survivor._peers.watch.holding is not None, timeout=10,
                  what="the survivor to hold a connection to the child's liveness port")
         lease, left = _lease_left(client, survivor, "child")
         assert left > DEATH_BOUND_S + 1, f"the child's lease has only {left} s left: an expiry would prove nothing"
@@ -352,10 +353,10 @@ def test_the_lease_to_revoke_is_the_registration_keys_not_the_one_it_names(etcd_
     client = _etcd_client(etcd_server)
     try:
         own = client.lease(30)
-        hostile = {"node_id": "intruder", "addr": "127.0.0.1", "live_port": 9, "lease": h._lease_id, "seq": 1}
-        client.put(h._ctl + "nodes/intruder", json.dumps(hostile), lease=own)
+        hostile = {"node_id": "intruder", "addr": "127.0.0.1", "live_port": 9, "lease": h._registration.lease_id, "seq": 1}
+        client.put(RunKeys(h.config.run_prefix).nodes_prefix + "intruder", json.dumps(hostile), lease=own)
         peer = wait_for(lambda: h._mirror.peers.get("intruder"), timeout=10, what="the registration to be seen")
-        assert peer.lease == own.id != h._lease_id
+        assert peer.lease == own.id != h._registration.lease_id
         client.revoke_lease(own.id)
     finally:
         client.close()
@@ -368,7 +369,7 @@ def test_an_unusable_registration_value_is_a_state_error(etcd_server: EmbeddedEt
     h.next_rendezvous()
     client = _etcd_client(etcd_server)
     try:
-        client.put(h._ctl + "nodes/garbage", value)
+        client.put(RunKeys(h.config.run_prefix).nodes_prefix + "garbage", value)
     finally:
         client.close()
     with pytest.raises(RendezvousStateError, match="corrupt rendezvous key"):

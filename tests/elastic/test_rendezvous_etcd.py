@@ -180,9 +180,9 @@ def test_handlers_sharing_one_client_form_rounds_and_outlive_a_leaver(etcd_serve
     assert names.count("rdzv-lease-shared") == 1, "one lease keeper thread for the three"
     assert not any(n.startswith("rdzv-lease-n") for n in names), "no lease thread of their own"
     assert sum(n.startswith("rdzv-watch-mux-") for n in names) == 1, "the followers share one watch stream"
-    leases = [h._lease_id for h in hs]
+    leases = [h._registration.lease_id for h in hs]
     assert not any(pool.map(lambda h: h.wait_membership_change(3 * LEASE_TTL), hs)), "the shared keeper let a lease go"
-    assert [h._lease_id for h in hs] == leases
+    assert [h._registration.lease_id for h in hs] == leases
     hs[2].leave()
     rest = hs[:2]
     assert all(pool.map(lambda h: h.wait_membership_change(LOSS_BOUND_S), rest))
@@ -445,7 +445,7 @@ def test_lease_expiry_during_outage_reregisters_and_breaks_round(etcd_server: Em
 
     host, port = etcd_server.endpoint.rsplit(":", 1)
     client = etcd3.client(host=host, port=int(port))
-    client.revoke_lease(hs[1]._lease_id)  # as if the lease had expired
+    client.revoke_lease(hs[1]._registration.lease_id)  # as if the lease had expired
     client.close()
     assert hs[0].wait_membership_change(LOSS_BOUND_S)
     # n1 re-registers (on its next write or its refresher seeing TTL <= 0) and both end up in one round:
@@ -518,10 +518,10 @@ def test_stale_commit_is_rejected_and_old_stores_are_dropped(etcd_server: Embedd
     assert h.round == 2
     assert not info2.store.check(["k"]), "a new round starts from an empty store"
     # An agent still acting on round 1's view tries to commit "its" round 2: etcd refuses.
-    assert h._commit(2, ("ghost",), stale_mod, 0) is False
+    assert h._rounds.commit(2, ("ghost",), stale_mod, 0) is False
     assert h._mirror.committed is not None and h._mirror.committed.participants == ("solo",)
     # A commit of a proposal the coordinator has replaced since (its revision moved) fails too.
-    assert h._commit(3, ("ghost",), h._mirror.committed_mod, stale_mod) is False
+    assert h._rounds.commit(3, ("ghost",), h._mirror.committed_mod, stale_mod) is False
     assert h._mirror.committed.number == 2
     h.next_rendezvous()  # round 3 drops round 1's store
     assert not info1.store.check(["k"])
@@ -589,14 +589,14 @@ def test_the_round_record_names_each_participants_liveness_port_and_the_ring_use
     by_node = {h.node_id: h for h in hs}
     for node, (addr, port, lease) in record["ring"].items():
         h = by_node[node]
-        assert h._liveness is not None and (port, lease) == (h._liveness.port, h._lease_id), f"{node}'s ring entry"
+        assert h._peers.listener is not None and (port, lease) == (h._peers.listener.port, h._registration.lease_id), f"{node}'s ring entry"
         assert isinstance(addr, str) and addr
     assert set(record["ring"]) == set(by_node)
     for rank, node in enumerate(record["participants"]):
         successor = record["participants"][(rank + 1) % 3]
-        watch = by_node[node]._peer_watch
+        watch = by_node[node]._peers.watch
         assert watch is not None and watch.target is not None and watch.target.node == successor
-        assert watch.target.port == by_node[successor]._liveness.port  # type: ignore[union-attr]
+        assert watch.target.port == by_node[successor]._peers.listener.port  # type: ignore[union-attr]
 
 
 def test_the_election_wait_grows_with_max_nodes_and_is_capped() -> None:
