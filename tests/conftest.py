@@ -84,19 +84,47 @@ def _dist_forkserver() -> Iterator[None]:
         dist.shutdown()
 
 
+_WORKER_LEFTOVERS = pytest.StashKey[list[str]]()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: object, error: object) -> None:
-    """pytest-xdist's controller (tests/run.sh runs the whole suite in two workers): a worker's count of the long
-    cases it left out, so the controller's summary says it as a one-process run does."""
-    left_out = getattr(node, "workeroutput", {}).get("long_left_out", 0)
+    """pytest-xdist's controller (tests/run.sh runs the whole suite in two workers): what a worker has to say at
+    its end, the count of long cases it left out (the controller's summary says it as a one-process run does) and
+    the processes it left behind (the controller fails the session for them: a worker's own exit status is
+    copied before its ``pytest_sessionfinish`` runs)."""
+    output = getattr(node, "workeroutput", {})
     config: pytest.Config = node.config  # type: ignore[attr-defined]
-    config.stash[_LONG_LEFT_OUT] = max(config.stash.get(_LONG_LEFT_OUT, 0), left_out)
+    config.stash[_LONG_LEFT_OUT] = max(config.stash.get(_LONG_LEFT_OUT, 0), output.get("long_left_out", 0))
+    config.stash.setdefault(_WORKER_LEFTOVERS, []).extend(output.get("leftovers", []))
+
+
+def _report_leftovers(session: pytest.Session, lines: list[str]) -> None:
+    """Say which processes were left behind, record them for tests/run.sh (``SPOTRUN_LEFTOVER_FILE``: a rerun
+    that passes must not hide them) and fail the session."""
+    print("\nERROR: the test session left processes behind (killed now):\n" + "\n".join(lines))
+    record = os.environ.get("SPOTRUN_LEFTOVER_FILE")
+    if record:
+        with open(record, "a", encoding="utf-8") as out:
+            out.write("\n".join(lines) + "\n")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)  # an xdist worker: tell the controller
     if workeroutput is not None:
         workeroutput["long_left_out"] = session.config.stash.get(_LONG_LEFT_OUT, 0)
+    lines = _kill_leftovers()
+    if workeroutput is not None:
+        workeroutput["leftovers"] = lines
+        return
+    lines += session.config.stash.get(_WORKER_LEFTOVERS, [])
+    if lines:
+        _report_leftovers(session, lines)
+
+
+def _kill_leftovers() -> list[str]:
+    """Every descendant of this process still alive 10 s after the session: described, then SIGKILLed."""
     me = os.getpid()
     deadline = time.monotonic() + 10.0
     left = descendants(me)
@@ -105,13 +133,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         time.sleep(0.1)
         left = descendants(me)
     if not left:
-        return
+        return []
     lines = [f"  pid {pid} [{state}]: {cmd[:200]}" for pid, (state, cmd) in sorted(left.items())]
-    print("\nERROR: the test session left processes behind (killed now):\n" + "\n".join(lines))
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     _reap_zombies()
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    return lines

@@ -23,28 +23,60 @@ if [ "$#" -gt 0 ] || [ "$workers" = "1" ]; then
   exec "$python" -m pytest -q "$@"
 fi
 
+work="$(mktemp -d)"
+child=""
+trap 'rm -rf "$work"' EXIT
+# The script is no longer pytest itself (no exec): a signal to it goes on to pytest, which stops its workers.
+trap '[ -n "$child" ] && kill -TERM "$child" 2>/dev/null; exit 143' TERM
+trap '[ -n "$child" ] && kill -INT "$child" 2>/dev/null; exit 130' INT
+trap '[ -n "$child" ] && kill -HUP "$child" 2>/dev/null; exit 129' HUP
+export SPOTRUN_LEFTOVER_FILE="$work/leftovers"  # tests/conftest.py: processes a test left behind
+run() {  # run PYTEST-ARGS...: one pytest in the background (so the traps above run), its exit status
+  local rc=0
+  "$python" -m pytest "$@" &
+  child=$!
+  wait "$child" || rc=$?
+  child=""
+  return "$rc"
+}
+leftovers() {  # a passing rerun must not hide a process left behind in the parallel run
+  if [ -s "$SPOTRUN_LEFTOVER_FILE" ]; then
+    echo "[tests] FAILED: tests left processes behind (listed above)" >&2
+    exit 1
+  fi
+}
+
 rc=0
-"$python" -m pytest -q -n "$workers" --dist loadfile --cache-clear || rc=$?
+run -q -n "$workers" --dist loadfile --cache-clear || rc=$?
 [ "$rc" -eq 0 ] && exit 0
-[ "$rc" -eq 1 ] || exit "$rc"  # interrupted, internal or usage error, no tests: nothing to rerun
+# Exit 1 is failed tests (or a collection error, or the leftover check); anything else (interrupted, internal
+# or usage error, no tests) ends here.
+[ "$rc" -eq 1 ] || exit "$rc"
+leftovers
 failed="$("$python" - <<'PY'
 import json, pathlib
 path = pathlib.Path(".pytest_cache/v/cache/lastfailed")
-print(len(json.loads(path.read_text())) if path.exists() else -1)
+print(len(json.loads(path.read_text())) if path.exists() else 0)
 PY
 )"
 max="${SPOTRUN_RERUN_MAX:-10}"
-if [ "$failed" -lt 1 ] || [ "$failed" -gt "$max" ]; then
-  echo "[tests] $failed tests failed in the parallel run (rerun alone only up to $max): failing" >&2
+if [ "$failed" -lt 1 ]; then
+  echo "[tests] FAILED: pytest exited 1 without a recorded test failure (see above)" >&2
+  exit 1
+fi
+if [ "$failed" -gt "$max" ]; then
+  echo "[tests] FAILED: $failed tests failed in the parallel run (more than $max: not rerun)" >&2
   exit 1
 fi
 echo "[tests] rerunning alone the $failed tests that failed beside another worker"
-rerun_log="$(mktemp)"
-trap 'rm -f "$rerun_log"' EXIT
 rc=0
-"$python" -m pytest -q --lf -rA 2>&1 | tee "$rerun_log" || rc=$?
+run -q --lf -rA > "$work/rerun.log" 2>&1 || rc=$?
+cat "$work/rerun.log"
+leftovers
 if [ "$rc" -eq 0 ]; then
-  echo "[tests] load-sensitive: these failed beside another worker and passed alone:"
-  grep '^PASSED ' "$rerun_log" | sed 's/^/[tests]   /' || true
+  {
+    echo "[tests] load-sensitive: these failed beside another worker and passed alone:"
+    grep '^PASSED ' "$work/rerun.log" | sed 's/^/[tests]   /' || true
+  } >&2
 fi
 exit "$rc"

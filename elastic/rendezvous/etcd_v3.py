@@ -652,29 +652,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             coordinator.start()
             self._threads.append(coordinator)
 
-    # WatchSubscriber (watch_mux.py): the mirror's watch subscribes itself; these pass a caller's calls on to it.
-    def watch_reset(self, kvs: Any, revisions: Any) -> None:
-        self._watch.watch_reset(kvs, revisions)
-
-    def watch_events(self, events: Any, watch_id: int) -> None:
-        self._watch.watch_events(events, watch_id)
-
-    def watch_failed(self, exc: BaseException) -> None:
-        self._watch.watch_failed(exc)
-
-    def watch_fatal(self, exc: BaseException) -> None:
-        self._watch.watch_fatal(exc)
-
-    # LeaseOwner (lease_keeper.py): the registration is the keeper's owner; these pass a caller's calls on to it.
-    def lease_to_keep(self) -> int | None:
-        return self._registration.lease_to_keep()
-
-    def lease_refreshed(self, lease: int, ttl: int) -> None:
-        self._registration.lease_refreshed(lease, ttl)
-
-    def lease_refresh_failed(self, exc: BaseException) -> None:
-        self._registration.lease_refresh_failed(exc)
-
     # ================================================================== teardown
     def _stop_threads(self) -> None:
         self._stop.set()

@@ -41,6 +41,10 @@ WORKER_STORE_TIMEOUT = timedelta(seconds=10)
 their ``init_process_group`` timeout): an address this host cannot reach fails the commit in seconds."""
 
 
+_NO_SUCH_NAME = frozenset(code for code in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)) if code is not None)
+"""getaddrinfo's answers that say the name does not exist (not "try again")."""
+
+
 def agent_hosts_store() -> bool:
     """True unless the user opted out the way torchrun reads it."""
     return os.environ.get(ENV_DISABLE_SHARED_STORE, "0") != "1"
@@ -81,10 +85,7 @@ class WorkerStoreHost:
             # wait_for_workers=False: the server must not block for clients; workers connect when they start.
             store = TCPStore(self._addr, 0, None, True, WORKER_STORE_TIMEOUT, wait_for_workers=False)
         except (RuntimeError, OSError) as exc:  # torch's DistNetworkError/DistStoreError are RuntimeErrors
-            raise RendezvousConfigError(
-                f"cannot host the workers' store of round {round_number} at {self._addr} (this agent's address, "
-                f"--local-addr or the host name; the workers connect to it as MASTER_ADDR): {exc}"
-            ) from exc
+            raise self._cannot_host(round_number, str(exc)) from exc
         self._hosted = _Hosted(round_number, store)
         log.debug("hosting the workers' store of round %d on %s:%d", round_number, self._addr, self._hosted.port)
         return self._hosted.port
@@ -95,12 +96,18 @@ class WorkerStoreHost:
         is left to TCPStore's connect, as torchrun does (it may still be reachable, e.g. through NAT)."""
         try:
             socket.getaddrinfo(self._addr, None, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError) as exc:
-            raise RendezvousConfigError(
-                f"cannot host the workers' store of round {round_number} at {self._addr} (this agent's address, "
-                f"--local-addr or the host name; the workers connect to it as MASTER_ADDR): it does not resolve "
-                f"({exc})"
-            ) from exc
+        except socket.gaierror as exc:
+            if exc.errno not in _NO_SUCH_NAME:
+                return  # a resolver that failed for now (EAI_AGAIN...): TCPStore's retries may still get through
+            raise self._cannot_host(round_number, f"it does not resolve ({exc})") from exc
+        except UnicodeError as exc:  # a label too long or empty: never a valid name
+            raise self._cannot_host(round_number, f"it is not a valid host name ({exc})") from exc
+
+    def _cannot_host(self, round_number: int, why: str) -> RendezvousConfigError:
+        return RendezvousConfigError(
+            f"cannot host the workers' store of round {round_number} at {self._addr} (this agent's address, "
+            f"--local-addr or the host name; the workers connect to it as MASTER_ADDR): {why}"
+        )
 
     def round_completed(self, round_number: int, master_port: int, rank: int) -> None:
         """Keep the store only if the completed round is the one it was opened for (we committed it)."""

@@ -490,11 +490,11 @@ def test_keeper_removes_the_directory_at_close(shm_dir: str) -> None:
     assert keeper.process is None
 
 
-def _sigkill_agent_and_wait_freed(agent: subprocess.Popen[str], path: str) -> None:
+def _sigkill_agent_and_wait_freed(agent: subprocess.Popen[str], path: str, keeper: str = "the keeper") -> None:
     """SIGKILL the fake agent: its keeper (the one it has now) must notice and remove the snapshot directory."""
     agent.send_signal(signal.SIGKILL)
     agent.wait(timeout=30)
-    wait_for(lambda: not os.path.exists(path), timeout=30, what="the keeper removing its directory")
+    wait_for(lambda: not os.path.exists(path), timeout=30, what=f"{keeper} removing its directory")
 
 
 def test_keeper_process_frees_the_memory_when_its_agent_is_sigkilled(shm_dir: str) -> None:
@@ -663,7 +663,7 @@ def test_a_replaced_keeper_still_frees_the_memory_when_its_agent_is_sigkilled(sh
         wait_for(lambda: b"keeper.py" in Path(f"/proc/{second}/cmdline").read_bytes(), timeout=30,
                  what="the second keeper's exec")
         assert os.path.isdir(path)
-        _sigkill_agent_and_wait_freed(agent, path)
+        _sigkill_agent_and_wait_freed(agent, path, "the second keeper")
     finally:
         agent.kill()
         agent.wait(timeout=30)

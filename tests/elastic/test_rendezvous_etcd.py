@@ -572,6 +572,31 @@ def test_an_address_this_host_cannot_serve_is_a_clear_config_error() -> None:
         host.port_for(3)
 
 
+def test_a_resolver_that_fails_for_now_is_left_to_the_stores_own_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EAI_AGAIN (a DNS server that did not answer) is not "no such host": the store is still tried, and only
+    the name that does not exist is refused at once."""
+    import socket
+
+    from elastic.rendezvous import worker_store
+    from elastic.rendezvous.api import RendezvousConfigError
+
+    tried: list[str] = []
+
+    def fake_store(addr: str, *args: object, **kwargs: object) -> object:
+        tried.append(addr)
+        raise RuntimeError("store reached")
+
+    def no_answer(*args: object, **kwargs: object) -> object:
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(worker_store, "TCPStore", fake_store)
+    monkeypatch.setattr(worker_store.socket, "getaddrinfo", no_answer)
+    host = worker_store.WorkerStoreHost("flaky-dns.example", enabled=True)
+    with pytest.raises(RendezvousConfigError, match="store reached"):
+        host.port_for(1)
+    assert tried == ["flaky-dns.example"]
+
+
 @pytest.mark.timeout(60)
 def test_the_round_record_names_each_participants_liveness_port_and_the_ring_uses_it(
         etcd_server: EmbeddedEtcd, handlers, pool) -> None:
