@@ -132,7 +132,6 @@ class PeerShmTier(LocalShmTier):
         """The ranks that send their buddy copies to this rank, in rank order."""
         self._unique: set[ChunkKey] = set()
         self._complete_step = -1
-        self._exchange_due = False
         self.last_fallback_reason: str | None = None
         """Why the last ``restore`` found no memory snapshot (None when it restored from memory)."""
         self.last_plan_seconds = 0.0
@@ -144,16 +143,9 @@ class PeerShmTier(LocalShmTier):
         return f"PeerShmTier({self.directory!r}, rank={self.rank}/{self.world_size}, gen={self.gen}, node={self.node})"
 
     # ------------------------------------------------------------------ buddy copies
-    def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
-        self._exchange_due = False
-        started = super().snapshot(step, state)
-        if self._exchange_due and not started:
-            # Every rank agreed to snapshot but this one failed locally (no room, an I/O error): its buddy still
-            # waits for its message, and it still keeps the copies its sources send.
-            self._future = self._executor.submit(self._exchange_only, step)
-        return started
-
-    def _exchange_only(self, step: int) -> int:
+    def _publish_none(self, step: int) -> int:
+        # Every rank agreed to snapshot but this one has nothing to publish (no room, an I/O error, its items
+        # changed): its buddy still waits for its message, and it still keeps the copies its sources send.
         self._exchange(None, step)
         return -1
 
@@ -188,7 +180,6 @@ class PeerShmTier(LocalShmTier):
                         self.rank, self._buddy, self._sources, self.node)
 
     def _housekeep(self, complete: int) -> None:
-        self._exchange_due = True  # called once the vote agreed on a snapshot: the exchange must happen
         self._complete_step = complete
         super()._housekeep(complete)
         if complete < 0 or self.directory is None or not self._is_node_leader:

@@ -4,7 +4,14 @@ Snapshot (``LocalShmTier.snapshot``, every ``config.every`` steps, on every rank
 
 1. ``flatten`` the state (``flatcache.FlatCache``: the items of the last snapshot while the tensors are the
    same, without DCP's state dicts); one vote (``Collective.max_each``: state rejected, items changed, busy, a rank short
-   of room, and the newest step every rank published, ``complete``).
+   of room, and the newest step every rank published, ``complete``). With ``when_busy="wait"`` (the default) the
+   vote of a round runs *behind* it, on the background thread right after the publish (step 4), over the tier's own
+   vote group, so in steady state the caller blocks for no collective: the next snapshot waits for that round
+   (as it waited for the publish before) and reads the vote's outcome. A rank whose items changed (or could not be
+   flattened) since the plan skips that round on its own (it still takes part in its exchange and vote, saying
+   so), and the next round votes on the caller's thread and replans; so does the first snapshot, a failed vote,
+   and every round with ``when_busy="skip"``. ``complete`` is the same value either way (every rank's newest
+   publish, after waiting for its own), so the slot choice and what a restore may use do not change.
 2. On the first snapshot or when the items changed: every rank's item metadata is gathered and
    ``layout.node_writers`` decides who snapshots what, so each node holds a whole copy of the replicated
    state; this rank's pieces become one ``ShardLayout`` (one shm object per rank per step).
@@ -158,6 +165,20 @@ class _Slot:
         os.close(self.fd)
 
 
+@dataclass(frozen=True, slots=True)
+class _Vote:
+    """What the vote behind a round agreed (``LocalShmTier._vote_behind``), the same on every rank."""
+
+    skipped: bool
+    """A rank skipped the round because its items changed or could not be flattened: the next round votes first."""
+    starved: bool
+    complete: int
+    """The newest step every rank had published (its slot is never overwritten)."""
+    every: int
+    waited: float
+    """Seconds this rank's vote waited for slower ranks (not snapshot cost, as for the caller's vote)."""
+
+
 @dataclass(slots=True)
 class _Group:
     """A snapshot group this rank can restore from alone (its node's keeper holds every piece it needs)."""
@@ -186,7 +207,8 @@ class LocalShmTier:
     ) -> None:
         self.config = config or MemoryTierConfig()
         self.directory = directory if directory is not None else os.environ.get(ENV_MEMORY_DIR)
-        (self._fg,) = open_collectives(process_group, self.config.collective_timeout, 1)
+        self._fg, self._bg = open_collectives(process_group, self.config.collective_timeout, 2)
+        """``_fg``: the caller's thread's collectives; ``_bg``: the votes that run behind a snapshot (``_vote_behind``)."""
         self.rank, self.world_size = self._fg.rank, self._fg.world_size
         usable = self.directory is not None and os.path.isdir(self.directory) and os.access(self.directory, os.W_OK)
         (missing,) = self._fg.any(not usable)
@@ -241,6 +263,13 @@ class LocalShmTier:
         """Seconds the last snapshot blocked the caller (flatten, the vote's own latency, copy; not the vote's wait for
         slower ranks, which the next gradient all-reduce would wait instead): what ``every="auto"`` weighs."""
         self.snapshots_published = 0
+        self._vote_due = False
+        """The last round ran a vote behind its publish: the next snapshot reads it (same on every rank)."""
+        self._behind: _Vote | None = None
+        """That vote's outcome, set by the background thread (None: not run, or it failed)."""
+        self._behind_vote_us = 0
+        self.votes_blocking = 0
+        """Votes this rank ran on the caller's thread (the first snapshot, after changes; tests count them)."""
 
     def __repr__(self) -> str:
         return f"LocalShmTier({self.directory!r}, rank={self.rank}/{self.world_size}, gen={self.gen})"
@@ -269,6 +298,16 @@ class LocalShmTier:
         except (TypeError, ValueError) as exc:
             self._warn_once("state", "[rank %d step %d] memory snapshot skipped: %s", self.rank, step, exc)
             flat = None
+        if self._vote_due:  # the last round's vote ran behind it (every rank decides this alike)
+            self._vote_due = False
+            steady = self._steady_snapshot(step, flat, started)
+            if steady is not None:
+                return steady
+        return self._voted_snapshot(step, flat, started)
+
+    def _voted_snapshot(self, step: int, flat: FlatState | None, started: float) -> bool:
+        """A snapshot decided by a vote on the caller's thread: the first one, after a change of the items, a
+        skipped round or a failed vote, and every one with ``when_busy="skip"``."""
         if self.config.when_busy == "wait":
             self.wait()
         elif self._future is not None and self._future.done():
@@ -280,11 +319,48 @@ class LocalShmTier:
             flat is None, signature != self._signature, busy, self._starved, -self._published, self._proposed_every(),
             -self._last_vote_us,
         )
+        self.votes_blocking += 1
         self._last_vote_us = int(1e6 * (time.perf_counter() - voting))
         # The vote's cost is its own latency (the last rank to arrive waits for nothing: the smallest of the ranks'
         # previous votes), not the wait for a slower rank, which its next gradient all-reduce would wait anyway.
         waited = max(0.0, self._last_vote_us - (-neg_vote_us)) / 1e6
-        complete = -neg_complete
+        if not self._apply_vote(step, -neg_complete, every, bool(starved)):
+            return False
+        if bad or any_busy or flat is None:
+            return False
+        if changed:
+            self._replan(flat)
+            self._signature = signature
+            self._stages, self._stages_to_skip = [], SLOTS
+            if self._is_node_leader:  # the size check at start: once per node, for all of its ranks' slots
+                self._check_size(SLOTS * (self._node_bytes + self._node_copy_bytes))
+        if step % self._every:
+            return False  # the first call, planned only (or "auto" just chose a larger interval)
+        return self._take(step, flat, started, waited)
+
+    def _steady_snapshot(self, step: int, flat: FlatState | None, started: float) -> bool | None:
+        """A snapshot decided by the vote that ran behind the last one (``_vote_behind``), with no collective on
+        the caller's thread; None when that vote calls for one here (a rank skipped its last snapshot, or the
+        vote failed)."""
+        blocked_at = time.perf_counter()
+        self.wait()  # the last round's publish, buddy exchange and vote: normally long done
+        blocked = time.perf_counter() - blocked_at
+        vote, self._behind = self._behind, None
+        if vote is None or vote.skipped:
+            return None
+        if not self._apply_vote(step, vote.complete, vote.every, vote.starved):
+            return False
+        if step % self._every:
+            return False  # "auto" just chose a larger interval
+        if flat is None or _signature(flat) != self._signature:
+            # The other ranks go on with this round: take part in its exchange and vote without a snapshot, and
+            # say so; the next round is then voted on every rank (and replans).
+            self._submit(None, step, {}, {}, skipped=True)
+            return False
+        return self._take(step, flat, started, min(blocked, vote.waited))
+
+    def _apply_vote(self, step: int, complete: int, every: int, starved: bool) -> bool:
+        """Adopt a vote's outcome (the same on every rank); False when the tier turned off."""
         self._complete = complete
         if every != self._every:  # "auto": the slowest rank's choice, the same on every rank from the next step
             logger.info("[rank %d step %d] memory snapshot every %d step(s) (was %d): %.4fs staging per snapshot, "
@@ -297,36 +373,81 @@ class LocalShmTier:
                             "its publishes kept failing", self.rank, step)
             self.close()
             return False
-        if bad or any_busy or flat is None:
-            return False
-        if changed:
-            self._replan(flat)
-            self._signature = signature
-            self._stages, self._stages_to_skip = [], SLOTS
-            if self._is_node_leader:  # the size check at start: once per node, for all of its ranks' slots
-                self._check_size(SLOTS * (self._node_bytes + self._node_copy_bytes))
-        if step % self._every:
-            return False  # the first call, planned only (or "auto" just chose a larger interval)
-        try:  # no collective from here on: a local failure skips this rank's snapshot only
+        return True
+
+    def _take(self, step: int, flat: FlatState, started: float, waited: float) -> bool:
+        """This rank's part of a round every rank agreed on: copy into a slot and publish in the background.
+        No collective here: a local failure skips this rank's snapshot only (it still takes part in the round's
+        background exchange and vote)."""
+        complete = self._complete
+        try:
             self._housekeep(complete)
             slot = self._slot_for(complete)
-            if slot is None:
-                return False
-            self._unpublish(slot)
+            if slot is not None:
+                self._unpublish(slot)
         except OSError as exc:  # the keeper directory vanished, a file was removed under us...
             self._warn_once("io", "[rank %d step %d] memory snapshot skipped: %s", self.rank, step, exc)
             self._release_slots()
+            slot = None
+        if slot is None:
+            self._submit(None, step, {}, {}, skipped=False)
             return False
         assert self._layout is not None
         copy_pieces([self._layout], [slot.views], flat.items)
         self.last_stage_seconds = time.perf_counter() - started - waited
         self._sample_stage(self.last_stage_seconds)
         self._staged_at = time.perf_counter()
-        objects = flat.objects
-        rank_objects = flat.rank_objects
         self._inflight = slot
-        self._future = self._executor.submit(self._publish, slot, step, objects, rank_objects)
+        self._submit(slot, step, flat.objects, flat.rank_objects, skipped=False)
         return True
+
+    def _submit(self, slot: _Slot | None, step: int, objects: dict[str, JSON], rank_objects: dict[str, JSON], *,
+                skipped: bool) -> None:
+        """Run the round's background part: publish ``slot`` (None: this rank has nothing to publish), then,
+        with ``when_busy="wait"``, the next round's vote (``_vote_behind``)."""
+        behind = self.config.when_busy == "wait"
+        self._vote_due = behind
+        every = self._proposed_every()
+        self._future = self._executor.submit(self._round, slot, step, objects, rank_objects, behind, skipped, every)
+
+    def _round(self, slot: _Slot | None, step: int, objects: dict[str, JSON], rank_objects: dict[str, JSON],
+               behind: bool, skipped: bool, every: int) -> int:
+        """Background: publish (or take part in the round without a snapshot), then vote for the next round."""
+        error: BaseException | None = None
+        published = -1
+        try:
+            published = self._publish(slot, step, objects, rank_objects) if slot is not None else self._publish_none(step)
+        except BaseException as exc:  # noqa: BLE001 - re-raised after the vote: the other ranks wait for it
+            error = exc
+        if behind:
+            self._vote_behind(skipped, error, every)
+        if error is not None:
+            raise error
+        return published
+
+    def _publish_none(self, step: int) -> int:
+        """Background: this rank's part of an agreed round it has no snapshot for (``PeerShmTier``: its buddy
+        exchange); -1."""
+        return -1
+
+    def _vote_behind(self, skipped: bool, error: BaseException | None, every: int) -> None:
+        """Background, after a round's publish: the next round's vote (on the tier's own vote group, so it never
+        meets a collective of the caller's thread). It carries what the caller's vote would (whether a rank
+        skipped for a change of its items, no room or failed publishes, the newest step every rank published,
+        the interval), so the next snapshot needs no collective when nothing changed (``_steady_snapshot``)."""
+        failing = error is not None and self._publish_failures + 1 >= PUBLISH_FAILURES_TO_STARVE
+        voting = time.perf_counter()
+        try:
+            any_skipped, starved, neg_complete, chosen, neg_vote_us = self._bg.max_each(
+                skipped, self._starved or failing, -self._published, every, -self._behind_vote_us,
+            )
+        except Exception as exc:  # noqa: BLE001 - the group is broken: the next snapshot votes on the caller's thread
+            logger.warning("[rank %d] memory snapshot vote failed: %s", self.rank, exc)
+            self._behind = None
+            return
+        self._behind_vote_us = int(1e6 * (time.perf_counter() - voting))
+        waited = max(0.0, self._behind_vote_us - (-neg_vote_us)) / 1e6
+        self._behind = _Vote(bool(any_skipped), bool(starved), -neg_complete, int(chosen), waited)
 
     def wait(self) -> None:
         """Block until the snapshot in flight is published; a failure is logged, never raised."""

@@ -1,0 +1,154 @@
+"""The memory tier's vote behind a snapshot (``LocalShmTier._vote_behind``): with ``when_busy="wait"`` a round's
+vote runs on the background thread after its publish, and the next snapshot reads it instead of voting on the
+caller's thread. These tests check that this changes when the caller blocks, not what a restore may use: only a
+step every rank published, never one a rank skipped or failed to publish.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint.memory.config import MemoryTierConfig
+from checkpoint.memory.layout import parse_snapshot_name
+from checkpoint.memory.shm import LocalShmTier
+from tests.checkpoint.test_memtier import _assert_equal, _state, _tensors, _train, shm_dir  # noqa: F401 - fixture
+from tests.harness.dist import run_workers
+
+
+def _published(directory: str) -> dict[int, set[int]]:
+    """Step -> the ranks whose snapshot of it is published in ``directory``."""
+    out: dict[int, set[int]] = {}
+    for name in os.listdir(directory):
+        parsed = parse_snapshot_name(name)
+        if parsed is not None:
+            out.setdefault(parsed[0].step, set()).add(parsed[1])
+    return out
+
+
+def _reference(step: int) -> dict[str, torch.Tensor]:
+    state = _state(0)
+    for s in range(1, step + 1):
+        _train(state, s)
+    return _tensors(state)
+
+
+def _restored(directory: str) -> tuple[int | None, dict[str, Any]]:
+    fresh = _state(1)
+    tier = LocalShmTier(directory)
+    try:
+        report = tier.restore(fresh, not_older_than=None)
+    finally:
+        tier.close()
+    return (None if report is None else report.step), fresh
+
+
+# --------------------------------------------------------------------------- steady rounds
+def _steady(rank: int, world: int, directory: str) -> dict[str, Any]:
+    state = _state(0)
+    tier = LocalShmTier(directory, MemoryTierConfig(every=1))
+    taken = []
+    try:
+        for step in range(1, 7):
+            _train(state, step)
+            taken.append(tier.snapshot(step, state))
+        tier.wait()
+        return {"taken": taken, "votes": tier.votes_blocking}
+    finally:
+        tier.close()
+
+
+def test_steady_snapshots_vote_on_the_callers_thread_only_once(shm_dir: str, tmp_path: Path) -> None:  # noqa: F811
+    out = run_workers(_steady, 2, (shm_dir,), tmpdir=str(tmp_path), timeout=120)
+    assert [o["taken"] for o in out] == [[True] * 6] * 2
+    assert [o["votes"] for o in out] == [1, 1]  # the first snapshot plans; the others read the vote behind
+    steps = _published(shm_dir)
+    assert steps == {5: {0, 1}, 6: {0, 1}}  # two slots per rank: the complete step and the newest
+    step, fresh = _restored(shm_dir)
+    assert step == 6
+    _assert_equal(_tensors(fresh), _reference(6))
+
+
+# --------------------------------------------------------------------------- a publish fails on one rank
+def _one_rank_fails(rank: int, world: int, directory: str) -> dict[str, Any]:
+    state = _state(0)
+    tier = LocalShmTier(directory, MemoryTierConfig(every=1))
+    publish = tier._publish
+
+    def failing(slot: Any, step: int, *args: Any) -> int:
+        if rank == 1 and step >= 3:  # rank 1 dies inside its publish of step 3 (and never publishes again)
+            raise OSError(5, "I/O error (injected)")
+        return publish(slot, step, *args)
+
+    tier._publish = failing  # type: ignore[method-assign]
+    try:
+        for step in range(1, 5):
+            _train(state, step)
+            tier.snapshot(step, state)
+        tier.wait()
+        return {"complete": tier._complete, "votes": tier.votes_blocking}
+    finally:
+        tier.close()
+
+
+def test_a_publish_failing_on_one_rank_leaves_the_last_common_step_restorable(shm_dir: str, tmp_path: Path  # noqa: F811
+                                                                              ) -> None:
+    out = run_workers(_one_rank_fails, 2, (shm_dir,), tmpdir=str(tmp_path), timeout=120)
+    assert [o["complete"] for o in out] == [2, 2]  # the vote behind step 3 saw rank 1 stuck at step 2
+    assert [o["votes"] for o in out] == [1, 1]
+    steps = _published(shm_dir)
+    # rank 0 kept step 2 (every rank's newest) and wrote 3 and 4 into its other slot; rank 1 published nothing more
+    assert steps == {2: {0, 1}, 4: {0}}
+    step, fresh = _restored(shm_dir)
+    assert step == 2  # never rank 0's step 4 alone, never a step rank 1 was writing
+    _assert_equal(_tensors(fresh), _reference(2))
+
+
+# --------------------------------------------------------------------------- items change between rounds
+def _items_change(rank: int, world: int, directory: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    state = _state(0)
+    tier = LocalShmTier(directory, MemoryTierConfig(every=1))
+    taken = []
+    at_4: dict[int, set[int]] = {}
+    try:
+        for step in range(1, 7):
+            _train(state, step)
+            if step == 5 - rank:  # a new entry, on rank 1 one step before rank 0: its items no longer match the plan
+                state["extra"] = torch.arange(5.0)
+            taken.append(tier.snapshot(step, state))
+            if step == 4:
+                tier.wait()
+                dist.barrier()
+                at_4 = _published(directory)
+                dist.barrier()
+        tier.wait()
+        return {"taken": taken, "votes": tier.votes_blocking, "at_4": at_4}
+    finally:
+        tier.close()
+
+
+def test_a_rank_whose_items_changed_skips_the_round_and_the_next_one_replans(shm_dir: str, tmp_path: Path  # noqa: F811
+                                                                             ) -> None:
+    out = run_workers(_items_change, 2, (shm_dir,), tmpdir=str(tmp_path), timeout=120)
+    # step 4: rank 1 skips on its own (rank 0 still publishes its part of the plan); step 5 votes on the caller's
+    # thread, where both ranks' items changed, and replans
+    assert out[0]["taken"] == [True] * 6
+    assert out[1]["taken"] == [True, True, True, False, True, True]
+    assert [o["votes"] for o in out] == [2, 2]
+    assert out[0]["at_4"][3] == {0, 1} and out[0]["at_4"][4] == {0}  # never a whole group for step 4
+    assert _published(shm_dir) == {5: {0, 1}, 6: {0, 1}}
+    fresh = _state(1)
+    fresh["extra"] = torch.zeros(5)
+    tier = LocalShmTier(shm_dir)
+    try:
+        report = tier.restore(fresh, not_older_than=None)
+    finally:
+        tier.close()
+    assert report is not None and report.step == 6
+    _assert_equal(_tensors(fresh), _reference(6))
+    assert torch.equal(fresh["extra"], torch.arange(5.0))
