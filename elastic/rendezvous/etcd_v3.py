@@ -1711,7 +1711,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         try:
             self._renew_lease(lease)
         except RendezvousConnectionError as exc:
-            self._note_etcd_failure(exc)
+            if not self._stop.is_set():  # stopping: its connection was closed under it
+                self._note_etcd_failure(exc)
         except Exception:  # the next refresh finds the lease still gone and tries again
             if not self._stop.is_set():
                 log.exception("%sre-registering after the lease expired failed", self._ctx())
