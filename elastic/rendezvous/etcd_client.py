@@ -26,8 +26,8 @@ closed", a TLS client of a plaintext etcd "Handshake read failed") are settled b
 etcd's "too many requests" (``RESOURCE_EXHAUSTED``, ``is_overloaded``) is an answer, not an outage: ``call`` backs
 off longer from it (jittered exponential up to ``OVERLOAD_MAX_WAIT_S``) and logs it at INFO. A process that
 hosts many agents (``ClientPool``) also caps the requests its connections have in flight at once
-(``max_in_flight``, each started after a random pause of up to ``jitter_s``), so that a thousand simultaneous
-lease grants and joins do not all hit etcd in the same millisecond; a real agent has no pool and is not capped.
+(``max_in_flight``; in a burst each waits for its slot after a random pause of up to ``jitter_s``), so that a
+thousand simultaneous lease grants and joins do not all hit etcd at once; a real agent has no pool: not capped.
 
 A closed connection refuses new calls with ``ConnectionClosedError`` (its handler is stopping), and a pooled one
 releases its share of the client only when its last call in flight has ended, so the pool never closes a
@@ -297,8 +297,9 @@ class ClientPool:
 
     It shares other per-process helpers the same way (``acquire_shared``: the lease keeper, one thread and
     one stream per tick for every agent's lease), and bounds the load its connections put on etcd: at most
-    ``max_in_flight`` of their calls have a request in flight at once (``slot``), each after a random pause of up
-    to ``jitter_s`` s (the lease keeper's and the watches' streams are not counted)."""
+    ``max_in_flight`` of their calls have a request in flight at once (``slot``); a call that finds none free waits
+    for one after a random pause of up to ``jitter_s`` s (the lease keeper's and the watches' streams are not
+    counted)."""
 
     def __init__(self, max_in_flight: int = POOL_MAX_IN_FLIGHT, jitter_s: float = POOL_JITTER_S) -> None:
         if max_in_flight < 1:
@@ -316,7 +317,8 @@ class ClientPool:
 
     @contextlib.contextmanager
     def slot(self) -> Iterator[None]:
-        """Hold one of the pool's ``max_in_flight`` request slots (after a random pause of up to ``jitter_s``)."""
+        """Hold one of the pool's ``max_in_flight`` request slots; when none is free (a burst), wait for one after a
+        random pause of up to ``jitter_s`` s, so that the calls of a burst do not all go in the same instant."""
         depth = getattr(self._held, "depth", 0)
         if depth:
             self._held.depth = depth + 1
@@ -325,14 +327,16 @@ class ClientPool:
             finally:
                 self._held.depth = depth
             return
-        if self.jitter_s > 0:
-            time.sleep(random.uniform(0.0, self.jitter_s))
-        with self._slots:
-            self._held.depth = 1
-            try:
-                yield
-            finally:
-                self._held.depth = 0
+        if not self._slots.acquire(blocking=False):  # a burst: spread its calls, then wait for a slot
+            if self.jitter_s > 0:
+                time.sleep(random.uniform(0.0, self.jitter_s))
+            self._slots.acquire()
+        self._held.depth = 1
+        try:
+            yield
+        finally:
+            self._held.depth = 0
+            self._slots.release()
 
     @staticmethod
     def key(config: EtcdRendezvousConfig) -> tuple[Any, ...]:
