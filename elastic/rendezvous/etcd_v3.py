@@ -1696,7 +1696,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def lease_refreshed(self, lease: int, ttl: int) -> None:
         self._note_etcd_ok()
-        if ttl > 0 or self._stop.is_set():
+        if ttl > 0 or self._stop.is_set() or lease != self._lease_id:  # a lease already replaced is no news
             return
         renewer = self._renewer
         if renewer is not None and renewer.is_alive():
