@@ -1727,16 +1727,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._unreachable_since = None
 
     def _note_etcd_failure(self, exc: BaseException) -> None:
-        now = self._clock()
-        if self._unreachable_since is None:
+        now, since = self._clock(), self._unreachable_since  # read once: another thread may note etcd ok meanwhile
+        if since is None:
             self._unreachable_since = now
             log.warning("%setcd at %s unreachable: %s", self._ctx(), self._config.endpoint_str, describe(exc))
             return
-        if now - self._unreachable_since > self._config.etcd_timeout and self._fatal is None:
+        if now - since > self._config.etcd_timeout and self._fatal is None:
             with self._cond:
                 self._fatal = RendezvousOutageError(
                     f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for "
-                    f"{now - self._unreachable_since:.1f} s, more than etcd_timeout="
+                    f"{now - since:.1f} s, more than etcd_timeout="
                     f"{self._config.etcd_timeout:g} s (last error: {describe(exc)}); giving up"
                 )
                 self._cond.notify_all()

@@ -179,7 +179,7 @@ class LeaseKeeper:
                 owner = pending.pop(lease, None)
                 self._suspects.discard(lease)
                 if owner is not None:
-                    owner.lease_refreshed(lease, ttl)
+                    _tell(owner.lease_refreshed, lease, ttl)
             if not pending or self._stop.is_set():
                 break
             if exc is not None and is_token_expired(exc) and not renewed:
@@ -241,4 +241,12 @@ class LeaseKeeper:
         if not is_transient(exc) and not isinstance(exc, TimeoutError):
             log.error("lease keeper: refresh failed unexpectedly: %s", describe(exc))
         for owner in owners:
-            owner.lease_refresh_failed(exc)
+            _tell(owner.lease_refresh_failed, exc)
+
+
+def _tell(callback: Callable[..., None], *args: Any) -> None:
+    """Call an owner back; one owner's bug must not keep the others from hearing of their leases."""
+    try:
+        callback(*args)
+    except Exception:
+        log.exception("lease keeper: an owner failed on its lease's news")

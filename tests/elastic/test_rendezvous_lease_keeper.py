@@ -266,3 +266,25 @@ def test_a_lease_etcd_holds_its_answer_for_does_not_hold_back_the_others(etcd_se
     finally:
         keeper.close()
         conn.close()
+
+
+class _Broken(_Owner):
+    def lease_refreshed(self, lease: int, ttl: int) -> None:
+        super().lease_refreshed(lease, ttl)
+        raise RuntimeError("an owner's bug")
+
+
+@pytest.mark.timeout(60)
+def test_an_owner_that_fails_on_its_news_does_not_keep_the_others_from_theirs(etcd_server: EmbeddedEtcd) -> None:
+    conn = EtcdConnection(make_config(etcd_server.endpoint, etcd_timeout=3.0))
+    broken = _Broken(conn.client.lease(TTL).id)
+    others = [_Owner(conn.client.lease(TTL).id) for _ in range(3)]
+    keeper = LeaseKeeper(conn, refresh_interval(TTL), name="rdzv-lease-broken")
+    try:
+        for owner in [broken, *others]:  # the broken one is told first on every tick
+            keeper.add(owner)
+        wait_for(lambda: all(len(o.ttls) >= 3 for o in others), timeout=10, what="the others' leases kept")
+        assert len(broken.ttls) >= 3 and not any(o.failures for o in others)
+    finally:
+        keeper.close()
+        conn.close()
