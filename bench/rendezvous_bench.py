@@ -21,9 +21,10 @@ figures are an upper bound for N agents on N machines. Per N it reports:
 
 The handlers of one worker process share one etcd client (gRPC channel), as ``--channels shared`` (the
 default) says, and with it one lease keeper and one follower watch stream (``watch_mux.py``); ``--channels
-per-agent`` gives each its own client, as N agents on N machines have. ``--profile PREFIX`` writes a cProfile of
-every thread of the first worker process and its CPU seconds by thread kind (where the agents' CPU goes);
-``kill -USR1`` of a worker prints every thread's stack.
+per-agent`` gives each its own client, as N agents on N machines have. The shared client caps the calls in
+flight per process (``--pool-in-flight``, default 32; in a burst each call waits for its slot after a random
+pause of up to 10 ms). ``--profile PREFIX`` writes a cProfile of every thread of the first worker process and its
+CPU seconds by thread kind (where the agents' CPU goes); ``kill -USR1`` of a worker prints every thread's stack.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class _Plan:
     silent_loss: bool = False
     log_dir: str | None = None
     profile: str | None = None
+    pool_in_flight: int | None = None
 
 
 class _ThreadProfiles:
@@ -167,7 +169,7 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: An
     if plan.shared_channels:
         from elastic.rendezvous.etcd_client import ClientPool
 
-        kwargs["pool"] = ClientPool()
+        kwargs["pool"] = ClientPool() if plan.pool_in_flight is None else ClientPool(max_in_flight=plan.pool_in_flight)
     handlers = {i: EtcdV3RendezvousHandler(config, node_id=f"agent{i:05d}", **kwargs) for i in ids}
 
     def first_round(i: int) -> None:
@@ -269,10 +271,10 @@ def etcd_counters(server: EmbeddedEtcd) -> tuple[float, float]:
 
 def bench(n: int, server: EmbeddedEtcd, lease_ttl: int, last_call: float, rejoin: float, procs: int,
           shared_channels: bool = True, silent_loss: bool = False, log_dir: str | None = None,
-          profile: str | None = None) -> dict[str, float]:
+          profile: str | None = None, pool_in_flight: int | None = None) -> dict[str, float]:
     plan = _Plan(server.endpoint, f"bench-{n}-{time.time_ns()}", n, lease_ttl, last_call, rejoin, victim=n // 2,
                  shared_channels=shared_channels, silent_loss=silent_loss, log_dir=log_dir,
-                 profile=None if profile is None else f"{profile}-{n}")
+                 profile=None if profile is None else f"{profile}-{n}", pool_in_flight=pool_in_flight)
     ctx = mp.get_context("spawn")
     go, crash, results = ctx.Event(), ctx.Event(), ctx.Queue()
     shares = [list(range(n))[k::procs] for k in range(procs)]
@@ -337,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=0, help="worker processes (default: one per 32 agents)")
     parser.add_argument("--channels", choices=("shared", "per-agent"), default="shared",
                         help="one etcd client per worker process (shared) or per agent")
+    parser.add_argument("--pool-in-flight", type=int, default=None, metavar="N",
+                        help="calls one worker process's shared etcd client may have in flight at once "
+                             "(ClientPool max_in_flight; default: the pool's own, 32)")
     parser.add_argument("--reps", type=int, default=1, help="measure each agent count this many times")
     parser.add_argument("--loss", choices=("killed", "silent"), default="killed",
                         help="the lost agent's liveness port closes (killed) or stays open, silent (power off)")
@@ -363,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 procs = args.procs or max(1, math.ceil(n / 32))
                 r = bench(n, server, args.lease_ttl, args.last_call, args.rejoin, min(procs, n),
                           shared_channels=args.channels == "shared", silent_loss=args.loss == "silent",
-                          log_dir=args.log_dir, profile=args.profile)
+                          log_dir=args.log_dir, profile=args.profile, pool_in_flight=args.pool_in_flight)
                 print(
                     f"{n:>7} {procs:>6} {r['first_round_s']:>11.3f}s {r['loss_detection_s']:>9.3f}s "
                     f"{r['recovery_round_s']:>14.3f}s {r['loss_to_recovered_s']:>11.3f}s "

@@ -22,15 +22,29 @@ retried like any outage. The two failures grpc cannot name (a plaintext client o
 closed", a TLS client of a plaintext etcd "Handshake read failed") are settled by asking the server itself
 (``probe_protocol``). Retry warnings are rate-limited to one per
 ``WARN_EVERY_S`` per call (the rest go to DEBUG), so an unreachable endpoint does not print dozens.
+
+etcd's "too many requests" (``RESOURCE_EXHAUSTED``, ``is_overloaded``) is an answer, not an outage: ``call`` backs
+off longer from it (jittered exponential up to ``OVERLOAD_MAX_WAIT_S``) and logs it at INFO. A process that
+hosts many agents (``ClientPool``) also caps the requests its connections have in flight at once
+(``max_in_flight``; in a burst each waits for its slot after a random pause of up to ``jitter_s``), so that a
+thousand simultaneous lease grants and joins do not all hit etcd at once; a real agent has no pool: not capped.
+
+A closed connection refuses new calls with ``ConnectionClosedError`` (its handler is stopping), and a pooled one
+releases its share of the client only when its last call in flight has ended, so the pool never closes a
+channel under a call that is still running (a handler thread that outlived its handler's 2 s join used to log
+"Cannot invoke RPC on closed channel!").
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
+import random
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -78,6 +92,16 @@ PER_CALL_TIMEOUT = 5.0
 
 WARN_EVERY_S = 5.0
 """Fewest seconds between two WARNING lines about the retries of one etcd call."""
+
+OVERLOAD_MULTIPLIER_S = 0.2
+OVERLOAD_MAX_WAIT_S = 4.0
+"""Backoff after etcd's "too many requests": random up to 0.2, 0.4, 0.8 ... s, at most 4 s (full jitter)."""
+
+POOL_MAX_IN_FLIGHT = 32
+"""Requests the connections of one ``ClientPool`` may have in flight at once (``call``, not streams)."""
+
+POOL_JITTER_S = 0.01
+"""Longest random pause before a pooled request asks for its slot (spreads a burst of many agents)."""
 
 # grpc reports a failed TLS handshake as UNAVAILABLE, with its TLS layer's (TSI) and OpenSSL's words in the
 # details, e.g. "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: ...: CERTIFICATE_VERIFY_FAILED".
@@ -172,6 +196,28 @@ def is_tls_failure(exc: BaseException | None) -> bool:
     return exc is not None and classify(_grpc_code(exc), _grpc_details(exc)) is Failure.TLS
 
 
+def is_overloaded(exc: BaseException | None) -> bool:
+    """etcd answered "too many requests" (``RESOURCE_EXHAUSTED``): it is reachable but busy; back off longer."""
+    behind = grpc_error(exc)
+    return behind is not None and _grpc_code(behind) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def overload_aware_wait(normal: Callable[[Any], float]) -> Callable[[Any], float]:
+    """A tenacity wait: ``normal`` after a failure, a longer jittered exponential after "too many requests"."""
+    overloaded = wait_random_exponential(multiplier=OVERLOAD_MULTIPLIER_S, max=OVERLOAD_MAX_WAIT_S)
+
+    def wait(state: Any) -> float:
+        exc = state.outcome.exception() if state.outcome else None
+        return overloaded(state) if is_overloaded(exc) else normal(state)
+
+    return wait
+
+
+def is_closed_channel(exc: BaseException | None) -> bool:
+    """grpc refused to start a call because its channel was closed (``ValueError``: "... closed channel!")."""
+    return isinstance(exc, ValueError) and "closed channel" in str(exc)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: etcd unreachable, restarting, electing a leader, or overloaded."""
     if is_tls_failure(exc):
@@ -250,12 +296,47 @@ class ClientPool:
     instead of one per agent. A real agent has one connection and needs none. Thread-safe.
 
     It shares other per-process helpers the same way (``acquire_shared``: the lease keeper, one thread and
-    one stream per tick for every agent's lease)."""
+    one stream per tick for every agent's lease), and bounds the load its connections put on etcd: at most
+    ``max_in_flight`` of their calls have a request in flight at once (``slot``); a call that finds none free waits
+    for one after a random pause of up to ``jitter_s`` s (the lease keeper's and the watches' streams are not
+    counted)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_in_flight: int = POOL_MAX_IN_FLIGHT, jitter_s: float = POOL_JITTER_S) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight!r}")
+        if jitter_s < 0:
+            raise ValueError(f"jitter_s must be >= 0, got {jitter_s!r}")
         self._lock = threading.RLock()  # reentrant: a shared helper's ``make`` acquires the shared client
         self._clients: dict[tuple[Any, ...], list[Any]] = {}
         """key -> [client or helper, references]."""
+        self.max_in_flight = max_in_flight
+        self.jitter_s = jitter_s
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._held = threading.local()
+        """Per thread: how deep it is in ``slot`` (a call made within a call does not take a second slot)."""
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold one of the pool's ``max_in_flight`` request slots; when none is free (a burst), wait for one after a
+        random pause of up to ``jitter_s`` s, so that the calls of a burst do not all go in the same instant."""
+        depth = getattr(self._held, "depth", 0)
+        if depth:
+            self._held.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._held.depth = depth
+            return
+        if not self._slots.acquire(blocking=False):  # a burst: spread its calls, then wait for a slot
+            if self.jitter_s > 0:
+                time.sleep(random.uniform(0.0, self.jitter_s))
+            self._slots.acquire()
+        self._held.depth = 1
+        try:
+            yield
+        finally:
+            self._held.depth = 0
+            self._slots.release()
 
     @staticmethod
     def key(config: EtcdRendezvousConfig) -> tuple[Any, ...]:
@@ -311,11 +392,15 @@ class EtcdConnection:
         self._auth_lock = threading.Lock()
         self._protocol_agrees = False
         """A probe found the server speaking what we speak: "Socket closed" & co. are outages from then on."""
+        self._use_lock = threading.Lock()
+        self._in_use = 0
+        """Calls (``in_use``) running now: a pooled connection releases its client once the last one ended."""
+        self._closed = False
+        self._release_pending = False
         if pool is None:
             self.client = self.call("connect", self._make_client)
         else:
             self.client = self.call("connect", lambda: pool.acquire(config, self._make_client))
-        self._closed = False
 
     def _make_client(self) -> etcd3.MultiEndpointEtcd3Client:
         cfg = self.config
@@ -398,32 +483,75 @@ class EtcdConnection:
                 return
 
     # ------------------------------------------------------------------ calls
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @contextlib.contextmanager
+    def in_use(self, what: str) -> Iterator[None]:
+        """Mark a use of the client (a call, a stream): ``close`` lets a pooled client go only after the last
+        one ended. Raises ``ConnectionClosedError`` once the connection is closed."""
+        with self._use_lock:
+            self._raise_if_closed_now(what)
+            self._in_use += 1
+        try:
+            yield
+        finally:
+            with self._use_lock:
+                self._in_use -= 1
+                release = self._release_pending and self._in_use == 0
+                if release:
+                    self._release_pending = False
+            if release:
+                self._release_client()
+
     def call(self, what: str, fn: Callable[[], T], *, within: float | None = None) -> T:
         """Run ``fn`` with retries on transient errors for ``within`` (default etcd_timeout) seconds.
 
         An expired auth token is renewed and the call retried; a TLS handshake failure raises
-        ``RendezvousTLSError`` at once."""
+        ``RendezvousTLSError`` at once; etcd's "too many requests" is retried after a longer backoff. With a
+        pool, each attempt holds one of the pool's request slots. Once the connection is closed the call
+        raises ``ConnectionClosedError`` (at once, or after the attempt in flight)."""
+        with self.in_use(what):
+            return self._call(what, fn, within)
+
+    def _call(self, what: str, fn: Callable[[], T], within: float | None) -> T:
         limit = self.config.etcd_timeout if within is None else within
         kwargs: dict[str, Any] = {}
         if self._sleep is not None:
             kwargs["sleep"] = self._sleep
         retrying = Retrying(
             stop=stop_after_delay(limit),
-            wait=wait_random_exponential(multiplier=0.05, max=1.0),
-            retry=retry_if_exception(lambda exc: isinstance(exc, _TokenRenewed) or is_transient(exc)),
+            wait=overload_aware_wait(wait_random_exponential(multiplier=0.05, max=1.0)),
+            retry=retry_if_exception(
+                lambda exc: not self._closed and (isinstance(exc, _TokenRenewed) or is_transient(exc))),
             before_sleep=self._log_retry(what),
             **kwargs,
         )
+        attempt = self._renewing_token(fn)
+        pool = self._pool
+        if pool is not None and hasattr(self, "client"):  # connected: each attempt holds one of the pool's slots
+            attempt = self._in_slot(pool, attempt)
         try:
-            return retrying(self._renewing_token(fn))
+            return retrying(attempt)
+        except ConnectionClosedError:
+            raise
         except RetryError as exc:
             cause = exc.last_attempt.exception()
+            self._raise_if_closed(what, cause)
+            if is_overloaded(cause):
+                raise RendezvousConnectionError(
+                    f"{self._context()}etcd at {self.config.endpoint_str} answered \"too many requests\" for "
+                    f"{limit:.0f} s while trying to {what}: {describe(cause)}. etcd is overloaded: fewer agents per "
+                    f"etcd, a faster etcd, or a higher etcd_timeout in --rdzv-conf."
+                ) from cause
             raise RendezvousConnectionError(
                 f"{self._context()}etcd at {self.config.endpoint_str} unreachable for {limit:.0f} s "
                 f"while trying to {what}: {describe(cause)}. Check that etcd is running and "
                 f"reachable, or raise etcd_timeout in --rdzv-conf."
             ) from cause
         except (grpc.RpcError, Etcd3Exception, ValueError) as exc:
+            self._raise_if_closed(what, exc)
             if is_tls_failure(exc):
                 raise RendezvousTLSError(tls_advice(self.config, self._context(), grpc_error(exc))) from exc
             if isinstance(exc, ValueError) and not is_transient(exc):
@@ -436,6 +564,25 @@ class EtcdConnection:
                 f"{self._context()}cannot set up the etcd connection to {self.config.endpoint_str}: {exc}"
             ) from exc
 
+    def _raise_if_closed(self, what: str, exc: BaseException | None) -> None:
+        """The connection was closed under the call (its handler is stopping): whatever failed, say that."""
+        if self._closed or is_closed_channel(exc):
+            raise ConnectionClosedError(
+                f"{self._context()}the etcd connection was closed while trying to {what} (stopping): "
+                f"{describe(exc)}") from exc
+
+    def _raise_if_closed_now(self, what: str) -> None:
+        if self._closed:
+            raise ConnectionClosedError(f"{self._context()}the etcd connection is closed (stopping): did not {what}")
+
+    @staticmethod
+    def _in_slot(pool: ClientPool, fn: Callable[[], T]) -> Callable[[], T]:
+        def attempt() -> T:
+            with pool.slot():
+                return fn()
+
+        return attempt
+
     def _log_retry(self, what: str) -> Callable[[Any], None]:
         last_warning: list[float] = []  # seconds_since_start of the last WARNING of this call
 
@@ -444,6 +591,13 @@ class EtcdConnection:
             level = logging.DEBUG  # a renewed token, or a repeat within WARN_EVERY_S of the last warning
             if isinstance(exc, _TokenRenewed):
                 pass
+            elif is_overloaded(exc):  # an answer from a busy etcd, not an outage: INFO, every WARN_EVERY_S
+                if not last_warning or state.seconds_since_start - last_warning[0] >= WARN_EVERY_S:
+                    level = logging.INFO
+                    last_warning[:] = [state.seconds_since_start]
+                log.log(level, "%setcd is overloaded (%s) while trying to %s (attempt %d, %.1f s so far); backing off",
+                        self._context(), describe(exc), what, state.attempt_number, state.seconds_since_start)
+                return
             elif state.attempt_number < 3:
                 level = logging.INFO
             elif not last_warning or state.seconds_since_start - last_warning[0] >= WARN_EVERY_S:
@@ -462,15 +616,25 @@ class EtcdConnection:
         return before_sleep
 
     def close(self) -> None:
-        if self._pool is not None:
+        """Refuse new calls; give the client back (pooled: once the calls in flight ended) or close it. Idempotent."""
+        with self._use_lock:
             if self._closed:
                 return
             self._closed = True
+            if self._pool is not None and self._in_use:
+                self._release_pending = True  # the last call in flight releases it (``in_use``)
+                return
+        self._release_client()
+
+    def _release_client(self) -> None:
+        if self._pool is not None:
             client = self._pool.release(self.config)
             if client is None:
                 return  # other connections still use it
         else:
-            client = self.client
+            client = getattr(self, "client", None)
+            if client is None:
+                return
         try:
             client.close()
         except Exception:  # best effort on the way out
@@ -487,6 +651,7 @@ class EtcdConnection:
         progress_notify: bool = False,
     ) -> WatchStream:
         """Open a watch on ``[key, range_end)`` from ``start_revision``; iterate it for responses."""
+        self._raise_if_closed_now("watch")
         create = etcdrpc.WatchCreateRequest(
             key=utils.to_bytes(key), start_revision=start_revision, progress_notify=progress_notify
         )
@@ -500,6 +665,7 @@ class EtcdConnection:
 
         etcd numbers the watchers of a stream in creation order (0, 1, ...): a response's ``watch_id`` is the
         index of its range in ``ranges``. Each watcher keeps its own revision order, not the others'."""
+        self._raise_if_closed_now("watch")
         requests = []
         for key, range_end, start_revision in ranges:
             create = etcdrpc.WatchCreateRequest(key=utils.to_bytes(key), start_revision=start_revision)
@@ -538,6 +704,11 @@ class WatchStream:
 
 class WatchCanceledError(Etcd3Exception):
     """etcd canceled the watch (compaction or server-side cancel); resync from a fresh read."""
+
+
+class ConnectionClosedError(RendezvousConnectionError):
+    """The connection was closed (its handler is stopping) before or while a call ran: a thread that gets it
+    while stopping ends quietly."""
 
 
 class _TokenRenewed(Exception):

@@ -62,16 +62,16 @@ class EtcdHealth:
 
     def failed(self, exc: BaseException) -> None:
         """etcd could not be reached: start the outage clock, or end the handler once it ran past etcd_timeout."""
-        now = self._clock()
-        if self._unreachable_since is None:
+        now, since = self._clock(), self._unreachable_since  # read once: another thread may note etcd ok meanwhile
+        if since is None:
             self._unreachable_since = now
             log.warning("%setcd at %s unreachable: %s", self._ctx(), self._config.endpoint_str, describe(exc))
             return
-        if now - self._unreachable_since > self._config.etcd_timeout and self.fatal is None:
+        if now - since > self._config.etcd_timeout and self.fatal is None:
             with self._cond:
                 self.fatal = RendezvousOutageError(
                     f"{self._ctx()}etcd at {self._config.endpoint_str} unreachable for "
-                    f"{now - self._unreachable_since:.1f} s, more than etcd_timeout="
+                    f"{now - since:.1f} s, more than etcd_timeout="
                     f"{self._config.etcd_timeout:g} s (last error: {describe(exc)}); giving up"
                 )
                 self._cond.notify_all()

@@ -32,8 +32,10 @@ from .etcd_client import (
     WatchCanceledError,
     describe,
     is_auth_refusal,
+    is_overloaded,
     is_token_expired,
     is_transient,
+    overload_aware_wait,
 )
 from .health import EtcdHealth
 from .keys import RunKeys
@@ -161,7 +163,7 @@ class MirrorWatch:
         (``EtcdHealth.fail``)."""
         retrying = Retrying(
             stop=lambda _state: self._stop.is_set(),
-            wait=wait_random_exponential(multiplier=0.05, max=1.0),
+            wait=overload_aware_wait(wait_random_exponential(multiplier=0.05, max=1.0)),
             retry=retry_if_exception(lambda exc: not self._stop.is_set() and (is_transient(exc) or isinstance(exc, WatchCanceledError))),
             sleep=self._sleep_unless_stopped,
             reraise=True,
@@ -236,7 +238,8 @@ class MirrorWatch:
             if is_token_expired(exc):
                 self._renew_token_for_watch(conn, describe(exc))
                 raise _WatchTokenRenewed(describe(exc)) from exc
-            self._health.failed(exc)
+            if not is_overloaded(exc):  # "too many requests": a busy etcd answered, backed off from, no outage
+                self._health.failed(exc)
             raise
         if not self._stop.is_set():
             raise WatchCanceledError("watch stream ended")

@@ -188,7 +188,7 @@ class Registration:
 
     def lease_refreshed(self, lease: int, ttl: int) -> None:
         self._health.ok()
-        if ttl > 0 or self._stop.is_set():
+        if ttl > 0 or self._stop.is_set() or lease != self.lease_id:  # a lease already replaced is no news
             return
         renewer = self.renewer
         if renewer is not None and renewer.is_alive():
@@ -206,7 +206,8 @@ class Registration:
         try:
             self.renew(lease)
         except RendezvousConnectionError as exc:
-            self._health.failed(exc)
+            if not self._stop.is_set():  # stopping: its connection was closed under it
+                self._health.failed(exc)
         except Exception:  # the next refresh finds the lease still gone and tries again
             if not self._stop.is_set():
                 log.exception("%sre-registering after the lease expired failed", self._ctx())

@@ -10,7 +10,8 @@ A subscriber first gets the ranges' current keys (``watch_reset``) and from then
 (``watch_events``), in order and under the mux's lock (so a subscriber never misses an event between the two,
 and once ``unsubscribe`` returned it gets nothing more). When etcd cancels the watch (compaction) the mux
 reads the ranges again and resets every subscriber; when it cannot reach etcd it tells each one
-(``watch_failed``, counted towards its outage bound) and retries; an error that retrying cannot cure (etcd
+(``watch_failed``, counted towards its outage bound) and retries (etcd's "too many requests" is no outage: the
+mux backs off longer and tells nobody); an error that retrying cannot cure (etcd
 refuses the watch even with a fresh token) is ``watch_fatal``. Subscribers must not block in their callbacks,
 and must not call the mux while holding a lock their callbacks take (the mux's lock comes first).
 """
@@ -33,8 +34,10 @@ from .etcd_client import (
     WatchStream,
     describe,
     is_auth_refusal,
+    is_overloaded,
     is_token_expired,
     is_transient,
+    overload_aware_wait,
 )
 
 log = logging.getLogger(__name__)
@@ -146,7 +149,7 @@ class WatchMux:
     def _run(self) -> None:
         retrying = Retrying(
             stop=lambda _state: self._stop.is_set(),
-            wait=wait_random_exponential(multiplier=0.05, max=1.0),
+            wait=overload_aware_wait(wait_random_exponential(multiplier=0.05, max=1.0)),
             retry=retry_if_exception(
                 lambda exc: not self._stop.is_set() and (is_transient(exc) or isinstance(exc, WatchCanceledError))
             ),
@@ -207,6 +210,9 @@ class WatchMux:
             if is_token_expired(exc):
                 self._renew_token(describe(exc))
                 raise WatchCanceledError(f"token expired ({describe(exc)}); renewed") from exc
+            if is_overloaded(exc):  # a busy etcd answered: back off longer, not an outage of the subscribers
+                log.info("shared rendezvous watch: etcd is overloaded (%s); backing off", describe(exc))
+                raise
             self._failed(exc)
             raise
         if self._stop.is_set():
