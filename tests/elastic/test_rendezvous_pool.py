@@ -162,7 +162,8 @@ def test_a_coordinator_thread_that_outlives_its_handler_stops_quietly(
     pool's channel, when it was the last user) closed, and must end without an error."""
     config = make_config(etcd_server.endpoint, run_id="outlive", max_nodes=3)
     handler = EtcdV3RendezvousHandler(config, node_id="n0", pool=ClientPool())
-    elect = handler._elect
+    rounds = handler._rounds  # the round-forming transactions (rounds.RoundWriter), the coordinator's elect
+    elect = rounds.elect
     entered, gate = threading.Event(), threading.Event()
 
     def held_elect(lease: int) -> None:
@@ -170,7 +171,7 @@ def test_a_coordinator_thread_that_outlives_its_handler_stops_quietly(
         gate.wait(30)  # the coordinator is busy past leave()'s 2 s join
         elect(lease)
 
-    handler._elect = held_elect  # type: ignore[method-assign]  # the test's hold on the coordinator
+    rounds.elect = held_elect  # type: ignore[method-assign]  # the test's hold on the coordinator
     caplog.set_level(logging.WARNING)
     try:
         handler._ensure_registered()
