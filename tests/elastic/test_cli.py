@@ -167,9 +167,16 @@ _BASELINE: set[int] = set()
 
 
 def _assert_no_children(allowed: set[int | None] = frozenset()) -> None:
-    left = {
-        pid: v for pid, v in descendants(os.getpid()).items() if pid not in allowed and pid not in _BASELINE
-    }
+    """No process of the test's left alive. One still in its exit path (state R or D, its command line already
+    gone: an orphan re-parented to pytest, the subreaper, as it dies) gets 5 s to finish; a stray never does."""
+    def strays() -> dict[int, tuple[str, str]]:
+        return {pid: v for pid, v in descendants(os.getpid()).items() if pid not in allowed and pid not in _BASELINE}
+
+    deadline = time.monotonic() + 5.0
+    left = strays()
+    while left and all(cmd == "" for _, cmd in left.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = strays()
     assert not left, f"stray processes: {left}"
 
 
