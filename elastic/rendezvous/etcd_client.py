@@ -505,6 +505,13 @@ class EtcdConnection:
             if release:
                 self._release_client()
 
+    def read_range(self, key: str, range_end: bytes | None) -> Any:
+        """One Range request: ``key`` alone (``range_end`` None) or ``[key, range_end)``; the raw response (its
+        ``kvs`` and ``header.revision``). Not retried: callers wrap it in ``call``."""
+        if range_end is None:
+            return self.client.get_response(key)
+        return self.client.get_range_response(key, range_end)
+
     def call(self, what: str, fn: Callable[[], T], *, within: float | None = None) -> T:
         """Run ``fn`` with retries on transient errors for ``within`` (default etcd_timeout) seconds.
 

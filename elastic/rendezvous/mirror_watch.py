@@ -138,17 +138,11 @@ class MirrorWatch:
         leading = coordinator is not None and coordinator == (self._node_id, self._lease())
         return leading or self.clearing
 
-    @staticmethod
-    def _read_range(conn: EtcdConnection, key: str, range_end: bytes | None) -> Any:
-        if range_end is None:
-            return conn.client.get_response(key)
-        return conn.client.get_range_response(key, range_end)
-
     def _load(self, conn: EtcdConnection, full: bool = False) -> None:
         """Read the watched ranges (start, a change of view, or after the watch fell behind a compaction)."""
         mirror = Mirror(loaded=True, full=full)
         for key, range_end in self._keys.watched_ranges(full):
-            resp = conn.call("read the rendezvous state", functools.partial(self._read_range, conn, key, range_end))
+            resp = conn.call("read the rendezvous state", functools.partial(conn.read_range, key, range_end))
             self._updater.add_range(mirror, resp.kvs, int(resp.header.revision))
         with self._cond:
             self.mirror = mirror

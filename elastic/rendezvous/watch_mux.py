@@ -63,12 +63,6 @@ class WatchSubscriber(Protocol):
         """The mux gave up (retrying cannot help); no callback follows."""
 
 
-def _read_range(conn: EtcdConnection, key: str, range_end: bytes | None) -> Any:
-    if range_end is None:
-        return conn.client.get_response(key)
-    return conn.client.get_range_response(key, range_end)
-
-
 class _Canceled(Exception):
     """The stream ended because the mux is closing."""
 
@@ -224,7 +218,7 @@ class WatchMux:
         kvs: list[dict[bytes, Any]] = []
         revs: list[int] = []
         for key, range_end in self._ranges:
-            resp = conn.call("read the rendezvous state", functools.partial(_read_range, conn, key, range_end))
+            resp = conn.call("read the rendezvous state", functools.partial(conn.read_range, key, range_end))
             kvs.append({bytes(kv.key): kv for kv in resp.kvs})
             revs.append(int(resp.header.revision))
         with self._lock:
