@@ -18,6 +18,7 @@ import pytest
 from elastic.etcd_server import EmbeddedEtcd
 from elastic.rendezvous.etcd_client import EtcdConnection
 from elastic.rendezvous.lease_keeper import LeaseKeeper, refresh_interval
+from tests.elastic.doubles import FakeRpcError
 from tests.elastic.test_rendezvous_etcd import make_config
 from tests.harness.procs import wait_for
 
@@ -46,20 +47,6 @@ class _Owner:
     def lease_refresh_failed(self, exc: BaseException) -> None:
         self.failures.append(exc)
         self.failed.set()
-
-
-class _Rpc(grpc.RpcError):
-    """A grpc failure as the keeper's stream raises it."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 class _Scripted(LeaseKeeper):
@@ -156,7 +143,7 @@ def test_a_partial_answer_is_completed_at_once_and_told_to_nobody_as_a_failure(e
 
     def half_then_all(stream: int, leases: list[int]) -> tuple[list[int], BaseException | None]:
         if stream == 1:  # the first stream's deadline passes after half the answers
-            return leases[: len(leases) // 2], _Rpc(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            return leases[: len(leases) // 2], FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         return leases, None
 
     keeper = _Scripted(conn, refresh_interval(ttl), name="rdzv-lease-partial", script=half_then_all)
@@ -181,7 +168,7 @@ def test_too_many_requests_is_retried_next_tick_and_is_no_outage(
     ttl = 1
     conn = EtcdConnection(make_config(etcd_server.endpoint, lease_ttl=ttl, etcd_timeout=10.0))
     owners = [_Owner(conn.client.lease(ttl).id) for _ in range(4)]
-    busy = _Rpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: too many requests")
+    busy = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: too many requests")
 
     def busy_twice(stream: int, leases: list[int]) -> tuple[list[int], BaseException | None]:
         return ([], busy) if stream <= 2 else (leases, None)
@@ -251,7 +238,7 @@ def test_a_lease_etcd_holds_its_answer_for_does_not_hold_back_the_others(etcd_se
             return leases, None
         before = leases[: leases.index(stuck.lease)]
         time.sleep(0.95 * refresh_interval(ttl) * 0.7)  # etcd sits on the stuck lease until the stream's deadline
-        return before, _Rpc(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return before, FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     keeper = _Scripted(conn, refresh_interval(ttl), name="rdzv-lease-held", script=held_at_stuck)
     try:

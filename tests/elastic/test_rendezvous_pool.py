@@ -25,23 +25,11 @@ from elastic.rendezvous.etcd_client import (
     overload_aware_wait,
 )
 from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
+from tests.elastic.doubles import FakeRpcError
 from tests.elastic.test_rendezvous_etcd import make_config
 from tests.harness.procs import wait_for
 
-
-class _Rpc(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-_BUSY = _Rpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: too many requests")
+_BUSY = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: too many requests")
 
 
 class _InFlight:
@@ -100,7 +88,7 @@ def test_too_many_requests_backs_off_longer_than_an_outage_retry_and_within_its_
         state = SimpleNamespace(attempt_number=6, outcome=SimpleNamespace(exception=lambda: exc))
         return [wait(state) for _ in range(300)]
 
-    busy, down = waits(_BUSY), waits(_Rpc(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+    busy, down = waits(_BUSY), waits(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused"))
     assert max(down) <= 1.0
     assert 1.0 < max(busy) <= OVERLOAD_MAX_WAIT_S, "a busy etcd must be given more time than a retry's 1 s"
     assert min(busy) >= 0.0
