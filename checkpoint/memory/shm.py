@@ -9,9 +9,14 @@ Snapshot (``LocalShmTier.snapshot``, every ``config.every`` steps, on every rank
    vote group, so in steady state the caller blocks for no collective: the next snapshot waits for that round
    (as it waited for the publish before) and reads the vote's outcome. A rank whose items changed (or could not be
    flattened) since the plan skips that round on its own (it still takes part in its exchange and vote, saying
-   so), and the next round votes on the caller's thread and replans; so does the first snapshot, a failed vote,
-   and every round with ``when_busy="skip"``. ``complete`` is the same value either way (every rank's newest
-   publish, after waiting for its own), so the slot choice and what a restore may use do not change.
+   so), and the next round votes on the caller's thread and replans; so does the first snapshot, every round
+   with ``when_busy="skip"``, and the round after a rank failed to build its ballot (it still joins the vote,
+   saying "skipped": a local failure is a vote, never a rank out of step). ``complete`` is the same value either
+   way (every rank's newest publish, after waiting for its own), so the slot choice and what a restore may use
+   do not change. A vote that *raises* on a rank (a broken group, a timeout there only) leaves that rank without
+   the outcome the others may have got, so it joins no further vote: its periodic snapshots stop (``stopped``,
+   ``_leave``), and the others' next vote fails in turn, after at most ``collective_timeout``, and stops theirs
+   (just-in-time snapshots still work: they need no collective).
 2. On the first snapshot or when the items changed: every rank's item metadata is gathered and
    ``layout.node_writers`` decides who snapshots what, so each node holds a whole copy of the replicated
    state; this rank's pieces become one ``ShardLayout`` (one shm object per rank per step).
@@ -124,6 +129,9 @@ def read_threads(config: MemoryTierConfig) -> int:
 
 PUBLISH_FAILURES_TO_STARVE = 3
 """Consecutive failed publishes after which a rank turns the tier off at the next vote (as when it has no room)."""
+SKIP_BALLOT = (1, 0, 1, 1, 0)
+"""A rank's part of a vote behind a round when it could not build its own (``LocalShmTier._ballot``): "skipped",
+so the next snapshot votes on the caller's thread on every rank, which reads nothing else of this vote."""
 
 
 def _signature(flat: FlatState) -> tuple[Any, ...]:
@@ -266,7 +274,10 @@ class LocalShmTier:
         self._vote_due = False
         """The last round ran a vote behind its publish: the next snapshot reads it (same on every rank)."""
         self._behind: _Vote | None = None
-        """That vote's outcome, set by the background thread (None: not run, or it failed)."""
+        """That vote's outcome, set by the background thread (None: it raised on this rank)."""
+        self.stopped: str | None = None
+        """Why this rank takes no more periodic snapshots (a vote of the tier raised here: it cannot know what the
+        other ranks agreed, so it joins no further vote), else None. Just-in-time snapshots still work."""
         self._behind_vote_us = 0
         self.votes_blocking = 0
         """Votes this rank ran on the caller's thread (the first snapshot, after changes; tests count them)."""
@@ -290,12 +301,12 @@ class LocalShmTier:
         # collective to plan with) is then possible from the first step on. Every rank makes the same calls.
         started = time.perf_counter()
         self._clock_step(started)
-        if not self.enabled or (step % self._every and self._signature is not None):
+        if not self.enabled or self.stopped is not None or (step % self._every and self._signature is not None):
             return False
         flat: FlatState | None
         try:
             flat = self._flat_cache.flatten(state)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - said in the vote (a skipped round), never a rank out of step
             self._warn_once("state", "[rank %d step %d] memory snapshot skipped: %s", self.rank, step, exc)
             flat = None
         if self._vote_due:  # the last round's vote ran behind it (every rank decides this alike)
@@ -314,11 +325,16 @@ class LocalShmTier:
             self.wait()  # read a finished publish's outcome before the vote (skip mode replaces the future)
         busy = self._future is not None and not self._future.done()
         signature = None if flat is None else _signature(flat)
+        proposed = self._proposed_every_or_none(step)
         voting = time.perf_counter()
-        bad, changed, any_busy, starved, neg_complete, every, neg_vote_us = self._fg.max_each(
-            flat is None, signature != self._signature, busy, self._starved, -self._published, self._proposed_every(),
-            -self._last_vote_us,
-        )
+        try:
+            bad, changed, any_busy, starved, neg_complete, every, neg_vote_us = self._fg.max_each(
+                flat is None or proposed is None, signature != self._signature, busy, self._starved,
+                -self._published, proposed or self._every, -self._last_vote_us,
+            )
+        except Exception as exc:  # noqa: BLE001 - the other ranks may have an outcome this rank has not
+            self._leave(step, f"its snapshot vote failed: {exc}")
+            return False
         self.votes_blocking += 1
         self._last_vote_us = int(1e6 * (time.perf_counter() - voting))
         # The vote's cost is its own latency (the last rank to arrive waits for nothing: the smallest of the ranks'
@@ -346,7 +362,10 @@ class LocalShmTier:
         self.wait()  # the last round's publish, buddy exchange and vote: normally long done
         blocked = time.perf_counter() - blocked_at
         vote, self._behind = self._behind, None
-        if vote is None or vote.skipped:
+        if vote is None:  # it raised here; another rank may have got its outcome and be snapshotting now
+            self._leave(step, "its vote behind the last snapshot failed")
+            return False
+        if vote.skipped:
             return None
         if not self._apply_vote(step, vote.complete, vote.every, vote.starved):
             return False
@@ -375,25 +394,38 @@ class LocalShmTier:
             return False
         return True
 
+    def _leave(self, step: int, why: str) -> None:
+        """Take no more periodic snapshots, and so join no more votes, after a vote raised on this rank: whether
+        the other ranks got an outcome is unknown here, and any next collective could meet a different one of
+        theirs (a vote on the caller's thread against their vote behind). Their next vote then fails in turn, after
+        at most ``collective_timeout``, and they leave too. The slots stay: just-in-time snapshots need no vote."""
+        self.stopped = why
+        logger.warning("[rank %d step %d] memory snapshots stopped: %s (a just-in-time snapshot is still possible; "
+                       "a restart starts them again)", self.rank, step, why)
+
     def _take(self, step: int, flat: FlatState, started: float, waited: float) -> bool:
         """This rank's part of a round every rank agreed on: copy into a slot and publish in the background.
         No collective here: a local failure skips this rank's snapshot only (it still takes part in the round's
         background exchange and vote)."""
         complete = self._complete
+        slot: _Slot | None = None
         try:
             self._housekeep(complete)
             slot = self._slot_for(complete)
             if slot is not None:
                 self._unpublish(slot)
+                assert self._layout is not None
+                copy_pieces([self._layout], [slot.views], flat.items)
         except OSError as exc:  # the keeper directory vanished, a file was removed under us...
             self._warn_once("io", "[rank %d step %d] memory snapshot skipped: %s", self.rank, step, exc)
             self._release_slots()
             slot = None
+        except Exception as exc:  # noqa: BLE001 - this rank's snapshot only: it still joins the round's vote
+            self._warn_once("copy", "[rank %d step %d] memory snapshot skipped: %s", self.rank, step, exc)
+            slot = None  # unpublished and step None: rewritten by a later snapshot
         if slot is None:
             self._submit(None, step, {}, {}, skipped=False)
             return False
-        assert self._layout is not None
-        copy_pieces([self._layout], [slot.views], flat.items)
         self.last_stage_seconds = time.perf_counter() - started - waited
         self._sample_stage(self.last_stage_seconds)
         self._staged_at = time.perf_counter()
@@ -406,12 +438,12 @@ class LocalShmTier:
         """Run the round's background part: publish ``slot`` (None: this rank has nothing to publish), then,
         with ``when_busy="wait"``, the next round's vote (``_vote_behind``)."""
         behind = self.config.when_busy == "wait"
+        every = self._proposed_every_or_none(step)  # None: this rank still joins the vote behind, saying "skipped"
         self._vote_due = behind
-        every = self._proposed_every()
         self._future = self._executor.submit(self._round, slot, step, objects, rank_objects, behind, skipped, every)
 
     def _round(self, slot: _Slot | None, step: int, objects: dict[str, JSON], rank_objects: dict[str, JSON],
-               behind: bool, skipped: bool, every: int) -> int:
+               behind: bool, skipped: bool, every: int | None) -> int:
         """Background: publish (or take part in the round without a snapshot), then vote for the next round."""
         error: BaseException | None = None
         published = -1
@@ -430,24 +462,37 @@ class LocalShmTier:
         exchange); -1."""
         return -1
 
-    def _vote_behind(self, skipped: bool, error: BaseException | None, every: int) -> None:
+    def _vote_behind(self, skipped: bool, error: BaseException | None, every: int | None) -> None:
         """Background, after a round's publish: the next round's vote (on the tier's own vote group, so it never
         meets a collective of the caller's thread). It carries what the caller's vote would (whether a rank
         skipped for a change of its items, no room or failed publishes, the newest step every rank published,
-        the interval), so the next snapshot needs no collective when nothing changed (``_steady_snapshot``)."""
-        failing = error is not None and self._publish_failures + 1 >= PUBLISH_FAILURES_TO_STARVE
+        the interval), so the next snapshot needs no collective when nothing changed (``_steady_snapshot``).
+
+        Every rank enters it: a rank that cannot build its ballot votes ``SKIP_BALLOT`` (the next snapshot then
+        votes on the caller's thread on every rank). A vote that raises leaves ``_behind`` None: the next
+        snapshot stops this rank's snapshots (``_leave``)."""
+        try:
+            ballot = self._ballot(skipped, error, every)
+        except Exception as exc:  # noqa: BLE001 - still a vote, or the other ranks would wait for this one
+            logger.warning("[rank %d] memory snapshot ballot failed, voting to skip the next round: %s", self.rank, exc)
+            ballot = SKIP_BALLOT
         voting = time.perf_counter()
         try:
-            any_skipped, starved, neg_complete, chosen, neg_vote_us = self._bg.max_each(
-                skipped, self._starved or failing, -self._published, every, -self._behind_vote_us,
-            )
-        except Exception as exc:  # noqa: BLE001 - the group is broken: the next snapshot votes on the caller's thread
+            any_skipped, starved, neg_complete, chosen, neg_vote_us = self._bg.max_each(*ballot)
+        except Exception as exc:  # noqa: BLE001 - whether the others got an outcome is unknown: see _leave
             logger.warning("[rank %d] memory snapshot vote failed: %s", self.rank, exc)
             self._behind = None
             return
         self._behind_vote_us = int(1e6 * (time.perf_counter() - voting))
         waited = max(0.0, self._behind_vote_us - (-neg_vote_us)) / 1e6
         self._behind = _Vote(bool(any_skipped), bool(starved), -neg_complete, int(chosen), waited)
+
+    def _ballot(self, skipped: bool, error: BaseException | None, every: int | None) -> tuple[int, ...]:
+        """This rank's part of the vote behind a round (``_vote_behind``)."""
+        if every is None:
+            raise ValueError("no interval to propose")
+        failing = error is not None and self._publish_failures + 1 >= PUBLISH_FAILURES_TO_STARVE
+        return int(skipped), int(self._starved or failing), -self._published, every, -self._behind_vote_us
 
     def wait(self) -> None:
         """Block until the snapshot in flight is published; a failure is logged, never raised."""
@@ -496,6 +541,14 @@ class LocalShmTier:
             return self._every  # nothing measured yet: keep snapshotting to measure
         return choose_every(self._step_seconds(), self._stage_seconds(), self.config.overhead_target,
                             self.config.max_every)
+
+    def _proposed_every_or_none(self, step: int) -> int | None:
+        """``_proposed_every``, or None when it failed here (the vote says so instead of this rank missing it)."""
+        try:
+            return self._proposed_every()
+        except Exception as exc:  # noqa: BLE001 - a local failure is a vote to skip, never a rank out of step
+            self._warn_once("every", "[rank %d step %d] memory snapshot interval not chosen: %s", self.rank, step, exc)
+            return None
 
     def snapshot_on_failure(self, step: int, state: Mapping[str, Any], exc: BaseException | None = None) -> bool:
         """After a collective failed (``exc``; a peer died mid-step), snapshot ``step`` without any collective

@@ -7,9 +7,12 @@ step every rank published, never one a rank skipped or failed to publish.
 from __future__ import annotations
 
 import os
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from checkpoint.memory.config import MemoryTierConfig
@@ -152,3 +155,108 @@ def test_a_rank_whose_items_changed_skips_the_round_and_the_next_one_replans(shm
     assert report is not None and report.step == 6
     _assert_equal(_tensors(fresh), _reference(6))
     assert torch.equal(fresh["extra"], torch.arange(5.0))
+
+
+# --------------------------------------------------------------------------- a vote fails on one rank only
+VOTE_TIMEOUT = timedelta(seconds=2)
+"""The tier's collective timeout in these tests: a rank waiting for a vote another rank never joins gives up
+after this long (the default, 30 minutes, would be the hang these tests guard against)."""
+
+
+def _vote_fails_on_one_rank(rank: int, world: int, directory: str, when: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    state = _state(0)
+    tier = LocalShmTier(directory, MemoryTierConfig(every=1, collective_timeout=VOTE_TIMEOUT))
+    vote = tier._bg.max_each
+    fired = []
+
+    def failing(*values: int) -> tuple[int, ...]:
+        # Rank 1's vote behind step 3 raises: "before" without entering the all-reduce (rank 0 then waits for it
+        # in vain), "after" once the all-reduce completed on both ranks (rank 0 got an outcome, rank 1 did not:
+        # what a timeout on one rank only looks like)
+        if rank == 1 and tier._published == 3 and not fired:
+            fired.append(tier._published)
+            if when == "after":
+                vote(*values)
+            raise RuntimeError("vote failed on rank 1 (injected)")
+        return vote(*values)
+
+    tier._bg.max_each = failing  # type: ignore[method-assign]
+    taken, blocked = [], []
+    try:
+        for step in range(1, 7):
+            _train(state, step)
+            started = time.perf_counter()
+            taken.append(tier.snapshot(step, state))
+            blocked.append(time.perf_counter() - started)
+        tier.wait()
+        dist.barrier()  # rank 1 goes on living: rank 0's vote that rank 1 never joins ends by its timeout
+        return {"taken": taken, "blocked": blocked, "stopped": tier.stopped is not None, "fired": fired}
+    finally:
+        tier.close()
+
+
+def _restore_step(rank: int, world: int, directory: str) -> int | None:
+    fresh = _state(1)
+    tier = LocalShmTier(directory)
+    try:
+        report = tier.restore(fresh, not_older_than=None)
+    finally:
+        tier.close()
+    if report is not None:
+        _assert_equal(_tensors(fresh), _reference(report.step))
+    return None if report is None else report.step
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_vote_failing_on_one_rank_stops_snapshots_on_every_rank_without_a_mismatch(
+    shm_dir: str, tmp_path: Path, when: str  # noqa: F811
+) -> None:
+    out = run_workers(_vote_fails_on_one_rank, 2, (shm_dir, when), tmpdir=str(tmp_path), timeout=60)
+    assert out[1]["fired"] == [3] and out[0]["fired"] == []
+    # Rank 1 cannot know what rank 0 agreed, so it joins no further vote of the tier: its snapshots stop from
+    # the next snapshot on. Rank 0 gives up on its next vote (the one rank 1 never joins) and stops too; no rank
+    # votes on the caller's thread against a vote behind, and no snapshot raises.
+    assert [o["stopped"] for o in out] == [True, True]
+    assert out[1]["taken"] == [True, True, True, False, False, False]
+    if when == "before":  # rank 0's vote behind step 3 failed too: both ranks stop at the same round
+        assert out[0]["taken"] == [True, True, True, False, False, False]
+    else:  # rank 0 got step 3's outcome: it snapshots step 4 (rank 1 does not), then its vote behind it fails
+        assert out[0]["taken"] == [True, True, True, True, False, False]
+    # Rank 0 blocks once, for about the collective timeout (the vote rank 1 never joins), and never longer.
+    timeout = VOTE_TIMEOUT.total_seconds()
+    assert timeout / 2 < max(out[0]["blocked"]) < timeout + 10, out[0]["blocked"]
+    assert max(out[1]["blocked"]) < timeout / 2, out[1]["blocked"]
+    assert run_workers(_restore_step, 2, (shm_dir,), tmpdir=str(tmp_path), timeout=60) == [3, 3]
+
+
+def _ballot_fails_on_one_rank(rank: int, world: int, directory: str) -> dict[str, Any]:
+    state = _state(0)
+    tier = LocalShmTier(directory, MemoryTierConfig(every=1, collective_timeout=VOTE_TIMEOUT))
+    ballot = tier._ballot
+
+    def failing(*args: Any) -> tuple[int, ...]:
+        if rank == 1 and tier._published == 3:  # rank 1 cannot say what it votes behind step 3
+            raise ValueError("ballot failed on rank 1 (injected)")
+        return ballot(*args)
+
+    tier._ballot = failing  # type: ignore[method-assign]
+    taken = []
+    try:
+        for step in range(1, 7):
+            _train(state, step)
+            taken.append(tier.snapshot(step, state))
+        tier.wait()
+        return {"taken": taken, "votes": tier.votes_blocking, "stopped": tier.stopped}
+    finally:
+        tier.close()
+
+
+def test_a_ballot_failing_on_one_rank_is_a_skip_inside_the_vote(shm_dir: str, tmp_path: Path) -> None:  # noqa: F811
+    out = run_workers(_ballot_fails_on_one_rank, 2, (shm_dir,), tmpdir=str(tmp_path), timeout=60)
+    # Rank 1 still joins the vote behind step 3, saying "skipped": step 4 votes on the caller's thread on every rank
+    assert [o["taken"] for o in out] == [[True] * 6] * 2
+    assert [o["votes"] for o in out] == [2, 2]
+    assert [o["stopped"] for o in out] == [None, None]
+    assert run_workers(_restore_step, 2, (shm_dir,), tmpdir=str(tmp_path), timeout=60) == [6, 6]
