@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import FrameType, TracebackType
 from typing import Any, Final
 
@@ -93,14 +93,55 @@ def missing_names(directory: str, names: Iterable[str]) -> list[str]:
     return [n for n in names if n not in present]
 
 
-def wait_for_names(directory: str, names: list[str], timeout: float, *, poll: float = 0.01) -> list[str]:
-    """Poll ``directory`` until every one of ``names`` is there or ``timeout`` seconds pass; returns the missing."""
+def wait_for_names(directory: str, names: list[str], timeout: float, *, poll: float = 0.01,
+                   gone: Callable[[str], bool] | None = None) -> list[str]:
+    """Poll ``directory`` until every one of ``names`` is there or ``timeout`` seconds pass; returns the missing.
+
+    ``gone(name)``: True when the name's writer is known to be dead (it will never publish), so the wait ends as
+    soon as every missing name is gone (still returned as missing): a crashed rank of the node must not hold its
+    survivors for the whole ``timeout``."""
     deadline = time.monotonic() + timeout
     missing = missing_names(directory, names)
     while missing and time.monotonic() < deadline:
+        if gone is not None and all(gone(n) for n in missing):
+            break
         time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
         missing = missing_names(directory, missing)
     return missing
+
+
+def process_identity(pid: int) -> str | None:
+    """``"{pid}:{start time}"`` of a live process from ``/proc`` (the start time tells a reused PID apart), or
+    None where ``/proc`` cannot tell (then :func:`process_gone` never says gone)."""
+    stat = _proc_stat(pid)
+    return None if stat is None else f"{pid}:{stat[19]}"
+
+
+def process_gone(identity: str | None) -> bool:
+    """Whether the process of ``identity`` (:func:`process_identity`, taken on this host) has exited: no such
+    PID, a zombie (exited, not reaped yet) or a PID reused by another process. False when unsure."""
+    if identity is None:
+        return False
+    pid, _, start = identity.partition(":")
+    try:
+        stat = _proc_stat(int(pid), missing_ok=False)
+    except (OSError, ValueError):
+        return True  # no such process (or an identity that names none)
+    return stat is not None and (stat[0] in ("Z", "X") or stat[19] != start)
+
+
+def _proc_stat(pid: int, *, missing_ok: bool = True) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first), None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        if missing_ok or not os.path.isdir("/proc/self"):
+            return None
+        raise
+    except IndexError:
+        return None
+    return [x.decode("ascii", "replace") for x in fields] if len(fields) > 19 else None
 
 
 class DeferredSignals:

@@ -66,6 +66,7 @@ from checkpoint.collective import open_collectives
 from checkpoint.commit import merge_records
 from checkpoint.config import CheckpointConfig
 from checkpoint.fallback import LoadOutcome
+from checkpoint.memory import jit
 from checkpoint.memory.api import (
     ENV_MEMORY_DIR,
     CorruptSnapshotError,
@@ -241,6 +242,9 @@ class LocalShmTier:
         """The state's items between snapshots: no DCP state dicts while the tensors stay the same."""
         self._is_node_leader = False
         self._node_ranks: list[int] = []
+        self._node_procs: dict[int, str | None] = {}
+        """Per rank of this node, its process (``jit.process_identity``): a just-in-time snapshot does not wait for
+        the file of a rank whose process has exited (a crashed worker never publishes)."""
         self._snapshot_bytes: list[dict[ChunkKey, int]] = []
         """Per rank, the bytes of each piece it snapshots (from the last plan)."""
         self._node_bytes = 0
@@ -559,8 +563,6 @@ class LocalShmTier:
         when the tier is off or has not planned yet, or when the state's items changed since the last plan.
         SIGTERM/SIGINT are held back while it writes and delivered after. Never raises.
         """
-        from checkpoint.memory import jit
-
         if not self.enabled or self._layout is None or self.directory is None:
             return False
         if exc is not None and not jit.is_collective_failure(exc):
@@ -575,7 +577,9 @@ class LocalShmTier:
                 logger.warning("[rank %d step %d] just-in-time memory snapshot failed: %s", self.rank, step, e)
                 return False
             names = jit.node_group_names(SnapshotId(step, self.gen), self._node_ranks, self.world_size)
-            missing = jit.wait_for_names(self.directory, names, self.config.jit_peer_wait)
+            procs = dict(zip(names, (self._node_procs.get(r) for r in self._node_ranks), strict=True))
+            missing = jit.wait_for_names(self.directory, names, self.config.jit_peer_wait,
+                                         gone=lambda name: jit.process_gone(procs[name]))
         logger.warning(
             "[rank %d] just-in-time memory snapshot of step %d after a failed collective: %s in %.3fs; node copy %s",
             self.rank, step, "written" if wrote else "already held", time.perf_counter() - started,
@@ -633,7 +637,7 @@ class LocalShmTier:
     def _replan(self, flat: FlatState) -> None:
         """Gather every rank's item metadata and node once; lay out the pieces this rank snapshots."""
         mine = [[i.key.fqn, list(i.key.offsets), list(i.key.lengths), i.nbytes, i.replicated] for i in flat.items]
-        gathered = self._fg.all_gather({"node": self.node, "items": mine})
+        gathered = self._fg.all_gather({"node": self.node, "items": mine, "proc": jit.process_identity(os.getpid())})
         nodes = [str(g["node"]) for g in gathered]
         everyone = [
             [(ChunkKey(f, tuple(o), tuple(ln)), int(n), bool(r)) for f, o, ln, n, r in g["items"]] for g in gathered
@@ -647,6 +651,7 @@ class LocalShmTier:
         ]
         self._layout = build_layout("snapshot", pieces)
         self._node_ranks = [r for r, n in enumerate(nodes) if n == self.node]
+        self._node_procs = {r: g.get("proc") for r, g in enumerate(gathered) if r in self._node_ranks}
         self._is_node_leader = self.rank == min(self._node_ranks)
         self._release_slots()
         self._snapshot_bytes = [{key: n for key, n, _ in everyone[r] if key in set(writers[r])} for r in range(len(nodes))]

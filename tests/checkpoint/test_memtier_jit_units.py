@@ -10,8 +10,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +22,13 @@ import pytest
 
 from checkpoint.memory.api import RestoreReport, RestoreSource
 from checkpoint.memory.config import MemoryTierConfig
-from checkpoint.memory.jit import DeferredSignals, is_collective_failure, wait_for_names
+from checkpoint.memory.jit import (
+    DeferredSignals,
+    is_collective_failure,
+    process_gone,
+    process_identity,
+    wait_for_names,
+)
 from checkpoint.memory.layout import parse_snapshot_name
 from checkpoint.memory.records import (
     MAX_BYTES,
@@ -165,6 +174,34 @@ def test_waiting_for_the_node_files_is_bounded(tmp_path: Path) -> None:
     assert wait_for_names(str(tmp_path), ["a"], 5.0) == []
     assert wait_for_names(str(tmp_path), ["a", "b"], 0.05) == ["b"]
     assert wait_for_names(str(tmp_path / "gone"), ["a"], 0.05) == ["a"]
+
+
+def test_a_process_is_gone_once_it_exited_even_unreaped_or_its_pid_reused() -> None:
+    me = process_identity(os.getpid())
+    assert me is not None and not process_gone(me)
+    assert process_gone(f"{os.getpid()}:1")  # same PID, another start time: a reused PID
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        identity = process_identity(child.pid)
+        assert identity is not None and not process_gone(identity)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while not process_gone(identity) and time.monotonic() < deadline:  # a zombie until reaped: gone already
+            time.sleep(0.01)
+        assert process_gone(identity)
+    finally:
+        child.kill()
+        child.wait()
+    assert process_gone(identity)  # reaped
+    assert not process_gone(None)  # /proc could not tell: never "gone"
+
+
+def test_waiting_for_the_node_files_ends_when_the_missing_writers_are_dead(tmp_path: Path) -> None:
+    (tmp_path / "a").write_bytes(b"")
+    started = time.monotonic()
+    assert wait_for_names(str(tmp_path), ["a", "b"], 60.0, gone=lambda name: name == "b") == ["b"]
+    assert time.monotonic() - started < 30  # ended by the dead writer, not by the 60 s bound
+    assert wait_for_names(str(tmp_path), ["a", "b"], 0.05, gone=lambda name: False) == ["b"]  # alive: waits it out
 
 
 # --------------------------------------------------------------------------- restore records
