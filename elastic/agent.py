@@ -559,9 +559,15 @@ class SpotrunAgent(LocalElasticAgent):
         """CHANGE (memory tier, just-in-time snapshots): a peer is gone, so the workers' next collective breaks
         and workers using the memory tier snapshot their last completed step before they exit
         (``checkpoint.memory.jit``). Stopping them at once would cut that short: give them up to
-        ``--stop-grace`` to exit on their own first, and only when their keeper directory shows they snapshot.
-        Workers blocked in a collective that does not break (a silent loss) just cost that wait."""
+        ``--stop-grace`` to exit on their own first, and only when their keeper directory shows they snapshot
+        and a lost peer may have died on a live host (``_lost_peers_refuse``). A silent loss (power off, a
+        partition, a paused node) resets no connection: the workers' collectives stay blocked, so they are
+        stopped at once instead of after the whole grace."""
         if self._memory_dir is None or self._pcontext is None or not snapshots_in(self._memory_dir):
+            return
+        if not self._lost_peers_refuse():
+            logger.info("%s the lost peer(s) are silent (no connection reset): the workers' collectives do not "
+                        "break, no just-in-time snapshot to wait for", self._ctx())
             return
         running = _running_workers(self._pcontext)
         if running is None:
@@ -571,6 +577,18 @@ class SpotrunAgent(LocalElasticAgent):
             time.sleep(JIT_POLL_INTERVAL)
         logger.info("%s workers %s after the peer loss (up to %.1fs for just-in-time snapshots)", self._ctx(),
                     "still running" if running() else "exited", self._settings.stop_grace)
+
+    def _lost_peers_refuse(self) -> bool:
+        """The rendezvous's answer (``lost_peers_refuse``): True when a lost peer may have died on a live host,
+        and whenever the handler cannot tell (another handler, an error): then the workers get their grace."""
+        check = getattr(self._membership, "lost_peers_refuse", None)
+        if check is None:
+            return True
+        try:
+            return bool(check())
+        except RendezvousError as exc:
+            logger.debug("%s probing the lost peers failed: %s", self._ctx(), exc)
+            return True
 
     def _report_restores(self, *, flush: bool = False) -> None:
         """Emit ``restore_completed`` once the local workers have all left their restore records (or

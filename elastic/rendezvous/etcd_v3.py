@@ -532,6 +532,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             conn.close()
         log.info("%sleft the rendezvous", self._ctx())
 
+    def lost_peers_refuse(self) -> bool:
+        """Whether a lost participant of this node's round may have died on a live host (its liveness port
+        refuses, or it cannot be probed): its workers' connections were then reset and ours break, so our
+        workers can snapshot just in time. False when every lost peer is silent or paused (``PeerLiveness.any_refuses``)."""
+        return self._peers.any_refuses(self.lost_peers())
+
     def probe_peers(self) -> set[str]:
         """Probe every other participant of this node's round now (a worker failed: a dead peer would explain
         it) and revoke the lease of each whose process is gone; returns those nodes (``PeerLiveness.probe``)."""

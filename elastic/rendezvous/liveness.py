@@ -133,15 +133,19 @@ class SeenAccepting:
             return isinstance(peer, Peer) and self._key(peer) in self._seen
 
 
+def probe_each(peers: Sequence[Peer], timeout: float = PROBE_TIMEOUT_S) -> list[Probe]:
+    """Probe every peer at once (at most ``MAX_PROBES_IN_FLIGHT`` in flight); the results in ``peers``' order."""
+    if not peers:
+        return []
+    with ThreadPoolExecutor(max_workers=min(MAX_PROBES_IN_FLIGHT, len(peers)), thread_name_prefix="rdzv-probe") as pool:
+        return list(pool.map(lambda p: probe(p.addr, p.port, timeout), peers))
+
+
 def probe_all(peers: Sequence[Peer], seen: SeenAccepting, timeout: float = PROBE_TIMEOUT_S) -> dict[str, Verdict]:
     """Probe every peer at once (bounded); node -> the verdict (a refusal is death only for a peer in ``seen``;
     those that accept are added to it)."""
-    if not peers:
-        return {}
-    with ThreadPoolExecutor(max_workers=min(MAX_PROBES_IN_FLIGHT, len(peers)), thread_name_prefix="rdzv-probe") as pool:
-        results = list(pool.map(lambda p: probe(p.addr, p.port, timeout), peers))
     out = {}
-    for peer, result in zip(peers, results):
+    for peer, result in zip(peers, probe_each(peers, timeout)):
         if result is Probe.ACCEPTED:
             seen.add(peer)
         out[peer.node] = verdict(result, seen_accepting=peer in seen)

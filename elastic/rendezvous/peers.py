@@ -14,14 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .api import EtcdRendezvousConfig, RendezvousError
 from .etcd_client import EtcdConnection
 from .health import is_lease_not_found
 from .keys import RunKeys
-from .liveness import LivenessListener, Peer, PeerWatch, Verdict, peer_from_registration, probe_all
+from .liveness import LivenessListener, Peer, PeerWatch, Probe, Verdict, peer_from_registration, probe_all, probe_each
 from .mirror import Mirror
 from .state import RoundRecord
 
@@ -178,6 +178,25 @@ class PeerLiveness:
         log.warning("%speer %s's agent process is gone (its liveness port %s:%d refuses connections): revoked its "
                     "lease", self._ctx(), peer.node, peer.addr, peer.port)
         return True
+
+    def any_refuses(self, nodes: Iterable[str]) -> bool:
+        """Whether any of ``nodes`` (lost participants of this node's round) might have died on a live host: its
+        liveness port (from the round record's ring) refuses now, or it cannot be probed (no ring entry, no
+        liveness port). Then that host's kernel also reset its workers' connections and this node's workers'
+        collectives break (a just-in-time snapshot is worth waiting for). False when every one is silent (power
+        off, a partition) or accepts (a paused node): nothing breaks those collectives. Probes only; revokes
+        nothing (a refusal here is no proof of death: see ``SeenAccepting``)."""
+        wanted = sorted(set(nodes))
+        if not wanted or not self._config.liveness_probe:
+            return bool(wanted)
+        with self._cond:
+            mirror, mine = self._mirror(), self._my_round()
+            ring = mirror.round_ring if mine is not None and mirror.committed == mine else {}
+            peers = [self._ring_peer(node, ring) for node in wanted]
+        known = [p for p in peers if p is not None]
+        if len(known) < len(peers):
+            return True
+        return any(found is Probe.REFUSED for found in probe_each(known))
 
     def probe(self) -> set[str]:
         """Probe every other participant of this node's round now (a worker failed: a dead peer would explain

@@ -374,3 +374,21 @@ def test_an_unusable_registration_value_is_a_state_error(etcd_server: EmbeddedEt
         client.close()
     with pytest.raises(RendezvousStateError, match="corrupt rendezvous key"):
         h.wait_membership_change(10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("silent", [False, True])
+def test_a_lost_peers_port_says_whether_the_survivors_collectives_break(
+        etcd_server: EmbeddedEtcd, handlers, pool, silent: bool) -> None:  # type: ignore[no-untyped-def]
+    """The agent waits for its workers' just-in-time snapshots only when a lost peer may have died on a live host
+    (its port refuses: its workers' connections were reset too); a silent loss (power off, a partition) breaks
+    no collective, so ``lost_peers_refuse`` is False and the workers are stopped at once."""
+    hs = [handlers(make_config(etcd_server.endpoint, run_id=f"refuse-{silent}", min_nodes=2, max_nodes=2),
+                   node_id=f"n{i}") for i in range(2)]  # fmt: skip
+    assert all(info.world_size == 2 for info in pool.map(lambda h: h.next_rendezvous(), hs))
+    survivor, victim = hs
+    assert survivor.lost_peers_refuse() is False  # nobody lost: nothing to wait for
+    victim._simulate_crash(silent=silent)
+    assert survivor.wait_membership_change(TTL + 5), "the loss was not seen"
+    assert survivor.lost_peers() == {victim.node_id}
+    assert survivor.lost_peers_refuse() is not silent
