@@ -260,3 +260,36 @@ def test_a_ballot_failing_on_one_rank_is_a_skip_inside_the_vote(shm_dir: str, tm
     assert [o["votes"] for o in out] == [2, 2]
     assert [o["stopped"] for o in out] == [None, None]
     assert run_workers(_restore_step, 2, (shm_dir,), tmpdir=str(tmp_path), timeout=60) == [6, 6]
+
+
+# --------------------------------------------------------------------------- a rank of the node dies mid-step
+def _one_rank_dies_mid_step(rank: int, world: int, directory: str) -> dict[str, Any]:
+    import signal
+
+    import torch.distributed as dist
+
+    state = _state(0)
+    tier = LocalShmTier(directory, MemoryTierConfig(every=3, jit_peer_wait=60.0))
+    try:
+        for step in range(1, 5):
+            _train(state, step)
+            tier.snapshot(step, state)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # a crashed worker: it never publishes step 4
+        try:
+            dist.all_reduce(torch.ones(1))  # step 5's collective breaks (rank 1 is gone)
+        except Exception as exc:  # noqa: BLE001 - the broken collective the loop would catch
+            started = time.monotonic()
+            complete = tier.snapshot_on_failure(4, state, exc)
+            return {"complete": complete, "seconds": time.monotonic() - started}
+        raise AssertionError("the collective with a dead rank did not fail")
+    finally:
+        tier.close()
+
+
+def test_a_just_in_time_snapshot_does_not_wait_for_a_node_rank_that_died(shm_dir: str, tmp_path: Path) -> None:  # noqa: F811
+    out = run_workers(_one_rank_dies_mid_step, 2, (shm_dir,), tmpdir=str(tmp_path), timeout=120, may_die=frozenset({1}))
+    assert out[1] is None
+    assert out[0]["complete"] is False  # rank 1's file of step 4 is missing: the node copy is incomplete
+    assert out[0]["seconds"] < 30, out[0]  # ended by rank 1's exit, not by jit_peer_wait (60 s)
+    assert 4 in _published(shm_dir) and _published(shm_dir)[4] == {0}
