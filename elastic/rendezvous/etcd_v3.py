@@ -604,7 +604,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         registration = self._registration
         seq = registration.seq
         with self._cond:
-            registration.joining = target
+            registration.joining = (target, seen_mod)
         return registration.with_live_lease(lambda: self._rounds.join(target, seen_mod, seq, registration.lease_id))
 
     # ================================================================== start-up
