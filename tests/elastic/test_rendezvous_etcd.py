@@ -544,6 +544,72 @@ def test_a_re_registration_does_not_re_join_a_round_that_moved_on(etcd_server: E
         client.close()
 
 
+@pytest.mark.timeout(90)
+def test_agents_end_in_one_round_after_mass_lease_expiries_during_the_recovery(etcd_server: EmbeddedEtcd, handlers,
+                                                                               pool) -> None:
+    """Issue 18 at small scale (1,000 simulated agents starved their lease keepers): half the survivors' leases
+    are revoked every 0.2 s from the loss on, while the recovery round forms. A round closes without a node
+    whose lease was gone at that instant; that node joins the next round and the others, like agents, re-form
+    for it (``membership_changed``). Only the fast path closes rounds here (``rejoin_timeout`` 600 s): once
+    the expiries stop, every survivor ends in one round of all of them within seconds."""
+    import random
+
+    import etcd3
+    import grpc
+
+    from elastic.rendezvous.etcd_client import ClientPool
+
+    n = 10
+    config = make_config(etcd_server.endpoint, min_nodes=1, max_nodes=n, last_call_timeout=600, rejoin_timeout=600,
+                         join_timeout=20)
+    shared = ClientPool()  # as the bench's simulated agents: one client, keeper and follower watch per process
+    hs = [handlers(config, node_id=f"a{i:02d}", pool=shared) for i in range(n)]
+    assert_consistent(rendezvous_all(pool, hs), n)
+    victim = hs[n // 2]
+    survivors = [h for h in hs if h is not victim]
+    latest: dict[str, tuple[int, int]] = {}
+    settled = threading.Event()
+
+    def agent(h: EtcdV3RendezvousHandler) -> None:
+        assert h.wait_membership_change(LOSS_BOUND_S + 5)
+        while not settled.is_set():
+            info = h.next_rendezvous()
+            latest[h.node_id] = (h.round or 0, info.world_size)
+            while not settled.is_set() and not h.wait_membership_change(0.1):
+                pass
+        h.leave()  # not a straggler of a round the others may still be forming
+
+    host, port = etcd_server.endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port))
+    victim._simulate_crash(silent=True)
+    agents = [pool.submit(agent, h) for h in survivors]
+    try:
+        rng = random.Random(18)
+        until = time.monotonic() + LEASE_TTL + 1.5  # through the loss and the first recovery rounds
+        while time.monotonic() < until:
+            for h in rng.sample(survivors, len(survivors) // 2):
+                lease = h._registration.lease_id
+                if lease is not None:
+                    try:
+                        client.revoke_lease(lease)
+                    except grpc.RpcError as exc:  # revoked already, its node re-registering
+                        if exc.code() is not grpc.StatusCode.NOT_FOUND:
+                            raise
+            time.sleep(0.2)
+
+        def one_round() -> bool:
+            rounds = {latest.get(h.node_id) for h in survivors}
+            return rounds == {(max(r for r, _ in latest.values()), n - 1)} and not any(
+                h.membership_changed() for h in survivors)
+
+        wait_for(one_round, 15, "every survivor in one round of all survivors")
+    finally:
+        settled.set()
+        client.close()
+    for f in agents:
+        f.result(timeout=25)
+
+
 def test_handler_threads_are_released(etcd_server: EmbeddedEtcd) -> None:
     before = {t.ident for t in threading.enumerate()}
     h = EtcdV3RendezvousHandler(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=1))
