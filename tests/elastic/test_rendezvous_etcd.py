@@ -460,33 +460,13 @@ def test_lease_expiry_during_outage_reregisters_and_breaks_round(etcd_server: Em
 
 
 def _registered_without_join(client: Any, h: EtcdV3RendezvousHandler, target: int, since: int) -> list[int]:
-    """The revisions after ``since``, up to now, after which ``h`` was registered without its join key for ``target``
-    (replayed from etcd's history: the coordinator's watch sees the state after each of them)."""
-    node_key = (h._keys.nodes_prefix + h.node_id).encode()
-    join_key = f"{h._keys.join_prefix}{target}/{h.node_id}".encode()
-    sentinel = h._keys.prefix + "test-history-end"
-    present = {node_key: True, join_key: True}
-    events, cancel = client.watch_prefix(h._keys.prefix, start_revision=since + 1)
-    stopper = threading.Timer(10.0, cancel)  # bounded: the history up to the sentinel is there already
-    stopper.start()
-    client.put(sentinel, "")  # the last revision the replay looks at: every revision before it is complete
-    bad: list[int] = []
-    try:
-        last = since
-        for ev in events:
-            rev = ev._event.kv.mod_revision
-            if rev > last > since and present[node_key] and not present[join_key]:
-                bad.append(last)
-            if ev.key == sentinel.encode():
-                break
-            last = rev
-            if ev.key in present:
-                present[ev.key] = ev._event.type == 0  # PUT
-    finally:
-        stopper.cancel()
-        cancel()
-        client.delete(sentinel)
-    return bad
+    """The revisions after ``since``, up to now, at which ``h`` was registered without its join key for ``target``
+    (read back from etcd's history: the coordinator's watch sees the state at each of them)."""
+    node_key = h._keys.nodes_prefix + h.node_id
+    join_key = f"{h._keys.join_prefix}{target}/{h.node_id}"
+    now = int(client.get_response(node_key).header.revision)
+    return [rev for rev in range(since + 1, now + 1)
+            if client.get_response(node_key, revision=rev).kvs and not client.get_response(join_key, revision=rev).kvs]
 
 
 @pytest.mark.timeout(60)
