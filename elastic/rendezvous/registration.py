@@ -11,8 +11,8 @@ the keeper count towards the handler's outage bound (``EtcdHealth``).
 A re-registration writes the node key and the join key in one transaction, guarded like the join itself by the
 round key's revision the join saw: the coordinator never sees the node registered without its join (a recovery
 round closes at once only when every registered node has joined, so under a mass lease expiry the two separate
-writes kept some node "registered, not joined" at almost every instant and the round never closed), and a
-round committed meanwhile gets no stale join key.
+writes kept some node "registered, not joined" at almost every instant and the round waited out
+``rejoin_timeout``), and a round committed meanwhile gets no stale join key.
 """
 
 from __future__ import annotations
