@@ -225,10 +225,11 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, settled: An
 
 def _collect(results: Any, kind: str, count: int, desc: str,
              stash: dict[str, list[tuple[int, float, Any]]], workers: list[Any],
-             done: Callable[[list[tuple[int, float, Any]]], bool] | None = None) -> list[tuple[int, float, Any]]:
+             done: Callable[[list[tuple[int, float, Any]]], bool] | None = None,
+             status: Callable[[list[tuple[int, float, Any]]], str] | None = None) -> list[tuple[int, float, Any]]:
     """``count`` messages of ``kind`` (from ``stash`` first), or with ``done`` as many as it takes to make it
-    true; other kinds that arrive meanwhile go to ``stash``. Raises when a worker process died (its agents
-    would never answer) or nothing came for ``_TIMEOUT_S``."""
+    true; other kinds that arrive meanwhile go to ``stash``; ``status`` says where they stand (on the progress
+    bar). Raises when a worker process died (its agents would never answer) or nothing came for ``_TIMEOUT_S``."""
     got = stash.pop(kind, [])
     finished = done if done is not None else (lambda messages: len(messages) >= count)
     quiet_since = time.monotonic()
@@ -249,6 +250,8 @@ def _collect(results: Any, kind: str, count: int, desc: str,
             if what == kind:
                 got.append((i, when, extra))
                 bar.update(1)
+                if status is not None:
+                    bar.set_postfix_str(status(got), refresh=False)
             else:
                 stash.setdefault(what, []).append((i, when, extra))
     return got
@@ -264,6 +267,12 @@ def _all_in_one_round(recovered: list[tuple[int, float, Any]], survivors: int) -
         return None
     number, world_size = next(iter(latest.values()))
     return number if world_size == survivors else None
+
+
+def _latest_round(recovered: list[tuple[int, float, Any]]) -> str:
+    """The newest round survivors completed, and how many of them are in it (the recovery's progress)."""
+    number = max(extra[0] for _, _, extra in recovered)
+    return f"round {number}: {len({i for i, _, extra in recovered if extra[0] == number})} survivors"
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -327,7 +336,7 @@ def bench(n: int, server: EmbeddedEtcd, lease_ttl: int, last_call: float, rejoin
         seen = _collect(results, "seen", n - 1, "loss detection", stash, workers)
         try:
             recovered = _collect(results, "recovered", n - 1, f"recovery round ({n - 1})", stash, workers,
-                                 done=lambda got: _all_in_one_round(got, n - 1) is not None)
+                                 done=lambda got: _all_in_one_round(got, n - 1) is not None, status=_latest_round)
         finally:
             settled.set()
         final_round = _all_in_one_round(recovered, n - 1)
