@@ -176,10 +176,23 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, settled: An
         kwargs["pool"] = ClientPool() if plan.pool_in_flight is None else ClientPool(max_in_flight=plan.pool_in_flight)
     handlers = {i: EtcdV3RendezvousHandler(config, node_id=f"agent{i:05d}", **kwargs) for i in ids}
 
+    def reported(fn: Callable[[int], None]) -> Callable[[int], None]:
+        """``fn``, whose error the parent hears of at once (not when the futures before it are done: a survivor
+        waiting for the others would hide it until the bench's timeout)."""
+        def run(i: int) -> None:
+            try:
+                fn(i)
+            except Exception as exc:
+                results.put(("error", i, time.time(), repr(exc)))
+                raise
+        return run
+
+    @reported
     def first_round(i: int) -> None:
         info = handlers[i].next_rendezvous()
         results.put(("first", i, time.time(), info.world_size))
 
+    @reported
     def survive(i: int) -> None:
         handler = handlers[i]
         if not handler.wait_membership_change(_TIMEOUT_S):
