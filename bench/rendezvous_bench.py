@@ -13,8 +13,11 @@ figures are an upper bound for N agents on N machines. Per N it reports:
   closes and its ring neighbour's probe revokes its lease; ``--loss silent``: like a host that lost power or
   its network, its port stays open and only the lease tells (bounded below by ``--lease-ttl``);
 * recovery round: from the last survivor noticing the loss until the last of the N-1 survivors has
-  completed the next round (each survivor re-rendezvous as soon as it noticed, like an agent); loss to
-  recovered: from the loss until then (both parts);
+  completed the round that has all N-1 of them (each survivor re-rendezvous as soon as it noticed, and again
+  whenever its round's membership changed, like an agent: a survivor whose lease expired while the recovery
+  round formed is left out of it and joins the next one, which the others re-form for); loss to recovered:
+  from the loss until then (both parts); rounds: how many rounds formed from the loss until then (1 unless
+  leases expired meanwhile);
 * etcd's own counters for the first round and for the loss plus recovery (from its ``/metrics``): watch
   events it sent (``etcd_debugging_mvcc_events_total``) and requests it started (``grpc_server_started_total``,
   lease keepalive streams left out: they are per second, not per round).
@@ -44,6 +47,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -141,7 +145,7 @@ def thread_cpu() -> dict[str, float]:
     return by_kind
 
 
-def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: Any) -> None:
+def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, settled: Any, results: Any) -> None:
     """One worker process: its share of the agents, driven by the parent's events."""
     faulthandler.enable()  # a hard crash (grpc's C core) still says where on stderr
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack on stderr
@@ -172,17 +176,37 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: An
         kwargs["pool"] = ClientPool() if plan.pool_in_flight is None else ClientPool(max_in_flight=plan.pool_in_flight)
     handlers = {i: EtcdV3RendezvousHandler(config, node_id=f"agent{i:05d}", **kwargs) for i in ids}
 
+    def reported(fn: Callable[[int], None]) -> Callable[[int], None]:
+        """``fn``, whose error the parent hears of at once (not when the futures before it are done: a survivor
+        waiting for the others would hide it until the bench's timeout)."""
+        def run(i: int) -> None:
+            try:
+                fn(i)
+            except Exception as exc:
+                results.put(("error", i, time.time(), repr(exc)))
+                raise
+        return run
+
+    @reported
     def first_round(i: int) -> None:
         info = handlers[i].next_rendezvous()
         results.put(("first", i, time.time(), info.world_size))
 
+    @reported
     def survive(i: int) -> None:
-        if not handlers[i].wait_membership_change(_TIMEOUT_S):
+        handler = handlers[i]
+        if not handler.wait_membership_change(_TIMEOUT_S):
             results.put(("error", i, time.time(), "no membership change seen"))
             return
         results.put(("seen", i, time.time(), 0))
-        info = handlers[i].next_rendezvous()
-        results.put(("recovered", i, time.time(), info.world_size))
+        # Like an agent: re-rendezvous whenever the round's membership changes (a survivor left out of a round
+        # joins the next one, which the others re-form for), until the parent saw all survivors in one round.
+        while not settled.is_set():
+            info = handler.next_rendezvous()
+            results.put(("recovered", i, time.time(), (handler.round, info.world_size)))
+            while not settled.is_set() and not handler.wait_membership_change(0.5):
+                pass
+        handler.leave()  # not a straggler of a round the others may still be forming
 
     profiles = _ThreadProfiles() if plan.profile is not None and 0 in ids else None
     try:
@@ -213,13 +237,17 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, results: An
 
 
 def _collect(results: Any, kind: str, count: int, desc: str,
-             stash: dict[str, list[tuple[int, float, Any]]], workers: list[Any]) -> list[tuple[int, float, Any]]:
-    """``count`` messages of ``kind`` (from ``stash`` first); other kinds that arrive meanwhile go to ``stash``.
-    Raises when a worker process died (its agents would never answer) or nothing came for ``_TIMEOUT_S``."""
+             stash: dict[str, list[tuple[int, float, Any]]], workers: list[Any],
+             done: Callable[[list[tuple[int, float, Any]]], bool] | None = None,
+             status: Callable[[list[tuple[int, float, Any]]], str] | None = None) -> list[tuple[int, float, Any]]:
+    """``count`` messages of ``kind`` (from ``stash`` first), or with ``done`` as many as it takes to make it
+    true; other kinds that arrive meanwhile go to ``stash``; ``status`` says where they stand (on the progress
+    bar). Raises when a worker process died (its agents would never answer) or nothing came for ``_TIMEOUT_S``."""
     got = stash.pop(kind, [])
+    finished = done if done is not None else (lambda messages: len(messages) >= count)
     quiet_since = time.monotonic()
     with tqdm(total=count, initial=len(got), desc=desc, unit="agent", leave=False, file=sys.stderr) as bar:
-        while len(got) < count:
+        while not finished(got):
             try:
                 what, i, when, extra = results.get(timeout=5.0)
             except queue.Empty:
@@ -235,9 +263,29 @@ def _collect(results: Any, kind: str, count: int, desc: str,
             if what == kind:
                 got.append((i, when, extra))
                 bar.update(1)
+                if status is not None:
+                    bar.set_postfix_str(status(got), refresh=False)
             else:
                 stash.setdefault(what, []).append((i, when, extra))
     return got
+
+
+def _all_in_one_round(recovered: list[tuple[int, float, Any]], survivors: int) -> int | None:
+    """The round every survivor completed last, when that is one round of all ``survivors`` (else None)."""
+    latest: dict[int, tuple[int, int]] = {}
+    for i, _when, (number, world_size) in recovered:
+        if number >= latest.get(i, (0, 0))[0]:
+            latest[i] = (number, world_size)
+    if len(latest) < survivors or len(set(latest.values())) != 1:
+        return None
+    number, world_size = next(iter(latest.values()))
+    return number if world_size == survivors else None
+
+
+def _latest_round(recovered: list[tuple[int, float, Any]]) -> str:
+    """The newest round survivors completed, and how many of them are in it (the recovery's progress)."""
+    number = max(extra[0] for _, _, extra in recovered)
+    return f"round {number}: {len({i for i, _, extra in recovered if extra[0] == number})} survivors"
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -276,9 +324,10 @@ def bench(n: int, server: EmbeddedEtcd, lease_ttl: int, last_call: float, rejoin
                  shared_channels=shared_channels, silent_loss=silent_loss, log_dir=log_dir,
                  profile=None if profile is None else f"{profile}-{n}", pool_in_flight=pool_in_flight)
     ctx = mp.get_context("spawn")
-    go, crash, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    go, crash, settled, results = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
     shares = [list(range(n))[k::procs] for k in range(procs)]
-    workers = [ctx.Process(target=_agent_process, args=(plan, ids, go, crash, results)) for ids in shares if ids]
+    workers = [ctx.Process(target=_agent_process, args=(plan, ids, go, crash, settled, results))
+               for ids in shares if ids]
     for w in workers:
         w.start()
     stash: dict[str, list[tuple[int, float, Any]]] = {}
@@ -298,15 +347,21 @@ def bench(n: int, server: EmbeddedEtcd, lease_ttl: int, last_call: float, rejoin
         crashed = time.time()
         crash.set()
         seen = _collect(results, "seen", n - 1, "loss detection", stash, workers)
-        recovered = _collect(results, "recovered", n - 1, f"recovery round ({n - 1})", stash, workers)
-        if {extra for _, _, extra in recovered} != {n - 1}:
-            raise RuntimeError("inconsistent recovery round world sizes")
+        try:
+            recovered = _collect(results, "recovered", n - 1, f"recovery round ({n - 1})", stash, workers,
+                                 done=lambda got: _all_in_one_round(got, n - 1) is not None, status=_latest_round)
+        finally:
+            settled.set()
+        final_round = _all_in_one_round(recovered, n - 1)
+        assert final_round is not None
+        recovered = [(i, when, extra) for i, when, extra in recovered if extra[0] == final_round]
         after_recovery = etcd_counters(server)
         etcd_cpu_recovery = cpu_seconds(server.pid)
         agents_cpu_recovery = sum(extra for _, _, extra in _collect(results, "cpu-recovery", len(workers), "cpu", stash, workers))
         last_seen = max(when for _, when, _ in seen)
         last_recovered = max(when for _, when, _ in recovered)
         return {
+            "recovery_rounds": final_round - 1,
             "first_round_s": max(when for _, when, _ in first) - start,
             "loss_detection_s": last_seen - crashed,
             "recovery_round_s": last_recovered - last_seen,
@@ -361,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         print(f"{'agents':>7} {'procs':>6} {'first round':>12} {'loss seen':>10} {'recovery round':>15} "
-              f"{'loss to rec':>12} {'events 1st':>11} {'reqs 1st':>9} {'events rec':>11} {'reqs rec':>9} "
+              f"{'loss to rec':>12} {'rounds':>6} {'events 1st':>11} {'reqs 1st':>9} {'events rec':>11} {'reqs rec':>9} "
               f"{'cpu 1st agents/etcd':>20} {'cpu rec agents/etcd':>20}", flush=True)
         for _rep in range(args.reps):
             for n in args.agents:
@@ -371,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                           log_dir=args.log_dir, profile=args.profile, pool_in_flight=args.pool_in_flight)
                 print(
                     f"{n:>7} {procs:>6} {r['first_round_s']:>11.3f}s {r['loss_detection_s']:>9.3f}s "
-                    f"{r['recovery_round_s']:>14.3f}s {r['loss_to_recovered_s']:>11.3f}s "
+                    f"{r['recovery_round_s']:>14.3f}s {r['loss_to_recovered_s']:>11.3f}s {r['recovery_rounds']:>6.0f} "
                     f"{r['first_events']:>11.0f} {r['first_requests']:>9.0f} "
                     f"{r['recovery_events']:>11.0f} {r['recovery_requests']:>9.0f} "
                     f"{r['first_cpu_agents']:>11.1f}/{r['first_cpu_etcd']:<4.1f}s "

@@ -60,8 +60,16 @@ class CoordinatorDuty:
     """When (clock) this node may try the election (``election_spread``); None: not drawn yet."""
 
     def reset(self) -> None:
+        """Forget everything: this node stopped (or started) being the coordinator."""
         self.target = self.proposed = self.reform = self.elect_tried_at = None
         self.last_call = self.rejoin = self.elect_after = None
+
+    def forget_writes(self) -> None:
+        """A write failed: forget what it may not have written (post, propose or elect again), but keep the
+        deadlines of the round being formed. They bound how long it waits for registered nodes that have not
+        joined; restarted by every failed write (etcd's "too many requests" or a timeout on a post, frequent
+        under a mass lease expiry, where each new loss is a post), they could be put off for ever."""
+        self.proposed = self.reform = self.elect_tried_at = self.elect_after = None
 
 
 class Coordinator:
@@ -116,22 +124,26 @@ class Coordinator:
         each node watches, so a round costs O(N) watch events instead of every join reaching every node."""
         duty = CoordinatorDuty()
         while not self._stop.is_set():
-            try:
-                step = self._step(duty)
-                if step is not None:
-                    step()
-            except RendezvousError as exc:
-                if self._stop.is_set():
-                    return
-                # A lease that just ended (the lease thread re-registers) is no news; anything else is.
-                level = logging.INFO if is_lease_not_found(exc.__cause__) else logging.WARNING
-                log.log(level, "%scoordinator: %s; trying again", self._ctx(), exc)
-                duty.reset()
-                self._stop.wait(0.5)
-            except Exception:  # a bug: say so, do not die silently; the followers' deadline checks still work
-                log.exception("%scoordinator step failed", self._ctx())
-                duty.reset()
-                self._stop.wait(SAFETY_RECHECK_S)
+            self.tick(duty)
+
+    def tick(self, duty: CoordinatorDuty) -> None:
+        """One decision and its I/O (or its wait); a failed write is logged and tried again after a pause."""
+        try:
+            step = self._step(duty)
+            if step is not None:
+                step()
+        except RendezvousError as exc:
+            if self._stop.is_set():
+                return
+            # A lease that just ended (the lease thread re-registers) is no news; anything else is.
+            level = logging.INFO if is_lease_not_found(exc.__cause__) else logging.WARNING
+            log.log(level, "%scoordinator: %s; trying again", self._ctx(), exc)
+            duty.forget_writes()
+            self._stop.wait(0.5)
+        except Exception:  # a bug: say so, do not die silently; the followers' deadline checks still work
+            log.exception("%scoordinator step failed", self._ctx())
+            duty.reset()
+            self._stop.wait(SAFETY_RECHECK_S)
 
     def _step(self, duty: CoordinatorDuty) -> Callable[[], None] | None:
         """Decide under the lock what the coordinator role asks for now; return the I/O to do (or wait)."""

@@ -47,7 +47,9 @@ longer than ``etcd_timeout`` into a ``RendezvousOutageError`` (a ``RendezvousCon
 Loss detection: when a participant's registration disappears, the coordinator's watch sees it and posts the
 reform notice (a follower sees the coordinator's own loss from its key), ``membership_changed()`` becomes True and ``num_nodes_waiting()`` >= 1, so torch's stock agent (which
 re-rendezvous when ``num_nodes_waiting() > 0`` while healthy) and ours restart into a new round. That
-round closes as soon as every live node has joined: no last-call wait on recovery.
+round closes as soon as every live node has joined: no last-call wait on recovery. A node whose lease was gone at
+that instant (expired, its keeper re-registering it) is not waited for: like any newcomer it joins the next
+round, which the others re-form for (``num_nodes_waiting``), so a mass lease expiry can cost more than one round.
 
 The handler is the face torch sees (this module); each of its parts owns one thing, around the pure ``state``
 functions that decide (``follow``, ``decide``, ``coordinate``, ``reform_of``), and they share the handler's
@@ -610,7 +612,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         registration = self._registration
         seq = registration.seq
         with self._cond:
-            registration.joining = target
+            registration.joining = (target, seen_mod)
         return registration.with_live_lease(lambda: self._rounds.join(target, seen_mod, seq, registration.lease_id))
 
     # ================================================================== start-up

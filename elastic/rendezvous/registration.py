@@ -7,6 +7,12 @@ node registers again on a fresh lease, keeping its ordering ``seq`` and its plac
 (its join key is written again): from the keeper's answer (on a thread of its own: the keeper serves every
 lease) or from a write under the lease that etcd refused (``with_live_lease``). etcd's answers and failures to
 the keeper count towards the handler's outage bound (``EtcdHealth``).
+
+A re-registration writes the node key and the join key in one transaction, guarded like the join itself by the
+round key's revision the join saw: the coordinator never sees the node registered without its join (a recovery
+round closes at once only when every registered node has joined, so under a mass lease expiry the two separate
+writes kept some node "registered, not joined" at almost every instant and the round waited out
+``rejoin_timeout``), and a round committed meanwhile gets no stale join key.
 """
 
 from __future__ import annotations
@@ -74,8 +80,9 @@ class Registration:
         """Our lease now (None: not registered yet)."""
         self.seq: int | None = None
         """Our ordering key: the revision of our first registration (kept across re-registrations)."""
-        self.joining: int | None = None
-        """Round this node has a join key for (re-written after a lease loss)."""
+        self.joining: tuple[int, int] | None = None
+        """(round, round-key revision its join saw) of this node's join key: written again with the node key after
+        a lease loss, unless the round key moved since."""
         self._lease_lock = threading.Lock()
         self._keeper: LeaseKeeper | None = None
         """Refreshes our lease: our own, or the one the pool's handlers share (``lease_keeper.py``)."""
@@ -101,23 +108,34 @@ class Registration:
         live_port = self._live_port()
         if live_port is not None:
             registration.update(live_port=live_port, lease=lease.id)
-        value = json.dumps(registration)
-        resp = conn.call("register this node", lambda: conn.client.put(self._keys.nodes_prefix + self._node_id, value, lease=lease.id))
+        node_key, value = self._keys.nodes_prefix + self._node_id, json.dumps(registration)
+        with self._cond:
+            joining = self.joining
+        revision: int | None = None
+        if joining is None:
+            resp = conn.call("register this node", lambda: conn.client.put(node_key, value, lease=lease.id))
+            revision = int(resp.header.revision)
+        else:  # keep our place in the round being formed (``seq`` is set: we joined after registering)
+            self._register_joined(conn, lease.id, node_key, value, joining)
         with self._cond:
             self.lease_id = lease.id
             if self.seq is None:
-                self.seq = int(resp.header.revision)
-            joining = self.joining
-        if joining is not None:  # keep our place in the round being formed
-            conn.call(
-                f"re-join round {joining}",
-                lambda: conn.client.put(
-                    f"{self._keys.join_prefix}{joining}/{self._node_id}",
-                    json.dumps({"seq": self.seq, "addr": self._addr}),
-                    lease=lease.id,
-                ),
-            )
+                self.seq = revision
         log.info("%sregistered (lease %x, ttl %d s)", self._ctx(), lease.id, self._config.lease_ttl)
+
+    def _register_joined(self, conn: EtcdConnection, lease: int, node_key: str, value: str,
+                         joining: tuple[int, int]) -> None:
+        """Put our node key and, unless the round key moved since our join saw it, our join key, in one
+        transaction on ``lease``."""
+        target, seen_mod = joining
+        tx = conn.client.transactions
+        put_node = tx.put(node_key, value, lease=lease)
+        put_join = tx.put(f"{self._keys.join_prefix}{target}/{self._node_id}",
+                          json.dumps({"seq": self.seq, "addr": self._addr}), lease=lease)
+        ok, _ = conn.call(f"register this node and re-join round {target}", lambda: conn.client.transaction(
+            compare=[tx.mod(self._keys.round_key) == seen_mod], success=[put_node, put_join], failure=[put_node]))
+        if not ok:
+            log.info("%sround %d moved on since our join: registered without re-joining it", self._ctx(), target)
 
     def with_live_lease(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (which writes under our lease); if etcd says the lease is gone, re-register and rerun."""

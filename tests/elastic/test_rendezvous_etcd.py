@@ -28,6 +28,7 @@ from elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler
+from tests.harness.procs import wait_for
 
 LEASE_TTL = 1
 # Loss is seen when etcd expires the lease: TTL plus etcd's expiry scan (<= 0.5 s) plus slack for a
@@ -456,6 +457,137 @@ def test_lease_expiry_during_outage_reregisters_and_breaks_round(etcd_server: Em
         assert hs[0].wait_membership_change(10)
         info0 = hs[0].next_rendezvous()
     assert_consistent([info0, pending.result(timeout=20)], 2)
+
+
+def _registered_without_join(client: Any, h: EtcdV3RendezvousHandler, target: int, since: int) -> list[int]:
+    """The revisions after ``since``, up to now, at which ``h`` was registered without its join key for ``target``
+    (read back from etcd's history: the coordinator's watch sees the state at each of them)."""
+    node_key = h._keys.nodes_prefix + h.node_id
+    join_key = f"{h._keys.join_prefix}{target}/{h.node_id}"
+    now = int(client.get_response(node_key).header.revision)
+    return [rev for rev in range(since + 1, now + 1)
+            if client.get_response(node_key, revision=rev).kvs and not client.get_response(join_key, revision=rev).kvs]
+
+
+@pytest.mark.timeout(60)
+def test_a_node_whose_lease_expired_is_never_registered_without_its_join(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """Issue 18 (1,000 agents, mass lease expiry): a recovery round closes once every registered node has joined;
+    a node re-registering after its lease expired wrote its node key, then its join key, so under hundreds of
+    expiries some node was "registered, not joined" at almost every instant and the round did not close. The
+    re-registration writes both in one transaction: no revision shows the node without its join."""
+    import etcd3
+
+    hs = [handlers(make_config(etcd_server.endpoint, min_nodes=3, max_nodes=3, rejoin_timeout=600), node_id=f"n{i}")
+          for i in range(2)]
+    waiting = [pool.submit(h.next_rendezvous) for h in hs]  # 2 of 3: the round stays open until the third joins
+    host, port = etcd_server.endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port))
+    try:
+        n1 = hs[1]
+        join_key = f"{n1._keys.join_prefix}1/{n1.node_id}"
+        wait_for(lambda: client.get(join_key)[0] is not None, 10, "n1's join key")
+        for _ in range(3):  # each revoke: a lease expiry, as the starved keepers saw them
+            old = n1._registration.lease_id
+            since = int(client.get_prefix_response(n1._keys.ctl).header.revision)
+            client.revoke_lease(old)
+            wait_for(lambda old=old: n1._registration.lease_id not in (None, old)
+                     and client.get(join_key)[1] is not None
+                     and client.get(join_key)[1].lease_id == n1._registration.lease_id, 10, "n1 re-registered and re-joined")
+            assert _registered_without_join(client, n1, 1, since) == []
+        assert not any(f.done() for f in waiting)
+    finally:
+        client.close()
+    third = handlers(make_config(etcd_server.endpoint, min_nodes=3, max_nodes=3, rejoin_timeout=600), node_id="n2")
+    assert_consistent([third.next_rendezvous(), *(f.result(timeout=20) for f in waiting)], 3)
+
+
+@pytest.mark.timeout(60)
+def test_a_re_registration_does_not_re_join_a_round_that_moved_on(etcd_server: EmbeddedEtcd, handlers) -> None:
+    """The re-join is guarded like the join: once the round key moved since the join saw it, only the node key is
+    written again (a stale agent never writes a join key for a round that was committed meanwhile)."""
+    import etcd3
+
+    h = handlers(make_config(etcd_server.endpoint, min_nodes=2, max_nodes=2), node_id="n0")
+    h.connect()
+    h._ensure_registered()
+    h._registration.joining = (1, 12345)  # as if our join saw a round key the round has moved on from since
+    host, port = etcd_server.endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port))
+    try:
+        old = h._registration.lease_id
+        client.revoke_lease(old)
+        node_key = h._keys.nodes_prefix + "n0"
+        wait_for(lambda: h._registration.lease_id not in (None, old) and client.get(node_key)[0] is not None, 10,
+                 "n0 re-registered")
+        assert client.get(f"{h._keys.join_prefix}1/n0")[0] is None
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(90)
+def test_agents_end_in_one_round_after_mass_lease_expiries_during_the_recovery(etcd_server: EmbeddedEtcd, handlers,
+                                                                               pool) -> None:
+    """Issue 18 at small scale (1,000 simulated agents starved their lease keepers): half the survivors' leases
+    are revoked every 0.2 s from the loss on, while the recovery round forms. A round closes without a node
+    whose lease was gone at that instant; that node joins the next round and the others, like agents, re-form
+    for it (``membership_changed``). Only the fast path closes rounds here (``rejoin_timeout`` 600 s): once
+    the expiries stop, every survivor ends in one round of all of them within seconds."""
+    import random
+
+    import etcd3
+    import grpc
+
+    from elastic.rendezvous.etcd_client import ClientPool
+
+    n = 10
+    config = make_config(etcd_server.endpoint, min_nodes=1, max_nodes=n, last_call_timeout=600, rejoin_timeout=600,
+                         join_timeout=20)
+    shared = ClientPool()  # as the bench's simulated agents: one client, keeper and follower watch per process
+    hs = [handlers(config, node_id=f"a{i:02d}", pool=shared) for i in range(n)]
+    assert_consistent(rendezvous_all(pool, hs), n)
+    victim = hs[n // 2]
+    survivors = [h for h in hs if h is not victim]
+    latest: dict[str, tuple[int, int]] = {}
+    settled = threading.Event()
+
+    def agent(h: EtcdV3RendezvousHandler) -> None:
+        assert h.wait_membership_change(LOSS_BOUND_S + 5)
+        while not settled.is_set():
+            info = h.next_rendezvous()
+            latest[h.node_id] = (h.round or 0, info.world_size)
+            while not settled.is_set() and not h.wait_membership_change(0.1):
+                pass
+        h.leave()  # not a straggler of a round the others may still be forming
+
+    host, port = etcd_server.endpoint.rsplit(":", 1)
+    client = etcd3.client(host=host, port=int(port))
+    victim._simulate_crash(silent=True)
+    agents = [pool.submit(agent, h) for h in survivors]
+    try:
+        rng = random.Random(18)
+        until = time.monotonic() + LEASE_TTL + 1.5  # through the loss and the first recovery rounds
+        while time.monotonic() < until:
+            for h in rng.sample(survivors, len(survivors) // 2):
+                lease = h._registration.lease_id
+                if lease is not None:
+                    try:
+                        client.revoke_lease(lease)
+                    except grpc.RpcError as exc:  # revoked already, its node re-registering
+                        if exc.code() is not grpc.StatusCode.NOT_FOUND:
+                            raise
+            time.sleep(0.2)
+
+        def one_round() -> bool:
+            rounds = {latest.get(h.node_id) for h in survivors}
+            return rounds == {(max(r for r, _ in latest.values()), n - 1)} and not any(
+                h.membership_changed() for h in survivors)
+
+        wait_for(one_round, 15, "every survivor in one round of all survivors")
+    finally:
+        settled.set()
+        client.close()
+    for f in agents:
+        f.result(timeout=25)
 
 
 def test_handler_threads_are_released(etcd_server: EmbeddedEtcd) -> None:
