@@ -7,6 +7,7 @@ step every rank published, never one a rank skipped or failed to publish.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from checkpoint.memory.config import MemoryTierConfig
 from checkpoint.memory.layout import parse_snapshot_name
@@ -112,8 +114,6 @@ def test_a_publish_failing_on_one_rank_leaves_the_last_common_step_restorable(sh
 
 # --------------------------------------------------------------------------- items change between rounds
 def _items_change(rank: int, world: int, directory: str) -> dict[str, Any]:
-    import torch.distributed as dist
-
     state = _state(0)
     tier = LocalShmTier(directory, MemoryTierConfig(every=1))
     taken = []
@@ -164,8 +164,6 @@ after this long (the default, 30 minutes, would be the hang these tests guard ag
 
 
 def _vote_fails_on_one_rank(rank: int, world: int, directory: str, when: str) -> dict[str, Any]:
-    import torch.distributed as dist
-
     state = _state(0)
     tier = LocalShmTier(directory, MemoryTierConfig(every=1, collective_timeout=VOTE_TIMEOUT))
     vote = tier._bg.max_each
@@ -198,15 +196,10 @@ def _vote_fails_on_one_rank(rank: int, world: int, directory: str, when: str) ->
 
 
 def _restore_step(rank: int, world: int, directory: str) -> int | None:
-    fresh = _state(1)
-    tier = LocalShmTier(directory)
-    try:
-        report = tier.restore(fresh, not_older_than=None)
-    finally:
-        tier.close()
-    if report is not None:
-        _assert_equal(_tensors(fresh), _reference(report.step))
-    return None if report is None else report.step
+    step, fresh = _restored(directory)
+    if step is not None:
+        _assert_equal(_tensors(fresh), _reference(step))
+    return step
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -264,10 +257,6 @@ def test_a_ballot_failing_on_one_rank_is_a_skip_inside_the_vote(shm_dir: str, tm
 
 # --------------------------------------------------------------------------- a rank of the node dies mid-step
 def _one_rank_dies_mid_step(rank: int, world: int, directory: str) -> dict[str, Any]:
-    import signal
-
-    import torch.distributed as dist
-
     state = _state(0)
     tier = LocalShmTier(directory, MemoryTierConfig(every=3, jit_peer_wait=60.0))
     try:
