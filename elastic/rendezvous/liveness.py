@@ -104,7 +104,9 @@ def probe(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> Probe:
             return Probe.ACCEPTED
     except ConnectionRefusedError:
         return Probe.REFUSED
-    except OSError:
+    # ValueError: an address (read from etcd) the resolver rejects ("x..y", a label over 63 characters raise
+    # UnicodeError): like one that does not resolve, never an exception in the agent's monitor loop.
+    except (OSError, ValueError):
         return Probe.SILENT
 
 
@@ -361,7 +363,9 @@ def probe_connect(peer: Peer, timeout: float) -> socket.socket | Probe:
         conn = socket.create_connection((peer.addr, peer.port), timeout=timeout)
     except ConnectionRefusedError:
         return Probe.REFUSED
-    except OSError:
+    # ValueError: an address (read from etcd) the resolver rejects ("x..y", a label over 63 characters raise
+    # UnicodeError): like one that does not resolve, never an exception in the agent's monitor loop.
+    except (OSError, ValueError):
         return Probe.SILENT
     conn.settimeout(None)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

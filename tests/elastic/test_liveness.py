@@ -156,6 +156,13 @@ def test_the_listener_goes_on_accepting_after_running_out_of_descriptors() -> No
     assert done.returncode == 0 and done.stdout.strip() == "held 1", done.stdout + done.stderr
 
 
+def test_probe_of_an_address_the_resolver_rejects_is_silent_not_an_error() -> None:
+    """Addresses come from etcd (registrations, the round record's ring): one that passes
+    ``peer_from_registration`` but that the resolver rejects must not raise into the agent's monitor loop."""
+    for addr in ("x..y", "a" * 64):
+        assert probe(addr, 1, timeout=0.1) is Probe.SILENT
+
+
 def test_probe_tells_a_listening_process_from_a_gone_one() -> None:
     listener = LivenessListener()
     assert probe("127.0.0.1", listener.port) is Probe.ACCEPTED
