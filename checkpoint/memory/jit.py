@@ -117,16 +117,19 @@ def process_identity(pid: int) -> str | None:
     return None if stat is None else f"{pid}:{stat[19]}"
 
 
-def process_gone(identity: str | None) -> bool:
+def process_gone(identity: object) -> bool:
     """Whether the process of ``identity`` (:func:`process_identity`, taken on this host) has exited: no such
-    PID, a zombie (exited, not reaped yet) or a PID reused by another process. False when unsure."""
-    if identity is None:
+    PID, a zombie (exited, not reaped yet) or a PID reused by another process. False when unsure, also for an
+    identity that is not one (it comes from another rank: a damaged one must neither raise nor end the wait)."""
+    if not isinstance(identity, str):
         return False
     pid, _, start = identity.partition(":")
+    if not (pid.isascii() and pid.isdigit() and start.isascii() and start.isdigit()) or int(pid) <= 0:
+        return False
     try:
         stat = _proc_stat(int(pid), missing_ok=False)
-    except (OSError, ValueError):
-        return True  # no such process (or an identity that names none)
+    except OSError:
+        return True  # no such process
     return stat is not None and (stat[0] in ("Z", "X") or stat[19] != start)
 
 

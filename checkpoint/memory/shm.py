@@ -651,7 +651,8 @@ class LocalShmTier:
         ]
         self._layout = build_layout("snapshot", pieces)
         self._node_ranks = [r for r, n in enumerate(nodes) if n == self.node]
-        self._node_procs = {r: g.get("proc") for r, g in enumerate(gathered) if r in self._node_ranks}
+        self._node_procs = {r: p if isinstance(p := g.get("proc"), str) else None  # another rank's: only a str
+                            for r, g in enumerate(gathered) if r in self._node_ranks}
         self._is_node_leader = self.rank == min(self._node_ranks)
         self._release_slots()
         self._snapshot_bytes = [{key: n for key, n, _ in everyone[r] if key in set(writers[r])} for r in range(len(nodes))]

@@ -194,6 +194,8 @@ def test_a_process_is_gone_once_it_exited_even_unreaped_or_its_pid_reused() -> N
         child.wait()
     assert process_gone(identity)  # reaped
     assert not process_gone(None)  # /proc could not tell: never "gone"
+    for damaged in (12, ["1", "2"], "", "x:1", "-1:5", "0:5", "12", "1:", "\u00b2:1"):  # another rank's, unparsable
+        assert not process_gone(damaged), damaged
 
 
 def test_waiting_for_the_node_files_ends_when_the_missing_writers_are_dead(tmp_path: Path) -> None:
