@@ -110,43 +110,6 @@ def wait_for_names(directory: str, names: list[str], timeout: float, *, poll: fl
     return missing
 
 
-def process_identity(pid: int) -> str | None:
-    """``"{pid}:{start time}"`` of a live process from ``/proc`` (the start time tells a reused PID apart), or
-    None where ``/proc`` cannot tell (then :func:`process_gone` never says gone)."""
-    stat = _proc_stat(pid)
-    return None if stat is None else f"{pid}:{stat[19]}"
-
-
-def process_gone(identity: object) -> bool:
-    """Whether the process of ``identity`` (:func:`process_identity`, taken on this host) has exited: no such
-    PID, a zombie (exited, not reaped yet) or a PID reused by another process. False when unsure, also for an
-    identity that is not one (it comes from another rank: a damaged one must neither raise nor end the wait)."""
-    if not isinstance(identity, str):
-        return False
-    pid, _, start = identity.partition(":")
-    if not (pid.isascii() and pid.isdigit() and start.isascii() and start.isdigit()) or int(pid) <= 0:
-        return False
-    try:
-        stat = _proc_stat(int(pid), missing_ok=False)
-    except OSError:
-        return True  # no such process
-    return stat is not None and (stat[0] in ("Z", "X") or stat[19] != start)
-
-
-def _proc_stat(pid: int, *, missing_ok: bool = True) -> list[str] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (state first), None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        if missing_ok or not os.path.isdir("/proc/self"):
-            return None
-        raise
-    except IndexError:
-        return None
-    return [x.decode("ascii", "replace") for x in fields] if len(fields) > 19 else None
-
-
 class DeferredSignals:
     """Hold back SIGTERM and SIGINT for the duration of a ``with`` block (main thread only; elsewhere a no-op)
     and deliver what arrived, to the handlers that were installed before, when the block ends.

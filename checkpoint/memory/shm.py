@@ -15,7 +15,7 @@ Snapshot (``LocalShmTier.snapshot``, every ``config.every`` steps, on every rank
    way (every rank's newest publish, after waiting for its own), so the slot choice and what a restore may use
    do not change. A vote that *raises* on a rank (a broken group, a timeout there only) leaves that rank without
    the outcome the others may have got, so it joins no further vote: its periodic snapshots stop (``stopped``,
-   ``_leave``), and the others' next vote fails in turn, after at most ``collective_timeout``, and stops theirs
+   ``_leave``), and the others' next vote fails in turn, after at most ``collective_timeout`` (30 min by default), and stops theirs
    (just-in-time snapshots still work: they need no collective).
 2. On the first snapshot or when the items changed: every rank's item metadata is gathered and
    ``layout.node_writers`` decides who snapshots what, so each node holds a whole copy of the replicated
@@ -243,7 +243,7 @@ class LocalShmTier:
         self._is_node_leader = False
         self._node_ranks: list[int] = []
         self._node_procs: dict[int, str | None] = {}
-        """Per rank of this node, its process (``jit.process_identity``): a just-in-time snapshot does not wait for
+        """Per rank of this node, its process (``elastic.procutil.process_identity``): a just-in-time snapshot does not wait for
         the file of a rank whose process has exited (a crashed worker never publishes)."""
         self._snapshot_bytes: list[dict[ChunkKey, int]] = []
         """Per rank, the bytes of each piece it snapshots (from the last plan)."""
@@ -334,7 +334,7 @@ class LocalShmTier:
         try:
             bad, changed, any_busy, starved, neg_complete, every, neg_vote_us = self._fg.max_each(
                 flat is None or proposed is None, signature != self._signature, busy, self._starved,
-                -self._published, proposed or self._every, -self._last_vote_us,
+                -self._published, proposed if proposed is not None else self._every, -self._last_vote_us,
             )
         except Exception as exc:  # noqa: BLE001 - the other ranks may have an outcome this rank has not
             self._leave(step, f"its snapshot vote failed: {exc}")
@@ -492,9 +492,9 @@ class LocalShmTier:
         self._behind = _Vote(bool(any_skipped), bool(starved), -neg_complete, int(chosen), waited)
 
     def _ballot(self, skipped: bool, error: BaseException | None, every: int | None) -> tuple[int, ...]:
-        """This rank's part of the vote behind a round (``_vote_behind``)."""
+        """This rank's part of the vote behind a round (``_vote_behind``); "skipped" without an interval to propose."""
         if every is None:
-            raise ValueError("no interval to propose")
+            return SKIP_BALLOT
         failing = error is not None and self._publish_failures + 1 >= PUBLISH_FAILURES_TO_STARVE
         return int(skipped), int(self._starved or failing), -self._published, every, -self._behind_vote_us
 
@@ -563,6 +563,8 @@ class LocalShmTier:
         when the tier is off or has not planned yet, or when the state's items changed since the last plan.
         SIGTERM/SIGINT are held back while it writes and delivered after. Never raises.
         """
+        from elastic.procutil import process_gone
+
         if not self.enabled or self._layout is None or self.directory is None:
             return False
         if exc is not None and not jit.is_collective_failure(exc):
@@ -579,7 +581,7 @@ class LocalShmTier:
             names = jit.node_group_names(SnapshotId(step, self.gen), self._node_ranks, self.world_size)
             procs = dict(zip(names, (self._node_procs.get(r) for r in self._node_ranks), strict=True))
             missing = jit.wait_for_names(self.directory, names, self.config.jit_peer_wait,
-                                         gone=lambda name: jit.process_gone(procs[name]))
+                                         gone=lambda name: process_gone(procs[name]))
         logger.warning(
             "[rank %d] just-in-time memory snapshot of step %d after a failed collective: %s in %.3fs; node copy %s",
             self.rank, step, "written" if wrote else "already held", time.perf_counter() - started,
@@ -636,8 +638,10 @@ class LocalShmTier:
 
     def _replan(self, flat: FlatState) -> None:
         """Gather every rank's item metadata and node once; lay out the pieces this rank snapshots."""
+        from elastic.procutil import process_identity  # the package's process helpers (standard library only)
+
         mine = [[i.key.fqn, list(i.key.offsets), list(i.key.lengths), i.nbytes, i.replicated] for i in flat.items]
-        gathered = self._fg.all_gather({"node": self.node, "items": mine, "proc": jit.process_identity(os.getpid())})
+        gathered = self._fg.all_gather({"node": self.node, "items": mine, "proc": process_identity(os.getpid())})
         nodes = [str(g["node"]) for g in gathered]
         everyone = [
             [(ChunkKey(f, tuple(o), tuple(ln)), int(n), bool(r)) for f, o, ln, n, r in g["items"]] for g in gathered

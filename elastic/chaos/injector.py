@@ -24,6 +24,7 @@ from elastic.chaos.api import ChaosTargetError, Fault, FaultKind, FaultSkipped, 
 from elastic.chaos.journal import Journal
 from elastic.chaos.schedule import due, next_wake
 from elastic.chaos.storage import write_control
+from elastic.procutil import exited
 
 logger = logging.getLogger(__name__)
 
@@ -299,12 +300,7 @@ def _wait_gone(pid: int, timeout: float, sleep: Callable[[float], None]) -> None
     """Until the killed member's ports are free (its PID gone or a zombie), so the restart can bind them."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as handle:
-                stat = handle.read()
-        except OSError:
-            return
-        if stat[stat.rindex(")") + 2] == "Z":
+        if exited(pid):
             return
         sleep(0.02)
 

@@ -22,13 +22,7 @@ import pytest
 
 from checkpoint.memory.api import RestoreReport, RestoreSource
 from checkpoint.memory.config import MemoryTierConfig
-from checkpoint.memory.jit import (
-    DeferredSignals,
-    is_collective_failure,
-    process_gone,
-    process_identity,
-    wait_for_names,
-)
+from checkpoint.memory.jit import DeferredSignals, is_collective_failure, wait_for_names
 from checkpoint.memory.layout import parse_snapshot_name
 from checkpoint.memory.records import (
     MAX_BYTES,
@@ -44,6 +38,7 @@ from checkpoint.memory.resume import restore
 from checkpoint.memory.shm import LocalShmTier
 from elastic.api import RecoveryEvent
 from elastic.metrics import AgentMetrics, RecoveryClock, observe
+from elastic.procutil import exited, process_gone, process_identity
 from tests.checkpoint.test_memtier import SHM, _assert_equal, _snapshots, _state, _tensors, _train
 
 
@@ -178,8 +173,10 @@ def test_waiting_for_the_node_files_is_bounded(tmp_path: Path) -> None:
 
 def test_a_process_is_gone_once_it_exited_even_unreaped_or_its_pid_reused() -> None:
     me = process_identity(os.getpid())
-    assert me is not None and not process_gone(me)
-    assert process_gone(f"{os.getpid()}:1")  # same PID, another start time: a reused PID
+    assert me is not None and not process_gone(me) and not exited(os.getpid())
+    pid, start, namespace = me.split(":")
+    assert process_gone(f"{pid}:1:{namespace}")  # same PID, another start time: a reused PID
+    assert not process_gone(f"{pid}:1:1")  # taken in another PID namespace (another container): unsure
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         identity = process_identity(child.pid)
@@ -188,13 +185,13 @@ def test_a_process_is_gone_once_it_exited_even_unreaped_or_its_pid_reused() -> N
         deadline = time.monotonic() + 10
         while not process_gone(identity) and time.monotonic() < deadline:  # a zombie until reaped: gone already
             time.sleep(0.01)
-        assert process_gone(identity)
+        assert process_gone(identity) and exited(child.pid)
     finally:
         child.kill()
         child.wait()
-    assert process_gone(identity)  # reaped
+    assert process_gone(identity) and exited(child.pid)  # reaped
     assert not process_gone(None)  # /proc could not tell: never "gone"
-    for damaged in (12, ["1", "2"], "", "x:1", "-1:5", "0:5", "12", "1:", "\u00b2:1"):  # another rank's, unparsable
+    for damaged in (12, ["1", "2"], "", "x:1:1", "-1:5:1", "0:5:1", "12", "1::", "\u00b2:1:1", f"{pid}:{start}"):
         assert not process_gone(damaged), damaged
 
 

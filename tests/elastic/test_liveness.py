@@ -16,6 +16,7 @@ import time
 import pytest
 
 from elastic.etcd_server import EmbeddedEtcd
+from elastic.rendezvous import peers as peers_module
 from elastic.rendezvous.api import RendezvousStateError
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.liveness import (
@@ -384,18 +385,22 @@ def test_an_unusable_registration_value_is_a_state_error(etcd_server: EmbeddedEt
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("silent", [False, True])
+@pytest.mark.parametrize("loss", ["killed", "paused", "no_answer"])
 def test_a_lost_peers_port_says_whether_the_survivors_collectives_break(
-        etcd_server: EmbeddedEtcd, handlers, pool, silent: bool) -> None:  # type: ignore[no-untyped-def]
+        etcd_server: EmbeddedEtcd, handlers, pool, monkeypatch, loss: str) -> None:  # type: ignore[no-untyped-def]
     """The agent waits for its workers' just-in-time snapshots only when a lost peer may have died on a live host
-    (its port refuses: its workers' connections were reset too); a silent loss (power off, a partition) breaks
-    no collective, so ``lost_peers_refuse`` is False and the workers are stopped at once."""
-    hs = [handlers(make_config(etcd_server.endpoint, run_id=f"refuse-{silent}", min_nodes=2, max_nodes=2),
+    (its port refuses: its workers' connections were reset too); a paused node (its port still accepts) or a
+    silent one (power off, a partition: the probe gets no answer) breaks no collective, so ``lost_peers_refuse``
+    is False and the workers are stopped at once. What cannot be probed gets the grace (True)."""
+    hs = [handlers(make_config(etcd_server.endpoint, run_id=f"refuse-{loss}", min_nodes=2, max_nodes=2),
                    node_id=f"n{i}") for i in range(2)]  # fmt: skip
     assert all(info.world_size == 2 for info in pool.map(lambda h: h.next_rendezvous(), hs))
     survivor, victim = hs
     assert survivor.lost_peers_refuse() is False  # nobody lost: nothing to wait for
-    victim._simulate_crash(silent=silent)
+    victim._simulate_crash(silent=loss != "killed")
     assert survivor.wait_membership_change(TTL + 5), "the loss was not seen"
     assert survivor.lost_peers() == {victim.node_id}
-    assert survivor.lost_peers_refuse() is not silent
+    if loss == "no_answer":  # a powered-off host or a partition: the connect times out
+        monkeypatch.setattr(peers_module, "probe_each", lambda found, timeout=0.3: [Probe.SILENT] * len(found))
+    assert survivor.lost_peers_refuse() is (loss == "killed")
+    assert survivor._peers.any_refuses({"not-in-the-ring"}) is True  # no address to probe: unknown
