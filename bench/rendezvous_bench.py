@@ -190,7 +190,7 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, settled: An
     @reported
     def first_round(i: int) -> None:
         info = handlers[i].next_rendezvous()
-        results.put(("first", i, time.time(), info.world_size))
+        results.put(("first", i, time.time(), (info.world_size, handlers[i].round or 0)))
 
     @reported
     def survive(i: int) -> None:
@@ -339,8 +339,9 @@ def bench(n: int, server: EmbeddedEtcd, lease_ttl: int, last_call: float, rejoin
         start = time.time()
         go.set()
         first = _collect(results, "first", n, f"first round ({n})", stash, workers)
-        if {extra for _, _, extra in first} != {n}:
-            raise RuntimeError(f"inconsistent first round world sizes: {sorted({e for _, _, e in first})}")
+        if {extra[0] for _, _, extra in first} != {n}:
+            raise RuntimeError(f"inconsistent first round world sizes: {sorted({e[0] for _, _, e in first})}")
+        first_round = max(extra[1] for _, _, extra in first)  # 1 unless leases expired while it formed
         after_first = etcd_counters(server)
         etcd_cpu_first = cpu_seconds(server.pid)
         agents_cpu_first = sum(extra for _, _, extra in _collect(results, "cpu-first", len(workers), "cpu", stash, workers))
@@ -361,7 +362,7 @@ def bench(n: int, server: EmbeddedEtcd, lease_ttl: int, last_call: float, rejoin
         last_seen = max(when for _, when, _ in seen)
         last_recovered = max(when for _, when, _ in recovered)
         return {
-            "recovery_rounds": final_round - 1,
+            "recovery_rounds": final_round - first_round,
             "first_round_s": max(when for _, when, _ in first) - start,
             "loss_detection_s": last_seen - crashed,
             "recovery_round_s": last_recovered - last_seen,
