@@ -52,16 +52,21 @@ def _restored(directory: str) -> tuple[int | None, dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- steady rounds
+def _snapshot_steps(tier: LocalShmTier, state: dict[str, Any], last: int = 6) -> list[bool]:
+    """Train and snapshot steps 1..``last``, then wait for the last publish; what each ``snapshot`` returned."""
+    taken = []
+    for step in range(1, last + 1):
+        _train(state, step)
+        taken.append(tier.snapshot(step, state))
+    tier.wait()
+    return taken
+
+
 def _steady(rank: int, world: int, directory: str) -> dict[str, Any]:
     state = _state(0)
     tier = LocalShmTier(directory, MemoryTierConfig(every=1))
-    taken = []
     try:
-        for step in range(1, 7):
-            _train(state, step)
-            taken.append(tier.snapshot(step, state))
-        tier.wait()
-        return {"taken": taken, "votes": tier.votes_blocking}
+        return {"taken": _snapshot_steps(tier, state), "votes": tier.votes_blocking}
     finally:
         tier.close()
 
@@ -235,13 +240,8 @@ def _ballot_fails_on_one_rank(rank: int, world: int, directory: str) -> dict[str
         return ballot(*args)
 
     tier._ballot = failing  # type: ignore[method-assign]
-    taken = []
     try:
-        for step in range(1, 7):
-            _train(state, step)
-            taken.append(tier.snapshot(step, state))
-        tier.wait()
-        return {"taken": taken, "votes": tier.votes_blocking, "stopped": tier.stopped}
+        return {"taken": _snapshot_steps(tier, state), "votes": tier.votes_blocking, "stopped": tier.stopped}
     finally:
         tier.close()
 
