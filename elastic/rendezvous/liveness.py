@@ -99,9 +99,17 @@ def peer_from_registration(node: str, info: object, lease: int) -> Peer | None:
 
 def probe(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> Probe:
     """Connect once to ``addr:port`` and close at once."""
+    found = _connect(addr, port, timeout)
+    if isinstance(found, Probe):
+        return found
+    found.close()
+    return Probe.ACCEPTED
+
+
+def _connect(addr: str, port: int, timeout: float) -> socket.socket | Probe:
+    """A connection to ``addr:port``, or what the attempt found (refused, or nothing to conclude)."""
     try:
-        with socket.create_connection((addr, port), timeout=timeout):
-            return Probe.ACCEPTED
+        return socket.create_connection((addr, port), timeout=timeout)
     except ConnectionRefusedError:
         return Probe.REFUSED
     # ValueError: an address (read from etcd) the resolver rejects ("x..y", a label over 63 characters raise
@@ -359,14 +367,9 @@ class PeerWatch:
 
 def probe_connect(peer: Peer, timeout: float) -> socket.socket | Probe:
     """An open connection to the peer's liveness port, or what the attempt found."""
-    try:
-        conn = socket.create_connection((peer.addr, peer.port), timeout=timeout)
-    except ConnectionRefusedError:
-        return Probe.REFUSED
-    # ValueError: an address (read from etcd) the resolver rejects ("x..y", a label over 63 characters raise
-    # UnicodeError): like one that does not resolve, never an exception in the agent's monitor loop.
-    except (OSError, ValueError):
-        return Probe.SILENT
+    conn = _connect(peer.addr, peer.port, timeout)
+    if isinstance(conn, Probe):
+        return conn
     conn.settimeout(None)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     return conn
