@@ -1,10 +1,12 @@
 """``RunKeys``: the names of one run's keys in etcd (``P = {etcd_prefix}/{run_id}/``).
 
 What each key holds, and who writes it when, is told in ``etcd_v3``'s module doc; this module only names them,
-so that every part of the handler spells them one way.
+so that every part of the handler spells them one way (and a join key's value, ``join_value``).
 """
 
 from __future__ import annotations
+
+import json
 
 from .etcd_client import prefix_end
 
@@ -33,6 +35,10 @@ class RunKeys:
         self.store_prefix = prefix + "store/"
         self.finished_key = prefix + "finished"
 
+    def join_key(self, target: int, node: str) -> str:
+        """``P/ctl/join/{round}/{node}``: ``node`` wants to be in round ``target`` (value: :func:`join_value`)."""
+        return f"{self.join_prefix}{target}/{node}"
+
     def watched_ranges(self, full: bool) -> list[Range]:
         """The key ranges the mirror follows: all of ``P/ctl/`` (full view), else the closed key and
         ``[notice/, round]``, which holds the notices, the coordinator's posts and the round key, not the
@@ -40,3 +46,8 @@ class RunKeys:
         if full:
             return [(self.ctl, prefix_end(self.ctl))]
         return [(self.closed_key, None), (self.notice_prefix, (self.round_key + "\0").encode())]
+
+
+def join_value(seq: int | None, addr: str) -> str:
+    """A join key's JSON: the node's ordering key (its first registration's revision) and its address."""
+    return json.dumps({"seq": seq, "addr": addr})

@@ -30,7 +30,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt
 from .api import EtcdRendezvousConfig, RendezvousConnectionError
 from .etcd_client import ClientPool, EtcdConnection
 from .health import EtcdHealth, is_lease_not_found
-from .keys import RunKeys
+from .keys import RunKeys, join_value
 from .lease_keeper import LeaseKeeper, refresh_interval
 
 log = logging.getLogger("elastic.rendezvous.etcd_v3")
@@ -130,8 +130,7 @@ class Registration:
         target, seen_mod = joining
         tx = conn.client.transactions
         put_node = tx.put(node_key, value, lease=lease)
-        put_join = tx.put(f"{self._keys.join_prefix}{target}/{self._node_id}",
-                          json.dumps({"seq": self.seq, "addr": self._addr}), lease=lease)
+        put_join = tx.put(self._keys.join_key(target, self._node_id), join_value(self.seq, self._addr), lease=lease)
         ok, _ = conn.call(f"register this node and re-join round {target}", lambda: conn.client.transaction(
             compare=[tx.mod(self._keys.round_key) == seen_mod], success=[put_node, put_join], failure=[put_node]))
         if not ok:

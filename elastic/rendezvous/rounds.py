@@ -18,7 +18,7 @@ from typing import Any
 
 from .api import EtcdRendezvousConfig
 from .etcd_client import EtcdConnection, prefix_end
-from .keys import RunKeys
+from .keys import RunKeys, join_value
 from .mirror import SAFETY_RECHECK_S, Mirror
 from .state import Decision, Reform, Snapshot
 
@@ -75,8 +75,7 @@ class RoundWriter:
         """Put this node's join key for ``target`` on ``lease`` unless the round key moved since ``seen_mod``."""
         conn = self._require_conn()
         tx = conn.client.transactions
-        key = f"{self._keys.join_prefix}{target}/{self._node_id}"
-        value = json.dumps({"seq": seq, "addr": self._addr})
+        key, value = self._keys.join_key(target, self._node_id), join_value(seq, self._addr)
         ok, _ = conn.call(
             f"join round {target}",
             lambda: conn.client.transaction(
