@@ -89,6 +89,7 @@ from elastic.rendezvous.api import (
     MembershipAwareHandler,
     NoticeAwareHandler,
     OutageBoundHandler,
+    PeerProbingHandler,
     RendezvousOutageError,
     RoundMembersHandler,
     is_permanent,
@@ -374,11 +375,10 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _confirm_dead_peers(self) -> bool:
         """Probe the round's peers (``liveness.py``): True when one's process is gone (its lease was revoked)."""
-        probe = getattr(self._membership, "probe_peers", None)
-        if probe is None:
+        if not isinstance(self._membership, PeerProbingHandler):
             return False
         try:
-            dead = probe()
+            dead = self._membership.probe_peers()
         except RendezvousError as exc:
             logger.debug("%s probing the peers failed: %s", self._ctx(), exc)
             return False
@@ -562,12 +562,13 @@ class SpotrunAgent(LocalElasticAgent):
         ``--stop-grace`` to exit on their own first, and only when their keeper directory shows they snapshot
         and a lost peer may have died on a live host (``_lost_peers_refuse``). A silent loss (power off, a
         partition, a paused node) resets no connection: the workers' collectives stay blocked, so they are
-        stopped at once instead of after the whole grace."""
+        stopped at once instead of after the whole grace; so are the workers of a node left out of a newer
+        round (its peers restored without its state)."""
         if self._memory_dir is None or self._pcontext is None or not snapshots_in(self._memory_dir):
             return
         if not self._lost_peers_refuse():
-            logger.info("%s the lost peer(s) are silent (no connection reset): the workers' collectives do not "
-                        "break, no just-in-time snapshot to wait for", self._ctx())
+            logger.info("%s no just-in-time snapshot to wait for (the lost peers are silent or paused: no connection "
+                        "reset breaks the workers' collectives; or the group re-formed without this node)", self._ctx())
             return
         running = _running_workers(self._pcontext)
         if running is None:
@@ -581,11 +582,10 @@ class SpotrunAgent(LocalElasticAgent):
     def _lost_peers_refuse(self) -> bool:
         """The rendezvous's answer (``lost_peers_refuse``): True when a lost peer may have died on a live host,
         and whenever the handler cannot tell (another handler, an error): then the workers get their grace."""
-        check = getattr(self._membership, "lost_peers_refuse", None)
-        if check is None:
+        if not isinstance(self._membership, PeerProbingHandler):
             return True
         try:
-            return bool(check())
+            return bool(self._membership.lost_peers_refuse())
         except RendezvousError as exc:
             logger.debug("%s probing the lost peers failed: %s", self._ctx(), exc)
             return True

@@ -199,6 +199,23 @@ class LeaseHandler(Protocol):
         """Seconds a dead peer stays a member."""
 
 
+@runtime_checkable
+class PeerProbingHandler(Protocol):
+    """A handler that can ask its round's peers directly whether their processes are still there (etcd-v3,
+    through each agent's liveness port: ``elastic.rendezvous.liveness``), so the agent learns of a peer that
+    died on a live host without waiting out its lease. Both methods raise only from the ``RendezvousError``
+    tree; the agent then acts as if it could not tell."""
+
+    def probe_peers(self) -> set[str]:
+        """Probe every other participant of this node's round now (a worker failed: a dead peer would explain
+        it), revoke the lease of each whose process is gone and return those nodes."""
+
+    def lost_peers_refuse(self) -> bool:
+        """Whether a lost participant of this node's round may have died on a live host (its liveness port
+        refuses, or it cannot be probed), so that this node's workers' collectives break and a just-in-time
+        snapshot is worth waiting for; False when every lost peer is silent or paused."""
+
+
 # Keys torch's launcher or other torch backends put into --rdzv-conf. We accept them so an existing
 # torchrun command line keeps working when only --rdzv-backend changes, but they have no effect here:
 # ``timeout`` is injected by torch's LaunchConfig (900) and, as in torch's dynamic rendezvous, is not

@@ -404,3 +404,28 @@ def test_a_lost_peers_port_says_whether_the_survivors_collectives_break(
         monkeypatch.setattr(peers_module, "probe_each", lambda found, timeout=0.3: [Probe.SILENT] * len(found))
     assert survivor.lost_peers_refuse() is (loss == "killed")
     assert survivor._peers.any_refuses({"not-in-the-ring"}) is True  # no address to probe: unknown
+
+
+@pytest.mark.timeout(60)
+def test_a_node_left_out_of_a_newer_round_has_no_snapshot_to_wait_for(etcd_server: EmbeddedEtcd, handlers,
+                                                                      pool) -> None:  # type: ignore[no-untyped-def]
+    """A node whose lease lapsed (a partition, a pause) while its peer formed a newer round without it: that
+    group restored without this node's state (no newer than theirs), so its workers are stopped at once, not
+    left for ``--stop-grace`` in a collective with peers that moved on (the partition test: once the link was
+    back they got the old peers' resets and failed with a traceback). Its old peer's port accepts or refuses
+    alike: being left out decides. The old code waited (True: the lost peer, itself, is not in any ring)."""
+    hs = [handlers(make_config(etcd_server.endpoint, run_id="left-out", min_nodes=1, max_nodes=2), node_id=f"n{i}")
+          for i in range(2)]  # fmt: skip
+    assert all(info.world_size == 2 for info in pool.map(lambda h: h.next_rendezvous(), hs))
+    stayer, left_out = hs
+    client = _etcd_client(etcd_server)
+    try:
+        client.revoke_lease(left_out._registration.lease_id)  # what an expiry during a partition does
+    finally:
+        client.close()
+    assert stayer.wait_membership_change(TTL + 5), "the stayer did not see the lapsed lease"
+    assert stayer.next_rendezvous().world_size == 1
+    wait_for(lambda: left_out._mirror.committed is not None and left_out._mirror.committed.number == 2, timeout=10,
+             what="the left-out node to see round 2")  # fmt: skip
+    assert left_out.round == 1 and left_out.node_id not in left_out._mirror.committed.participants
+    assert left_out.lost_peers_refuse() is False
