@@ -107,9 +107,15 @@ def spotrun_argv(endpoint: str, run_id: str, nnodes: str, nproc: int, workdir: P
             "--progress-file", str(workdir / "progress.jsonl")]
 
 
+def spotrun_nomem_argv(endpoint: str, run_id: str, nnodes: str, nproc: int, workdir: Path) -> list[str]:
+    """spotrun with the examples' memory tier off (``--no-memory-tier``): what the tier's just-in-time snapshots
+    and memory restore add to a recovery, measured beside the default in one run."""
+    return [*spotrun_argv(endpoint, run_id, nnodes, nproc, workdir), "--no-memory-tier"]
+
+
 @contextlib.contextmanager
 def rendezvous_endpoint(kind: str) -> Iterator[str]:
-    if kind == "spotrun":
+    if kind.startswith("spotrun"):
         from elastic.etcd_server import EmbeddedEtcd
 
         with EmbeddedEtcd() as etcd:
@@ -279,14 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2, help="repetitions of scale-up, node loss and worker crash")
     parser.add_argument("--sigstop-reps", type=int, default=1, help="repetitions of the SIGSTOP node loss")
     parser.add_argument("--timeout", type=float, default=90.0, help="give up on one recovery after this many s")
-    parser.add_argument("--launchers", default="torchrun,spotrun")
+    parser.add_argument("--launchers", default="torchrun,spotrun",
+                        help="comma-separated: torchrun, spotrun, spotrun-nomem (spotrun, the memory tier off)")
     parser.add_argument("--scenarios", default="nodes,worker_crash")
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary directory)")
     args = parser.parse_args(argv)
     if args.reps < 1 or args.sigstop_reps < 0 or args.timeout <= 0:
         parser.error("--reps must be >= 1, --sigstop-reps >= 0 and --timeout > 0")
     kinds = {"torchrun": LauncherKind(name="torchrun", argv=torchrun_argv),
-             "spotrun": LauncherKind(name="spotrun", argv=spotrun_argv)}
+             "spotrun": LauncherKind(name="spotrun", argv=spotrun_argv),
+             "spotrun-nomem": LauncherKind(name="spotrun-nomem", argv=spotrun_nomem_argv)}
     chosen = [kinds[name] for name in args.launchers.split(",")]
     scenarios = set(args.scenarios.split(","))
     root = Path(args.workdir or tempfile.mkdtemp(prefix="spotrun-bench-"))
@@ -307,13 +315,13 @@ def main(argv: list[str] | None = None) -> int:
                 if args.sigstop_reps:
                     results[kind.name]["node_loss_sigstop"] = node_loss(kind, workdir, "sigstop", args.sigstop_reps,
                                                                         args.timeout, bar)
-                if kind.name == "spotrun":
-                    breakdowns["node loss"] = spotrun_breakdown(workdir / "events.jsonl")
+                if kind.name.startswith("spotrun"):
+                    breakdowns[f"{kind.name}, node loss"] = spotrun_breakdown(workdir / "events.jsonl")
                 grow_dir = root / kind.name / "grow"
                 grow_dir.mkdir(parents=True, exist_ok=True)
                 total_s, join_s, deaths = scale_up(kind, grow_dir, args.reps, args.timeout, bar)
                 results[kind.name]["scale_up"] = total_s
-                if kind.name == "spotrun":
+                if kind.name.startswith("spotrun"):
                     results[kind.name]["scale_up_from_join"] = join_s
                 if deaths:
                     notes.append(f"{kind.name}: scale-up failed in {deaths}/{args.reps} repetitions "
@@ -322,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                 workdir = root / kind.name / "crash"
                 workdir.mkdir(parents=True, exist_ok=True)
                 results[kind.name]["worker_crash"] = worker_crash(kind, workdir, args.reps, args.timeout, bar)
-                if kind.name == "spotrun":
-                    breakdowns["worker crash"] = spotrun_breakdown(workdir / "events.jsonl")
+                if kind.name.startswith("spotrun"):
+                    breakdowns[f"{kind.name}, worker crash"] = spotrun_breakdown(workdir / "events.jsonl")
     load_after = os.getloadavg()
 
     targets = {"node_loss_sigkill": "<= 3 s", "node_loss_sigstop": "-", "worker_crash": "<= torchrun / 2",
@@ -339,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {row} | " + " | ".join(cells) + f" | {targets[row]} |")
     for name, stages in breakdowns.items():
         if stages:
-            print(f"\nspotrun recovery breakdown, {name} (median s): "
+            print(f"\nrecovery breakdown, {name} (median s): "
                   + ", ".join(f"{stage} {secs:.2f}" for stage, secs in stages))
     for note in notes:
         print(f"\nnote: {note}")
