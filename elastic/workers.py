@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 if __package__:
@@ -241,6 +241,13 @@ class DeathClock:
             now = self._clock()
             for fd in ready:
                 self.died_at.setdefault(by_fd.pop(fd), now)  # type: ignore[arg-type]  # wait() returns the ints it got
+
+    def note(self, ranks: Iterable[int]) -> None:
+        """Note ``ranks`` dead now unless noted already: the agent saw them exit before this thread did (it
+        runs late on a loaded machine) and is about to stop the rest, which must not count as their cause."""
+        now = self._clock()
+        for rank in ranks:
+            self.died_at.setdefault(rank, now)
 
     def stop(self) -> None:
         self._stop.set()

@@ -24,6 +24,7 @@ from elastic.workers import (
     warm_entrypoint,
 )
 from tests.elastic.doubles import MemoryEventLog
+from tests.harness.procs import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,3 +139,56 @@ def test_wait_for_workers_wakes_on_a_return_value_or_an_exit_not_at_the_timeout(
         if worker.is_alive():
             worker.kill()
         worker.join(5)
+
+
+def _exit_3_or_ignore_sigterm(rank: int, ready: str) -> None:
+    if rank == 0:
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stuck, like a rank blocked in a collective
+    Path(ready).touch()
+    time.sleep(120)
+
+
+def test_a_failed_worker_the_death_clock_has_not_noted_yet_still_gets_the_short_grace(tmp_path: Path) -> None:
+    """torch's ProcessContext.join, on a worker's death, SIGTERMs the others and waits 30 s before SIGKILL; the
+    agent stops them itself with --stop-grace first. It did that only once the death clock's thread had noted
+    the death, and on a loaded machine that thread often ran after the agent's tick: the restart then took
+    30 s (test_stuck_worker_is_killed_after_the_stop_grace failed 1 run in 5 beside two busy cores). Here the
+    clock never notes it (no sentinels): the agent must see the death itself, and still name rank 0 first."""
+    from torch.distributed.elastic.agent.server.api import Worker, WorkerState
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    from elastic.agent import _default_close_timeout
+    from elastic.torch_internals import worker_processes
+    from tests.elastic.test_agent_membership import PollingHandler, make_agent
+
+    agent = make_agent(PollingHandler(), tmp_path)
+    agent._settings = AgentSettings(stop_grace=1.0)
+    ready = tmp_path / "rank-1-ignores-sigterm"
+    pcontext = start_processes("stuck", _exit_3_or_ignore_sigterm, args={r: (r, str(ready)) for r in range(2)},
+                               envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+                               start_method="fork")
+    try:
+        agent._pcontext = pcontext
+        _default_close_timeout(pcontext, 1.0, agent._workers_closing)
+        agent._death_clock = DeathClock({})  # its thread has noted nothing (yet)
+        group = agent._worker_group
+        group.workers = [Worker(local_rank=r, global_rank=r, role_rank=r, world_size=2, role_world_size=2)
+                         for r in range(2)]  # fmt: skip
+        for worker, pid in zip(group.workers, pcontext.pids().values()):
+            worker.id = pid
+        processes = worker_processes(pcontext)
+        assert processes is not None
+        processes[0].join(20)
+        wait_for(ready.exists, 20, "rank 1 to ignore SIGTERM")
+        assert processes[0].exitcode == 3 and processes[1].is_alive()
+        began = time.monotonic()
+        result = agent._monitor_workers(group)
+        took = time.monotonic() - began
+        assert result.state == WorkerState.FAILED
+        assert took < 10, f"the stuck rank was stopped after {took:.1f} s, not after the 1 s stop grace"
+        assert processes[1].exitcode == -signal.SIGKILL, "it ignores SIGTERM: killed after the grace"
+        first = next(iter(result.failures.values()))
+        assert (first.local_rank, first.exitcode) == (0, 3), result.failures
+    finally:
+        pcontext.close(timeout=1)
