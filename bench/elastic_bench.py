@@ -17,6 +17,9 @@ use their defaults, except ``--max-restarts 100`` (torchrun would give up otherw
 Each repetition is a fresh job (fresh run id), so one launcher's failure cannot poison the next repetition.
 * worker_crash: one of two workers of a single agent is SIGKILLed -> next completed step by a new worker.
 
+``--launchers spotrun,spotrun-nomem`` runs spotrun twice, the second time with the examples' memory tier off
+(``--no-memory-tier``): what its just-in-time snapshots and memory restore add to a recovery, in one run.
+
 Prints a Markdown table (median and min-max over the repetitions), the host load, and spotrun's recovery
 breakdown from its ``events.jsonl``. Timings on a loaded machine are not comparable with another run.
 """
@@ -295,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     kinds = {"torchrun": LauncherKind(name="torchrun", argv=torchrun_argv),
              "spotrun": LauncherKind(name="spotrun", argv=spotrun_argv),
              "spotrun-nomem": LauncherKind(name="spotrun-nomem", argv=spotrun_nomem_argv)}
+    unknown = sorted(set(args.launchers.split(",")) - set(kinds))
+    if unknown:
+        parser.error(f"--launchers: unknown {', '.join(unknown)} (choose from {', '.join(kinds)})")
     chosen = [kinds[name] for name in args.launchers.split(",")]
     scenarios = set(args.scenarios.split(","))
     root = Path(args.workdir or tempfile.mkdtemp(prefix="spotrun-bench-"))

@@ -503,10 +503,9 @@ class SpotrunAgent(LocalElasticAgent):
             # CHANGE: on a failure torch.multiprocessing's ProcessContext.join SIGTERMs the other workers and
             # waits up to 30 s before SIGKILL; workers stuck in a collective with a Python SIGTERM handler
             # never run it. Terminate them ourselves with the short grace first. Asked of the processes here,
-            # on this thread: this used to wait until the death clock's thread had noted the death, and on a
-            # loaded machine that thread often ran after this tick, so torch's join saw the death first and
-            # the restart took 30 s (test_stuck_worker_is_killed_after_the_stop_grace, 1 run in 5 beside two
-            # busy cores).
+            # on this thread, not of the death clock: its thread may note the death only after this tick on a
+            # loaded machine, and torch's join then saw it first (test_a_failed_worker_the_death_clock_has_not_
+            # noted_yet_still_gets_the_short_grace).
             processes = worker_processes(self._pcontext)
             dead = [rank for rank, proc in enumerate(processes or []) if proc.exitcode not in (None, 0)]
             if dead:
@@ -587,8 +586,9 @@ class SpotrunAgent(LocalElasticAgent):
                     "still running" if running() else "exited", self._settings.stop_grace)
 
     def _lost_peers_refuse(self) -> bool:
-        """The rendezvous's answer (``lost_peers_refuse``): True when a lost peer may have died on a live host,
-        and whenever the handler cannot tell (another handler, an error): then the workers get their grace."""
+        """The rendezvous's answer (``PeerProbingHandler.lost_peers_refuse``): True when a lost peer may have died
+        on a live host, and whenever the handler cannot tell (another handler, an error): then the workers get
+        their grace. False for silent or paused peers and when a newer round formed without this node."""
         if not isinstance(self._membership, PeerProbingHandler):
             return True
         try:
@@ -1145,6 +1145,8 @@ def complete_failures(
     for local_rank, when in died_at.items():
         global_rank = worker_group.workers[local_rank].global_rank
         exitcode = _exitcode(pcontext, local_rank)
+        # <=: the agent notes the deaths it saw itself (DeathClock.note) just before it starts the close, on the
+        # same monotonic clock, so a tie is a death seen before the close.
         on_its_own = close_started_at is None or when <= close_started_at
         if global_rank in merged or not on_its_own or exitcode == 0 or local_rank in released:
             continue

@@ -244,7 +244,8 @@ class DeathClock:
 
     def note(self, ranks: Iterable[int]) -> None:
         """Note ``ranks`` dead now unless noted already: the agent saw them exit before this thread did (it
-        runs late on a loaded machine) and is about to stop the rest, which must not count as their cause."""
+        runs late on a loaded machine) and is about to stop the rest, which must not count as their cause.
+        Ranks noted together tie; the agent then orders them by their error files' timestamps."""
         now = self._clock()
         for rank in ranks:
             self.died_at.setdefault(rank, now)

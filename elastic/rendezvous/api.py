@@ -37,6 +37,7 @@ __all__ = [
     "RoundMembersHandler",
     "MembershipAwareHandler",
     "OutageBoundHandler",
+    "PeerProbingHandler",
     "RendezvousClosedError",
     "RendezvousConfigError",
     "RendezvousConnectionError",
@@ -211,9 +212,11 @@ class PeerProbingHandler(Protocol):
         it), revoke the lease of each whose process is gone and return those nodes."""
 
     def lost_peers_refuse(self) -> bool:
-        """Whether a lost participant of this node's round may have died on a live host (its liveness port
-        refuses, or it cannot be probed), so that this node's workers' collectives break and a just-in-time
-        snapshot is worth waiting for; False when every lost peer is silent or paused."""
+        """Whether this node's workers' just-in-time snapshot is worth waiting for after a peer loss: True when a
+        lost participant of this node's round may have died on a live host (its liveness port refuses, or it
+        cannot be probed), so that the workers' collectives break; False when every lost peer is silent or
+        paused (nothing breaks them), and when a newer round formed without this node (its peers restored
+        without its state)."""
 
 
 # Keys torch's launcher or other torch backends put into --rdzv-conf. We accept them so an existing

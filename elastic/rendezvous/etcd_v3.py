@@ -537,8 +537,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def lost_peers_refuse(self) -> bool:
         """Whether a lost participant of this node's round may have died on a live host (its liveness port
         refuses, or it cannot be probed): its workers' connections were then reset and ours break, so our
-        workers can snapshot just in time. False when every lost peer is silent or paused (``PeerLiveness.any_refuses``),
-        and when a newer round formed without this node (its lease lapsed: a partition, a pause): that group
+        workers can snapshot just in time. False when every lost peer is silent or paused
+        (``PeerLiveness.any_refuses``), and when a newer round formed without this node (its lease lapsed: a partition, a pause): that group
         restored without this node's state, which is no newer than theirs, so a snapshot of it helps nobody. Its
         workers are stopped at once instead of sitting in a collective with peers that moved on (found in the
         partition test: once the link was back, they got the old peers' resets and failed with a traceback)."""

@@ -27,8 +27,9 @@ log = logging.getLogger("elastic.rendezvous.etcd_v3")
 
 LOSS_LINES_PER_ROUND = 3
 """Departures of one round each logged on a line of their own (WARNING for a lost lease, INFO for a notice); the
-rest at DEBUG, after one WARNING saying so. Every agent logs what it sees, so a mass loss at 1,000 agents was
-988,000 lines (214 MB) of "lost its lease"; the agent's restart line names every node gone in one line."""
+rest at DEBUG, after one line saying so. Every agent logs what it sees, so a mass loss of N agents was N lines in
+every agent's log (N x N in all). Who is gone stays visible in the coordinator's log: its reform post lists every
+lost node and its commit every participant of the next round (INFO)."""
 
 SAFETY_RECHECK_S = 2.0
 """Longest a waiting loop sleeps without a mirror change; only a backstop, wake-ups come from the watch."""
@@ -226,8 +227,8 @@ class MirrorUpdater:
         level = logging.INFO if node in mirror.notices else logging.WARNING
         if len(lost) > LOSS_LINES_PER_ROUND:
             if len(lost) == LOSS_LINES_PER_ROUND + 1:
-                log.warning("%smore than %d participants of round %d are gone: the others are logged at DEBUG level",
-                            self._ctx(), LOSS_LINES_PER_ROUND, committed.number)
+                log.log(level, "%smore than %d participants of round %d are gone: the others are logged at DEBUG level",
+                        self._ctx(), LOSS_LINES_PER_ROUND, committed.number)
             level = logging.DEBUG
         if node in mirror.notices:
             log.log(level, "%sparticipant %s of round %d left for its preemption notice", self._ctx(), node,

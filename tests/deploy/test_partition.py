@@ -12,7 +12,6 @@ bridge; one node's link is cut (every packet dropped both ways: no RST, no FIN) 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from elastic.etcd_server import find_etcd_binary
 from tests.chaos.jobs import final_state
 from tests.deploy.netlab import FORCE_LOOPBACK_ENV, NetLab, loopback_reason
 from tests.harness.procs import EXAMPLES, REPO, Timeout, read_jsonl, wait_for
+from tests.harness.tracebacks import unexpected_tracebacks
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(420)]
 
@@ -128,33 +128,6 @@ def _assert_reference(ckpt: Path, reference: dict[str, torch.Tensor]) -> None:
         assert torch.equal(state[name], tensor), f"{name} differs from the uninterrupted run"
 
 
-# A worker's collective raises these when its peer's end of the connection is gone (gloo's wording).
-_BROKEN_COLLECTIVE = ("Connection closed by peer", "Connection reset by peer")
-_RANK_PREFIX = re.compile(r"\[rank\d+\]: ")
-
-
-def _unexpected_tracebacks(log: str) -> list[str]:
-    """The tracebacks in an agent's log other than a worker's broken collective: once the link is back, the
-    cut-off node's worker may see its old peer's connection reset before its agent stops it (the peer re-formed
-    without it meanwhile); it then fails like any survivor of a peer's death, under torchrun too (torch's
-    excepthook prefixes its lines with ``[rankN]: ``). Any other traceback (the agent's, a worker's own bug)
-    is returned with its last line."""
-    lines = log.splitlines()
-    found = []
-    for i, line in enumerate(lines):
-        if "Traceback (most recent call last)" not in line:
-            continue
-        prefix = _RANK_PREFIX.match(line)
-        if prefix is None:
-            found.append(line)
-            continue
-        body = [x for x in lines[i + 1 :] if x.startswith(prefix.group(0))]
-        last = next((x for x in body if not x[prefix.end() :].startswith(" ")), line)
-        if not any(marker in last for marker in _BROKEN_COLLECTIVE):
-            found.append(last)
-    return found
-
-
 def _wait(proc: subprocess.Popen[bytes], timeout: float, lab: Lab, what: str) -> int:
     try:
         return proc.wait(timeout=timeout)
@@ -191,7 +164,7 @@ def test_a_partition_shorter_than_etcd_timeout_is_ridden_out_and_the_node_rejoin
     assert _wait(a, 240, lab, "node a") == 0, lab.logs()
     assert _wait(b, 60, lab, "node b") == 0, lab.logs()
     b_log = (lab.root / "agent-b.log").read_text(errors="replace")
-    assert "TLS" not in b_log and not _unexpected_tracebacks(b_log), b_log[-4000:]
+    assert "TLS" not in b_log and not unexpected_tracebacks(b_log), (unexpected_tracebacks(b_log), b_log[-4000:])
     _assert_reference(ckpt, reference)
 
 
@@ -208,7 +181,7 @@ def test_a_partition_longer_than_etcd_timeout_ends_the_node_cleanly_and_the_peer
     b_log = (lab.root / "agent-b.log").read_text(errors="replace")
     assert code != 0, b_log[-4000:]
     assert "unreachable for" in b_log and "etcd_timeout=6" in b_log, b_log[-4000:]
-    assert "TLS" not in b_log and not _unexpected_tracebacks(b_log), b_log[-4000:]
+    assert "TLS" not in b_log and not unexpected_tracebacks(b_log), (unexpected_tracebacks(b_log), b_log[-4000:])
     assert _wait(a, 240, lab, "node a") == 0, lab.logs()
     assert max(r["step"] for r in _progress(lab, "a")) == STEPS
     _assert_reference(ckpt, reference)

@@ -25,6 +25,7 @@ from elastic.rendezvous.api import (
     EtcdRendezvousConfig,
     MembershipAwareHandler,
     OutageBoundHandler,
+    PeerProbingHandler,
     RendezvousClosedError,
     RendezvousConfigError,
     RendezvousConnectionError,
@@ -134,6 +135,7 @@ def test_the_etcd_v3_handler_is_membership_aware() -> None:
     handler = EtcdV3RendezvousHandler(config)
     assert isinstance(handler, MembershipAwareHandler)  # constructing does not connect
     assert isinstance(handler, OutageBoundHandler)
+    assert isinstance(handler, PeerProbingHandler)  # a renamed method would silently turn the probes off
     assert (handler.outage_bound, handler.endpoint) == (7, "127.0.0.1:2379")
 
 

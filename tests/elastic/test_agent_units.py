@@ -190,5 +190,8 @@ def test_a_failed_worker_the_death_clock_has_not_noted_yet_still_gets_the_short_
         assert processes[1].exitcode == -signal.SIGKILL, "it ignores SIGTERM: killed after the grace"
         first = next(iter(result.failures.values()))
         assert (first.local_rank, first.exitcode) == (0, 3), result.failures
+        # rank 0 counts as dead on its own (noted before the close began), rank 1 as stopped by the agent
+        assert set(agent._death_clock.died_at) == {0}
+        assert agent._close_started_at is not None and agent._death_clock.died_at[0] <= agent._close_started_at
     finally:
         pcontext.close(timeout=1)
