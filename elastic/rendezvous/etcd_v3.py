@@ -535,13 +535,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         log.info("%sleft the rendezvous", self._ctx())
 
     def lost_peers_refuse(self) -> bool:
-        """Whether a lost participant of this node's round may have died on a live host (its liveness port
-        refuses, or it cannot be probed): its workers' connections were then reset and ours break, so our
-        workers can snapshot just in time. False when every lost peer is silent or paused
-        (``PeerLiveness.any_refuses``), and when a newer round formed without this node (its lease lapsed: a partition, a pause): that group
-        restored without this node's state, which is no newer than theirs, so a snapshot of it helps nobody. Its
-        workers are stopped at once instead of sitting in a collective with peers that moved on (found in the
-        partition test: once the link was back, they got the old peers' resets and failed with a traceback)."""
+        """``PeerProbingHandler.lost_peers_refuse``: False at once when a newer round formed without this node
+        (its lease lapsed: a partition, a pause), else whether a lost peer's liveness port refuses or cannot be
+        probed (``PeerLiveness.any_refuses``)."""
         with self._cond:
             mine, committed = self._my_round, self._mirror.committed
         if (mine is not None and committed is not None and committed.number > mine.number

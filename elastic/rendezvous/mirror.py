@@ -224,14 +224,12 @@ class MirrorUpdater:
             return  # known already (a follower hears of a loss from the coordinator key and the reform post)
         lost = self.lost.setdefault(committed.number, set())
         lost.add(node)
-        level = logging.INFO if node in mirror.notices else logging.WARNING
+        notice = node in mirror.notices
+        level = logging.INFO if notice else logging.WARNING
         if len(lost) > LOSS_LINES_PER_ROUND:
             if len(lost) == LOSS_LINES_PER_ROUND + 1:
                 log.log(level, "%smore than %d participants of round %d are gone: the others are logged at DEBUG level",
                         self._ctx(), LOSS_LINES_PER_ROUND, committed.number)
             level = logging.DEBUG
-        if node in mirror.notices:
-            log.log(level, "%sparticipant %s of round %d left for its preemption notice", self._ctx(), node,
-                    committed.number)
-        else:
-            log.log(level, "%sparticipant %s of round %d lost its lease", self._ctx(), node, committed.number)
+        log.log(level, "%sparticipant %s of round %d %s", self._ctx(), node, committed.number,
+                "left for its preemption notice" if notice else "lost its lease")
