@@ -16,6 +16,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable
@@ -56,7 +57,7 @@ from elastic.rendezvous.api import (
 )
 from elastic.torch_internals import entrypoint_name as torch_entrypoint_name
 from elastic.torch_internals import static_master_addr_and_port, verify_torch_once
-from elastic.warm import note_agent_import_env, note_agent_import_start
+from elastic.warm import note_agent_import_env, note_agent_import_start, note_forkserver_failure
 from elastic.worker.mailbox import Mailbox
 from elastic.workers import start_warm_forkserver, warm_entrypoint
 
@@ -320,7 +321,13 @@ def launch(
             # and before joining the rendezvous: a joining node must not stall a running group on its imports.
             # The forkserver is the agent's: a notice signal sent to every process of the job step (Slurm)
             # must not end it (its children's exit codes would all read 255, and no restart could fork).
-            logger.info("warm workers: forkserver ready in %.2f s", start_warm_forkserver(shielded=shielded))
+            try:
+                logger.info("warm workers: forkserver ready in %.2f s", start_warm_forkserver(shielded=shielded))
+            except OSError as exc:
+                # A faster mode that cannot start is no reason to fail a job torchrun would run: its Unix socket
+                # lives under TMPDIR, and a long TMPDIR makes that path too long (108 bytes). The agent then
+                # starts plain workers and says so once, naming this (warm.warm_fallback_reason).
+                note_forkserver_failure(f"{exc}; TMPDIR={tempfile.gettempdir()}")
         agent.install_notice_handlers()
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()

@@ -53,6 +53,16 @@ def note_forkserver_environ(started: Mapping[str, str], after_imports: Mapping[s
     _forkserver_environ = (dict(started), dict(after_imports))
 
 
+_forkserver_failure: str | None = None
+"""Why the warm forkserver could not start (``note_forkserver_failure``), None when it did or was not tried."""
+
+
+def note_forkserver_failure(why: str) -> None:
+    """Remember why the warm forkserver could not start: the agent then starts plain workers, saying why."""
+    global _forkserver_failure
+    _forkserver_failure = why
+
+
 def forkserver_environ() -> tuple[dict[str, str], dict[str, str]] | None:
     """(environment at forkserver start, environment of its children before torch's per-worker variables)."""
     return _forkserver_environ
@@ -126,7 +136,8 @@ def warm_fallback_reason(
     """Why a warm worker started now could be told apart from torchrun's, or None when it cannot.
     ``forkserver``: the environments at forkserver start and after its imports (None: no forkserver)."""
     if forkserver is None:
-        return "the warm forkserver was not started"
+        failure = _forkserver_failure
+        return "the warm forkserver was not started" + (f" ({failure})" if failure else "")
     changed = [name for name in import_time_env_changes(forkserver[0], forkserver[1], current)
                if name not in _agent_import_env]
     if changed:

@@ -220,3 +220,21 @@ def test_a_failed_setup_leaves_no_keeper_mailbox_or_port(tmp_path: Path, monkeyp
     assert not Path(mailbox.path).exists(), "the mailbox outlived a failed setup"
     with socket.socket() as sock:
         sock.bind(("", port))  # the metrics exporter's port is free again
+
+
+def test_a_tmpdir_too_long_for_the_forkserver_socket_falls_back_to_plain_workers(tmp_path: Path) -> None:
+    """multiprocessing's forkserver listens on a Unix socket under TMPDIR (``pymp-*/listener-*``), and a path over
+    107 bytes cannot be bound: the agent died with "AF_UNIX path too long" (a TMPDIR of ~80 characters was enough,
+    found under pytest's own temporary directories), where torchrun starts plain workers and runs. The job must
+    run on plain workers, saying once why."""
+    tmpdir = tmp_path / ("t" * max(1, 110 - len(str(tmp_path))))
+    tmpdir.mkdir()
+    assert len(str(tmpdir)) >= 108
+    out = tmp_path / "out"
+    result = run_cli([*SPOTRUN, "--standalone", "--nproc-per-node", "2", FAULT, "--steps", "2", "--no-collective",
+                      "--out", str(out)], timeout=120, env=make_env(TMPDIR=str(tmpdir)))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert {p["rank"] for p in read_jsonl(out / "progress.jsonl")} == {0, 1}
+    fallbacks = [line for line in result.stderr.splitlines() if "warm workers off" in line]
+    assert len(fallbacks) == 1 and "AF_UNIX path too long" in fallbacks[0], result.stderr[-3000:]
