@@ -31,17 +31,17 @@ def main() -> None:
     model = torch.nn.Linear(64, 64)
     progress = args.dir / f"progress-{rank}"
     trigger = args.dir / "trigger"
-    abort_at: list[float] = []
+    abort: dict[str, float] = {}
 
     def watcher() -> None:  # the mailbox's stand-in: the agent would say "a peer is gone"
         while not trigger.exists():
             time.sleep(0.005)
-        abort_at.append(time.perf_counter())
+        abort["at"] = time.perf_counter()
         report = abort_process_group()
-        abort_at.append(report.connections_shut)
+        abort.update(shut=report.connections_shut, seconds=report.seconds)
 
     threading.Thread(target=watcher, name="abort-watcher", daemon=True).start()
-    step, raised_at, error = 0, 0.0, ""
+    step, raised_at, raised_unix, error = 0, 0.0, 0.0, ""
     try:
         while True:
             step += 1
@@ -50,7 +50,7 @@ def main() -> None:
                 dist.all_reduce(p.data)
                 p.data.mul_(0.5)
     except RuntimeError as exc:
-        raised_at, error = time.perf_counter(), str(exc)
+        raised_at, raised_unix, error = time.perf_counter(), time.time(), str(exc)
     # After the abort: a later collective fails at once, the store still answers, a snapshot can be taken.
     began = time.perf_counter()
     try:
@@ -65,9 +65,11 @@ def main() -> None:
     result = {
         "step": step, "error": error[:300], "later": later, "later_seconds": later_seconds,
         "store": store.get(f"after-abort-{rank}").decode(),
-        "abort_to_raise": raised_at - abort_at[0] if abort_at else None,
-        "connections_shut": abort_at[1] if len(abort_at) > 1 else None,
-        "raised_before_abort": not abort_at or raised_at < abort_at[0],
+        "abort_to_raise": raised_at - abort["at"] if "at" in abort else None,
+        "connections_shut": abort.get("shut"),
+        "abort_seconds": abort.get("seconds"),
+        "raised_before_abort": "at" not in abort or raised_at < abort["at"],
+        "raised_unix": raised_unix,
     }
     (args.dir / f"result-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
