@@ -12,9 +12,10 @@ GPU (one child process; each check skipped with a printed reason where there is 
 * ``gpu_stall``: a ~1 GiB state (``--state-mib``) on the GPU copied into a shared-memory slot the way the
   checkpointer and the memory tier do (``staging.copy_pieces``): device-to-host GB/s into a CUDA-registered
   (page-locked) mapping vs the same mapping pageable, and how long the training loop is blocked when the copy
-  is issued behind ~0.2 s of queued compute: the side stream + event path (returns at once, the copy runs after
-  the queued work and the next forward waits for it on the GPU) vs the old ``non_blocking`` copy followed by a
-  device-wide ``torch.cuda.synchronize()``; the copied bytes are checked against the device's.
+  is issued behind ~0.2 s of queued compute: the side stream + event path into the registered mapping (returns
+  at once, the copy runs after the queued work and the next forward waits for it on the GPU) vs the plain way, a
+  ``non_blocking`` copy into the unregistered mapping followed by a device-wide ``torch.cuda.synchronize()``; the
+  copied bytes are checked against the device's.
 * ``gpu_restore``: host-to-device GB/s of the same state from page-locked memory (a registered mapping and
   ``pin_memory()``) vs pageable memory (what a restore from the memory tier or a checkpoint feeds the GPU).
 * ``gpu_forkserver``: spotrun's warm forkserver started with its default preloads on a CUDA machine has not
@@ -350,12 +351,14 @@ def check_gpu_stall(state_mib: int) -> None:
         pinned = PinnedMapping(pinned_buf)
         figures["registered"] = pinned.registered
         views: list[list[Any]] = []
+        before: list[Any] = []
         try:
             for name, buf in (("pinned", pinned_buf), ("pageable", pageable_buf)):
                 views = [piece_views(buf, layout)]
                 seconds = _timed(lambda v=views: copy_pieces([layout], v, flat.items).wait())
                 figures[f"d2h_{name}_gbps"] = round(nbytes / seconds / 1e9, 2)
             views = [piece_views(pinned_buf, layout)]
+            before = piece_views(pageable_buf, layout)  # the plain way: unregistered, then synchronize
             # Behind queued compute: how long the caller is blocked, new path vs old.
             stalls_new, totals_new, stalls_old = [], [], []
             for _ in range(3):
@@ -370,9 +373,10 @@ def check_gpu_stall(state_mib: int) -> None:
                 totals_new.append(time.perf_counter() - t0)
                 forward()
                 t0 = time.perf_counter()
-                with torch.no_grad():  # the old path: non_blocking copies, then a device-wide synchronize
-                    for entry, view in zip(layout.entries, views[0]):
-                        view.copy_(flat.items[entry.item_index].tensor, non_blocking=True)
+                with torch.no_grad():  # the plain way: non_blocking copies, then a device-wide synchronize
+                    for entry, view in zip(layout.entries, before):
+                        if view is not None:
+                            view.copy_(flat.items[entry.item_index].tensor, non_blocking=True)
                 torch.cuda.synchronize()
                 stalls_old.append(time.perf_counter() - t0)
             figures["stall_event_path_s"] = round(statistics.median(stalls_new), 5)
@@ -386,7 +390,7 @@ def check_gpu_stall(state_mib: int) -> None:
                 for e, view in zip(layout.entries, views[0])
             )
         finally:
-            views = []  # no view of the mappings outlives them
+            views, before = [], []  # no view of the mappings outlives them
             pinned.release()
     ok = figures["bytes_match"] and figures["stall_event_path_s"] < figures["stall_synchronize_path_s"]
     _report("gpu_stall", began, figures, "ok" if ok else "failed",

@@ -68,6 +68,8 @@ class Stager:
         self._buffers: list[torch.Tensor] = []
         self._views: list[list[torch.Tensor | None]] = []
         self._pinned: list[PinnedMapping] = []
+        self.page_locked = False
+        """Whether the current buffers are page-locked (allocated pinned, or registered with CUDA)."""
         self._fence = CopyFence()
         self.allocations = 0
         """How many times buffers were (re)allocated; a test asserts it stays at 1 across saves."""
@@ -98,6 +100,7 @@ class Stager:
             self._views.append(piece_views(buf, layout))
         if pin and self.shared_dir is not None:  # torch cannot allocate a shared mapping pinned: register it
             self._pinned = pin_mappings(self._buffers, (item.tensor for item in items))
+        self.page_locked = pin and (self.shared_dir is None or any(p.registered for p in self._pinned))
         self.allocations += 1
         logger.debug("staging: allocated %d buffers, %d bytes (pinned=%s)", len(layouts), self.nbytes, pin)
 
@@ -120,6 +123,7 @@ class Stager:
     def release(self) -> None:
         self._fence.wait()  # no copy may land in a buffer being unmapped
         release_all(self._pinned)  # before the mappings close
+        self.page_locked = False
         self._buffers, self._views, self._signature = [], [], None
         for mm in self._mmaps:
             try:
