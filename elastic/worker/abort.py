@@ -14,9 +14,10 @@ thread, ends that wait:
   ``RuntimeError`` on every thread waiting on the group.
 
 gloo does not say which of the process's sockets are its own, so every established TCP connection of this
-process is shut except those of the rendezvous store (``MASTER_PORT``, and any port in ``keep_ports``): a worker
-aborts its group when it is about to leave it (snapshot and exit, or rebuild a new group), and other clients it
-holds (an S3 connection pool) reconnect on their next request. The decision is :func:`connections_to_shut`, a
+process is shut except those of the rendezvous store (``MASTER_PORT``, and any port in ``keep_ports``). In effect
+every gloo group of the process is aborted with it (the helpers' gloo subgroups too): a worker aborts its group
+when it is about to leave it (snapshot and exit, or rebuild its groups), and other clients it holds (an S3
+connection pool) reconnect on their next request. The decision is :func:`connections_to_shut`, a
 pure function of the socket table; the reading of ``/proc`` and the ``shutdown`` calls are the thin edges.
 """
 
