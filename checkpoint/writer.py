@@ -257,6 +257,7 @@ class ThreadWriter:
         return self.stager.stage(layouts, items)
 
     def write(self, step_rel: str, layouts: Sequence[ShardLayout], buffers: Sequence[memoryview]) -> RankRecords:
+        self.stager.wait_copies()  # device copies end here, on the background thread, not in save()
         return write_rank_files(
             self.storage,
             step_rel,
@@ -300,6 +301,7 @@ class ProcessWriter:
         return []  # the writer process reads its own mapping; keep no views of ours alive
 
     def write(self, step_rel: str, layouts: Sequence[ShardLayout], buffers: Sequence[memoryview]) -> RankRecords:
+        self.stager.wait_copies()  # the writer process reads the buffers: the device copies must be in them
         records = self.client.write(
             step_rel, layouts, block_bytes=self.config.checksum_block_bytes, rank=self.rank,
             threads=self.config.writer_threads,

@@ -350,7 +350,7 @@ def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_ti
     from multiprocessing import forkserver, resource_tracker
 
     from elastic.boot import adopt
-    from elastic.warm import note_forkserver_environ
+    from elastic.warm import note_forkserver_environ, note_forkserver_failure
 
     began = time.monotonic()
     # A forkserver started before the agent's imports (elastic.boot), used when it matches this one exactly.
@@ -373,20 +373,55 @@ def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_ti
     probe.start()  # returns once the forkserver has finished its imports and forked
     send.close()
     after_imports = started_with
+    global _forkserver_cuda
     if receive.poll(wait_timeout):
         try:
-            after_imports = receive.recv()
+            after_imports, _forkserver_cuda = receive.recv()
         except EOFError:
             pass
     receive.close()
     probe.join(wait_timeout)
     note_forkserver_environ(started_with, after_imports)
+    why = cuda_fork_problem(_forkserver_cuda)
+    if why is not None:
+        import logging
+
+        logging.getLogger(__name__).warning("warm workers: %s; starting plain workers instead", why)
+        note_forkserver_failure(why)
     return time.monotonic() - began
+
+
+_forkserver_cuda: bool | None = None
+"""Whether the warm forkserver had initialised CUDA when it forked its first child (None: not known yet)."""
+
+
+def forkserver_cuda_initialized() -> bool | None:
+    """Whether the warm forkserver initialised CUDA (its first child inherited a CUDA context it cannot use);
+    None before ``start_warm_forkserver`` heard from it."""
+    return _forkserver_cuda
+
+
+def cuda_fork_problem(initialized: bool | None) -> str | None:
+    """Why warm workers cannot be used when the forkserver initialised CUDA: a forked child of a process with
+    a CUDA context cannot initialise CUDA itself (torch raises "Cannot re-initialize CUDA in forked
+    subprocess"), so every GPU worker would fail; None when it did not (or nobody knows)."""
+    if not initialized:
+        return None
+    return ("a module preloaded in the warm forkserver initialised CUDA, and a process forked from it cannot use "
+            "CUDA")
+
+
+def inherited_cuda_context() -> bool:
+    """In a forked child: True when the parent had initialised CUDA (torch marks the child a "bad fork").
+    Never initialises CUDA itself, and is False where torch was not imported."""
+    cuda = sys.modules.get("torch.cuda")
+    bad_fork = getattr(cuda, "_is_in_bad_fork", None)
+    return bool(bad_fork()) if callable(bad_fork) else False
 
 
 def _send_environ(conn: Any) -> None:
     try:
-        conn.send(dict(os.environ))
+        conn.send((dict(os.environ), inherited_cuda_context()))
         conn.close()
     except OSError:  # the launcher was stopped (SIGTERM) while warming up: nobody is listening, nothing to say
         pass
