@@ -479,15 +479,12 @@ class SpotrunAgent(LocalElasticAgent):
             # group_rank is set by the rendezvous that always precedes a start
             self._hang_watch.prepare(worker_group.group_rank or 0, worker_group.spec.local_world_size)
         self._hung_pending = False
-        # CHANGE: torch's PContext.start replaces the notice handlers with its own (an immediate shutdown); the
-        # notice signals are held back until ours are back, so one that arrives during the start is a notice.
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, list(self._notice_signals))
-        try:
-            pids = super()._start_workers(worker_group)
-            self._workers_started_at = time.monotonic()
-            self.install_notice_handlers()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        # CHANGE: torch's PContext.start replaces the notice handlers with its own (an immediate shutdown): ours
+        # are back at once. (Blocking the signals over the start instead would leak the mask into the workers,
+        # which inherit it through fork and exec: a script would see SIGTERM blocked.)
+        pids = super()._start_workers(worker_group)
+        self._workers_started_at = time.monotonic()
+        self.install_notice_handlers()
         if self._hang_watch is not None:
             self._hang_watch.started(dict(pids))
         if self._pcontext is not None:
