@@ -483,14 +483,15 @@ class SpotrunAgent(LocalElasticAgent):
         # are back at once. (Blocking the signals over the start instead would leak the mask into the workers,
         # which inherit it through fork and exec: a script would see SIGTERM blocked.)
         pids = super()._start_workers(worker_group)
+        if self._pcontext is not None:
+            # Before the notice handlers: a shutdown they start must already release returned workers at once.
+            self._close_started_at = None
+            _default_close_timeout(self._pcontext, self._settings.stop_grace, self._workers_closing)
+            self._start_death_clock(self._pcontext)
         self._workers_started_at = time.monotonic()
         self.install_notice_handlers()
         if self._hang_watch is not None:
             self._hang_watch.started(dict(pids))
-        if self._pcontext is not None:
-            self._close_started_at = None
-            _default_close_timeout(self._pcontext, self._settings.stop_grace, self._workers_closing)
-            self._start_death_clock(self._pcontext)
         self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()))
         self._recovery_cause = None
         return pids
