@@ -598,7 +598,8 @@ class SpotrunAgent(LocalElasticAgent):
         round (its peers restored without its state)."""
         if self._memory_dir is None or self._pcontext is None or not snapshots_in(self._memory_dir):
             return
-        if not self._lost_peers_refuse():
+        # Workers that watch abort their groups: their collectives raise now, whatever the loss (snapshot, exit).
+        if not self._abort_watched_groups() and not self._lost_peers_refuse():
             logger.info("%s no just-in-time snapshot to wait for (the lost peers are silent or paused: no connection "
                         "reset breaks the workers' collectives; or the group re-formed without this node)", self._ctx())
             return
@@ -610,6 +611,29 @@ class SpotrunAgent(LocalElasticAgent):
             time.sleep(JIT_POLL_INTERVAL)
         logger.info("%s workers %s after the peer loss (up to %.1fs for just-in-time snapshots)", self._ctx(),
                     "still running" if running() else "exited", self._settings.stop_grace)
+
+    def _abort_watched_groups(self) -> bool:
+        """CHANGE (abortable groups): tell the workers a peer is gone (``peer-lost.json``); True when every local
+        worker runs a peer-loss watcher (``elastic.worker.watcher``), which aborts its process group, so a
+        collective blocked on a silent or paused peer raises too and the just-in-time snapshot runs."""
+        if self._mailbox is None:
+            return False
+        lost: set[str] = set()
+        if self._notices is not None:
+            try:
+                lost = self._notices.lost_peers()
+            except RendezvousError:
+                pass
+        try:
+            watching = len(self._mailbox.watchers()) >= self._worker_group.spec.local_world_size
+            if watching:
+                self._mailbox.post_peer_lost(sorted(lost))
+        except OSError as exc:
+            logger.warning("%s could not tell the workers of the peer loss: %s", self._ctx(), exc)
+            return False
+        if watching:
+            logger.info("%s peer(s) %s lost: the workers abort their process group", self._ctx(), sorted(lost))
+        return watching
 
     def _lost_peers_refuse(self) -> bool:
         """The rendezvous's answer (``PeerProbingHandler.lost_peers_refuse``): True when a lost peer may have died

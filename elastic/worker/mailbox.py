@@ -19,6 +19,12 @@ The files (the *mailbox* is a private directory the agent creates and names in
   ``elastic.preemption``): the script will build a helper, it has not yet (imports, the restore). A notice that
   arrives before the helpers exist then finds workers that trained nothing since their restore: the node
   leaves as a planned leave instead of taking torch's immediate shutdown (``elastic.planned.helper_outlook``).
+* ``watching-{local_rank}``  written by a worker whose peer-loss watcher runs (:mod:`elastic.worker.watcher`,
+  started with its ``Preemption`` helper): it aborts the training's process group when told a peer is gone.
+* ``peer-lost.json``  written by the agent the moment it knows a peer of the round is gone (its lease, a probe):
+  ``{"lost": [node, ...], "time"}``. A watching worker aborts its group, so a collective blocked on the lost
+  peer (NCCL never fails on a dead peer; gloo waits on a paused or cut-off one) raises now, and the
+  just-in-time snapshot of the last completed step runs before the worker exits.
 * ``ack-{local_rank}.json``  written after the agreed step is committed: ``{"step", "time"}``; or, when the
   save could not commit before ``save_by`` and was not started, ``{"step", "time", "saved": false, "why"}``
   (a record without ``saved`` is a committed one). Workers that all acknowledged and exited 0 ended for a
@@ -143,6 +149,8 @@ class GroupAssignment:
 
 _HELPER_FILE = re.compile(r"helper-(\d+)")
 _COMING_FILE = re.compile(r"coming-(\d+)")
+_WATCHING_FILE = re.compile(r"watching-(\d+)")
+PEER_LOST_FILE = "peer-lost.json"
 _WAITING_FILE = re.compile(r"waiting-(\d+)")
 _ACK_FILE = re.compile(r"ack-(\d+)\.json")
 
@@ -200,6 +208,14 @@ class Mailbox:
     def helpers(self) -> set[int]:
         # Only finished files: a worker's atomic write first creates "helper-N.tmpPID" beside its target.
         return {int(m.group(1)) for n in os.listdir(self.path) if (m := _HELPER_FILE.fullmatch(n))}
+
+    def post_peer_lost(self, nodes: Sequence[str]) -> None:
+        """A peer of the round is gone: watching workers abort their process group (``peer-lost.json``)."""
+        _write_atomic(os.path.join(self.path, PEER_LOST_FILE), {"lost": ",".join(sorted(nodes)), "time": time.time()})
+
+    def watchers(self) -> set[int]:
+        """Local ranks whose peer-loss watcher runs (``watching-{local_rank}``)."""
+        return {int(m.group(1)) for n in os.listdir(self.path) if (m := _WATCHING_FILE.fullmatch(n))}
 
     def helpers_coming(self) -> set[int]:
         """Local ranks whose script imported the helper's module (``coming-{local_rank}``), built or not."""
@@ -347,6 +363,13 @@ class Mailbox:
         found = {n for n in numbers if isinstance(n, int) and not isinstance(n, bool) and n in valid} \
             if isinstance(numbers, list) else set()
         return frozenset(found or {int(signal.SIGTERM)})
+
+    def peer_lost_posted(self) -> bool:
+        """The agent posted ``peer-lost.json`` for the current group (one ``stat``: cheap to poll)."""
+        return os.path.exists(os.path.join(self.path, PEER_LOST_FILE))
+
+    def register_watcher(self, local_rank: int) -> None:
+        _write_atomic(os.path.join(self.path, f"watching-{local_rank}"), {"pid": os.getpid()})
 
     def announce_helper(self, local_rank: int) -> None:
         """This worker's script will build a ``Preemption`` helper (it imported its module)."""

@@ -49,6 +49,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from elastic.api import PlannedStopVoteError
 from elastic.worker.mailbox import Mailbox, WorkerNotice, find_mailbox
+from elastic.worker.watcher import PeerLossWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,13 @@ class Preemption:
         except ValueError:  # not the main thread: Python delivers signals to the main thread only
             logger.warning("[rank %s] Preemption constructed outside the main thread: a notice signal to this "
                            "worker is not taken as the notice", os.environ.get("RANK", "0"))
+        self.watcher: PeerLossWatcher | None = None
+        """Aborts the training's group when the agent posts a peer loss (under spotrun only)."""
         if self.mailbox is not None:
+            from elastic.worker.abort import abort_process_group  # torch.distributed: only where a helper is made
+
+            self.watcher = PeerLossWatcher(self.mailbox, self.local_rank,
+                                           lambda: abort_process_group(process_group)).start()
             self.mailbox.register_helper(self.local_rank)
 
     def _on_notice_signal(self, signum: int, frame: Any) -> None:
