@@ -607,7 +607,7 @@ class SpotrunAgent(LocalElasticAgent):
         if running is None:
             return
         deadline = self._clock() + self._settings.stop_grace
-        while running() and self._clock() < deadline:
+        while running() and not self._all_waiting_in_place() and self._clock() < deadline:
             time.sleep(JIT_POLL_INTERVAL)
         logger.info("%s workers %s after the peer loss (up to %.1fs for just-in-time snapshots)", self._ctx(),
                     "still running" if running() else "exited", self._settings.stop_grace)
@@ -773,6 +773,13 @@ class SpotrunAgent(LocalElasticAgent):
                     self._emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.MEMBERSHIP_CHANGE.value)
                     if self._recovery_cause is RecoveryCause.PEER_LOST:
                         self._let_workers_snapshot()
+                        if self._all_waiting_in_place():
+                            # CHANGE (SPOTRUN_REFORM_IN_PLACE=1): the workers aborted their group, snapshotted their
+                            # last completed step and wait in their processes: re-form around them, no restart.
+                            logger.info("%s workers wait in place after the peer loss; re-forming around them",
+                                        self._ctx())
+                            self._reform_waiting_workers()
+                            continue
                     self._restart_workers(self._worker_group)
             else:
                 raise RuntimeError(f"[{role}] Worker group in {state.name} state")
@@ -988,8 +995,6 @@ class SpotrunAgent(LocalElasticAgent):
         store (``group-{local_rank}.json``) and rebuilds its process group; its process, imports, model and
         optimizer stay. The events keep their order (``planned_restart`` ... ``workers_started``, with
         ``in_place: true``)."""
-        assert self._mailbox is not None and self._pcontext is not None, "only with running workers and a mailbox"
-        group = self._worker_group
         posted = self.planned.posted
         logger.info("%s workers stopped at step %d for a planned change (%s); re-forming around them in place",
                     self._ctx(), stopped.step, posted.reason if posted is not None else "?")
@@ -998,6 +1003,22 @@ class SpotrunAgent(LocalElasticAgent):
                    reason=posted.reason if posted is not None else "unknown",
                    committed_at=self._committed_at() if stopped.saved else None, saved=stopped.saved,
                    why=stopped.why, agreed_step=stopped.step, in_place=True)
+        self._reform_waiting_workers()
+
+    def _all_waiting_in_place(self) -> bool:
+        """Every local worker waits in its process for a re-formed group (``waiting-{local_rank}``)."""
+        if not self._in_place_enabled or self._mailbox is None:
+            return False
+        try:
+            return len(self._mailbox.waiting()) >= self._worker_group.spec.local_world_size
+        except OSError:
+            return False
+
+    def _reform_waiting_workers(self) -> None:
+        """The rendezvous round of a restart, then each waiting worker is told its new rank, world size and store
+        (``group-{local_rank}.json``) instead of being replaced; a round that admitted a new node restarts them."""
+        assert self._mailbox is not None and self._pcontext is not None, "only with running workers and a mailbox"
+        group = self._worker_group
         previous = self._round_members()
         self._rendezvous(group)  # torch's: new ranks in group.workers, this round's MASTER_ADDR/PORT
         current = self._round_members()

@@ -183,6 +183,11 @@ class Preemption:
                                            lambda: abort_process_group(process_group)).start()
             self.mailbox.register_helper(self.local_rank)
 
+    def close(self) -> None:
+        """Stop the peer-loss watcher: the group it would abort is being replaced (an in-place re-form)."""
+        if self.watcher is not None:
+            self.watcher.stop()
+
     def _on_notice_signal(self, signum: int, frame: Any) -> None:
         if self._signalled is not None or self._agent_stopping():
             # A second notice signal (the launcher insists), or the agent is stopping this worker group: end

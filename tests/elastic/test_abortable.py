@@ -33,12 +33,12 @@ TRAIN = [str(EXAMPLES / "train_ddp.py"), "--global-batch", "64", "--dataset-size
 RDZV_CONF = f"lease_ttl={LEASE_TTL:g},last_call_timeout=0.5,join_timeout=60"
 
 
-def _node(endpoint: str, run: Path, name: str) -> Launcher:
+def _node(endpoint: str, run: Path, name: str, **env: str) -> Launcher:
     argv = [*SPOTRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "0", "--stop-grace", "3",
             "--rdzv-endpoint", endpoint, "--rdzv-id", "abort", "--rdzv-conf", RDZV_CONF,
             "--events-file", str(run / f"events-{name}.jsonl"), *TRAIN, "--ckpt-dir", str(run / "ckpt"),
             "--progress-file", str(run / "progress.jsonl")]  # fmt: skip
-    return Launcher(argv, run / f"{name}.log", env=make_env(LOGLEVEL="INFO"))
+    return Launcher(argv, run / f"{name}.log", env=make_env(LOGLEVEL="INFO", **env))
 
 
 def test_a_paused_peer_is_aborted_and_costs_no_completed_step(tmp_path: Path, etcd_server: EmbeddedEtcd) -> None:
@@ -76,3 +76,39 @@ def test_a_paused_peer_is_aborted_and_costs_no_completed_step(tmp_path: Path, et
     # What the stop grace cost before: the survivor's worker was only SIGKILLed --stop-grace (3 s) after the loss.
     recovery = min(r["t_wall"] for r in alone) - stopped_at
     assert recovery < LEASE_TTL + 3.0 + 3.0, f"first step alone {recovery:.2f} s after the last step together"
+
+
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["paused", "killed"])
+def test_a_lost_peer_is_re_formed_around_in_place(tmp_path: Path, etcd_server: EmbeddedEtcd,
+                                                  fault: signal.Signals) -> None:
+    """SPOTRUN_REFORM_IN_PLACE=1: the survivor's worker aborts its group, snapshots its last completed step and
+    waits in its process; its agent re-forms around it. The same process trains on at world size 1 from the
+    very next step (0 steps redone, no restart, no restore)."""
+    progress = tmp_path / "progress.jsonl"
+    a = _node(etcd_server.endpoint, tmp_path, "a", SPOTRUN_REFORM_IN_PLACE="1")
+    b = _node(etcd_server.endpoint, tmp_path, "b", SPOTRUN_REFORM_IN_PLACE="1")
+    victims: list[int] = []
+    try:
+        wait_for(lambda: any(r["world_size"] == 2 for r in read_jsonl(progress)), timeout=240, what="the 2-node group")
+        wait_for(lambda: any(r["step"] >= STOP_AT for r in read_jsonl(progress)), timeout=240, what=f"step {STOP_AT}")
+        victims = b.snapshot_tree()
+        signal_all(victims, fault)
+        wait_for(lambda: any(r["world_size"] == 1 for r in read_jsonl(progress)), timeout=120,
+                 what="the survivor to train alone")
+        log = a.output()
+    finally:
+        signal_all(victims, signal.SIGKILL)
+        b.close()
+        a.close()
+        remove_orphaned_keepers()
+
+    lines = read_jsonl(progress)
+    (old_pid,) = {r["pid"] for r in lines if r["world_size"] == 2} - set(victims)
+    before = max(r["step"] for r in lines if r["pid"] == old_pid and r["world_size"] == 2)
+    alone = [r for r in lines if r["world_size"] == 1]
+    assert {r["pid"] for r in alone} == {old_pid}, "the survivor's worker process trains on: no restart"
+    assert alone[0]["step"] == before + 1, f"trained to step {before} together, then step {alone[0]['step']} alone"
+    assert alone[0].get("reformed_in_place") is True, alone[0]
+    assert "re-forming around them" in log, log[-3000:]
+    started = [e for e in read_events(str(tmp_path / "events-a.jsonl")) if e["event"] == "workers_started"]
+    assert started[-1].get("in_place") is True, started[-1]
