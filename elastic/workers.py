@@ -3,7 +3,7 @@
 torch starts workers with ``start_new_session=True`` so that the agent can signal a worker's whole process
 group; the side effect is that a SIGKILLed agent leaves its workers running (orphans holding GPUs, ports and
 half-finished collectives). spotrun therefore starts every worker through a tiny exec shim (this file run as a
-script, stdlib only; the two first steps are ``elastic.procutil.arm_parent_death_signal``) that:
+script, stdlib only; the two first steps are ``checkpoint._sys.procutil.arm_parent_death_signal``) that:
 
 1. sets ``PR_SET_PDEATHSIG = SIGKILL`` (Linux), so the kernel kills the worker when its parent dies;
 2. checks ``getppid()`` against the agent PID *after* setting it (belt and braces: if the agent died between
@@ -38,10 +38,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 if __package__:
-    from elastic.procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal
+    from checkpoint._sys.procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal
 else:
     # Running as the exec shim (``python -S elastic/workers.py``): without site-packages the package may not
-    # be importable, but procutil (standard library only) sits next to this file, which is sys.path[0].
+    # be importable, but procutil (standard library only) is a file of this tree: its folder goes first on
+    # sys.path, in place of this file's (the shim imports nothing else of it).
+    sys.path[0] = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoint", "_sys")
     from procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal  # type: ignore[import-not-found,no-redef]  # shim path only
 
 

@@ -278,12 +278,12 @@ def remove_orphaned_keepers(root: str | None = None, *, limit: int = SWEEP_LIMIT
 
 
 def _load_procutil() -> Any:
-    """``elastic/procutil.py`` (standard library only) loaded by its file path: the keeper runs without the
+    """``checkpoint/_sys/procutil.py`` (standard library only) loaded by its file path: the keeper runs without the
     package on ``sys.path``."""
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("_spotrun_keeper_procutil", os.path.join(root, "elastic", "procutil.py"))
+    spec = importlib.util.spec_from_file_location("_spotrun_keeper_procutil", os.path.join(root, "checkpoint", "_sys", "procutil.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -293,7 +293,7 @@ def _load_procutil() -> Any:
 def _serve(path: str, agent_pid: int) -> None:
     """Keeper process: remove ``path`` when the agent goes (pipe closed, SIGTERM, or the agent's death)."""
     if __package__:
-        from elastic.procutil import arm_parent_death_signal
+        from checkpoint._sys.procutil import arm_parent_death_signal
     else:
         arm_parent_death_signal = _load_procutil().arm_parent_death_signal
 
