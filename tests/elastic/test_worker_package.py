@@ -30,10 +30,10 @@ def test_the_worker_package_imports_nothing_of_the_agent() -> None:
     loaded = set(json.loads(out.stdout))
     assert set(WORKER_MODULES) <= loaded
     ours = sorted(m for m in loaded if m.split(".")[0] in ("elastic", "checkpoint"))
-    # The run-file names come from the layer under both packages; importing it imports checkpoint's face
-    # (its errors and configs, no torch).
-    below = ["checkpoint", "checkpoint._sys", "checkpoint._sys.rundir", "checkpoint.api", "checkpoint.config",
-             "checkpoint.memory", "checkpoint.memory.api", "checkpoint.memory.config"]
+    # The run-file names and the root error come from the layer under both packages; importing it imports
+    # checkpoint's face (its errors and configs, no torch).
+    below = ["checkpoint", "checkpoint._sys", "checkpoint._sys.errors", "checkpoint._sys.rundir", "checkpoint.api",
+             "checkpoint.config", "checkpoint.memory", "checkpoint.memory.api", "checkpoint.memory.config"]
     assert ours == sorted(["elastic", "elastic.api", "elastic.worker", *WORKER_MODULES, *below]), ours
     assert not [m for m in loaded if m.startswith("torch.distributed.elastic")], "torch's agent came along"
 
