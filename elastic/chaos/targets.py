@@ -66,8 +66,8 @@ def node_tree(root: int) -> list[int]:
     return [root, *(pid for pid in descendants(root) if not is_resource_tracker(pid))]
 
 
-KEEPER_SCRIPT = b"checkpoint/memory/keeper.py"
-"""In the command line of an agent's memory tier keeper (``python -I -S .../checkpoint/memory/keeper.py DIR PID``)."""
+KEEPER_SCRIPT = b"elastic/memory_keeper.py"
+"""In the command line of an agent's memory tier keeper (``python -I -S .../elastic/memory_keeper.py DIR PID``)."""
 
 
 def keeper_of(agent: int) -> int | None:

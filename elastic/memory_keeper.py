@@ -7,7 +7,7 @@ RAM without any process holding them, so what must be guaranteed is only that so
 Why a keeper process beside the agent, not the agent alone: an agent killed by SIGKILL (the OOM killer, a
 ``kill -9`` of the launcher) runs no cleanup, and on a node that is not reused for spotrun there is no next
 agent start to sweep it, so the snapshots (a whole model and optimizer per node) would hold RAM until reboot.
-The keeper (``python -I -S .../checkpoint/memory/keeper.py DIR AGENT_PID``, standard library only, a few MB)
+The keeper (``python -I -S .../elastic/memory_keeper.py DIR AGENT_PID``, standard library only, a few MB)
 waits on a pipe from the agent and on ``PR_SET_PDEATHSIG``; when the agent dies, however it dies, it removes the
 directory and exits. It is started by file path in isolated mode, never with ``-m``: ``-m`` puts the agent's
 working directory (the user's training repository) first on ``sys.path``, and a repository with its own
@@ -26,7 +26,7 @@ Orphans (agent and keeper both killed, e.g. a process-group SIGKILL): the direct
 ``flock``-ed from before the directory is used until after it is removed, by the agent, and inherited by the
 keeper (one open file description: the lock is held while either lives). The next agent on the host removes
 every directory of this user whose lock is free (:func:`remove_orphaned_keepers`), as
-``elastic.progress`` and ``elastic.preemption`` do for their files.
+``elastic.progress`` and ``elastic.worker.mailbox`` do for theirs.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import threading
 from typing import Any
 
 if __package__:
+    from checkpoint._sys.rundir import run_scoped_path, run_scoped_prefix
     from checkpoint.memory.api import MEMORY_KIND, OWNER_LOCK
 else:
     # The keeper process (``python -I -S keeper.py``): sys.path holds the standard library only, so nothing of
@@ -72,8 +73,6 @@ def _default_root() -> str:
 
 def keeper_prefix(root: str | None = None) -> str:
     """The common start of this user's keeper directories under ``root``."""
-    from elastic.progress import run_scoped_prefix
-
     return run_scoped_prefix(MEMORY_KIND, root or _default_root())
 
 
@@ -100,8 +99,6 @@ class Keeper:
     def create(cls, run_id: str, root: str | None = None, *, process: bool = True) -> Keeper:
         """Sweep orphans of dead agents under ``root``, then make and lock this agent's directory
         (``spotrun-memtier-{uid}-{run}.{hash}-{pid}-{token}``) and start its keeper process."""
-        from elastic.progress import run_scoped_path
-
         root = root or _default_root()
         remove_orphaned_keepers(root)
         path = run_scoped_path(MEMORY_KIND, run_id, os.getpid(), secrets.token_hex(4), root=root)
@@ -282,7 +279,7 @@ def _load_procutil() -> Any:
     package on ``sys.path``."""
     import importlib.util
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("_spotrun_keeper_procutil", os.path.join(root, "checkpoint", "_sys", "procutil.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
