@@ -24,6 +24,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 
+from checkpoint._version import __version__
 from checkpoint.api import (
     COMMIT_FILE,
     INDEX_FILE,
@@ -51,8 +52,6 @@ logger = logging.getLogger(__name__)
 
 
 def library_version() -> str:
-    from checkpoint import __version__
-
     return __version__
 
 
