@@ -331,7 +331,7 @@ def _tensor_item(fqn: str, t: torch.Tensor) -> TensorItem:
 
 
 def _dtensor_item(fqn: str, t: Any) -> TensorItem:
-    from checkpoint._sys.torch_internals import dtensor_local_chunk
+    from elastic.torch_internals import dtensor_local_chunk
 
     placements = tuple(t.placements)
     if any(p.is_partial() for p in placements):

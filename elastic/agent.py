@@ -2,7 +2,7 @@
 
 Everything torch does for workers is kept (environment, ranks, error files, log redirection, exit barrier).
 Each place that changes torch's behaviour (2.13 to 2.15) is marked ``CHANGE:`` with the reason; the torch internals it
-relies on are checked by ``checkpoint._sys.torch_internals`` (at run time) and fingerprinted by
+relies on are checked by ``elastic.torch_internals`` (at run time) and fingerprinted by
 tests/elastic/test_torch_internals.py (when torch changes):
 
 * with a :class:`~elastic.rendezvous.api.MembershipAwareHandler` (etcd-v3; checked once at start, other
@@ -62,7 +62,6 @@ from torch.distributed.elastic.multiprocessing import (
 )
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
 
-from checkpoint._sys.torch_internals import check_agent_internals, worker_processes, worker_return_values
 from checkpoint.memory.records import RestoreRecord, collect_restore_records, snapshots_in, summarize
 from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
@@ -95,6 +94,7 @@ from elastic.rendezvous.api import (
     RoundMembersHandler,
     is_permanent,
 )
+from elastic.torch_internals import check_agent_internals, worker_processes, worker_return_values
 from elastic.worker.mailbox import GroupAssignment, Mailbox
 from elastic.worker.reform import IN_PLACE_REASONS, in_place_enabled
 from elastic.workers import (

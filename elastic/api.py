@@ -12,9 +12,6 @@ from __future__ import annotations
 import enum
 from typing import Any, Protocol
 
-from checkpoint._sys.errors import SpotrunError as SpotrunError
-from checkpoint._sys.errors import TorchInternalsError as TorchInternalsError
-
 # --- Environment variables read by spotrun (typed module constants, torchft style) ------------------------
 
 #: Seconds between SIGTERM and SIGKILL when the agent stops workers to restart them (default 3).
@@ -137,7 +134,11 @@ class EventSink(Protocol):
         """Record one stage with its context fields (round, world size, ...)."""
 
 
-# --- Error tree (SpotrunError, its root, and TorchInternalsError sit under both packages: checkpoint._sys.errors)
+# --- Error tree ------------------------------------------------------------------------------------------------
+
+
+class SpotrunError(Exception):
+    """Base of every error spotrun's launcher raises on purpose."""
 
 
 class LaunchConfigError(SpotrunError, ValueError):
@@ -165,3 +166,6 @@ class PlannedStopVoteError(SpotrunError):
     """The workers' vote on the stop step failed (``elastic.preemption``): a peer rank did not reach it within
     the timeout, or left."""
 
+
+class TorchInternalsError(SpotrunError, AssertionError):
+    """A private torch hook or attribute the agent relies on is missing or changed (torch newer than verified)."""

@@ -237,7 +237,7 @@ def validate_args(args: argparse.Namespace) -> None:
                 raise LaunchConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
         except ValueError as exc:
             # torch also accepts a registered privateuse1 backend name; let config_from_args judge that.
-            from checkpoint._sys.torch_internals import privateuse1_backend_name
+            from elastic.torch_internals import privateuse1_backend_name
 
             if nproc != privateuse1_backend_name():
                 raise LaunchConfigError(
@@ -287,8 +287,8 @@ def install_signal_handlers() -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Launch with parsed arguments (raises ChildFailedError when workers fail, like torchrun's run)."""
-    from checkpoint._sys.torch_internals import verify_torch_once
     from elastic.launcher import launch
+    from elastic.torch_internals import verify_torch_once
 
     validate_args(args)
     verify_torch_once()  # before the embedded etcd: an unusable torch fails here, never mid-run

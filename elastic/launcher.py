@@ -31,8 +31,6 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousParameters
 from torch.distributed.launcher.api import LaunchConfig
 
-from checkpoint._sys.torch_internals import entrypoint_name as torch_entrypoint_name
-from checkpoint._sys.torch_internals import static_master_addr_and_port, verify_torch_once
 from checkpoint.memory.api import ENV_MEMORY_DIR
 from elastic.agent import SpotrunAgent, warn_one_line
 from elastic.api import (
@@ -57,6 +55,8 @@ from elastic.rendezvous.api import (
     MembershipAwareHandler,
     RendezvousFinishedError,
 )
+from elastic.torch_internals import entrypoint_name as torch_entrypoint_name
+from elastic.torch_internals import static_master_addr_and_port, verify_torch_once
 from elastic.warm import note_agent_import_env, note_agent_import_start, note_forkserver_failure
 from elastic.worker.mailbox import Mailbox
 from elastic.workers import start_warm_forkserver, warm_entrypoint

@@ -44,8 +44,8 @@ import threading
 from typing import Any
 
 if __package__:
-    from checkpoint._sys.rundir import run_scoped_path, run_scoped_prefix
     from checkpoint.memory.api import MEMORY_KIND, OWNER_LOCK
+    from elastic.worker.runfiles import run_scoped_path, run_scoped_prefix
 else:
     # The keeper process (``python -I -S keeper.py``): sys.path holds the standard library only, so nothing of
     # the user's working directory, PYTHONPATH or site-packages can be imported in place of ours. The two

@@ -29,8 +29,6 @@ import time
 from collections.abc import Iterable
 from typing import Final
 
-from checkpoint._sys.rundir import run_scoped_path as run_scoped_path
-from checkpoint._sys.rundir import run_scoped_prefix as run_scoped_prefix
 from elastic.hang import ProgressSample
 from elastic.worker.heartbeat import DUMP_SIGNAL as DUMP_SIGNAL
 from elastic.worker.heartbeat import MAGIC as MAGIC
@@ -45,6 +43,8 @@ from elastic.worker.heartbeat import dump_path as dump_path
 from elastic.worker.heartbeat import heartbeat as heartbeat
 from elastic.worker.heartbeat import install as install
 from elastic.worker.heartbeat import progress_path as progress_path
+from elastic.worker.runfiles import run_scoped_path as run_scoped_path
+from elastic.worker.runfiles import run_scoped_prefix as run_scoped_prefix
 
 logger = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@
 * ``heartbeat``      progress beats and stack dumps for the agent's hang detection
 * ``data``           the elastic data cursor: one global position, each rank's share at any world size
 * ``deterministic``  a fixed-order shard gradient reducer (bit-identical results at any world size)
+* ``runfiles``       per-run file names an agent and its workers both derive from torch's environment
 * ``reform``         ``InPlaceReform`` (prototype, ``SPOTRUN_REFORM_IN_PLACE=1``): surviving workers rebuild
                      their process group at the new world size instead of being replaced
 
 Nothing here imports the agent (``elastic.agent``, ``elastic.launcher``, the rendezvous): a worker pays
-for what it uses. The per-run file names both sides derive from torch's environment are
-``checkpoint._sys.rundir``'s. The old import paths (``elastic.preemption``, ``elastic.data``, ``elastic.deterministic``,
+for what it uses. The old import paths (``elastic.preemption``, ``elastic.data``, ``elastic.deterministic``,
 ``elastic.progress``) re-export these modules' public names.
 """

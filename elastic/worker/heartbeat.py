@@ -26,7 +26,7 @@ import signal
 import struct
 from typing import Any, Final
 
-from checkpoint._sys.rundir import run_scoped_path
+from elastic.worker.runfiles import run_scoped_path
 
 logger = logging.getLogger(__name__)
 

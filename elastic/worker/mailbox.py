@@ -53,8 +53,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from checkpoint._sys.rundir import run_scoped_path, run_scoped_prefix
 from elastic.api import ENV_NOTICE_DIR
+from elastic.worker.runfiles import run_scoped_path, run_scoped_prefix
 
 logger = logging.getLogger(__name__)
 

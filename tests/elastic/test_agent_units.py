@@ -158,8 +158,8 @@ def test_a_failed_worker_the_death_clock_has_not_noted_yet_still_gets_the_short_
     from torch.distributed.elastic.agent.server.api import Worker, WorkerState
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    from checkpoint._sys.torch_internals import worker_processes
     from elastic.agent import _default_close_timeout
+    from elastic.torch_internals import worker_processes
     from tests.elastic.test_agent_membership import PollingHandler, make_agent
 
     agent = make_agent(PollingHandler(), tmp_path)

@@ -141,7 +141,7 @@ def test_board_sees_optimizer_steps_heartbeats_and_dumps_a_stuck_workers_stack(t
     board = ProgressBoard("job/1", root=str(tmp_path))
     board.reset(group_rank=0, local_ranks=[0])
     env = dict(os.environ, TORCHELASTIC_RUN_ID="job/1", GROUP_RANK="0", LOCAL_RANK="0", PYTHONPATH=str(REPO))
-    env_root = f"import checkpoint._sys.rundir as R; R._root = lambda: {str(tmp_path)!r}\n"
+    env_root = f"import elastic.worker.runfiles as R; R._root = lambda: {str(tmp_path)!r}\n"
     proc = subprocess.Popen([sys.executable, "-c", env_root + WORKER], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"

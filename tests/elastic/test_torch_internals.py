@@ -1,9 +1,9 @@
 """torch internals spotrun relies on: their fingerprints per tested torch release, and the start-up check.
 
-Each entry of ``checkpoint._sys.torch_internals.INTERNALS`` is a torch function spotrun copies, overrides, patches or
+Each entry of ``elastic.torch_internals.INTERNALS`` is a torch function spotrun copies, overrides, patches or
 calls although torch keeps it private, with the hash of its source in every tested torch release. A failure
 of the fingerprint test means torch changed that function: read the new source, port or re-check as the
-message says, then update its hash (``python -m checkpoint._sys.torch_internals`` prints them all).
+message says, then update its hash (``python -m elastic.torch_internals`` prints them all).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, PContext, SubprocessContext
 
-from checkpoint._sys import torch_internals
-from checkpoint._sys.torch_internals import (
+from elastic import torch_internals
+from elastic.api import TorchInternalsError
+from elastic.torch_internals import (
     FINGERPRINTS,
     INTERNALS,
     TESTED_TORCH,
@@ -32,7 +33,6 @@ from checkpoint._sys.torch_internals import (
     verify_torch,
     worker_processes,
 )
-from elastic.api import TorchInternalsError
 from tests.harness.procs import REPO, make_env
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,7 +44,7 @@ RELEASE = release_of(torch.__version__)
 def test_torch_internal_is_unchanged_in_the_installed_release(internal: Internal) -> None:
     assert RELEASE in TESTED_TORCH and RELEASE in FINGERPRINTS, (
         f"torch {torch.__version__} is not a tested release {TESTED_TORCH}: add its fingerprints "
-        "(python -m checkpoint._sys.torch_internals) after re-checking every internal that changed")
+        "(python -m elastic.torch_internals) after re-checking every internal that changed")
     try:
         obj = resolve(internal.path)
     except (ImportError, AttributeError) as exc:
@@ -57,7 +57,7 @@ def test_torch_internal_is_unchanged_in_the_installed_release(internal: Internal
     actual = source_hash(obj)
     assert actual == expected, (
         f"torch {torch.__version__} changed {internal.path} (source hash {actual}, torch {RELEASE} verified as "
-        f"{expected}). Re-check: {internal.reliance}. Then update its hash in checkpoint/_sys/torch_internals.py.")
+        f"{expected}). Re-check: {internal.reliance}. Then update its hash in elastic/torch_internals.py.")
 
 
 def test_every_tested_release_fingerprints_the_same_internals() -> None:
@@ -76,13 +76,13 @@ def test_every_internal_passes_its_runtime_check_on_the_installed_torch() -> Non
 
 
 def test_a_tested_release_starts_without_a_notice(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="checkpoint._sys.torch_internals"):
+    with caplog.at_level(logging.WARNING, logger="elastic.torch_internals"):
         verify_torch(version=f"{TESTED_TORCH[-1]}.3")
     assert caplog.records == []
 
 
 def test_a_newer_torch_is_said_once_with_every_internal_checked(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="checkpoint._sys.torch_internals"):
+    with caplog.at_level(logging.WARNING, logger="elastic.torch_internals"):
         result = verify_torch(version="2.99.0")
     assert not result.tested
     [record] = caplog.records
@@ -101,7 +101,7 @@ def test_a_failing_check_on_a_newer_torch_fails_at_start_naming_the_internal(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(PContext, "close", _changed_close)
-    with caplog.at_level(logging.WARNING, logger="checkpoint._sys.torch_internals"), \
+    with caplog.at_level(logging.WARNING, logger="elastic.torch_internals"), \
             pytest.raises(TorchInternalsError) as info:
         verify_torch(version="2.99.0")
     message = str(info.value)

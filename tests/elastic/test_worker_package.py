@@ -16,7 +16,7 @@ from tests.harness.procs import REPO
 pytestmark = pytest.mark.timeout(60)
 
 WORKER_MODULES = ["elastic.worker.mailbox", "elastic.worker.preemption", "elastic.worker.heartbeat",
-                  "elastic.worker.data", "elastic.worker.deterministic",
+                  "elastic.worker.data", "elastic.worker.deterministic", "elastic.worker.runfiles",
                   "elastic.worker.reform"]
 
 
@@ -30,11 +30,7 @@ def test_the_worker_package_imports_nothing_of_the_agent() -> None:
     loaded = set(json.loads(out.stdout))
     assert set(WORKER_MODULES) <= loaded
     ours = sorted(m for m in loaded if m.split(".")[0] in ("elastic", "checkpoint"))
-    # The run-file names and the root error come from the layer under both packages; importing it imports
-    # checkpoint's face (its errors and configs, no torch).
-    below = ["checkpoint", "checkpoint._sys", "checkpoint._sys.errors", "checkpoint._sys.rundir", "checkpoint.api",
-             "checkpoint.config", "checkpoint.memory", "checkpoint.memory.api", "checkpoint.memory.config"]
-    assert ours == sorted(["elastic", "elastic.api", "elastic.worker", *WORKER_MODULES, *below]), ours
+    assert ours == sorted(["elastic", "elastic.api", "elastic.worker", *WORKER_MODULES]), ours
     assert not [m for m in loaded if m.startswith("torch.distributed.elastic")], "torch's agent came along"
 
 
@@ -47,7 +43,7 @@ def test_the_worker_package_imports_nothing_of_the_agent() -> None:
                                                            "remove_orphaned_mailboxes", "LINK_KIND"]),
         ("elastic.progress", "elastic.worker.heartbeat", ["heartbeat", "install", "progress_path", "dump_path",
                                                           "MAGIC", "SIZE", "DUMP_SIGNAL"]),
-        ("elastic.progress", "checkpoint._sys.rundir", ["run_scoped_path", "run_scoped_prefix"]),
+        ("elastic.progress", "elastic.worker.runfiles", ["run_scoped_path", "run_scoped_prefix"]),
         ("elastic.data", "elastic.worker.data", ["ElasticBatches", "BatchConfig", "DataCursor",
                                                  "ElasticBatchSampler", "StepPlan", "ElasticDataError",
                                                  "rank_bounds"]),

@@ -1,8 +1,6 @@
 """Per-user, per-run file names that an agent and its workers both derive from what torch gives every worker
 (``TORCHELASTIC_RUN_ID``, ``GROUP_RANK``, ``LOCAL_RANK``): the progress files (``elastic.worker.heartbeat``),
-the links to the mailboxes (``elastic.worker.mailbox``) and the memory tier's keeper directories.
-
-Standard library only: the memory tier's keeper process (``python -I -S``) loads this file by its path."""
+the links to the mailboxes (``elastic.worker.mailbox``) and the memory tier's keeper directories."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ plans with). None of that is a stable API: a torch release may rename or reshape
   its fingerprint for the installed release (one per release in :data:`TESTED_TORCH`) and names what to
   re-check when one differs.
 
-To support a new torch release: run ``python -m checkpoint._sys.torch_internals`` under it, read every internal whose
+To support a new torch release: run ``python -m elastic.torch_internals`` under it, read every internal whose
 hash differs (its ``reliance`` says what to look for), port what changed, add the release to
 :data:`TESTED_TORCH` and its hashes to the fingerprints, and widen the range in pyproject.toml.
 """
@@ -39,7 +39,7 @@ import torch
 from torch.distributed.elastic.multiprocessing import PContext
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
-from checkpoint._sys.errors import TorchInternalsError
+from elastic.api import TorchInternalsError
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ _FP_2_15: Final[dict[str, str]] = {  # 2.15.0: as 2.14, and launch_agent logs a 
 }
 FINGERPRINTS: Final[Mapping[str, Mapping[str, str]]] = {
     # torch release -> {Internal.path: sha256[:16] of inspect.getsource in the tested patch release}. A C binding
-    # (no Python source) has none; its structural check covers it. `python -m checkpoint._sys.torch_internals` prints
+    # (no Python source) has none; its structural check covers it. `python -m elastic.torch_internals` prints
     # the block for the installed torch.
     "2.13": _FP_2_13,
     "2.14": _FP_2_14,
@@ -293,7 +293,7 @@ def verify_torch(version: str | None = None, internals: tuple[Internal, ...] = I
         raise TorchInternalsError(
             f"spotrun cannot run on torch {result.torch_version}: {len(result.failed)} of the {len(result.checked)} "
             f"torch internals it relies on changed ({details}). spotrun is known to work with {known_to_work()} "
-            f"(pip install 'torch>=2.13,<2.16'); checkpoint/_sys/torch_internals.py says what each internal is used for."
+            f"(pip install 'torch>=2.13,<2.16'); elastic/torch_internals.py says what each internal is used for."
         )
     if not result.tested:
         logger.warning(
@@ -322,7 +322,7 @@ def require(condition: bool, internal: str, detail: str) -> None:
         raise TorchInternalsError(
             f"spotrun relies on the torch internal {internal}, but the installed torch {torch.__version__} "
             f"differs: {detail}. spotrun is known to work with {known_to_work()}; re-check the CHANGE: markers "
-            "in elastic/agent.py against this torch release (checkpoint/_sys/torch_internals.py names the functions)."
+            "in elastic/agent.py against this torch release (elastic/torch_internals.py names the functions)."
         )
 
 
@@ -407,7 +407,7 @@ def current_fingerprints() -> dict[str, str | None]:
     return out
 
 
-if __name__ == "__main__":  # python -m checkpoint._sys.torch_internals: the block to paste into FINGERPRINTS
+if __name__ == "__main__":  # python -m elastic.torch_internals: the block to paste into FINGERPRINTS
     print(f"    \"{release_of(torch.__version__)}\": {{  # {torch.__version__}")
     for path, digest in current_fingerprints().items():
         if digest is not None:
