@@ -31,20 +31,36 @@ subprocesses instead and says so once (:func:`fall_back_to_plain_workers`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-if __package__:
+
+def _load_procutil() -> ModuleType:
+    """``checkpoint/_sys/procutil.py`` (standard library only), loaded by its path, never through the package.
+
+    This module runs as the exec shim (``python -S``, where the package may not be importable), is preloaded
+    in the warm forkserver and arms every worker's parent-death signal before its script starts. Importing
+    ``checkpoint._sys.procutil`` would bind the name ``checkpoint`` there first, and a training script's own
+    ``checkpoint`` module would then be ours (``DEFAULT_PRELOAD`` keeps that name out on purpose).
+    """
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoint", "_sys", "procutil.py")
+    spec = importlib.util.spec_from_file_location("_spotrun_procutil", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+if TYPE_CHECKING:
     from checkpoint._sys.procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal
 else:
-    # Running as the exec shim (``python -S elastic/workers.py``): without site-packages the package may not
-    # be importable, but procutil (standard library only) is a file of this tree: its folder goes first on
-    # sys.path, in place of this file's (the shim imports nothing else of it).
-    sys.path[0] = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoint", "_sys")
-    from procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal  # type: ignore[import-not-found,no-redef]  # shim path only
+    _procutil = _load_procutil()
+    ORPHANED_EXIT_CODE, arm_parent_death_signal = _procutil.ORPHANED_EXIT_CODE, _procutil.arm_parent_death_signal
 
 
 def shim_command(entrypoint: str, args: tuple[Any, ...], agent_pid: int | None = None) -> tuple[str, tuple[Any, ...]]:

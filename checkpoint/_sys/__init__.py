@@ -4,11 +4,10 @@
 sit here, under the lower of the two, and import nothing of either (``tests/test_layering.py`` keeps it so):
 
 * ``procutil``         process helpers: die with the parent, whether a process has exited (standard library only)
-* ``rundir``           per-user, per-run names in ``/dev/shm`` and the lock-owned run directories and files, with
-                       their orphan sweep (standard library only)
-* ``torch_internals``  every torch internal spotrun relies on, checked at start and at test time
+* ``torch_internals``  the torch internals the checkpointer relies on, declared where the agent's start check
+                       (``elastic.torch_internals``) finds them
 
-``procutil`` and ``rundir`` also run outside the package, loaded by file path from processes started with
-``python -S`` or ``python -I -S`` (the worker exec shim, the memory tier's keeper), where the packages may not be
-importable: they import nothing but the standard library.
+Code that runs in the warm forkserver or in a worker before its script (``elastic.workers``), and the memory
+tier's keeper (``python -I -S``), load ``procutil.py`` by its path instead: importing it through this package
+would bind the name ``checkpoint`` where a training script's own ``checkpoint`` module must be found.
 """
