@@ -177,7 +177,7 @@ def start_early(argv: Sequence[str]) -> bool:
     if os.environ.get(ENV_EARLY_FORKSERVER, "1").strip() == "0" or _early is not None:
         return False
     try:
-        from elastic.workers import DEFAULT_PRELOAD
+        from elastic.warm import DEFAULT_PRELOAD
 
         wanted = guess(argv, os.environ, VALUE_OPTIONS)
         if wanted is None:
@@ -263,13 +263,3 @@ def discard() -> None:
         _early = None
         logger.info("warm workers off: stopping the forkserver started before the agent's imports")
         stop_forkserver()
-
-
-def main() -> None:
-    """The ``spotrun`` command: start the warm forkserver, then the launcher (``elastic.cli.main``)."""
-    import sys
-
-    start_early(sys.argv[1:])
-    from elastic.cli import main as cli_main
-
-    cli_main()
