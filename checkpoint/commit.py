@@ -44,6 +44,7 @@ from checkpoint.api import (
     TensorRecord,
     step_dir,
 )
+from checkpoint.discover import check_files
 from checkpoint.faults import crash_point
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
@@ -201,8 +202,6 @@ def _write_checksummed(storage: Storage, manifest: Manifest, name: str, data: by
 def _check_still_there(storage: Storage, manifest: Manifest) -> None:
     """Every file the manifest names exists with its size right before the commit (one listing): the step
     directory may have been deleted (``spotrun-ckpt rm``) or damaged while the shards were written."""
-    from checkpoint.discover import check_files
-
     try:
         check_files(storage, manifest)
     except CorruptCheckpointError as exc:

@@ -10,6 +10,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from elastic.chaos.api import ChaosTargetError
+from elastic.events import read_events
 
 
 def _children_table() -> dict[int, list[int]]:
@@ -115,8 +116,6 @@ def workers(agent_pids: list[int], events_file: str | None = None) -> dict[int, 
 
 
 def _workers_by_events(agent_pids: list[int], events_file: str) -> dict[int, int]:
-    from elastic.events import read_events
-
     out: dict[int, int] = {}
     events = read_events(events_file)
     for agent in agent_pids:
@@ -261,7 +260,5 @@ def process_image(pid: int) -> ProcessImage:
 
 def last_step(progress_file: str) -> int | None:
     """Highest ``step`` in a --progress-file (train_ddp.py's JSON lines); None before the first step."""
-    from elastic.events import read_events
-
     steps = [int(r["step"]) for r in read_events(progress_file) if isinstance(r.get("step"), int)]
     return max(steps) if steps else None
