@@ -65,6 +65,7 @@ from checkpoint.fallback import LoadOutcome, load_with_fallback
 from checkpoint.faults import crash_point
 from checkpoint.memory.api import RestoreReport
 from checkpoint.memory.attach import AttachedMemory
+from checkpoint.memory.resume import restore
 from checkpoint.per_rank import load_rank_entries, saved_as_shared
 from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.retention import apply_retention
@@ -438,8 +439,6 @@ class Checkpointer:
         """
         if step is not None or self._memory is None:
             return self.load_durable(state, step)
-        from checkpoint.memory.resume import restore
-
         self._check_open()
         report = restore(self, state, memory=self._memory.tier)
         self._memory.last_restore = report

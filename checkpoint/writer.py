@@ -18,10 +18,13 @@ import tempfile
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
+from checkpoint._sys.procutil import arm_parent_death_signal
 from checkpoint.api import (
     JSON,
     CheckpointConfigError,
     CheckpointError,
+    CheckpointStorageError,
+    ChunkKey,
     ChunkRecord,
     FileRecord,
     RankRecords,
@@ -148,8 +151,6 @@ def _pieces_json(layout: ShardLayout) -> list[JSON]:
 
 
 def _layout_from_json(d: dict[str, JSON]) -> ShardLayout:
-    from checkpoint.api import ChunkKey
-
     pieces = [(i, ChunkKey(f, tuple(o), tuple(n)), tuple(g), dt, nb) for i, f, o, n, g, dt, nb in d["pieces"]]
     return build_layout(str(d["file"]), pieces)
 
@@ -178,8 +179,6 @@ class WriterProcess:
         logger.info("started checkpoint writer process pid %d", self.proc.pid)
 
     def _send(self, line: str) -> None:
-        from checkpoint.api import CheckpointError
-
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.write(line + "\n")
@@ -189,8 +188,6 @@ class WriterProcess:
 
     def _request(self, payload: dict[str, JSON]) -> dict[str, JSON]:
         import json
-
-        from checkpoint.api import CheckpointError, CheckpointStorageError
 
         with self._lock:
             self._send(json.dumps(payload))
@@ -329,9 +326,6 @@ def _serve() -> None:
     import os
     import signal
     import sys
-
-    from checkpoint.api import CheckpointStorageError
-    from elastic.procutil import arm_parent_death_signal
 
     try:  # die with the training process, whatever kills it (one that died before this sees stdin EOF)
         arm_parent_death_signal(sig=signal.SIGKILL)

@@ -66,9 +66,11 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
-if __name__ == "__main__":  # `python -m elastic.cli`: start the warm forkserver before the imports below (boot.py)
-    from elastic.boot import start_early
+if __name__ == "__main__":  # `python -m elastic.cli`: as `spotrun` (elastic.main), before the imports below
+    from elastic import early_notice
+    from elastic.boot import launch_notice_signals, start_early
 
+    early_notice.arm(launch_notice_signals(sys.argv[1:], os.environ))
     start_early(sys.argv[1:])
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -317,6 +319,13 @@ def _main(argv: Sequence[str] | None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     install_signal_handlers(args.preempt_signal or default_preempt_signal())
+    try:
+        _run_reporting(parser, args)
+    finally:
+        early_notice.disarm()  # an in-process caller gets its own dispositions back
+
+
+def _run_reporting(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
         run(args)
     except LaunchConfigError as exc:

@@ -25,6 +25,7 @@ from elastic.hang import (
     waiting_on_peers,
 )
 from elastic.progress import ProgressBoard
+from elastic.workers import signal_worker
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +109,6 @@ class HangWatch:
 
 def kill_hung(reports: list[HangReport]) -> None:
     """SIGKILL the hung workers (their process group when they lead one); SIGTERM may never be handled."""
-    from elastic.workers import signal_worker
-
     for report in reports:
         signal_worker(report.pid, signal.SIGKILL)
 

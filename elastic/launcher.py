@@ -33,7 +33,6 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 from torch.distributed.launcher.api import LaunchConfig
 
 from checkpoint.memory.api import ENV_MEMORY_DIR
-from checkpoint.memory.keeper import Keeper
 from elastic import early_notice
 from elastic.agent import SpotrunAgent, warn_one_line
 from elastic.api import (
@@ -47,6 +46,7 @@ from elastic.api import (
 from elastic.boot import discard as discard_early_forkserver
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog
+from elastic.memory_keeper import Keeper
 from elastic.metrics import AgentMetrics, MetricsServer, MetricsSink, serve
 from elastic.notice import NoticePoller, make_sources, notice_signals
 from elastic.progress import remove_orphaned_progress_files
@@ -310,7 +310,7 @@ def launch(
         cleanup.callback(mailbox.remove)
         remove_orphaned_progress_files()  # hang detection's files of agents killed on this host (as the mailboxes)
         os.environ[ENV_NOTICE_DIR] = mailbox.path
-        # The memory tier's shared memory on this node (checkpoint.memory.keeper): removed at exit, or by the
+        # The memory tier's shared memory on this node (elastic.memory_keeper): removed at exit, or by the
         # keeper process when this agent dies; orphans of agents killed with their keeper are swept here first.
         keeper = Keeper.create(config.run_id)
         cleanup.callback(keeper.close)

@@ -5,7 +5,7 @@ redone), the timeline (one row per agent, wall time across: training in green, e
 colour, faults as red lines across every row, notices, hangs and leaves as marks on their node's row; hover
 for details), the time lost per cause, and one row per recovery with its stages as a stacked bar.
 
-Pure string building from :mod:`elastic.report`'s dataclasses; :func:`write_html` is the only I/O.
+Pure string building from :mod:`elastic.timeline`'s dataclasses; :func:`write_html` is the only I/O.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import html
 import math
 from collections.abc import Sequence
 
-from elastic.report import NO_RECOVERY, STAGES, Recovery, Segment, Timeline, Totals, recovery_cost
+from elastic.timeline import NO_RECOVERY, STAGES, Recovery, Segment, Timeline, Totals, recovery_cost
 
 COLOURS = {
     "training": "#43a047",

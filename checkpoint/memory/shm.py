@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from checkpoint._sys.procutil import process_gone, process_identity
 from checkpoint.api import JSON, ChunkKey, Manifest, RankRecords, TensorItem, TensorRecord
 from checkpoint.collective import open_collectives
 from checkpoint.commit import merge_records
@@ -258,7 +259,7 @@ class LocalShmTier:
         self._is_node_leader = False
         self._node_ranks: list[int] = []
         self._node_procs: dict[int, str | None] = {}
-        """Per rank of this node, its process (``elastic.procutil.process_identity``): a just-in-time snapshot does not wait for
+        """Per rank of this node, its process (``checkpoint._sys.procutil.process_identity``): a just-in-time snapshot does not wait for
         the file of a rank whose process has exited (a crashed worker never publishes)."""
         self._snapshot_bytes: list[dict[ChunkKey, int]] = []
         """Per rank, the bytes of each piece it snapshots (from the last plan)."""
@@ -578,8 +579,6 @@ class LocalShmTier:
         when the tier is off or has not planned yet, or when the state's items changed since the last plan.
         SIGTERM/SIGINT are held back while it writes and delivered after. Never raises.
         """
-        from elastic.procutil import process_gone
-
         if not self.enabled or self._layout is None or self.directory is None:
             return False
         if exc is not None and not jit.is_collective_failure(exc):
@@ -653,8 +652,6 @@ class LocalShmTier:
 
     def _replan(self, flat: FlatState) -> None:
         """Gather every rank's item metadata and node once; lay out the pieces this rank snapshots."""
-        from elastic.procutil import process_identity  # the package's process helpers (standard library only)
-
         mine = [[i.key.fqn, list(i.key.offsets), list(i.key.lengths), i.nbytes, i.replicated] for i in flat.items]
         gathered = self._fg.all_gather({"node": self.node, "items": mine, "proc": process_identity(os.getpid())})
         nodes = [str(g["node"]) for g in gathered]

@@ -50,7 +50,6 @@ The files (the *mailbox* is a private directory the agent creates and names in
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import math
@@ -64,7 +63,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elastic.api import ENV_NOTICE_DIR
-from elastic.worker.runfiles import run_scoped_path, run_scoped_prefix
+from elastic.worker.runfiles import (
+    SWEEP_LIMIT,
+    hold_owner_lock,
+    lock_if_orphaned,
+    remove_orphaned_dirs,
+    run_scoped_path,
+    run_scoped_prefix,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +181,7 @@ class Mailbox:
         root = root or tempfile.gettempdir()
         remove_orphaned_mailboxes(root)
         box = cls(tempfile.mkdtemp(prefix=MAILBOX_PREFIX, dir=root))
-        box._lock_fd = _hold_lock(box.path)
+        box._lock_fd = hold_owner_lock(os.path.join(box.path, LOCK_FILE))
         _write_atomic(os.path.join(box.path, SIGNALS_FILE), [int(sig) for sig in notice_signals])
         return box
 
@@ -447,67 +453,19 @@ def _seconds_or_none(value: object) -> float | None:
     return float(value)
 
 
-def _hold_lock(path: str) -> int:
-    """Create and lock the mailbox's lock file. Locked before it gets its name: a sweeper that sees the
-    name can never take the lock of a live agent."""
-    tmp = os.path.join(path, f"{LOCK_FILE}.{os.getpid()}")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.rename(tmp, os.path.join(path, LOCK_FILE))
-    return fd
-
-
-def _lock_if_orphaned(path: str) -> int | None:
-    """The lock of a mailbox whose agent is gone (a descriptor now holding it), or None: its agent lives, or
-    the directory has no lock (being created, or made by an older spotrun: left alone)."""
-    try:
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _agent_alive(path: str) -> bool:
     """The mailbox has a lock and its agent holds it."""
-    fd = _lock_if_orphaned(path)
+    fd = lock_if_orphaned(os.path.join(path, LOCK_FILE))
     if fd is not None:
         os.close(fd)
         return False
     return os.path.exists(os.path.join(path, LOCK_FILE))
 
 
-def remove_orphaned_mailboxes(root: str) -> int:
+def remove_orphaned_mailboxes(root: str, *, limit: int = SWEEP_LIMIT) -> int:
     """Remove this user's mailboxes under ``root`` whose agent died without cleaning up (SIGKILL, or killed
     after a SIGTERM grace ran out), and dangling links to them; returns how many mailboxes were removed."""
-    removed = 0
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if not name.startswith(MAILBOX_PREFIX):
-            continue
-        try:
-            info = os.lstat(path)
-        except OSError:
-            continue
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            continue
-        fd = _lock_if_orphaned(path)
-        if fd is None:
-            continue
-        try:
-            for entry in os.listdir(path):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(path, entry))
-            os.rmdir(path)
-            removed += 1
-        except OSError as exc:
-            logger.debug("cannot remove orphaned mailbox %s: %s", path, exc)
-        finally:
-            os.close(fd)
+    removed = remove_orphaned_dirs(root, MAILBOX_PREFIX, LOCK_FILE, limit=limit)
     _remove_dangling_links()
     if removed:
         logger.info("removed %d orphaned worker mailbox(es) of dead agents under %s", removed, root)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.memory.keeper import remove_orphaned_keepers
 from elastic.etcd_server import EmbeddedEtcd
 from elastic.events import read_events
+from elastic.memory_keeper import remove_orphaned_keepers
 from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, make_env, read_jsonl, signal_all, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
