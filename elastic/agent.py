@@ -66,6 +66,7 @@ from checkpoint.memory.records import RestoreRecord, collect_restore_records, sn
 from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
+from elastic.metrics import AgentMetrics
 from elastic.notice import Notice, parse_signal_spec
 from elastic.outage import OutageClock, OutageVerdict
 from elastic.planned import (
@@ -95,6 +96,7 @@ from elastic.rendezvous.api import (
     is_permanent,
 )
 from elastic.torch_internals import check_agent_internals, worker_processes, worker_return_values
+from elastic.vitals import Vitals, progress_of
 from elastic.worker.mailbox import GroupAssignment, Mailbox
 from elastic.worker.reform import IN_PLACE_REASONS, in_place_enabled
 from elastic.workers import (
@@ -176,9 +178,11 @@ class SpotrunAgent(LocalElasticAgent):
         mailbox: Mailbox | None = None,
         clock: Callable[[], float] = time.monotonic,
         memory_dir: str | None = None,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         """``clock`` (monotonic seconds) times the rendezvous outage bound (injected: tests drive it).
-        ``memory_dir``: this node's memory tier keeper directory, where workers leave their restore records."""
+        ``memory_dir``: this node's memory tier keeper directory, where workers leave their restore and save
+        records. ``metrics``: the exporter's metrics (``--metrics-port``) the progress watch sets."""
         if tie_workers_to_agent:
             # CHANGE: workers die with the agent (torch's start_new_session leaves orphans on agent SIGKILL).
             spec = _tie_entrypoint_to_agent(spec)
@@ -226,6 +230,9 @@ class SpotrunAgent(LocalElasticAgent):
         self._restores: list[RestoreRecord] = []
         """Restore records of the local workers not yet reported (``restore_completed``, one per start)."""
         self._restores_first_seen: float | None = None
+        # Progress, durability and stragglers (elastic.vitals): metrics and straggler events, once a second.
+        self._vitals = Vitals(metrics=metrics, emit=self._emit, memory_dir=memory_dir, ctx=self._ctx,
+                              straggler=settings.straggler if self._hang_watch is not None else None)
 
     @property
     def exit_status(self) -> int:
@@ -460,6 +467,7 @@ class SpotrunAgent(LocalElasticAgent):
         pids = super()._start_workers(worker_group)
         if self._hang_watch is not None:
             self._hang_watch.started(dict(pids))
+        self._vitals.started({w.local_rank: w.global_rank for w in worker_group.workers})
         # CHANGE: torch's PContext.start installs handlers that turn SIGTERM into an immediate shutdown;
         # a SIGTERM is a preemption notice here (workers that can save do so first).
         self.install_notice_handlers()
@@ -645,6 +653,10 @@ class SpotrunAgent(LocalElasticAgent):
                 self._wait_for_membership_change(spec.monitor_interval)
             run_result = self._monitor_workers(self._worker_group)
             self._report_restores()
+            if self._hang_watch is not None:  # CHANGE: progress metrics and stragglers (elastic.vitals)
+                self._vitals.tick(progress_of(self._hang_watch.beats(), self._hang_watch.steps()))
+            else:
+                self._vitals.tick({})
             state = run_result.state
             self._worker_group.state = state
             put_metric(f"workers.{role}.remaining_restarts", self._remaining_restarts)
