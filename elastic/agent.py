@@ -622,6 +622,13 @@ class SpotrunAgent(LocalElasticAgent):
         self._emit(RecoveryEvent.RESTORE_COMPLETED, **summarize(self._restores))
         self._restores, self._restores_first_seen = [], None
 
+    def _watch_vitals(self) -> None:
+        """One monitor tick of the progress watch: the hang watch's samples and the rendezvous' outage."""
+        hw = self._hang_watch
+        since = self._rdzv_outage.since
+        self._vitals.tick(progress_of(hw.beats(), hw.steps()) if hw is not None else {},
+                          unreachable_for=0.0 if since is None else max(0.0, self._clock() - since))
+
     # --- monitor loop ------------------------------------------------------------------------------------
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -653,10 +660,7 @@ class SpotrunAgent(LocalElasticAgent):
                 self._wait_for_membership_change(spec.monitor_interval)
             run_result = self._monitor_workers(self._worker_group)
             self._report_restores()
-            if self._hang_watch is not None:  # CHANGE: progress metrics and stragglers (elastic.vitals)
-                self._vitals.tick(progress_of(self._hang_watch.beats(), self._hang_watch.steps()))
-            else:
-                self._vitals.tick({})
+            self._watch_vitals()  # CHANGE: progress and durability metrics, stragglers (elastic.vitals)
             state = run_result.state
             self._worker_group.state = state
             put_metric(f"workers.{role}.remaining_restarts", self._remaining_restarts)

@@ -37,6 +37,7 @@ checkpointer's save records and the memory tier's snapshots in the keeper direct
     spotrun_checkpoint_last_save_seconds          the last committed save's seconds
     spotrun_memory_snapshot_step                  newest memory tier snapshot on this node
     spotrun_memory_snapshot_timestamp_seconds     when it was written; _age_seconds: how long ago
+    spotrun_etcd_unreachable_seconds              how long the rendezvous has been failing now (0: it answers)
     spotrun_stragglers                            local ranks named stragglers now (elastic.straggler)
     spotrun_stragglers_detected_total             straggler_detected events
     spotrun_step_time_ratio{local_rank}           each local rank's step time over its local peers' median
@@ -141,6 +142,8 @@ class AgentMetrics:
                                       "When the newest memory snapshot was written (Unix seconds).", registry=r)
         self.memory_age = Gauge("spotrun_memory_snapshot_age_seconds",
                                 "Seconds since the newest memory snapshot was written.", registry=r)
+        self.etcd_unreachable = Gauge("spotrun_etcd_unreachable_seconds", "Seconds the rendezvous (etcd) has "
+                                      "been failing now (0 while it answers).", registry=r)
         self.stragglers = Gauge("spotrun_stragglers", "Local ranks named stragglers now.", registry=r)
         self.stragglers_detected = Counter("spotrun_stragglers_detected", "Ranks named stragglers "
                                            "(straggler_detected events).", registry=r)

@@ -93,13 +93,16 @@ class Vitals:
             self._metrics.stragglers.set(0)
             self._metrics.step_time_ratio.clear()
 
-    def tick(self, progress: Mapping[int, WorkerProgress]) -> None:
-        """Look (at most once per interval): the workers' progress, the save records, the snapshots."""
+    def tick(self, progress: Mapping[int, WorkerProgress], *, unreachable_for: float = 0.0) -> None:
+        """Look (at most once per interval): the workers' progress, the save records, the snapshots.
+        ``unreachable_for``: seconds the rendezvous has been failing (0 while it answers)."""
         now = self._clock()
         if now < self._next_at:
             return
         self._next_at = now + self._interval
         try:
+            if self._metrics is not None:
+                self._metrics.etcd_unreachable.set(unreachable_for)
             self._progress(progress, now)
             if self._memory_dir is not None:
                 self._durability(read_save_records(self._memory_dir))
