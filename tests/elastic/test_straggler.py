@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -110,3 +111,28 @@ def test_an_even_run_names_nobody_and_a_rank_back_in_pace_is_cleared() -> None:
         vitals.tick({r: WorkerProgress(b, None) for r, b in beats.items()})
     kinds = [(e, f["rank"]) for e, f in events.events]
     assert kinds == [(RecoveryEvent.STRAGGLER_DETECTED, 1), (RecoveryEvent.STRAGGLER_CLEARED, 1)]
+
+
+def test_the_report_names_each_straggler_its_node_how_much_slower_and_when_it_was_cleared(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from elastic.report import main, straggler_lines
+
+    base = {"run_id": "r", "round": 1}
+    events = [
+        {**base, "event": "workers_started", "node": "h1:10", "t_wall": 100.0},
+        {**base, "event": "straggler_detected", "node": "h1:10", "t_wall": 112.5, "rank": 3, "local_rank": 1,
+         "ratio": 2.5, "step_time": 0.25, "peers_step_time": 0.1, "factor": 1.5, "window": 20},
+        {**base, "event": "straggler_detected", "node": "h2:11", "t_wall": 113.0, "rank": 5, "local_rank": 1,
+         "ratio": "NaN", "step_time": None},
+        {**base, "event": "straggler_cleared", "node": "h1:10", "t_wall": 130.0, "rank": 3, "local_rank": 1},
+    ]
+    assert straggler_lines(events, 100.0) == [
+        "rank 3 (local rank 1) on h1:10: 2.50x its local peers' median (0.250 s vs 0.100 s per step over 20 steps); "
+        "from +12.5 s, cleared at +30.0 s",
+        "rank 5 (local rank 1) on h2:11; from +13.0 s, not cleared",  # bad numbers: left out, not a traceback
+    ]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "== stragglers" in out and "straggler: rank 3" in out
