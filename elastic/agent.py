@@ -87,6 +87,7 @@ from elastic.planned import (
 from elastic.progress import ProgressBoard
 from elastic.rendezvous.api import (
     DEFAULT_ETCD_TIMEOUT_S,
+    HealthReportingHandler,
     MembershipAwareHandler,
     NoticeAwareHandler,
     OutageBoundHandler,
@@ -233,6 +234,8 @@ class SpotrunAgent(LocalElasticAgent):
         # Progress, durability and stragglers (elastic.vitals): metrics and straggler events, once a second.
         self._vitals = Vitals(metrics=metrics, emit=self._emit, memory_dir=memory_dir, ctx=self._ctx,
                               straggler=settings.straggler if self._hang_watch is not None else None)
+        self._published_stragglers: set[int] = set()
+        """Global ranks of the stragglers in this node's last health report (``spotrun status``)."""
 
     @property
     def exit_status(self) -> int:
@@ -623,11 +626,23 @@ class SpotrunAgent(LocalElasticAgent):
         self._restores, self._restores_first_seen = [], None
 
     def _watch_vitals(self) -> None:
-        """One monitor tick of the progress watch: the hang watch's samples and the rendezvous' outage."""
+        """One monitor tick of the progress watch (the hang watch's samples, the rendezvous' outage); when the
+        set of straggler ranks changed, this node's health report for ``spotrun status`` (not while the
+        rendezvous is failing: the monitor loop must not wait on it)."""
         hw = self._hang_watch
         since = self._rdzv_outage.since
         self._vitals.tick(progress_of(hw.beats(), hw.steps()) if hw is not None else {},
                           unreachable_for=0.0 if since is None else max(0.0, self._clock() - since))
+        slow = self._vitals.stragglers
+        handler = self._worker_group.spec.rdzv_handler
+        if set(slow) == self._published_stragglers or since is not None \
+                or not isinstance(handler, HealthReportingHandler):
+            return
+        try:
+            handler.publish_health({"stragglers": {str(r): round(x, 3) for r, x in slow.items()}} if slow else None)
+            self._published_stragglers = set(slow)
+        except RendezvousError as exc:
+            logger.warning("%s could not publish the stragglers for spotrun status: %s", self._ctx(), _first_line(exc))
 
     # --- monitor loop ------------------------------------------------------------------------------------
 
