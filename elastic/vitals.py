@@ -92,6 +92,7 @@ class Vitals:
         if self._metrics is not None:
             self._metrics.stragglers.set(0)
             self._metrics.step_time_ratio.clear()
+            self._metrics.steps_per_second.set(0)  # no pace until the new workers stepped a window
 
     def tick(self, progress: Mapping[int, WorkerProgress], *, unreachable_for: float = 0.0) -> None:
         """Look (at most once per interval): the workers' progress, the save records, the snapshots.

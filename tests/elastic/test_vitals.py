@@ -103,6 +103,7 @@ def test_progress_gives_the_training_step_the_steps_and_the_pace_of_the_slowest_
     assert _value(metrics, "spotrun_training_steps_total") == 29
     assert _value(metrics, "spotrun_steps_per_second") == pytest.approx(10, rel=0.1)
     vitals.started({0: 0, 1: 1})  # restarted workers count from 0 again; the counter goes on
+    assert _value(metrics, "spotrun_steps_per_second") == 0  # no pace while the new workers start
     now[0] += 0.1
     vitals.tick({0: WorkerProgress(3, None), 1: WorkerProgress(2, None)})
     assert _value(metrics, "spotrun_training_steps_total") == 31
