@@ -136,3 +136,19 @@ def test_the_report_names_each_straggler_its_node_how_much_slower_and_when_it_wa
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "== stragglers" in out and "straggler: rank 3" in out
+
+
+def test_the_flags_reach_the_agent_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.cli import build_parser, settings_from_args
+
+    for name in ("SPOTRUN_STRAGGLER_FACTOR", "SPOTRUN_STRAGGLER_WINDOW"):
+        monkeypatch.delenv(name, raising=False)
+
+    def settings(*flags: str) -> Any:
+        return settings_from_args(build_parser().parse_args([*flags, "train.py"])).straggler
+
+    assert settings() == StragglerPolicy()
+    assert settings("--straggler-factor", "2", "--straggler-window", "5") == StragglerPolicy(factor=2.0, window=5)
+    assert settings("--straggler-factor", "0") is None
+    with pytest.raises(LaunchConfigError, match="--straggler-factor must be a finite number > 1"):
+        settings("--straggler-factor", "0.5")
