@@ -335,7 +335,7 @@ def test_a_handler_publishes_its_stragglers_where_status_reads_them(etcd_server:
 
     host, port = etcd_server.endpoint.rsplit(":", 1)
     config = EtcdRendezvousConfig(run_id="slow", endpoints=((host, int(port)),), min_nodes=1, max_nodes=1,
-                                  lease_ttl=3.0, last_call_timeout=0.3)
+                                  lease_ttl=3, last_call_timeout=0.3)
     handler = handlers(config, node_id="n0")
     assert isinstance(handler, HealthReportingHandler)
     handler.next_rendezvous()
