@@ -75,6 +75,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 from torch.distributed.run import config_from_args, get_args_parser
 
+from elastic import early_notice
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
     ENV_EVENTS_FILE,
@@ -117,7 +118,7 @@ from elastic.config import (
     parse_rdzv_conf,
     straggler_policy,
 )
-from elastic.notice import parse_sources
+from elastic.notice import notice_signals, parse_sources
 
 logger = logging.getLogger(__name__)
 
@@ -289,11 +290,17 @@ def _raise_signal_exception(signum: int, frame: object) -> NoReturn:
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
 
-def install_signal_handlers() -> None:
-    """Turn SIGTERM/SIGINT into an exception before workers exist (torch only does so once they start), so
-    ``finally`` blocks (embedded etcd cleanup) run even if the launcher is stopped during rendezvous."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _raise_signal_exception)
+def install_signal_handlers(preempt_signal: str | None = None) -> None:
+    """Turn SIGINT into an exception before workers exist (torch only does so once they start), so ``finally``
+    blocks (embedded etcd cleanup) run even if the launcher is interrupted during rendezvous. The notice
+    signals (SIGTERM, ``--preempt-signal``) are recorded as a notice instead (``elastic.early_notice``): the
+    agent leaves as a planned leave when it can act on them."""
+    signal.signal(signal.SIGINT, _raise_signal_exception)
+    try:
+        signums = [int(sig) for sig in notice_signals(preempt_signal)]
+    except LaunchConfigError:
+        signums = [int(signal.SIGTERM)]  # a bad --preempt-signal: reported by run() in a moment
+    early_notice.arm(signums)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -320,7 +327,7 @@ def run(args: argparse.Namespace) -> None:
 def _main(argv: Sequence[str] | None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    install_signal_handlers()
+    install_signal_handlers(args.preempt_signal or default_preempt_signal())
     try:
         run(args)
     except LaunchConfigError as exc:

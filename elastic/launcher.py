@@ -16,10 +16,11 @@ import dataclasses
 import importlib
 import logging
 import os
+import re
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed.elastic.rendezvous.registry as rdzv_registry
@@ -33,6 +34,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from checkpoint.memory.api import ENV_MEMORY_DIR
 from checkpoint.memory.keeper import Keeper
+from elastic import early_notice
 from elastic.agent import SpotrunAgent, warn_one_line
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
@@ -95,6 +97,29 @@ def create_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler
             f"cannot set up rendezvous backend {params.backend!r} at {params.endpoint!r}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+
+
+HELPER_IMPORT = re.compile(rb"\belastic(?:\.worker)?\.preemption\b|\bfrom\s+elastic(?:\.worker)?\s+import\s[^\n]*\bpreemption\b")
+"""An import of the preemption helper's module in a script's source."""
+MAX_SCRIPT_BYTES = 4 << 20
+"""Most bytes of a training script read to look for the helper's import (a script is a few KB)."""
+
+
+def imports_helper(entrypoint: Callable[..., Any] | str, args: Sequence[Any]) -> bool:
+    """Whether a ``python -u script.py ...`` launch's script imports ``elastic.preemption`` in its own source.
+
+    A hint for the notice that arrives while the workers start (``planned.HelperOutlook``): before they
+    build their helpers, workers of such a script have trained nothing since their restore. A script that
+    imports the helper through a module of its own is seen at run time instead (``coming-{local_rank}``). A
+    module (``-m``), a function or a binary, or a script that cannot be read: False."""
+    if not isinstance(entrypoint, str) or len(args) < 2 or str(args[0]) != "-u" or str(args[1]) == "-m":
+        return False
+    try:
+        with open(str(args[1]), "rb") as handle:
+            source = handle.read(MAX_SCRIPT_BYTES)
+    except OSError:
+        return False
+    return HELPER_IMPORT.search(source) is not None
 
 
 def _maybe_warm(
@@ -232,6 +257,7 @@ def launch(
         config.run_id = str(uuid.uuid4().int)
         logger.warning("config has no run_id, generated a random run_id: %s", config.run_id)
     entrypoint_name = torch_entrypoint_name(entrypoint, args)
+    script_imports_helper = imports_helper(entrypoint, args)
     entrypoint, args = _maybe_warm(config, entrypoint, args, settings)
     if config.start_method != "forkserver":
         discard_early_forkserver()  # elastic.boot guessed warm workers; the launcher decided otherwise
@@ -303,6 +329,7 @@ def launch(
             shutdown_timeout=config.shutdown_timeout,
             mailbox=mailbox,
             memory_dir=keeper.path,
+            script_imports_helper=script_imports_helper,
             metrics=agent_metrics,
         )
         cleanup.callback(agent.release)
@@ -332,6 +359,8 @@ def launch(
                 # starts plain workers and says so once, naming this (warm.warm_fallback_reason).
                 note_forkserver_failure(f"{exc}; TMPDIR={tempfile.gettempdir()}")
         agent.install_notice_handlers()
+        if (early := early_notice.take()) is not None:
+            agent.receive_early_notice(early.signum, early.received_at)  # it arrived during the start-up above
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)

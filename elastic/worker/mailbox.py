@@ -15,6 +15,10 @@ The files (the *mailbox* is a private directory the agent creates and names in
   stop grace; absent in older notices). Workers only ``stat`` it: a poll costs a few microseconds.
 * ``helper-{local_rank}``  written by :class:`~elastic.worker.preemption.Preemption` at construction: the agent then knows its workers
   will stop by themselves at an agreed step, and waits for them instead of killing them.
+* ``coming-{local_rank}``  written when a worker imports ``elastic.worker.preemption`` (also through
+  ``elastic.preemption``): the script will build a helper, it has not yet (imports, the restore). A notice that
+  arrives before the helpers exist then finds workers that trained nothing since their restore: the node
+  leaves as a planned leave instead of taking torch's immediate shutdown (``elastic.planned.helper_outlook``).
 * ``ack-{local_rank}.json``  written after the agreed step is committed: ``{"step", "time"}``; or, when the
   save could not commit before ``save_by`` and was not started, ``{"step", "time", "saved": false, "why"}``
   (a record without ``saved`` is a committed one). Workers that all acknowledged and exited 0 ended for a
@@ -138,6 +142,7 @@ class GroupAssignment:
 
 
 _HELPER_FILE = re.compile(r"helper-(\d+)")
+_COMING_FILE = re.compile(r"coming-(\d+)")
 _WAITING_FILE = re.compile(r"waiting-(\d+)")
 _ACK_FILE = re.compile(r"ack-(\d+)\.json")
 
@@ -195,6 +200,10 @@ class Mailbox:
     def helpers(self) -> set[int]:
         # Only finished files: a worker's atomic write first creates "helper-N.tmpPID" beside its target.
         return {int(m.group(1)) for n in os.listdir(self.path) if (m := _HELPER_FILE.fullmatch(n))}
+
+    def helpers_coming(self) -> set[int]:
+        """Local ranks whose script imported the helper's module (``coming-{local_rank}``), built or not."""
+        return {int(m.group(1)) for n in os.listdir(self.path) if (m := _COMING_FILE.fullmatch(n))}
 
     def waiting(self) -> set[int]:
         """Local ranks that acknowledged and wait in place for their new group (``waiting-{local_rank}``)."""
@@ -338,6 +347,10 @@ class Mailbox:
         found = {n for n in numbers if isinstance(n, int) and not isinstance(n, bool) and n in valid} \
             if isinstance(numbers, list) else set()
         return frozenset(found or {int(signal.SIGTERM)})
+
+    def announce_helper(self, local_rank: int) -> None:
+        """This worker's script will build a ``Preemption`` helper (it imported its module)."""
+        _write_atomic(os.path.join(self.path, f"coming-{local_rank}"), {"pid": os.getpid()})
 
     def register_helper(self, local_rank: int) -> None:
         _write_atomic(os.path.join(self.path, f"helper-{local_rank}"), {"pid": os.getpid()})

@@ -42,7 +42,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
@@ -305,3 +305,30 @@ class Preemption:
                            os.environ.get("RANK", "0"), step, time.monotonic() - began)
         self.acknowledge(step)
         return True
+
+
+def announce_helper(environ: Mapping[str, str] | None = None) -> bool:
+    """Tell this worker's agent that the script will build a ``Preemption`` helper (``coming-{local_rank}``).
+
+    Called once when this module is imported: a script imports it at its top, long before it builds the
+    helper (after ``init_process_group`` and the restore), so an agent that gets its notice in between knows
+    the workers will stop at an agreed step and have trained nothing yet (``elastic.planned.helper_outlook``).
+    A no-op outside a spotrun worker (no ``LOCAL_RANK`` or no mailbox: stock torchrun, the warm forkserver's
+    preload, a plain ``python``); never raises (a worker must not fail over a hint). True when written.
+    """
+    env = os.environ if environ is None else environ
+    local_rank = env.get("LOCAL_RANK", "")
+    if not local_rank.isdigit():
+        return False
+    try:
+        path = find_mailbox(env)
+        if not path:
+            return False
+        Mailbox(path).announce_helper(int(local_rank))
+    except OSError as exc:
+        logger.debug("could not announce the Preemption helper to the agent: %s", exc)
+        return False
+    return True
+
+
+announce_helper()
