@@ -66,6 +66,7 @@ from checkpoint.memory.records import RestoreRecord, collect_restore_records, sn
 from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
+from elastic.metrics import AgentMetrics
 from elastic.notice import SIGTERM_SOURCE, Notice, parse_signal_spec
 from elastic.outage import OutageClock, OutageVerdict
 from elastic.planned import (
@@ -88,6 +89,7 @@ from elastic.planned import (
 from elastic.progress import ProgressBoard
 from elastic.rendezvous.api import (
     DEFAULT_ETCD_TIMEOUT_S,
+    HealthReportingHandler,
     MembershipAwareHandler,
     NoticeAwareHandler,
     OutageBoundHandler,
@@ -97,6 +99,7 @@ from elastic.rendezvous.api import (
     is_permanent,
 )
 from elastic.torch_internals import check_agent_internals, worker_processes, worker_return_values
+from elastic.vitals import Vitals, progress_of
 from elastic.worker.mailbox import GroupAssignment, Mailbox
 from elastic.worker.reform import IN_PLACE_REASONS, in_place_enabled
 from elastic.workers import (
@@ -185,11 +188,13 @@ class SpotrunAgent(LocalElasticAgent):
         clock: Callable[[], float] = time.monotonic,
         memory_dir: str | None = None,
         script_imports_helper: bool = False,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         """``clock`` (monotonic seconds) times the rendezvous outage bound (injected: tests drive it).
-        ``memory_dir``: this node's memory tier keeper directory, where workers leave their restore records.
-        ``script_imports_helper``: the training script will build a ``Preemption`` helper (its source says so),
-        so a notice before the helpers exist is a planned leave (``planned.HelperOutlook.COMING``)."""
+        ``memory_dir``: this node's memory tier keeper directory, where workers leave their restore and save
+        records. ``script_imports_helper``: the training script will build a ``Preemption`` helper (its source
+        says so), so a notice before the helpers exist is a planned leave (``planned.HelperOutlook.COMING``).
+        ``metrics``: the exporter's metrics (``--metrics-port``) the progress watch sets."""
         if tie_workers_to_agent:
             # CHANGE: workers die with the agent (torch's start_new_session leaves orphans on agent SIGKILL).
             spec = _tie_entrypoint_to_agent(spec)
@@ -245,6 +250,11 @@ class SpotrunAgent(LocalElasticAgent):
         self._restores: list[RestoreRecord] = []
         """Restore records of the local workers not yet reported (``restore_completed``, one per start)."""
         self._restores_first_seen: float | None = None
+        # Progress, durability and stragglers (elastic.vitals): metrics and straggler events, once a second.
+        self._vitals = Vitals(metrics=metrics, emit=self._emit, memory_dir=memory_dir, ctx=self._ctx,
+                              straggler=settings.straggler if self._hang_watch is not None else None)
+        self._published_stragglers: set[int] = set()
+        """Global ranks of the stragglers in this node's last health report (``spotrun status``)."""
 
     @property
     def exit_status(self) -> int:
@@ -492,6 +502,7 @@ class SpotrunAgent(LocalElasticAgent):
         self.install_notice_handlers()
         if self._hang_watch is not None:
             self._hang_watch.started(dict(pids))
+        self._vitals.started({w.local_rank: w.global_rank for w in worker_group.workers})
         self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()))
         self._recovery_cause = None
         return pids
@@ -664,6 +675,25 @@ class SpotrunAgent(LocalElasticAgent):
         self._emit(RecoveryEvent.RESTORE_COMPLETED, **summarize(self._restores))
         self._restores, self._restores_first_seen = [], None
 
+    def _watch_vitals(self) -> None:
+        """One monitor tick of the progress watch (the hang watch's samples, the rendezvous' outage); when the
+        set of straggler ranks changed, this node's health report for ``spotrun status`` (not while the
+        rendezvous is failing: the monitor loop must not wait on it)."""
+        hw = self._hang_watch
+        since = self._rdzv_outage.since
+        self._vitals.tick(progress_of(hw.beats(), hw.steps()) if hw is not None else {},
+                          unreachable_for=0.0 if since is None else max(0.0, self._clock() - since))
+        slow = self._vitals.stragglers
+        handler = self._worker_group.spec.rdzv_handler
+        if set(slow) == self._published_stragglers or since is not None \
+                or not isinstance(handler, HealthReportingHandler):
+            return
+        try:
+            handler.publish_health({"stragglers": {str(r): round(x, 3) for r, x in slow.items()}} if slow else None)
+            self._published_stragglers = set(slow)
+        except RendezvousError as exc:
+            logger.warning("%s could not publish the stragglers for spotrun status: %s", self._ctx(), _first_line(exc))
+
     # --- monitor loop ------------------------------------------------------------------------------------
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -697,6 +727,7 @@ class SpotrunAgent(LocalElasticAgent):
                 self._wait_for_membership_change(spec.monitor_interval)
             run_result = self._monitor_workers(self._worker_group)
             self._report_restores()
+            self._watch_vitals()  # CHANGE: progress and durability metrics, stragglers (elastic.vitals)
             state = run_result.state
             self._worker_group.state = state
             put_metric(f"workers.{role}.remaining_restarts", self._remaining_restarts)

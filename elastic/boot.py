@@ -49,7 +49,8 @@ VALUE_OPTIONS: Final = frozenset({
     "--rdzv-endpoint", "--rdzv-id", "--rdzv_backend", "--rdzv_conf", "--rdzv_endpoint", "--rdzv_id", "--redirects",
     "--resize-timeout", "--resize_timeout", "--role", "--shutdown-timeout", "--shutdown_timeout",
     "--signals-to-handle", "--signals_to_handle", "--start-method", "--start_method", "--stop-grace",
-    "--stop_grace", "--tee", "-r", "-t",
+    "--stop_grace", "--straggler-factor", "--straggler-window", "--straggler_factor", "--straggler_window",
+    "--tee", "-r", "-t",
 })
 """Options of ``spotrun`` that take a value (``tests/elastic/test_boot.py`` keeps this equal to the parser)."""
 DEFAULT_SIGNALS_TO_HANDLE: Final = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"

@@ -93,6 +93,8 @@ from elastic.api import (
     ENV_PREEMPT_SIGNAL,
     ENV_RESIZE_TIMEOUT,
     ENV_STOP_GRACE,
+    ENV_STRAGGLER_FACTOR,
+    ENV_STRAGGLER_WINDOW,
     ENV_WARM_WORKERS,
     LaunchConfigError,
     PlannedLeaveExit,
@@ -116,6 +118,7 @@ from elastic.config import (
     hang_policy,
     parse_nnodes,
     parse_rdzv_conf,
+    straggler_policy,
 )
 from elastic.notice import notice_signals, parse_sources
 
@@ -186,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
                        help=f"Serve Prometheus metrics (restarts, recovery stages, notices, ...) on this TCP port at "
                             f"/metrics (env {ENV_METRICS_PORT}; default: off).")
+    group.add_argument("--straggler-factor", "--straggler_factor", type=float, default=None,
+                       help=f"Name a local rank a straggler (straggler_detected event, spotrun_stragglers metric) when "
+                            f"its step time exceeds this many times its local peers' median (env "
+                            f"{ENV_STRAGGLER_FACTOR}, default 1.5; 0: off; needs hang detection).")
+    group.add_argument("--straggler-window", "--straggler_window", type=int, default=None,
+                       help=f"Steps a rank's step time is averaged over for straggler detection (env "
+                            f"{ENV_STRAGGLER_WINDOW}, default 20).")
     _no_abbreviations(parser, group)
     return parser
 
@@ -222,6 +232,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         hang=hang_policy(enabled=args.hang_detection, timeout=args.hang_timeout,
                          startup_timeout=args.hang_startup_timeout),
         metrics_port=default_metrics_port() if args.metrics_port is None else args.metrics_port,
+        straggler=straggler_policy(factor=args.straggler_factor, window=args.straggler_window),
     )
 
 

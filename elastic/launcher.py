@@ -222,17 +222,19 @@ def _mark_finished(handler: RendezvousHandler) -> None:
                       "waits for peers): %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
-def _with_metrics(event_log: JsonlEventLog, port: int | None) -> tuple[EventSink, MetricsServer | None]:
-    """The agent's event sink: the log itself, or (``--metrics-port``) the log wrapped by the metrics that are
-    derived from its events, with their exporter started."""
+def _with_metrics(event_log: JsonlEventLog, port: int | None
+                  ) -> tuple[EventSink, AgentMetrics | None, MetricsServer | None]:
+    """The agent's event sink, its metrics and their exporter: the log itself and no metrics, or
+    (``--metrics-port``) the log wrapped by the metrics that are derived from its events, the metrics (the
+    progress watch, ``elastic.vitals``, sets the rest) and their exporter, started."""
     if port is None:
-        return event_log, None
+        return event_log, None, None
     agent_metrics = AgentMetrics()
     try:
         exporter = serve(agent_metrics, port)
     except OSError as exc:
         raise LaunchConfigError(f"--metrics-port {port}: cannot listen there ({exc}); pick a free port") from exc
-    return MetricsSink(event_log, agent_metrics), exporter
+    return MetricsSink(event_log, agent_metrics), agent_metrics, exporter
 
 
 def events_path(config: LaunchConfig, settings: AgentSettings) -> str:
@@ -301,7 +303,7 @@ def launch(
     # in reverse order of setup, also when a later step of the setup fails.
     cleanup = contextlib.ExitStack()
     try:
-        events, exporter = _with_metrics(event_log, settings.metrics_port)
+        events, agent_metrics, exporter = _with_metrics(event_log, settings.metrics_port)
         if exporter is not None:
             cleanup.callback(exporter.close)
         # The workers' mailbox (elastic.preemption): set before the forkserver starts, warm workers inherit it.
@@ -328,6 +330,7 @@ def launch(
             mailbox=mailbox,
             memory_dir=keeper.path,
             script_imports_helper=script_imports_helper,
+            metrics=agent_metrics,
         )
         cleanup.callback(agent.release)
         poller = NoticePoller(make_sources(settings.preempt_sources, settings.preempt_grace), agent.receive_notice,

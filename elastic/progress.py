@@ -34,12 +34,14 @@ from elastic.worker.heartbeat import OFFSET_BEATS as _BEATS
 from elastic.worker.heartbeat import OFFSET_MAGIC as _MAGIC
 from elastic.worker.heartbeat import OFFSET_MAIN_THREAD as _MAIN_THREAD
 from elastic.worker.heartbeat import OFFSET_PID as _PID
+from elastic.worker.heartbeat import OFFSET_STEP as _STEP
 from elastic.worker.heartbeat import PROGRESS_KIND as PROGRESS_KIND
 from elastic.worker.heartbeat import SIZE as SIZE
 from elastic.worker.heartbeat import dump_path as dump_path
 from elastic.worker.heartbeat import heartbeat as heartbeat
 from elastic.worker.heartbeat import install as install
 from elastic.worker.heartbeat import progress_path as progress_path
+from elastic.worker.heartbeat import report_step as report_step
 from elastic.worker.runfiles import SWEEP_LIMIT, hold_owner_lock, lock_if_orphaned, sweep_candidates
 from elastic.worker.runfiles import run_scoped_path as run_scoped_path
 from elastic.worker.runfiles import run_scoped_prefix as run_scoped_prefix
@@ -99,6 +101,12 @@ class ProgressBoard:
         beats = struct.unpack_from("<Q", mm, _BEATS)[0] if mm is not None else 0
         state, activity = proc
         return ProgressSample(beats=beats, activity=activity, stopped=state in ("T", "t"))
+
+    def step(self, local_rank: int) -> int | None:
+        """The training step the worker last reported (``report_step``), None when it never did."""
+        mm = self._maps.get(local_rank)
+        value = struct.unpack_from("<Q", mm, _STEP)[0] if mm is not None else 0
+        return value - 1 if value else None
 
     def main_thread_id(self, local_rank: int) -> int | None:
         mm = self._maps.get(local_rank)

@@ -257,7 +257,7 @@ def _is_number(value: object) -> bool:
 
 _SEGMENT_END = {"workers_stopped": "stop", "rendezvous_completed": "rendezvous", "workers_started": "start"}
 MARKER_EVENTS = {"notice_received": "notice", "hang_detected": "hang", "planned_leave": "leave",
-                 "failure_detected": "failure", "run_finished": "end"}
+                 "failure_detected": "failure", "run_finished": "end", "straggler_detected": "straggler"}
 """Events drawn as markers on their node's row (and faults from the chaos journal on every row; ``lost``: the
 last sign of a node that ended without a ``run_finished``)."""
 
@@ -360,7 +360,32 @@ def _marker_label(e: dict[str, Any]) -> str:
         return f"failure: {e.get('cause', '?')}"
     if name == "run_finished":
         return f"finished: {e.get('state', '?')}"
+    if name == "straggler_detected":
+        return f"straggler: rank {e.get('rank', '?')}"
     return name.replace("_", " ")
+
+
+def straggler_lines(events: Sequence[dict[str, Any]], t0: float) -> list[str]:
+    """One line per ``straggler_detected`` event (pure): the rank, its node, how much slower, when, and when it
+    was cleared (the next ``straggler_cleared`` of that rank on that node), fields checked before use."""
+    ordered = sorted(events, key=lambda e: float(e["t_wall"]))
+    lines = []
+    for i, e in enumerate(ordered):
+        if e.get("event") != "straggler_detected":
+            continue
+        node, rank = e.get("node", "?"), e.get("rank")
+        numbers = [e.get(k) for k in ("ratio", "step_time", "peers_step_time")]
+        how = ""
+        if all(_is_number(v) for v in numbers):
+            ratio, own, peers = (float(v) for v in numbers)  # type: ignore[arg-type]  # checked just above
+            how = f": {ratio:.2f}x its local peers' median ({own:.3f} s vs {peers:.3f} s per step"
+            how += f" over {e['window']} steps)" if isinstance(e.get("window"), int) else ")"
+        cleared = next((c for c in ordered[i + 1:] if c.get("event") == "straggler_cleared"
+                        and c.get("node") == node and c.get("rank") == rank), None)
+        until = f", cleared at +{float(cleared['t_wall']) - t0:.1f} s" if cleared is not None else ", not cleared"
+        lines.append(f"rank {rank} (local rank {e.get('local_rank', '?')}) on {node}{how}; "
+                     f"from +{float(e['t_wall']) - t0:.1f} s{until}")
+    return lines
 
 
 # --- totals ---------------------------------------------------------------------------------------------------
@@ -519,6 +544,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render_recoveries(recs, tot.step_time, t0) if recs else "none")
     print("\n== totals")
     print(render_totals(tot))
+    slow = straggler_lines(inputs.events, t0)
+    if slow:
+        print("\n== stragglers (elastic.straggler: slower than the local peers' median by the factor)")
+        print("\n".join(slow))
     if recs:
         print("\n== per fault type and cause (median / worst)")
         print(render(summarize(recs)))

@@ -32,7 +32,7 @@ STAGE_COLOURS = {"detection": COLOURS["detection"], "stop": COLOURS["stop"], "re
                  "first_step": COLOURS["first_step"]}
 MARKS = {"notice": ("#ef6c00", "notice"), "hang": ("#6a1b9a", "hang"), "leave": ("#455a64", "planned leave"),
          "failure": ("#ad1457", "failure detected"), "end": ("#263238", "run finished"),
-         "lost": ("#000000", "gone (no more events)")}
+         "lost": ("#000000", "gone (no more events)"), "straggler": ("#f9a825", "straggler")}
 _LABEL_W, _ROW_H, _CHART_W, _TOP = 190, 30, 900, 34
 
 _CSS = """

@@ -48,6 +48,7 @@ from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from elastic.api import PlannedStopVoteError
+from elastic.worker.heartbeat import report_step
 from elastic.worker.mailbox import Mailbox, WorkerNotice, find_mailbox
 from elastic.worker.watcher import PeerLossWatcher
 
@@ -296,6 +297,7 @@ class Preemption:
             PlannedStopVoteError: a peer rank did not reach the vote within ``timeout``, or left.
             CheckpointError: the planned save failed (from ``ckpt.save``/``ckpt.wait``).
         """
+        report_step(step)  # the agent's spotrun_training_step (a no-op outside spotrun)
         if isinstance(ckpt, SnapshotsEachStep):
             ckpt.snapshot(step, state)  # the memory tier, when configured (before this step's vote can fail)
         if not self.should_stop(step):
