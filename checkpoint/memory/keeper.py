@@ -15,12 +15,19 @@ working directory (the user's training repository) first on ``sys.path``, and a 
 start, and nothing would free the shared memory after a SIGKILL). It is also the seam for what comes next: serving this node's snapshots to a peer (issue 17, peer
 replication) belongs in this process, which outlives the workers.
 
-A keeper that dies while its agent lives (the OOM killer, a stray ``kill``) is seen at once by the agent's
+The keeper ends only when its agent says so (the pipe closes) or dies, never on a notice: Slurm signals every
+process of the step (``scancel --signal``, ``--signal=TERM@N`` to the process group), a terminal's Ctrl-C or
+hang-up reaches the whole group, and a keeper that left then would take this node's snapshots with it just as the
+agent starts a planned leave. So it ignores :data:`NOTICE_SIGNALS` (blocked from before its exec until they are
+ignored: no window at start) and learns of its agent's death from :data:`KEEPER_DEATH_SIGNAL`, a real-time signal
+nothing sends as a notice.
+
+A keeper that dies while its agent lives (the OOM killer, a stray ``kill -9``) is seen at once by the agent's
 watch thread (``Keeper._watch``, waiting on the process), logged once per death, and replaced (at most
 :data:`KEEPER_RESTARTS` times), so the guarantee above holds again. The snapshots themselves do not depend on
-it: a keeper SIGKILLed leaves them in place and the next restore still reads them. A keeper that got a SIGTERM
-removed the directory as it left: the watch makes it again (empty), so the workers' next snapshots have
-somewhere to go and their next restore falls back to a peer's memory or the durable tier.
+it: a keeper SIGKILLed leaves them in place and the next restore still reads them. A keeper that was sent its
+death signal by hand removed the directory as it left: the watch makes it again (empty), so the workers' next
+snapshots have somewhere to go and their next restore falls back to a peer's memory or the durable tier.
 
 Orphans (agent and keeper both killed, e.g. a process-group SIGKILL): the directory holds ``.owner.lock``,
 ``flock``-ed from before the directory is used until after it is removed, by the agent, and inherited by the
@@ -61,6 +68,11 @@ KEEPER_START_TIMEOUT = 10.0
 KEEPER_READY = b"armed\n"
 KEEPER_RESTARTS = 3
 """Most times an agent starts its keeper again after it died (a keeper that keeps dying is not worth more)."""
+NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+"""Signals a scheduler, a terminal or a user sends to a whole job as a notice: the keeper ignores them (its agent
+decides what a notice means, then closes the keeper's pipe)."""
+KEEPER_DEATH_SIGNAL = signal.SIGRTMIN
+"""What the kernel sends the keeper when its agent dies (``PR_SET_PDEATHSIG``): a signal no notice uses."""
 
 
 def _default_root() -> str:
@@ -190,10 +202,16 @@ def _start_keeper(path: str, lock_fd: int) -> subprocess.Popen[bytes]:
     (the tier still works, but a SIGKILLed agent would leave its snapshots until the next agent's sweep)."""
     import selectors
 
-    proc = subprocess.Popen(
-        keeper_command(path, os.getpid()), stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(lock_fd,),
-        close_fds=True,
-    )
+    # Blocked in this thread across the fork and the exec, so inherited blocked: a notice to the whole group
+    # while the keeper's interpreter starts stays pending until the keeper ignores it (_serve).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, NOTICE_SIGNALS)
+    try:
+        proc = subprocess.Popen(
+            keeper_command(path, os.getpid()), stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(lock_fd,),
+            close_fds=True,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     assert proc.stdout is not None
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -291,7 +309,8 @@ def _load_procutil() -> Any:
 
 
 def _serve(path: str, agent_pid: int) -> None:
-    """Keeper process: remove ``path`` when the agent goes (pipe closed, SIGTERM, or the agent's death)."""
+    """Keeper process: remove ``path`` when the agent goes (pipe closed, or the agent's death); notices are
+    ignored."""
     if __package__:
         from elastic.procutil import arm_parent_death_signal
     else:
@@ -301,9 +320,11 @@ def _serve(path: str, agent_pid: int) -> None:
         remove_dir(path)
         os._exit(0)
 
-    signal.signal(signal.SIGTERM, leave)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the agent decides
-    arm_parent_death_signal(sig=signal.SIGTERM)
+    for notice in NOTICE_SIGNALS:  # pending ones (sent while this process started blocked) are dropped here
+        signal.signal(notice, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, NOTICE_SIGNALS)
+    signal.signal(KEEPER_DEATH_SIGNAL, leave)
+    arm_parent_death_signal(sig=KEEPER_DEATH_SIGNAL)
     if os.getppid() != agent_pid:  # the agent died before the signal was armed
         leave()
     with contextlib.suppress(OSError):
