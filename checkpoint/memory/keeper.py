@@ -29,6 +29,14 @@ it: a keeper SIGKILLed leaves them in place and the next restore still reads the
 death signal by hand removed the directory as it left: the watch makes it again (empty), so the workers' next
 snapshots have somewhere to go and their next restore falls back to a peer's memory or the durable tier.
 
+The agent's named POSIX semaphores: multiprocessing's forkserver and spawn contexts (torch's worker contexts:
+their finished-event and queues) create ``/dev/shm/sem.mp-*`` files that only the agent's own finalizers or its
+resource tracker unlink. A node lost whole (the agent, its workers and its resource tracker SIGKILLed) left them
+behind. So the keeper reads the agent's ``/proc/PID/maps`` every :data:`SEMAPHORE_SCAN_INTERVAL` seconds and, when the
+semaphores mapped there change, keeps their names in :data:`SEMAPHORES`, in the directory; whoever removes the directory of an
+agent that died (its keeper, or the next agent's sweep) unlinks those too. ``close`` of a live agent leaves them
+to the agent's finalizers.
+
 Orphans (agent and keeper both killed, e.g. a process-group SIGKILL): the directory holds ``.owner.lock``,
 ``flock``-ed from before the directory is used until after it is removed, by the agent, and inherited by the
 keeper (one open file description: the lock is held while either lives). The next agent on the host removes
@@ -42,7 +50,9 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import secrets
+import select
 import signal
 import stat
 import subprocess
@@ -73,6 +83,13 @@ NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, 
 decides what a notice means, then closes the keeper's pipe)."""
 KEEPER_DEATH_SIGNAL = signal.SIGRTMIN
 """What the kernel sends the keeper when its agent dies (``PR_SET_PDEATHSIG``): a signal no notice uses."""
+SEMAPHORES = ".semaphores"
+"""In a keeper directory: the agent's named semaphores (``sem.*`` names in ``/dev/shm``), one a line."""
+SEMAPHORE_SCAN_INTERVAL = 1.0
+"""Seconds between the keeper's reads of its agent's mapped semaphores (one small /proc read)."""
+_SEM_ROOT = "/dev/shm"
+_SEM_NAME = re.compile(r"sem\.[A-Za-z0-9_.-]{1,200}")
+_SEMAPHORES_MAX_BYTES = 1 << 16
 
 
 def _default_root() -> str:
@@ -127,7 +144,7 @@ class Keeper:
         """Remove the directory and stop the keeper (idempotent)."""
         self._closing.set()  # before anything dies: the watch must not take the keeper's exit for a death
         with self._mutex:
-            remove_dir(self.path)
+            remove_dir(self.path, semaphores=False)  # this agent lives: its finalizers unlink its semaphores
             if self.process is not None:
                 if self.process.stdin is not None:
                     with contextlib.suppress(OSError):
@@ -245,17 +262,83 @@ def _hold_lock(path: str) -> int:
     return fd
 
 
-def remove_dir(path: str) -> None:
-    """Remove a keeper directory: the snapshots, then the lock file, then the directory."""
+def remove_dir(path: str, *, semaphores: bool = True) -> None:
+    """Remove a keeper directory: the semaphores it lists (``semaphores``: its agent is dead), the snapshots,
+    then the lock file, then the directory."""
     try:
         names = os.listdir(path)
     except FileNotFoundError:
         return
+    if semaphores and SEMAPHORES in names:
+        unlink_semaphores(os.path.join(path, SEMAPHORES))
     for name in sorted(names, key=lambda n: n == OWNER_LOCK):
         with contextlib.suppress(FileNotFoundError, IsADirectoryError):
             os.unlink(os.path.join(path, name))
     with contextlib.suppress(FileNotFoundError, OSError):
         os.rmdir(path)
+
+
+def mapped_semaphore_inodes(pid: int) -> frozenset[int]:
+    """Inodes of the named POSIX semaphores process ``pid`` has mapped (empty where ``/proc`` cannot tell).
+    glibc maps a semaphore under the temporary name it created it by (``sem.XXXXXX``, shown deleted) before
+    linking it to its real name: the inode, not the mapped name, finds the real one (:func:`semaphore_names`)."""
+    prefix = f"{_SEM_ROOT}/sem."
+    found: set[int] = set()
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith(prefix) and parts[4].isdigit():
+                    found.add(int(parts[4]))
+    except OSError:
+        return frozenset()
+    return frozenset(found)
+
+
+def semaphore_names(inodes: frozenset[int]) -> set[str]:
+    """Names (``sem.*`` in ``/dev/shm``) of this user's semaphores with one of these inodes."""
+    if not inodes:
+        return set()
+    names: set[str] = set()
+    with contextlib.suppress(OSError), os.scandir(_SEM_ROOT) as entries:
+        for entry in entries:
+            if entry.name.startswith("sem.") and _SEM_NAME.fullmatch(entry.name) and entry.inode() in inodes:
+                with contextlib.suppress(OSError):
+                    if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                        names.add(entry.name)
+    return names
+
+
+def record_semaphores(path: str, names: set[str]) -> None:
+    """Write ``names`` as the directory's :data:`SEMAPHORES` list (replaced whole: a reader never sees half)."""
+    tmp = os.path.join(path, f"{SEMAPHORES}.tmp")
+    with contextlib.suppress(OSError):
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.write("".join(f"{name}\n" for name in sorted(names)))
+        os.replace(tmp, os.path.join(path, SEMAPHORES))
+
+
+def unlink_semaphores(listing: str) -> int:
+    """Unlink the semaphores a :data:`SEMAPHORES` file names: only well-formed ``sem.*`` names of regular files
+    in ``/dev/shm`` owned by this user (the file is read, not trusted). Returns how many were unlinked."""
+    try:
+        with open(listing, "rb") as f:
+            text = f.read(_SEMAPHORES_MAX_BYTES).decode("utf-8", errors="replace")
+    except OSError:
+        return 0
+    unlinked = 0
+    for name in text.splitlines():
+        if not _SEM_NAME.fullmatch(name):
+            continue
+        target = os.path.join(_SEM_ROOT, name)
+        try:
+            info = os.lstat(target)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+                os.unlink(target)
+                unlinked += 1
+        except OSError:
+            continue  # gone already (its agent's finalizer or resource tracker was first)
+    return unlinked
 
 
 def remove_orphaned_keepers(root: str | None = None, *, limit: int = SWEEP_LIMIT) -> int:
@@ -317,22 +400,39 @@ def _serve(path: str, agent_pid: int) -> None:
         arm_parent_death_signal = _load_procutil().arm_parent_death_signal
 
     def leave(*_: Any) -> None:
-        remove_dir(path)
+        # The pipe's end: a closing agent removed the directory, its lock file last, before closing the pipe; a
+        # lock file still here is a dead agent's, and so are the semaphores listed beside it.
+        remove_dir(path, semaphores=os.path.exists(os.path.join(path, OWNER_LOCK)))
+        os._exit(0)
+
+    def on_death_signal(*_: Any) -> None:
+        # The kernel re-parents this process before it sends the death signal: still the agent's child means
+        # the signal came from someone else while the agent lives, whose semaphores are its own to unlink.
+        remove_dir(path, semaphores=os.getppid() != agent_pid)
         os._exit(0)
 
     for notice in NOTICE_SIGNALS:  # pending ones (sent while this process started blocked) are dropped here
         signal.signal(notice, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, NOTICE_SIGNALS)
-    signal.signal(KEEPER_DEATH_SIGNAL, leave)
+    signal.signal(KEEPER_DEATH_SIGNAL, on_death_signal)
     arm_parent_death_signal(sig=KEEPER_DEATH_SIGNAL)
     if os.getppid() != agent_pid:  # the agent died before the signal was armed
         leave()
     with contextlib.suppress(OSError):
         os.write(1, KEEPER_READY)
         os.close(1)
-    with contextlib.suppress(OSError):
-        while os.read(0, 4096):
-            pass
+    known: frozenset[int] = frozenset()
+    while True:
+        inodes = mapped_semaphore_inodes(agent_pid)
+        if inodes != known and os.getppid() == agent_pid:  # maps of our parent, not of a PID reused
+            record_semaphores(path, semaphore_names(inodes))
+            known = inodes
+        try:
+            ready, _, _ = select.select([0], [], [], SEMAPHORE_SCAN_INTERVAL)
+            if ready and not os.read(0, 4096):
+                break  # the agent closed the pipe (or died)
+        except OSError:
+            break
     leave()
 
 

@@ -603,7 +603,8 @@ def test_a_keeper_that_left_took_the_directory_which_is_made_again(
             pids.append(keeper.process.pid)
             os.kill(pids[0], keeper_module.KEEPER_DEATH_SIGNAL)
             pids.append(_new_keeper(keeper, pids[0]))
-            assert os.path.isdir(keeper.path) and os.listdir(keeper.path) == [OWNER_LOCK]
+            assert os.path.isdir(keeper.path)
+            assert set(os.listdir(keeper.path)) - {keeper_module.SEMAPHORES} == {OWNER_LOCK}
             (error,) = _keeper_errors(caplog)
             assert "removed the directory" in error and "durable tier" in error
             assert remove_orphaned_keepers(shm_dir) == 0  # locked again before anything was put in it
@@ -727,6 +728,94 @@ def test_a_signal_to_the_agents_process_group_leaves_the_keeper_and_snapshots_al
         if keeper_pid:
             reap([keeper_pid], timeout=30)
     assert "died" not in err, err  # the agent's watch (no logging set up: the message alone on stderr)
+
+
+_SEMAPHORE_AGENT = """
+import multiprocessing, sys
+from checkpoint.memory.keeper import Keeper
+k = Keeper.create("memtier-test-run", sys.argv[1])
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, as torch's worker contexts make
+print(k.path, k.process.pid, "sem." + lock._semlock.name.lstrip("/"), flush=True)
+for line in sys.stdin:
+    k.close()
+    print("closed", flush=True)
+"""
+
+
+def _semaphore_agent(root: str) -> tuple[subprocess.Popen[str], str, int, Path]:
+    """A fake agent (own session: a node's process group) holding a named semaphore, with its keeper; returns
+    the agent, its keeper directory, the keeper's PID and the semaphore's file, once the keeper recorded it."""
+    proc = subprocess.Popen([sys.executable, "-P", "-c", _SEMAPHORE_AGENT, root], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    path, keeper_pid, name = proc.stdout.readline().split()
+    semaphore = Path("/dev/shm", name)
+    assert semaphore.exists()
+    listing = Path(path, keeper_module.SEMAPHORES)
+    wait_for(lambda: listing.exists() and name in listing.read_text().split(), timeout=10,
+             what="the keeper recording the agent's semaphore")
+    return proc, path, int(keeper_pid), semaphore
+
+
+def _end_session(agent: subprocess.Popen[str], pids: list[int]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait(timeout=30)
+    reap(pids, timeout=30)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="named semaphores live in /dev/shm (Linux)")
+def test_a_node_lost_with_its_resource_tracker_leaves_no_semaphore_behind(shm_dir: str) -> None:
+    """Agent, workers and multiprocessing's resource tracker SIGKILLed (a node lost whole): before, the agent's
+    ``/dev/shm/sem.mp-*`` stayed until reboot. The keeper, which outlives them, unlinks what it recorded."""
+    from elastic.chaos.targets import descendants
+
+    agent, path, keeper_pid, semaphore = _semaphore_agent(shm_dir)
+    others = [pid for pid in descendants(agent.pid) if pid != keeper_pid]  # the resource tracker
+    try:
+        assert others, "the semaphore started no resource tracker"
+        for pid in [agent.pid, *others]:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not os.path.exists(path) and not semaphore.exists(), timeout=30,
+                 what="the keeper removing the directory and the semaphore")
+    finally:
+        _end_session(agent, [keeper_pid, *others])
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="named semaphores live in /dev/shm (Linux)")
+def test_a_node_lost_with_its_keeper_has_its_semaphores_swept_by_the_next_agent(shm_dir: str) -> None:
+    from elastic.chaos.targets import descendants
+
+    agent, path, keeper_pid, semaphore = _semaphore_agent(shm_dir)
+    others = list(descendants(agent.pid))
+    _end_session(agent, others)  # the whole process group: nobody is left to clean up
+    assert os.path.isdir(path) and semaphore.exists()
+    keeper = Keeper.create("memtier-test-run-2", shm_dir)  # the next agent on the host
+    try:
+        assert not os.path.exists(path) and not semaphore.exists()
+    finally:
+        keeper.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="named semaphores live in /dev/shm (Linux)")
+def test_closing_the_keeper_leaves_a_live_agents_semaphores_to_the_agent(shm_dir: str) -> None:
+    from elastic.chaos.targets import descendants
+
+    agent, path, keeper_pid, semaphore = _semaphore_agent(shm_dir)
+    others = [pid for pid in descendants(agent.pid) if pid != keeper_pid]
+    try:
+        assert agent.stdin is not None and agent.stdout is not None
+        agent.stdin.write("close\n")
+        agent.stdin.flush()
+        assert agent.stdout.readline().split() == ["closed"]
+        reap([keeper_pid], timeout=30)
+        assert not os.path.exists(path)
+        assert semaphore.exists()  # the agent's lock is alive: its finalizer unlinks it
+        agent.stdin.close()
+        assert agent.wait(timeout=30) == 0
+        wait_for(lambda: not semaphore.exists(), timeout=30, what="the agent's own finalizer")
+    finally:
+        _end_session(agent, [keeper_pid, *others])
 
 
 def test_a_keeper_that_keeps_dying_is_replaced_a_bounded_number_of_times(
