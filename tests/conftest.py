@@ -80,8 +80,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # a wrapper: before pytest-timeout's wrapper reads the limit
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-    """pytest-timeout's limit for this test (its marker, else --timeout or the ini's), stretched by the load now: the waits
-    inside the test are (tests/harness/procs.py), and the test's own limit must not end them first."""
+    """pytest-timeout's limit for this test (its marker, else --timeout or the ini's), stretched by the load now:
+    the waits inside the test are (tests/harness/procs.py), and the test's own limit must not end them first."""
     _stretch_timeout(item)
     return (yield)
 
@@ -95,7 +95,8 @@ def _stretch_timeout(item: pytest.Item) -> None:
     if marker is not None and base is None:
         base = marker.kwargs.get("timeout")
     if base is None:  # pytest-timeout's own order: --timeout, then PYTEST_TIMEOUT, then the ini's
-        base = item.config.getoption("timeout", None) or os.environ.get("PYTEST_TIMEOUT") or item.config.getini("timeout")
+        option = item.config.getoption("timeout", None)
+        base = option or os.environ.get("PYTEST_TIMEOUT") or item.config.getini("timeout")
     try:
         limit = float(base)
     except (TypeError, ValueError):

@@ -32,10 +32,10 @@ snapshots have somewhere to go and their next restore falls back to a peer's mem
 The agent's named POSIX semaphores: multiprocessing's forkserver and spawn contexts (torch's worker contexts:
 their finished-event and queues) create ``/dev/shm/sem.mp-*`` files that only the agent's own finalizers or its
 resource tracker unlink. A node lost whole (the agent, its workers and its resource tracker SIGKILLed) left them
-behind. So the keeper reads the agent's ``/proc/PID/maps`` every :data:`SEMAPHORE_SCAN_INTERVAL` seconds and, when the
-semaphores mapped there change, keeps their names in :data:`SEMAPHORES`, in the directory; whoever removes the directory of an
-agent that died (its keeper, or the next agent's sweep) unlinks those too. ``close`` of a live agent leaves them
-to the agent's finalizers.
+behind. So the keeper reads the agent's ``/proc/PID/maps`` every :data:`SEMAPHORE_SCAN_INTERVAL` seconds and,
+when the semaphores mapped there change, keeps their names in :data:`SEMAPHORES`, in the directory; whoever
+removes the directory of an agent that died (its keeper, or the next agent's sweep) unlinks those too. ``close``
+of a live agent leaves them to the agent's finalizers.
 
 Orphans (agent and keeper both killed, e.g. a process-group SIGKILL): the directory holds ``.owner.lock``,
 ``flock``-ed from before the directory is used until after it is removed, by the agent, and inherited by the

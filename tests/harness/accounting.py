@@ -105,12 +105,13 @@ def pytest_runtest_makereport(
     except SystemError as exc:
         if _AST_RACE not in str(exc):
             raise
-        failure = (_plain_traceback(call.excinfo) if call.excinfo is not None else "(no exception)")
+        failure = _plain_traceback(call.excinfo) if call.excinfo is not None else "(no exception)"
+        sections = [(f"Captured {key} {when}", content) for when, key, content in item._report_sections]
         longrepr = (f"{failure}\n[tests] pytest's own formatting of this failure hit CPython's AST race "
                     f"({exc}): the traceback above is Python's plain one")
         return pytest.TestReport(
             nodeid=item.nodeid, location=item.location, keywords=dict.fromkeys(item.keywords, 1),
-            outcome="failed", longrepr=longrepr, when=call.when, sections=[(f"Captured {key} {when}", content) for when, key, content in item._report_sections],
+            outcome="failed", longrepr=longrepr, when=call.when, sections=sections,
             duration=call.duration, start=call.start, stop=call.stop, user_properties=item.user_properties,
         )
 

@@ -200,7 +200,8 @@ class Launcher:
         try:
             return self.proc.wait(budget)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"launcher pid {self.pid} still running after {said}:\n{self.output()[-3000:]}") from None
+            raise AssertionError(
+                f"launcher pid {self.pid} still running after {said}:\n{self.output()[-3000:]}") from None
 
     def close(self, grace: float = 15.0) -> None:
         """SIGCONT (a stopped process cannot exit), SIGTERM, SIGKILL after ``grace`` s, reap; then SIGKILL what
