@@ -123,8 +123,9 @@ def test_missing_script_fails_like_torchrun(tmp_path: Path) -> None:
     assert "can't open file" in ours.stderr + ours.stdout and "can't open file" in theirs.stderr + theirs.stdout
     # Same order of time as torchrun (idle machine: torchrun ~2 s, spotrun took ~10 s before: a forkserver
     # importing torch for a script that cannot run, then the 5 s peer-loss grace). Relative, as the machine's
-    # load scales both.
-    assert ours_s < 1.5 * theirs_s + 2.0, f"spotrun {ours_s:.1f} s vs torchrun {theirs_s:.1f} s"
+    # load scales both, though not alike: spotrun's agent and forkserver import torch side by side, which a loaded
+    # machine serializes (7.3 s against 3.5 s with two busy loops beside two pytest workers), hence the slack.
+    assert ours_s < 1.5 * theirs_s + scaled(2.0), f"spotrun {ours_s:.1f} s vs torchrun {theirs_s:.1f} s"
 
 
 # ------------------------------------------------------------------ python -m elastic.etcd_server
