@@ -278,21 +278,24 @@ def remove_dir(path: str, *, semaphores: bool = True) -> None:
         os.rmdir(path)
 
 
-def mapped_semaphore_inodes(pid: int) -> frozenset[int]:
-    """Inodes of the named POSIX semaphores process ``pid`` has mapped (empty where ``/proc`` cannot tell).
+def mapped_semaphore_inodes(pid: int) -> frozenset[int] | None:
+    """Inodes of the named POSIX semaphores process ``pid`` has mapped; None where ``/proc`` cannot tell, and
+    for a process without any mapping (one being torn down: its memory goes before its files, the keeper's pipe).
     glibc maps a semaphore under the temporary name it created it by (``sem.XXXXXX``, shown deleted) before
     linking it to its real name: the inode, not the mapped name, finds the real one (:func:`semaphore_names`)."""
     prefix = f"{_SEM_ROOT}/sem."
     found: set[int] = set()
+    mapped = False
     try:
         with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
             for line in maps:
+                mapped = True
                 parts = line.split(maxsplit=5)
                 if len(parts) == 6 and parts[5].startswith(prefix) and parts[4].isdigit():
                     found.add(int(parts[4]))
     except OSError:
-        return frozenset()
-    return frozenset(found)
+        return None
+    return frozenset(found) if mapped else None
 
 
 def semaphore_names(inodes: frozenset[int]) -> set[str]:
@@ -391,6 +394,25 @@ def _load_procutil() -> Any:
     return module
 
 
+AGENT_EXIT_WAIT = 3.0
+"""How long the keeper, sent its death signal, waits for the agent's pipe to close before taking the agent for alive."""
+
+
+def _pipe_closed_within(seconds: float) -> bool:
+    """Whether the agent's end of the keeper's pipe (fd 0) closes within ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            ready, _, _ = select.select([0], [], [], left)
+            if ready and not os.read(0, 4096):
+                return True
+        except OSError:
+            return True
+    return False
+
+
 def _serve(path: str, agent_pid: int) -> None:
     """Keeper process: remove ``path`` when the agent goes (pipe closed, or the agent's death); notices are
     ignored."""
@@ -406,9 +428,10 @@ def _serve(path: str, agent_pid: int) -> None:
         os._exit(0)
 
     def on_death_signal(*_: Any) -> None:
-        # The kernel re-parents this process before it sends the death signal: still the agent's child means
-        # the signal came from someone else while the agent lives, whose semaphores are its own to unlink.
-        remove_dir(path, semaphores=os.getppid() != agent_pid)
+        # Sent when the agent's thread that started this keeper ends, which is no proof yet (this process is then
+        # the child of another of the agent's threads: getppid() cannot tell), or by hand. A dying agent's last
+        # thread closes the pipe; a live agent's semaphores are its own to unlink.
+        remove_dir(path, semaphores=_pipe_closed_within(AGENT_EXIT_WAIT))
         os._exit(0)
 
     for notice in NOTICE_SIGNALS:  # pending ones (sent while this process started blocked) are dropped here
@@ -424,7 +447,7 @@ def _serve(path: str, agent_pid: int) -> None:
     known: frozenset[int] = frozenset()
     while True:
         inodes = mapped_semaphore_inodes(agent_pid)
-        if inodes != known and os.getppid() == agent_pid:  # maps of our parent, not of a PID reused
+        if inodes is not None and inodes != known and os.getppid() == agent_pid:  # our parent's, not a reused PID
             record_semaphores(path, semaphore_names(inodes))
             known = inodes
         try:
