@@ -6,6 +6,10 @@ A run that has not ended ``--hang-after`` seconds after its start counts as hung
 session is SIGKILLed. Runs go one at a time; ``--load K`` keeps K busy loops on the cores during the runs.
 
     python bench/exit_hang_bench.py --runs 20 --modes warm,cold,torchrun [--load 2] [--script quickstart]
+
+As a stress check (exit status 1 on any exit deadlock or failed run; the last line says how many of each):
+
+    python bench/exit_hang_bench.py --runs 100 --modes warm --check
 """
 
 from __future__ import annotations
@@ -129,12 +133,15 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=0, help="busy loops kept on the cores during the runs")
     parser.add_argument("--hang-after", type=float, default=45.0)
     parser.add_argument("--dump-dir", default="/tmp/warmhang/dumps")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if any run deadlocked at exit or ended with a non-zero exit code")
     args = parser.parse_args()
     Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     counts: dict[str, list[int]] = {}
     slow: dict[str, int] = {}
+    failed: dict[str, int] = {}
     if stack_command(os.getpid()) is None:
         print("warning: neither py-spy nor gdb found: hung runs cannot be told from slow ones", flush=True)
     try:
@@ -164,6 +171,8 @@ def main() -> None:
                         log.unlink()
                     # A run past --hang-after whose dump shows no exit deadlock was only slow (a loaded machine).
                     verdict = "ok" if not hung else "HUNG(exit deadlock)" if deadlock else "TIMEOUT(no deadlock stack)"
+                    if not hung and rc != 0:
+                        failed[mode] = failed.get(mode, 0) + 1
                     if not hung or deadlock:  # a slow run says nothing either way
                         counts.setdefault(mode, []).append(int(hung))
                     else:
@@ -179,6 +188,12 @@ def main() -> None:
         print(f"SUMMARY script={args.script} load={args.load} {mode}: {sum(hangs)} exit deadlocks of {len(hangs)} runs "
               f"({slow.get(mode, 0)} slow runs without the deadlock stack left out)",
               flush=True)
+    deadlocks = sum(sum(hangs) for hangs in counts.values())
+    if args.check:
+        print(f"CHECK {'FAILED' if deadlocks or failed else 'passed'}: {deadlocks} exit deadlocks, "
+              f"{sum(failed.values())} failed runs, {sum(slow.values())} slow runs", flush=True)
+        if deadlocks or failed:
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ left out of a run of the whole suite as configured (``pytest`` or ``bash tests/r
 ``-m``), which keeps the README's test command under 15 minutes on 2 cores; the summary says how many and how
 to run them. ``-m long`` runs them alone (CI's second step, ``.ci/run``); naming their files, or any ``-m``
 expression, runs what was asked as usual.
+
+Each test's pytest-timeout limit is stretched by the machine's load like every wait of the harness
+(tests/harness/deadline.py); tests/harness/accounting.py records what was collected and what reported, for
+tests/run.sh to name the tests a run never ran.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.harness.accounting import (  # noqa: F401 (hooks: pytest finds them in this module)
+    pytest_collection_finish,
+    pytest_runtest_logreport,
+    pytest_runtest_makereport,
+    pytest_xdist_node_collection_finished,
+)
+from tests.harness.deadline import slowdown
 from tests.harness.procs import descendants
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -65,6 +76,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=long_cases)
         items[:] = [item for item in items if item.get_closest_marker("long") is None]
     config.stash[_LONG_LEFT_OUT] = len(long_cases)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # a wrapper: before pytest-timeout's wrapper reads the limit
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """pytest-timeout's limit for this test (its marker, else --timeout or the ini's), stretched by the load now:
+    the waits inside the test are (tests/harness/procs.py), and the test's own limit must not end them first."""
+    _stretch_timeout(item)
+    return (yield)
+
+
+def _stretch_timeout(item: pytest.Item) -> None:
+    factor = slowdown()
+    if factor <= 1.0:
+        return
+    marker = item.get_closest_marker("timeout")
+    base = marker.args[0] if marker is not None and marker.args else None
+    if marker is not None and base is None:
+        base = marker.kwargs.get("timeout")
+    if base is None:  # pytest-timeout's own order: --timeout, then PYTEST_TIMEOUT, then the ini's
+        option = item.config.getoption("timeout", None)
+        base = option or os.environ.get("PYTEST_TIMEOUT") or item.config.getini("timeout")
+    try:
+        limit = float(base)
+    except (TypeError, ValueError):
+        return  # no limit, or one pytest-timeout itself rejects
+    if limit > 0:
+        extra = {key: value for key, value in (marker.kwargs.items() if marker is not None else ()) if key != "timeout"}
+        item.add_marker(pytest.mark.timeout(limit * factor, **extra), append=False)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:

@@ -9,6 +9,10 @@
 # ~70 % busy, and two take ~9 minutes instead of ~14. A test that failed beside another and passed alone is named
 # in the summary (it is load-sensitive: a finding, not noise); one that fails alone fails the run.
 # SPOTRUN_TEST_WORKERS=1 runs the whole suite in one process as before.
+# Every run (parallel, rerun, or with arguments) fails loudly, naming them, when tests it collected never ran
+# (an INTERNALERROR, a crashed worker: pytest's own summary counts only what ran; tests/harness/accounting.py).
+# Waits and per-test limits stretch with the machine's load (tests/harness/deadline.py; SPOTRUN_TEST_SLOWDOWN
+# fixes the factor).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/.ci/venv.sh"
@@ -20,10 +24,6 @@ if [ "${SPOTRUN_SKIP_LINT:-0}" != "1" ]; then
 fi
 python="${SPOTRUN_VENV:-$root/.venv}/bin/python"
 workers="${SPOTRUN_TEST_WORKERS:-2}"
-if [ "$#" -gt 0 ] || [ "$workers" = "1" ]; then
-  exec "$python" -m pytest -q "$@"
-fi
-
 work="$(mktemp -d)"
 child=""
 trap 'rm -rf "$work"' EXIT
@@ -32,12 +32,22 @@ trap '[ -n "$child" ] && kill -TERM "$child" 2>/dev/null; exit 143' TERM
 trap '[ -n "$child" ] && kill -INT "$child" 2>/dev/null; exit 130' INT
 trap '[ -n "$child" ] && kill -HUP "$child" 2>/dev/null; exit 129' HUP
 export SPOTRUN_LEFTOVER_FILE="$work/leftovers"  # tests/conftest.py: processes a test left behind
-run() {  # run PYTEST-ARGS...: one pytest in the background (so the traps above run), its exit status
+runs=0
+incomplete=0
+run() {  # run PYTEST-ARGS...: one pytest in the background (so the traps above run), its exit status; then the
+  # tests it collected and never ran, named (and the status made a failure)
   local rc=0
+  runs=$((runs + 1))
+  export SPOTRUN_TEST_ACCOUNT="$work/account.$runs"
+  mkdir -p "$SPOTRUN_TEST_ACCOUNT"
   "$python" -m pytest "$@" &
   child=$!
   wait "$child" || rc=$?
   child=""
+  if ! "$python" -m tests.harness.accounting "$SPOTRUN_TEST_ACCOUNT" "$rc" >&2; then
+    incomplete=1
+    [ "$rc" -eq 0 ] && rc=1
+  fi
   return "$rc"
 }
 leftovers() {  # a passing rerun must not hide a process left behind in the parallel run
@@ -48,8 +58,13 @@ leftovers() {  # a passing rerun must not hide a process left behind in the para
 }
 
 rc=0
+if [ "$#" -gt 0 ] || [ "$workers" = "1" ]; then
+  run -q "$@" || rc=$?
+  exit "$rc"
+fi
 run -q -n "$workers" --dist loadfile --cache-clear || rc=$?
 [ "$rc" -eq 0 ] && exit 0
+[ "$incomplete" -eq 0 ] || exit "$rc"  # not a few failures to rerun: the run itself broke (named above)
 # Exit 1 is failed tests (or a collection error, or the leftover check); anything else (interrupted, internal
 # or usage error, no tests) ends here.
 [ "$rc" -eq 1 ] || exit "$rc"

@@ -24,7 +24,8 @@ class FaultKind(str, enum.Enum):
     """SIGTERM an agent (a preemption notice)."""
     KILL_KEEPER = "kill_keeper"
     """SIGKILL an agent's memory tier keeper process (the agent, workers and snapshots live on); ``signal``:
-    ``"TERM"`` instead, which makes the keeper remove the node's snapshots as it leaves."""
+    ``"TERM"`` instead makes the keeper leave as if its agent had died, removing the node's snapshots (the
+    keeper's own death signal: a SIGTERM, a notice, it ignores)."""
     RESTART_ETCD = "restart_etcd"
     """SIGKILL one etcd member, start it again with the same command line after ``duration_s``."""
     KILL_ETCD_LEADER = "kill_etcd_leader"

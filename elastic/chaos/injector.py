@@ -169,7 +169,7 @@ class Injector:
             if keeper is None:
                 raise ChaosTargetError(f"{fault.target!r}: agent {agent} has no memory tier keeper process")
             name = str(fault.params.get("signal", "KILL"))  # KILL or TERM (checked by the schedule)
-            os.kill(keeper, signal.SIGKILL if name == "KILL" else signal.SIGTERM)
+            os.kill(keeper, signal.SIGKILL if name == "KILL" else _keeper_leave_signal())
             return {"pid": keeper, "agent": agent, "signal": name}
         if kind in (FaultKind.RESTART_ETCD, FaultKind.KILL_ETCD_LEADER):
             return self._restart_etcd(fault)
@@ -322,3 +322,11 @@ def _netns_links(netns: str) -> list[str]:
     if not links:
         raise FaultSkipped(f"network namespace {netns} has no link besides lo")
     return links
+
+
+def _keeper_leave_signal() -> signal.Signals:
+    """What makes a keeper leave as if its agent had died, removing the node's snapshots: ``kill_keeper``'s
+    ``TERM``. Not SIGTERM itself, which a keeper ignores (a notice is its agent's to handle)."""
+    from elastic.memory_keeper import KEEPER_DEATH_SIGNAL
+
+    return KEEPER_DEATH_SIGNAL

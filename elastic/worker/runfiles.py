@@ -134,9 +134,11 @@ def sweep_candidates(folder: str, prefix: str, *, limit: int = SWEEP_LIMIT,
     return [os.path.join(folder, name) for name in names]
 
 
-def remove_orphaned_dirs(folder: str, prefix: str, lock_name: str, *, limit: int = SWEEP_LIMIT) -> int:
+def remove_orphaned_dirs(folder: str, prefix: str, lock_name: str, *, limit: int = SWEEP_LIMIT,
+                         before_removal: Callable[[str], object] | None = None) -> int:
     """Remove this user's directories ``folder/prefix*`` whose owner lock is free; returns how many. A directory
-    without its lock (being created) is left alone, and so is anything of another user or not a directory."""
+    without its lock (being created) is left alone, and so is anything of another user or not a directory.
+    ``before_removal(path)`` runs first for each one removed (what its dead owner left outside it)."""
     removed = 0
     for path in sweep_candidates(folder, prefix, limit=limit):
         try:
@@ -149,6 +151,8 @@ def remove_orphaned_dirs(folder: str, prefix: str, lock_name: str, *, limit: int
         if fd is None:
             continue
         try:
+            if before_removal is not None:
+                before_removal(path)
             remove_owned_dir(path, lock_name)
             removed += 1
         finally:

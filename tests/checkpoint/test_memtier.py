@@ -8,6 +8,7 @@ asserts nothing else of ours is left there).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -581,11 +582,11 @@ def test_a_keeper_sigkilled_is_replaced_logged_once_and_the_snapshots_stay(
     assert len(_keeper_errors(caplog)) == 1  # closing is not a death
 
 
-def test_a_keeper_sigtermed_took_the_directory_which_is_made_again(
+def test_a_keeper_that_left_took_the_directory_which_is_made_again(
     shm_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A SIGTERM makes the keeper remove the directory (its duty when the agent dies). Before: the directory
-    stayed gone, the workers' snapshots failed, and every later group of workers turned the tier off on every
+    """The keeper's death signal (sent by the kernel when its agent dies; here by hand) makes it remove the
+    directory (its duty when the agent dies). Before: the directory stayed gone, the workers' snapshots failed, and every later group of workers turned the tier off on every
     node (one rank without a directory turns it off everywhere). Now the directory is made again: the restore
     of what was lost finds nothing (state untouched: the caller loads the next source), and snapshots resume."""
     caplog.set_level(logging.ERROR, logger="elastic.memory_keeper")
@@ -600,9 +601,10 @@ def test_a_keeper_sigtermed_took_the_directory_which_is_made_again(
             assert tier.snapshot(1, state)
             tier.wait()
             pids.append(keeper.process.pid)
-            os.kill(pids[0], signal.SIGTERM)
+            os.kill(pids[0], keeper_module.KEEPER_DEATH_SIGNAL)
             pids.append(_new_keeper(keeper, pids[0]))
-            assert os.path.isdir(keeper.path) and os.listdir(keeper.path) == [OWNER_LOCK]
+            assert os.path.isdir(keeper.path)
+            assert set(os.listdir(keeper.path)) - {keeper_module.SEMAPHORES} == {OWNER_LOCK}
             (error,) = _keeper_errors(caplog)
             assert "removed the directory" in error and "durable tier" in error
             assert remove_orphaned_keepers(shm_dir) == 0  # locked again before anything was put in it
@@ -625,6 +627,195 @@ def test_a_keeper_sigtermed_took_the_directory_which_is_made_again(
         keeper.close()
         reap(pids, timeout=30)
     assert not os.path.exists(keeper.path)
+
+
+def _ignored_signals(pid: int) -> set[int]:
+    """The signals process ``pid`` ignores (``SigIgn`` of /proc/PID/status)."""
+    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("SigIgn:"))
+    mask = int(line.split()[1], 16)
+    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+
+
+def test_a_keeper_ignores_notice_signals_and_keeps_the_snapshots(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Slurm signals every process of the step. Before: at the notice the keeper removed the node's snapshots and
+    left, and the agent logged ERROR '... died (exit code 0) while its agent lives: starting another'. Now the
+    keeper ignores every notice signal; it ends when its agent closes it."""
+    caplog.set_level(logging.WARNING, logger="elastic.memory_keeper")
+    keeper = Keeper.create("memtier-test-run", shm_dir)
+    pid = None
+    try:
+        assert keeper.process is not None
+        pid = keeper.process.pid
+        snap = Path(keeper.path, "snap-000000001-0badc0de-00000-of-00001.safetensors")
+        snap.write_bytes(b"x")
+        assert set(keeper_module.NOTICE_SIGNALS) <= _ignored_signals(pid)  # an ignored signal is dropped at send
+        for notice in keeper_module.NOTICE_SIGNALS:
+            os.kill(pid, notice)
+        assert keeper.process is not None and keeper.process.pid == pid and keeper.process.poll() is None
+        assert keeper.restarts == 0 and not _keeper_errors(caplog)
+        assert snap.read_bytes() == b"x"
+    finally:
+        keeper.close()
+        if pid is not None:
+            reap([pid], timeout=30)
+    assert not os.path.exists(keeper.path)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+_NOTICED_AGENT = """
+import signal, sys
+from elastic.memory_keeper import NOTICE_SIGNALS, Keeper
+for notice in NOTICE_SIGNALS:  # a handler, as the real agent has (SIG_IGN would be inherited by the keeper)
+    signal.signal(notice, lambda signum, frame: print("notice", signum, flush=True))
+k = Keeper.create("memtier-test-run", sys.argv[1])
+open(k.path + "/snap-000000001-0badc0de-00000-of-00001.safetensors", "wb").write(b"x" * 4096)
+print(k.path, k.process.pid, flush=True)
+for line in sys.stdin:
+    if line.strip() == "close":
+        pid = k.process.pid
+        k.close()
+        print("closed", pid, k.restarts, flush=True)
+    elif line.strip() == "pid":
+        print("keeper", k.process.pid if k.process else 0, k.restarts, flush=True)
+"""
+
+
+def _noticed_agent(root: str) -> tuple[subprocess.Popen[str], str, int]:
+    """A fake agent in its own session (a Slurm step's process group), with its keeper; stdin takes commands."""
+    proc = subprocess.Popen([sys.executable, "-P", "-c", _NOTICED_AGENT, root], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    path, keeper_pid = proc.stdout.readline().split()
+    return proc, path, int(keeper_pid)
+
+
+def _ask(agent: subprocess.Popen[str], command: str) -> list[str]:
+    assert agent.stdin is not None and agent.stdout is not None
+    agent.stdin.write(command + "\n")
+    agent.stdin.flush()
+    while True:  # the notices the agent saw come first
+        line = agent.stdout.readline().split()
+        if not line or line[0] != "notice":
+            return line
+
+
+@pytest.mark.parametrize("end", ["close", "sigkill"])
+def test_a_signal_to_the_agents_process_group_leaves_the_keeper_and_snapshots_alone(shm_dir: str, end: str) -> None:
+    """Every notice Slurm may send, to the whole process group (``scancel --signal``, ``--signal=TERM@N``): the
+    keeper stays (the same process, no restart, no ERROR line), the snapshots stay; then the keeper ends when the
+    agent closes it, or when the agent dies."""
+    agent, path, keeper_pid = _noticed_agent(shm_dir)
+    try:
+        snap = Path(path, "snap-000000001-0badc0de-00000-of-00001.safetensors")
+        for notice in keeper_module.NOTICE_SIGNALS:
+            os.killpg(agent.pid, notice)
+        assert _ask(agent, "pid") == ["keeper", str(keeper_pid), "0"]  # the agent got them all, handled
+        assert set(keeper_module.NOTICE_SIGNALS) <= _ignored_signals(keeper_pid)
+        assert snap.stat().st_size == 4096
+        if end == "close":
+            assert _ask(agent, "close") == ["closed", str(keeper_pid), "0"]
+            assert not os.path.exists(path)
+        else:
+            _sigkill_agent_and_wait_freed(agent, path)
+        reap([keeper_pid], timeout=30)
+        keeper_pid = 0
+    finally:
+        if keeper_pid:  # a failure above: the keeper (if alive) holds the agent's stderr open
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(keeper_pid, signal.SIGKILL)
+        agent.kill()
+        _, err = agent.communicate(timeout=30)
+        if keeper_pid:
+            reap([keeper_pid], timeout=30)
+    assert "died" not in err, err  # the agent's watch (no logging set up: the message alone on stderr)
+
+
+_SEMAPHORE_AGENT = """
+import multiprocessing, sys
+from elastic.memory_keeper import Keeper
+k = Keeper.create("memtier-test-run", sys.argv[1])
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, as torch's worker contexts make
+print(k.path, k.process.pid, "sem." + lock._semlock.name.lstrip("/"), flush=True)
+for line in sys.stdin:
+    k.close()
+    print("closed", flush=True)
+"""
+
+
+def _semaphore_agent(root: str) -> tuple[subprocess.Popen[str], str, int, Path]:
+    """A fake agent (own session: a node's process group) holding a named semaphore, with its keeper; returns
+    the agent, its keeper directory, the keeper's PID and the semaphore's file, once the keeper recorded it."""
+    proc = subprocess.Popen([sys.executable, "-P", "-c", _SEMAPHORE_AGENT, root], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    path, keeper_pid, name = proc.stdout.readline().split()
+    semaphore = Path("/dev/shm", name)
+    assert semaphore.exists()
+    listing = Path(path, keeper_module.SEMAPHORES)
+    wait_for(lambda: listing.exists() and name in listing.read_text().split(), timeout=10,
+             what="the keeper recording the agent's semaphore")
+    return proc, path, int(keeper_pid), semaphore
+
+
+def _end_session(agent: subprocess.Popen[str], pids: list[int]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait(timeout=30)
+    reap(pids, timeout=30)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="named semaphores live in /dev/shm (Linux)")
+def test_a_node_lost_with_its_resource_tracker_leaves_no_semaphore_behind(shm_dir: str) -> None:
+    """Agent, workers and multiprocessing's resource tracker SIGKILLed (a node lost whole): before, the agent's
+    ``/dev/shm/sem.mp-*`` stayed until reboot. The keeper, which outlives them, unlinks what it recorded."""
+    from elastic.chaos.targets import descendants
+
+    agent, path, keeper_pid, semaphore = _semaphore_agent(shm_dir)
+    others = [pid for pid in descendants(agent.pid) if pid != keeper_pid]  # the resource tracker
+    try:
+        assert others, "the semaphore started no resource tracker"
+        for pid in [agent.pid, *others]:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not os.path.exists(path) and not semaphore.exists(), timeout=30,
+                 what="the keeper removing the directory and the semaphore")
+    finally:
+        _end_session(agent, [keeper_pid, *others])
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="named semaphores live in /dev/shm (Linux)")
+def test_a_node_lost_with_its_keeper_has_its_semaphores_swept_by_the_next_agent(shm_dir: str) -> None:
+    from elastic.chaos.targets import descendants
+
+    agent, path, keeper_pid, semaphore = _semaphore_agent(shm_dir)
+    others = list(descendants(agent.pid))
+    _end_session(agent, others)  # the whole process group: nobody is left to clean up
+    assert os.path.isdir(path) and semaphore.exists()
+    keeper = Keeper.create("memtier-test-run-2", shm_dir)  # the next agent on the host
+    try:
+        assert not os.path.exists(path) and not semaphore.exists()
+    finally:
+        keeper.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="named semaphores live in /dev/shm (Linux)")
+def test_closing_the_keeper_leaves_a_live_agents_semaphores_to_the_agent(shm_dir: str) -> None:
+    from elastic.chaos.targets import descendants
+
+    agent, path, keeper_pid, semaphore = _semaphore_agent(shm_dir)
+    others = [pid for pid in descendants(agent.pid) if pid != keeper_pid]
+    try:
+        assert agent.stdin is not None and agent.stdout is not None
+        agent.stdin.write("close\n")
+        agent.stdin.flush()
+        assert agent.stdout.readline().split() == ["closed"]
+        reap([keeper_pid], timeout=30)
+        assert not os.path.exists(path)
+        assert semaphore.exists()  # the agent's lock is alive: its finalizer unlinks it
+        agent.stdin.close()
+        assert agent.wait(timeout=30) == 0
+        wait_for(lambda: not semaphore.exists(), timeout=30, what="the agent's own finalizer")
+    finally:
+        _end_session(agent, [keeper_pid, *others])
 
 
 def test_a_keeper_that_keeps_dying_is_replaced_a_bounded_number_of_times(

@@ -17,6 +17,7 @@ import pytest
 from elastic.etcd_server import EmbeddedEtcd, ServerTLS
 from tests.elastic.etcd_security import PASSWORD, USER, Certs, enable_auth, etcdctl_path, make_certs
 from tests.elastic.test_agent import _agent, _running, _steps_at_world, _worker_pids
+from tests.harness.deadline import scaled
 from tests.harness.procs import REPO, SPOTRUN, TORCHRUN, make_env, pid_alive, read_jsonl, run_cli, wait_for
 
 TOKEN_TTL = 3
@@ -104,7 +105,7 @@ def test_an_agent_started_after_its_run_finished_exits_0_at_once(tmp_path: Path,
         assert re.search(r"run 'indexed' already finished successfully by node \S+ at .* UTC: nothing to do, "
                          r"exiting 0", output), output
         assert "Traceback" not in output and "spotrun: error" not in output
-    assert took < 30, f"took {took:.1f} s: it waited for peers"
+    assert took < scaled(30), f"took {took:.1f} s: it waited for peers"
     assert not (tmp_path / "late-out" / "progress.jsonl").exists(), "no worker of the finished run started again"
 
 
@@ -122,8 +123,9 @@ def test_missing_script_fails_like_torchrun(tmp_path: Path) -> None:
     assert "can't open file" in ours.stderr + ours.stdout and "can't open file" in theirs.stderr + theirs.stdout
     # Same order of time as torchrun (idle machine: torchrun ~2 s, spotrun took ~10 s before: a forkserver
     # importing torch for a script that cannot run, then the 5 s peer-loss grace). Relative, as the machine's
-    # load scales both.
-    assert ours_s < 1.5 * theirs_s + 2.0, f"spotrun {ours_s:.1f} s vs torchrun {theirs_s:.1f} s"
+    # load scales both, though not alike: spotrun's agent and forkserver import torch side by side, which a loaded
+    # machine serializes (7.3 s against 3.5 s with two busy loops beside two pytest workers), hence the slack.
+    assert ours_s < 1.5 * theirs_s + scaled(2.0), f"spotrun {ours_s:.1f} s vs torchrun {theirs_s:.1f} s"
 
 
 # ------------------------------------------------------------------ python -m elastic.etcd_server

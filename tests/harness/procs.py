@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from elastic.events import read_events
+from tests.harness.deadline import slowdown
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -33,14 +34,24 @@ class Timeout(AssertionError):
     """A condition polled with a deadline did not hold in time (an assertion failure in a test)."""
 
 
+def _budget(timeout: float) -> tuple[float, str]:
+    """``timeout`` (for an idle machine) stretched by the load now (tests/harness/deadline.py), and how to say it."""
+    factor = slowdown()
+    if factor <= 1.0:
+        return timeout, f"{timeout:g} s"
+    return timeout * factor, f"{timeout * factor:.0f} s ({timeout:g} s x{factor:.1f} for the load)"
+
+
 def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``check`` until it returns something truthy, or raise :class:`Timeout` after ``timeout`` s naming
-    ``what``. For conditions in other processes (files, /proc) that offer nothing to wait on."""
-    poll = Retrying(stop=stop_after_delay(timeout), wait=wait_fixed(interval), retry=retry_if_result(lambda r: not r))
+    """Poll ``check`` until it returns something truthy, or raise :class:`Timeout` after ``timeout`` s (scaled
+    for the machine's load) naming ``what``. For conditions in other processes (files, /proc) that offer nothing
+    to wait on."""
+    budget, said = _budget(timeout)
+    poll = Retrying(stop=stop_after_delay(budget), wait=wait_fixed(interval), retry=retry_if_result(lambda r: not r))
     try:
         return poll(check)
     except RetryError:
-        raise Timeout(f"timed out after {timeout} s waiting for {what}") from None
+        raise Timeout(f"timed out after {said} waiting for {what}") from None
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -112,8 +123,8 @@ def signal_all(pids: Iterable[int], sig: int) -> None:
 
 
 def reap(pids: Iterable[int], timeout: float) -> None:
-    """Wait up to ``timeout`` s for each PID to exit and reap it if it is our child (orphans re-parented to
-    this subreaper session are); raise :class:`Timeout` naming the survivors."""
+    """Wait up to ``timeout`` s (scaled for the load) for each PID to exit and reap it if it is our child (orphans
+    re-parented to this subreaper session are); raise :class:`Timeout` naming the survivors."""
 
     def gone(pid: int) -> bool:
         try:
@@ -130,7 +141,7 @@ def reap(pids: Iterable[int], timeout: float) -> None:
     try:
         wait_for(all_gone, timeout, "processes to exit", interval=0.02)
     except Timeout:
-        raise Timeout(f"processes {sorted(pending)} still alive {timeout} s later") from None
+        raise Timeout(f"processes {sorted(pending)} still alive {_budget(timeout)[1]} later") from None
 
 
 # --- launchers ------------------------------------------------------------------------------------------------
@@ -184,10 +195,13 @@ class Launcher:
         return self.tree
 
     def wait(self, timeout: float) -> int:
+        """The launcher's exit code, waited for up to ``timeout`` s scaled for the load."""
+        budget, said = _budget(timeout)
         try:
-            return self.proc.wait(timeout)
+            return self.proc.wait(budget)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"launcher pid {self.pid} still running after {timeout} s:\n{self.output()[-3000:]}") from None
+            raise AssertionError(
+                f"launcher pid {self.pid} still running after {said}:\n{self.output()[-3000:]}") from None
 
     def close(self, grace: float = 15.0) -> None:
         """SIGCONT (a stopped process cannot exit), SIGTERM, SIGKILL after ``grace`` s, reap; then SIGKILL what
@@ -210,5 +224,7 @@ class Launcher:
 
 
 def run_cli(argv: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a launcher to completion (pytest-timeout bounds the test; ``timeout`` bounds this call)."""
-    return subprocess.run(list(argv), cwd=REPO, env=env or make_env(), capture_output=True, text=True, timeout=timeout)
+    """Run a launcher to completion (pytest-timeout bounds the test; ``timeout``, scaled for the load, bounds this
+    call)."""
+    budget, _ = _budget(timeout)
+    return subprocess.run(list(argv), cwd=REPO, env=env or make_env(), capture_output=True, text=True, timeout=budget)
