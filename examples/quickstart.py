@@ -20,13 +20,14 @@ Rank 0 prints ``step=N loss=X world_size=W`` at its first step and every 20 step
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from checkpoint import CheckpointConfig, Checkpointer, MemoryTierConfig
+from checkpoint import CheckpointConfig, Checkpointer, CheckpointError, MemoryTierConfig
 from elastic.preemption import Preemption
 
 _first_step = True
@@ -62,6 +63,8 @@ def main() -> None:
     state = {"model": model, "optim": optim}
     with Checkpointer(args.ckpt_dir, CheckpointConfig(keep_last=2, memory=MemoryTierConfig(every="auto"))) as ckpt:
         start = (ckpt.load(state) or 0) + 1          # resumes at any world size, from memory when it can
+        if start > args.steps and dist.get_rank() == 0:
+            print(f"step {start - 1} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)
         preemption = Preemption()                    # collective: after init_process_group
         for step in range(start, args.steps + 1):
             train_step(model, optim, step)
@@ -75,4 +78,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CheckpointError as exc:  # the location cannot be written, or the last save failed: one line, exit 1
+        sys.exit(f"quickstart.py: error: {exc}")
