@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,7 @@ def test_a_location_under_a_file_fails_at_construction(tmp_path: Path) -> None:
 def test_a_missing_s3_bucket_fails_at_construction(moto_endpoint: str) -> None:
     uri = "s3://no-such-bucket-spotrun/run"
     with pytest.raises(CheckpointStorageError, match=r"checkpoint location s3://no-such-bucket-spotrun/run is not usable"):
-        Checkpointer(uri, CheckpointConfig(storage_options=s3_options(moto_endpoint), retry_timeout=_seconds(5)))
+        Checkpointer(uri, CheckpointConfig(storage_options=s3_options(moto_endpoint), retry_timeout=timedelta(seconds=5)))
 
 
 def test_the_probe_leaves_nothing_behind(backend: Backend) -> None:
@@ -144,7 +145,7 @@ def test_a_failed_save_on_s3_removes_its_objects(moto_endpoint: str, monkeypatch
     import uuid
 
     uri = f"s3://spotrun-ckpt-test/{uuid.uuid4().hex[:10]}"
-    config = CheckpointConfig(storage_options=s3_options(moto_endpoint), retry_timeout=_seconds(5))
+    config = CheckpointConfig(storage_options=s3_options(moto_endpoint), retry_timeout=timedelta(seconds=5))
     with Checkpointer(uri, config) as ckpt:
         ckpt.save(1, {"w": torch.ones(8)})
         ckpt.wait()
@@ -209,9 +210,3 @@ def test_train_ddp_started_again_when_finished_says_nothing_to_do(tmp_path: Path
     again = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert f"step 4 of 4: nothing to do, checkpoints in {ckpt}" in again.stdout.splitlines(), again.stdout
-
-
-def _seconds(n: float):  # noqa: ANN202 - a timedelta, kept short at the call sites
-    from datetime import timedelta
-
-    return timedelta(seconds=n)
