@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from checkpoint import CheckpointConfig, Checkpointer, CheckpointError, MemoryTierConfig
+from checkpoint import CheckpointConfig, Checkpointer, MemoryTierConfig
+from checkpoint.api import CheckpointError
 from elastic.preemption import Preemption
 
 _first_step = True
@@ -63,8 +64,6 @@ def main() -> None:
     state = {"model": model, "optim": optim}
     with Checkpointer(args.ckpt_dir, CheckpointConfig(keep_last=2, memory=MemoryTierConfig(every="auto"))) as ckpt:
         start = (ckpt.load(state) or 0) + 1          # resumes at any world size, from memory when it can
-        if start > args.steps and dist.get_rank() == 0:
-            print(f"step {start - 1} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)
         preemption = Preemption()                    # collective: after init_process_group
         for step in range(start, args.steps + 1):
             train_step(model, optim, step)
@@ -73,6 +72,8 @@ def main() -> None:
             if step % args.ckpt_every == 0:
                 ckpt.save(step, state)               # blocks only for the host copy
     # --8<-- [end:loop]
+    if start > args.steps and dist.get_rank() == 0:  # a finished run started again
+        print(f"step {start - 1} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)
     del model, state  # free DDP before its group: torch can deadlock at exit otherwise (docs/concepts/launcher.md)
     dist.destroy_process_group()
 
