@@ -170,7 +170,7 @@ def make_sharded_state(rows: int, world: int, fill: bool) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, zeros
 
-    from elastic.torch_internals import dtensor_local_chunk
+    from checkpoint._sys.torch_internals import dtensor_local_chunk
 
     mesh = init_device_mesh("cpu", (world,))
     state: dict[str, Any] = {}
@@ -187,7 +187,7 @@ def make_sharded_state(rows: int, world: int, fill: bool) -> dict[str, Any]:
 def _check_sharded(state: dict[str, Any]) -> None:
     import torch
 
-    from elastic.torch_internals import dtensor_local_chunk
+    from checkpoint._sys.torch_internals import dtensor_local_chunk
 
     for i, (name, t) in enumerate(state.items()):
         shape, offset = dtensor_local_chunk(t)

@@ -8,7 +8,7 @@ The state is ``examples/train_gpt.py``'s at ``--context 32 --d-model 32 --corpus
 (model, AdamW after a few steps, trainer counter, elastic data cursor; a few hundred KB), saved once by the spotrun
 Checkpointer and once by the example's DCP anchor (``DCPCheckpoints``: ``get_state_dict`` + ``dcp.save``). Each
 rep starts a fresh Python process per arm (arms interleaved, order alternating) that imports what spotrun's
-warm forkserver preloads (``elastic.workers.DEFAULT_PRELOAD``: torch, ``torch.distributed.checkpoint`` and its
+warm forkserver preloads (``elastic.warm.DEFAULT_PRELOAD``: torch, ``torch.distributed.checkpoint`` and its
 ``state_dict``...), builds the example's fresh state (empty optimizer), then times:
 
 * import: ``import checkpoint`` (spotrun) / nothing more to import (DCP is already imported);
@@ -118,7 +118,7 @@ def child(arm: str, root: str) -> dict[str, Any]:
     """One fresh worker's load (see the module docstring); the figures as a dict."""
     import importlib
 
-    from elastic.workers import DEFAULT_PRELOAD
+    from elastic.warm import DEFAULT_PRELOAD
 
     for module in DEFAULT_PRELOAD:  # what spotrun's warm forkserver has imported before a worker starts
         importlib.import_module(module)

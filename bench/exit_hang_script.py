@@ -22,7 +22,7 @@ def main() -> None:
     if args.preimport:
         import importlib
 
-        from elastic.workers import DEFAULT_PRELOAD
+        from elastic.warm import DEFAULT_PRELOAD
 
         for name in DEFAULT_PRELOAD:
             if args.preimport == "all" or (name == "torch._dynamo") == (args.preimport == "dynamo"):

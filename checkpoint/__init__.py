@@ -2,8 +2,7 @@
 
 from typing import Any
 
-__version__ = "0.1.0"
-
+from checkpoint._version import __version__
 from checkpoint.api import (
     CheckpointConfigError,
     CheckpointError,

@@ -1,5 +1,5 @@
 """Contracts of the checkpoint subsystem: on-disk format records, the item records the
-planner and the writer exchange, and the error tree.
+planner and the writer exchange, and the error tree (defined in ``checkpoint.errors``, a leaf; re-exported here).
 
 Data flow (one module each): state dict -> ``state`` (flatten into items) -> ``plan``
 (who writes what; who reads which byte ranges) -> ``staging`` (host copy) -> ``writer``
@@ -16,10 +16,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from checkpoint.shard import ShardLayout
+from checkpoint.confine import check_name
+from checkpoint.errors import CheckpointConfigError as CheckpointConfigError
+from checkpoint.errors import CheckpointError as CheckpointError
+from checkpoint.errors import CheckpointNotFoundError as CheckpointNotFoundError
+from checkpoint.errors import CheckpointStorageError as CheckpointStorageError
+from checkpoint.errors import CorruptCheckpointError as CorruptCheckpointError
+from checkpoint.errors import IncompatibleCheckpointError as IncompatibleCheckpointError
+from checkpoint.errors import SaveInProgressError as SaveInProgressError
+from checkpoint.errors import UnsafePathError as UnsafePathError
 
 FORMAT_NAME = "spotrun-checkpoint"
 FORMAT_VERSION = 1
@@ -44,49 +51,6 @@ STEP_DIR_FORMAT = "step-{step:09d}"
 JSON = Any
 
 
-# --------------------------------------------------------------------------- errors
-class CheckpointError(Exception):
-    """Base of every error the checkpoint package raises."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No committed checkpoint (or not the requested step) exists at the location."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A shard, manifest or marker is truncated, fails its checksum, or disagrees with the manifest."""
-
-    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
-        super().__init__(message)
-        self.file = file
-        self.tensor = tensor
-
-
-class UnsafePathError(CorruptCheckpointError):
-    """A name read from the checkpoint root (manifest, marker, listing) would reach outside its step directory."""
-
-
-class IncompatibleCheckpointError(CheckpointError):
-    """The checkpoint is valid but cannot be loaded into this state (unknown format version, shape or key mismatch)."""
-
-
-class CheckpointStorageError(CheckpointError, OSError):
-    """Storage refused an operation after retries (disk full, permission, S3 error); names the path."""
-
-    def __init__(self, message: str, *, path: str | None = None, errno_: int | None = None):
-        CheckpointError.__init__(self, message)
-        self.path = path
-        self.errno = errno_
-
-
-class SaveInProgressError(CheckpointError):
-    """``save`` was called while a previous save is in flight and the config says to refuse."""
-
-
-class CheckpointConfigError(CheckpointError, ValueError):
-    """A configuration value is invalid; the message says which and how to fix it."""
-
-
 # --------------------------------------------------------------------------- items (state -> plan -> writer)
 @dataclass(frozen=True, slots=True)
 class ChunkKey:
@@ -95,6 +59,36 @@ class ChunkKey:
     fqn: str
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class ShardEntry:
+    """One tensor piece in a shard file; ``offset`` is relative to the start of the data region."""
+
+    name: str
+    key: ChunkKey
+    global_shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+    item_index: int  # index into the rank's written-items list (the staging source)
+
+
+@dataclass(slots=True)
+class ShardLayout:
+    """A shard file fully planned before writing: header bytes and every entry's place."""
+
+    file: str
+    entries: list[ShardEntry]
+    header: bytes  # the 8-byte length prefix plus the padded JSON header
+    data_bytes: int
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.data_bytes
+
+    def signature(self) -> tuple[Any, ...]:
+        return (self.file, self.data_bytes, tuple((e.name, e.dtype, e.offset, e.nbytes) for e in self.entries))
 
 
 @dataclass(slots=True)
@@ -165,8 +159,6 @@ def _crc(v: JSON, what: str) -> int:
 
 
 def _file_name(v: JSON, what: str) -> str:
-    from checkpoint.confine import check_name  # confine imports this module's errors
-
     return check_name(v, what=what)
 
 

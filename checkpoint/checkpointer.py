@@ -67,9 +67,11 @@ from checkpoint.faults import crash_point
 from checkpoint.location import check_location
 from checkpoint.memory.api import RestoreReport
 from checkpoint.memory.attach import AttachedMemory
+from checkpoint.memory.resume import restore
 from checkpoint.per_rank import load_rank_entries, saved_as_shared
 from checkpoint.plan import assign_writers, plan_reads
 from checkpoint.retention import apply_retention
+from checkpoint.save_record import SaveRecorder
 from checkpoint.shard import ShardLayout, read_requests
 from checkpoint.state import FlatState, apply, blank_state, flatten
 from checkpoint.storage import StorageSpec, lower_thread_priority
@@ -143,6 +145,8 @@ class Checkpointer:
         )
         """The memory tier (``config.memory``): ``snapshot`` feeds it, ``load`` restores from it first."""
         self._writer: ShardWriter = open_writer(c, self.storage, spec, self.rank)
+        self._recorder = SaveRecorder(self.rank)
+        """Each save's outcome, left for the spotrun agent's metrics (a no-op outside spotrun)."""
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix="ckpt-bg", initializer=lower_thread_priority, initargs=(c.writer_nice,)
         )
@@ -270,7 +274,7 @@ class Checkpointer:
         logger.debug("[rank %d step %d] staged in %.3fs", self.rank, step, self.last_stage_seconds)
         self._in_flight = step
         self._future = self._executor.submit(
-            self._write_and_commit, step, list(self._layouts), buffers, objects, rank_payload, timed_from
+            self._write_commit_and_record, step, list(self._layouts), buffers, objects, rank_payload, timed_from
         )
         if not self.config.async_mode:
             self.wait()
@@ -435,6 +439,25 @@ class Checkpointer:
             logger.info("[rank %d step %d] removed the failed save's files at %s", self.rank, step,
                         self.storage.display(rel))
 
+    def _write_commit_and_record(
+        self,
+        step: int,
+        layouts: list[ShardLayout],
+        buffers: list[memoryview],
+        objects: dict[str, JSON] | None,
+        rank_payload: tuple[str, bytes, list[str]] | None,
+        started: float,
+    ) -> int:
+        """``_write_and_commit``, its outcome left for the agent's metrics (``checkpoint.save_record``)."""
+        try:
+            committed = self._write_and_commit(step, layouts, buffers, objects, rank_payload, started)
+        except BaseException:
+            self._recorder.failed()
+            raise
+        nbytes = sum(b.nbytes for b in buffers) + (len(rank_payload[1]) if rank_payload is not None else 0)
+        self._recorder.committed(committed, time.perf_counter() - started, nbytes)
+        return committed
+
     def _record_save_seconds(self, seconds: float) -> None:
         self._save_seconds = (*self._save_seconds, seconds)[-SAVE_TIMES_KEPT:]
 
@@ -480,8 +503,6 @@ class Checkpointer:
         """
         if step is not None or self._memory is None:
             return self.load_durable(state, step)
-        from checkpoint.memory.resume import restore
-
         self._check_open()
         report = restore(self, state, memory=self._memory.tier)
         self._memory.last_restore = report

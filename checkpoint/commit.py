@@ -24,6 +24,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 
+from checkpoint._version import __version__
 from checkpoint.api import (
     COMMIT_FILE,
     INDEX_FILE,
@@ -43,6 +44,7 @@ from checkpoint.api import (
     TensorRecord,
     step_dir,
 )
+from checkpoint.discover import check_files
 from checkpoint.faults import crash_point
 from checkpoint.plan import validate_tiling
 from checkpoint.storage import Storage
@@ -51,8 +53,6 @@ logger = logging.getLogger(__name__)
 
 
 def library_version() -> str:
-    from checkpoint import __version__
-
     return __version__
 
 
@@ -202,8 +202,6 @@ def _write_checksummed(storage: Storage, manifest: Manifest, name: str, data: by
 def _check_still_there(storage: Storage, manifest: Manifest) -> None:
     """Every file the manifest names exists with its size right before the commit (one listing): the step
     directory may have been deleted (``spotrun-ckpt rm``) or damaged while the shards were written."""
-    from checkpoint.discover import check_files
-
     try:
         check_files(storage, manifest)
     except CorruptCheckpointError as exc:

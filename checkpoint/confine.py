@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any
 
-from checkpoint.api import CorruptCheckpointError, UnsafePathError
+from checkpoint.errors import CorruptCheckpointError, UnsafePathError
 
 MAX_NAME_CHARS = 255
 """Longest file name accepted from a manifest (the usual file-system limit)."""

@@ -15,7 +15,6 @@ import struct
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +26,8 @@ from checkpoint.api import (
     FileRecord,
     ReadRequest,
 )
+from checkpoint.api import ShardEntry as ShardEntry
+from checkpoint.api import ShardLayout as ShardLayout
 from checkpoint.checksum import crc32, crc32_combine
 from checkpoint.confine import parse_json
 from checkpoint.dtypes import torch_dtype
@@ -42,36 +43,6 @@ def chunk_name(key: ChunkKey, global_shape: Sequence[int]) -> str:
     """Tensor name inside a shard: the FQN for a whole tensor, ``fqn#o0,o1`` for a piece of one."""
     whole = tuple(key.lengths) == tuple(global_shape) and not any(key.offsets)
     return key.fqn if whole else f"{key.fqn}#{','.join(str(o) for o in key.offsets)}"
-
-
-@dataclass(slots=True)
-class ShardEntry:
-    """One tensor piece in a shard file; ``offset`` is relative to the start of the data region."""
-
-    name: str
-    key: ChunkKey
-    global_shape: tuple[int, ...]
-    dtype: str
-    offset: int
-    nbytes: int
-    item_index: int  # index into the rank's written-items list (the staging source)
-
-
-@dataclass(slots=True)
-class ShardLayout:
-    """A shard file fully planned before writing: header bytes and every entry's place."""
-
-    file: str
-    entries: list[ShardEntry]
-    header: bytes  # the 8-byte length prefix plus the padded JSON header
-    data_bytes: int
-
-    @property
-    def size(self) -> int:
-        return len(self.header) + self.data_bytes
-
-    def signature(self) -> tuple[Any, ...]:
-        return (self.file, self.data_bytes, tuple((e.name, e.dtype, e.offset, e.nbytes) for e in self.entries))
 
 
 def build_layout(

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._sys.torch_internals import dtensor_local_chunk
 from .api import (
     JSON,
     ON_RESIZE_RULES,
@@ -331,8 +332,6 @@ def _tensor_item(fqn: str, t: torch.Tensor) -> TensorItem:
 
 
 def _dtensor_item(fqn: str, t: Any) -> TensorItem:
-    from elastic.torch_internals import dtensor_local_chunk
-
     placements = tuple(t.placements)
     if any(p.is_partial() for p in placements):
         raise TypeError(

@@ -18,10 +18,13 @@ import tempfile
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
+from checkpoint._sys.procutil import arm_parent_death_signal
 from checkpoint.api import (
     JSON,
     CheckpointConfigError,
     CheckpointError,
+    CheckpointStorageError,
+    ChunkKey,
     ChunkRecord,
     FileRecord,
     RankRecords,
@@ -148,8 +151,6 @@ def _pieces_json(layout: ShardLayout) -> list[JSON]:
 
 
 def _layout_from_json(d: dict[str, JSON]) -> ShardLayout:
-    from checkpoint.api import ChunkKey
-
     pieces = [(i, ChunkKey(f, tuple(o), tuple(n)), tuple(g), dt, nb) for i, f, o, n, g, dt, nb in d["pieces"]]
     return build_layout(str(d["file"]), pieces)
 
@@ -186,8 +187,6 @@ class WriterProcess:
         logger.info("started checkpoint writer process pid %d", self.proc.pid)
 
     def _send(self, line: str) -> None:
-        from checkpoint.api import CheckpointError
-
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.write(line + "\n")
@@ -197,8 +196,6 @@ class WriterProcess:
 
     def _request(self, payload: dict[str, JSON]) -> dict[str, JSON]:
         import json
-
-        from checkpoint.api import CheckpointError, CheckpointStorageError
 
         with self._lock:
             self._send(json.dumps(payload))
@@ -265,6 +262,7 @@ class ThreadWriter:
         return self.stager.stage(layouts, items)
 
     def write(self, step_rel: str, layouts: Sequence[ShardLayout], buffers: Sequence[memoryview]) -> RankRecords:
+        self.stager.wait_copies()  # device copies end here, on the background thread, not in save()
         return write_rank_files(
             self.storage,
             step_rel,
@@ -308,6 +306,7 @@ class ProcessWriter:
         return []  # the writer process reads its own mapping; keep no views of ours alive
 
     def write(self, step_rel: str, layouts: Sequence[ShardLayout], buffers: Sequence[memoryview]) -> RankRecords:
+        self.stager.wait_copies()  # the writer process reads the buffers: the device copies must be in them
         records = self.client.write(
             step_rel, layouts, block_bytes=self.config.checksum_block_bytes, rank=self.rank,
             threads=self.config.writer_threads,
@@ -335,9 +334,6 @@ def _serve() -> None:
     import os
     import signal
     import sys
-
-    from checkpoint.api import CheckpointStorageError
-    from elastic.procutil import arm_parent_death_signal
 
     try:  # die with the training process, whatever kills it (one that died before this sees stdin EOF)
         arm_parent_death_signal(sig=signal.SIGKILL)

@@ -66,11 +66,14 @@ from checkpoint.memory.records import RestoreRecord, collect_restore_records, sn
 from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
-from elastic.notice import Notice, parse_signal_spec
+from elastic.metrics import AgentMetrics
+from elastic.notice import SIGTERM_SOURCE, Notice, parse_signal_spec
 from elastic.outage import OutageClock, OutageVerdict
 from elastic.planned import (
+    WHY_BEFORE_HELPERS,
     AbandonStop,
     AfterSuccess,
+    HelperOutlook,
     LeaveNow,
     PlannedChanges,
     PlannedDecision,
@@ -86,6 +89,7 @@ from elastic.planned import (
 from elastic.progress import ProgressBoard
 from elastic.rendezvous.api import (
     DEFAULT_ETCD_TIMEOUT_S,
+    HealthReportingHandler,
     MembershipAwareHandler,
     NoticeAwareHandler,
     OutageBoundHandler,
@@ -95,6 +99,7 @@ from elastic.rendezvous.api import (
     is_permanent,
 )
 from elastic.torch_internals import check_agent_internals, worker_processes, worker_return_values
+from elastic.vitals import Vitals, progress_of
 from elastic.worker.mailbox import GroupAssignment, Mailbox
 from elastic.worker.reform import IN_PLACE_REASONS, in_place_enabled
 from elastic.workers import (
@@ -109,6 +114,7 @@ from elastic.workers import (
 
 logger = logging.getLogger(__name__)
 
+WHY_BETWEEN_ROUNDS = "the notice came between rounds (no workers running): nothing to save"
 ACK_POLL_INTERVAL = 0.01
 """Seconds between two looks at the mailbox's acknowledgements while this node's workers save for its notice."""
 
@@ -125,8 +131,13 @@ class FailureAction(enum.Enum):
 
 
 class _NoticeWhileNotTraining(BaseException):
-    """Raised by the notice handler while the agent is between rounds, caught in ``_invoke_run``: a
-    BaseException so that no ``except Exception`` of the rendezvous code on the way swallows it."""
+    """Raised by the notice handler when there is nothing to save (between rounds, or workers that have not
+    built their helpers yet), caught in ``_invoke_run``: a BaseException so that no ``except Exception`` of the
+    rendezvous code on the way swallows it. ``why`` goes in the ``planned_leave`` event."""
+
+    def __init__(self, why: str = WHY_BETWEEN_ROUNDS) -> None:
+        super().__init__(why)
+        self.why = why
 
 
 PEER_REVOKE_SEEN_S = 1.0
@@ -176,9 +187,14 @@ class SpotrunAgent(LocalElasticAgent):
         mailbox: Mailbox | None = None,
         clock: Callable[[], float] = time.monotonic,
         memory_dir: str | None = None,
+        script_imports_helper: bool = False,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         """``clock`` (monotonic seconds) times the rendezvous outage bound (injected: tests drive it).
-        ``memory_dir``: this node's memory tier keeper directory, where workers leave their restore records."""
+        ``memory_dir``: this node's memory tier keeper directory, where workers leave their restore and save
+        records. ``script_imports_helper``: the training script will build a ``Preemption`` helper (its source
+        says so), so a notice before the helpers exist is a planned leave (``planned.HelperOutlook.COMING``).
+        ``metrics``: the exporter's metrics (``--metrics-port``) the progress watch sets."""
         if tie_workers_to_agent:
             # CHANGE: workers die with the agent (torch's start_new_session leaves orphans on agent SIGKILL).
             spec = _tie_entrypoint_to_agent(spec)
@@ -212,6 +228,14 @@ class SpotrunAgent(LocalElasticAgent):
         self._notice_signals = self._notice_signal_graces()
         self._in_rendezvous = False
         """Between rounds: no workers run, a notice is acted on at once (``_NoticeWhileNotTraining``)."""
+        self._workers_started_at: float | None = None
+        """Monotonic time the current workers started (None: none run, the agent is between rounds)."""
+        self._script_imports_helper = script_imports_helper
+        """The training script's own source imports ``elastic.preemption`` (``launcher.imports_helper``)."""
+        self._workers_done = False
+        """The local workers finished the run (the exit barrier): a notice has nothing left to stop."""
+        self._run_over = False
+        """``run`` returned: a notice signal now is only logged."""
         # Hang detection (elastic.hang): progress files of the local workers, judged every monitor tick.
         self._hang_watch = (HangWatch(settings.hang, ProgressBoard(spec.rdzv_handler.get_run_id()), ctx=self._ctx)
                             if settings.hang is not None else None)
@@ -226,6 +250,11 @@ class SpotrunAgent(LocalElasticAgent):
         self._restores: list[RestoreRecord] = []
         """Restore records of the local workers not yet reported (``restore_completed``, one per start)."""
         self._restores_first_seen: float | None = None
+        # Progress, durability and stragglers (elastic.vitals): metrics and straggler events, once a second.
+        self._vitals = Vitals(metrics=metrics, emit=self._emit, memory_dir=memory_dir, ctx=self._ctx,
+                              straggler=settings.straggler if self._hang_watch is not None else None)
+        self._published_stragglers: set[int] = set()
+        """Global ranks of the stragglers in this node's last health report (``spotrun status``)."""
 
     @property
     def exit_status(self) -> int:
@@ -408,8 +437,11 @@ class SpotrunAgent(LocalElasticAgent):
         previous_members = self._round_members()
         self._in_rendezvous = True
         try:
-            if self.planned.own is not None and previous_members is not None:
-                raise _NoticeWhileNotTraining  # the notice came while the workers were being stopped
+            if self.planned.own is not None:
+                # The notice came while the workers were being stopped, or before this node ever joined (a
+                # metadata notice, or a signal the launcher took while it started): a node that is going away
+                # does not join a round only to leave it.
+                raise _NoticeWhileNotTraining
             super()._rendezvous(worker_group)
         finally:
             self._in_rendezvous = False
@@ -457,16 +489,20 @@ class SpotrunAgent(LocalElasticAgent):
             # group_rank is set by the rendezvous that always precedes a start
             self._hang_watch.prepare(worker_group.group_rank or 0, worker_group.spec.local_world_size)
         self._hung_pending = False
+        # CHANGE: torch's PContext.start replaces the notice handlers with its own (an immediate shutdown): ours
+        # are back at once. (Blocking the signals over the start instead would leak the mask into the workers,
+        # which inherit it through fork and exec: a script would see SIGTERM blocked.)
         pids = super()._start_workers(worker_group)
-        if self._hang_watch is not None:
-            self._hang_watch.started(dict(pids))
-        # CHANGE: torch's PContext.start installs handlers that turn SIGTERM into an immediate shutdown;
-        # a SIGTERM is a preemption notice here (workers that can save do so first).
-        self.install_notice_handlers()
         if self._pcontext is not None:
+            # Before the notice handlers: a shutdown they start must already release returned workers at once.
             self._close_started_at = None
             _default_close_timeout(self._pcontext, self._settings.stop_grace, self._workers_closing)
             self._start_death_clock(self._pcontext)
+        self._workers_started_at = time.monotonic()
+        self.install_notice_handlers()
+        if self._hang_watch is not None:
+            self._hang_watch.started(dict(pids))
+        self._vitals.started({w.local_rank: w.global_rank for w in worker_group.workers})
         self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()))
         self._recovery_cause = None
         return pids
@@ -559,6 +595,7 @@ class SpotrunAgent(LocalElasticAgent):
         # blocked in a collective with a dead peer ignore SIGTERM, so use a short grace.
         self._report_restores(flush=True)
         self._shutdown(timeout=self._settings.stop_grace)  # type: ignore[arg-type]  # torch says int; any seconds work
+        self._workers_started_at = None
         self._emit(RecoveryEvent.WORKERS_STOPPED)
 
     def _let_workers_snapshot(self) -> None:
@@ -572,7 +609,8 @@ class SpotrunAgent(LocalElasticAgent):
         round (its peers restored without its state)."""
         if self._memory_dir is None or self._pcontext is None or not snapshots_in(self._memory_dir):
             return
-        if not self._lost_peers_refuse():
+        # Workers that watch abort their groups: their collectives raise now, whatever the loss (snapshot, exit).
+        if not self._abort_watched_groups() and not self._lost_peers_refuse():
             logger.info("%s no just-in-time snapshot to wait for (the lost peers are silent or paused: no connection "
                         "reset breaks the workers' collectives; or the group re-formed without this node)", self._ctx())
             return
@@ -580,10 +618,33 @@ class SpotrunAgent(LocalElasticAgent):
         if running is None:
             return
         deadline = self._clock() + self._settings.stop_grace
-        while running() and self._clock() < deadline:
+        while running() and not self._all_waiting_in_place() and self._clock() < deadline:
             time.sleep(JIT_POLL_INTERVAL)
         logger.info("%s workers %s after the peer loss (up to %.1fs for just-in-time snapshots)", self._ctx(),
                     "still running" if running() else "exited", self._settings.stop_grace)
+
+    def _abort_watched_groups(self) -> bool:
+        """CHANGE (abortable groups): tell the workers a peer is gone (``peer-lost.json``); True when every local
+        worker runs a peer-loss watcher (``elastic.worker.watcher``), which aborts its process group, so a
+        collective blocked on a silent or paused peer raises too and the just-in-time snapshot runs."""
+        if self._mailbox is None:
+            return False
+        lost: set[str] = set()
+        if self._notices is not None:
+            try:
+                lost = self._notices.lost_peers()
+            except RendezvousError:
+                pass
+        try:
+            watching = len(self._mailbox.watchers()) >= self._worker_group.spec.local_world_size
+            if watching:
+                self._mailbox.post_peer_lost(sorted(lost))
+        except OSError as exc:
+            logger.warning("%s could not tell the workers of the peer loss: %s", self._ctx(), exc)
+            return False
+        if watching:
+            logger.info("%s peer(s) %s lost: the workers abort their process group", self._ctx(), sorted(lost))
+        return watching
 
     def _lost_peers_refuse(self) -> bool:
         """The rendezvous's answer (``PeerProbingHandler.lost_peers_refuse``): True when a lost peer may have died
@@ -614,6 +675,25 @@ class SpotrunAgent(LocalElasticAgent):
         self._emit(RecoveryEvent.RESTORE_COMPLETED, **summarize(self._restores))
         self._restores, self._restores_first_seen = [], None
 
+    def _watch_vitals(self) -> None:
+        """One monitor tick of the progress watch (the hang watch's samples, the rendezvous' outage); when the
+        set of straggler ranks changed, this node's health report for ``spotrun status`` (not while the
+        rendezvous is failing: the monitor loop must not wait on it)."""
+        hw = self._hang_watch
+        since = self._rdzv_outage.since
+        self._vitals.tick(progress_of(hw.beats(), hw.steps()) if hw is not None else {},
+                          unreachable_for=0.0 if since is None else max(0.0, self._clock() - since))
+        slow = self._vitals.stragglers
+        handler = self._worker_group.spec.rdzv_handler
+        if set(slow) == self._published_stragglers or since is not None \
+                or not isinstance(handler, HealthReportingHandler):
+            return
+        try:
+            handler.publish_health({"stragglers": {str(r): round(x, 3) for r, x in slow.items()}} if slow else None)
+            self._published_stragglers = set(slow)
+        except RendezvousError as exc:
+            logger.warning("%s could not publish the stragglers for spotrun status: %s", self._ctx(), _first_line(exc))
+
     # --- monitor loop ------------------------------------------------------------------------------------
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -622,10 +702,12 @@ class SpotrunAgent(LocalElasticAgent):
         planned leave. It used to wait in the rendezvous (a spare: for good), holding its notice."""
         try:
             return self._monitor_loop(role)
-        except _NoticeWhileNotTraining:
+        except _NoticeWhileNotTraining as notice:
             self._stop_workers(self._worker_group)
-            self._leave(step=None, why="the notice came between rounds (no workers running): nothing to save")
+            self._leave(step=None, why=notice.why)
             return self._left_result(workers_finished=False)
+        finally:
+            self._run_over = True
 
     def _monitor_loop(self, role: str = DEFAULT_ROLE) -> RunResult:
         # Mirrors SimpleElasticAgent._invoke_run of torch 2.13 (unchanged to 2.15) with the CHANGEs marked below.
@@ -645,6 +727,7 @@ class SpotrunAgent(LocalElasticAgent):
                 self._wait_for_membership_change(spec.monitor_interval)
             run_result = self._monitor_workers(self._worker_group)
             self._report_restores()
+            self._watch_vitals()  # CHANGE: progress and durability metrics, stragglers (elastic.vitals)
             state = run_result.state
             self._worker_group.state = state
             put_metric(f"workers.{role}.remaining_restarts", self._remaining_restarts)
@@ -666,7 +749,12 @@ class SpotrunAgent(LocalElasticAgent):
                     self._restart_for_planned_change(stopped)
                     continue
                 logger.info("%s worker group finished; waiting for other agents", self._ctx())
-                if not self._exit_barrier_unless_peers_left():
+                self._workers_done = True
+                try:
+                    barrier_passed = self._exit_barrier_unless_peers_left()
+                finally:
+                    self._workers_done = False
+                if not barrier_passed:
                     # CHANGE: torch waits up to 300 s for peers that left, then reports success.
                     self._begin_recovery(RecoveryCause.PEER_LOST)
                     self._emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.PEERS_LEFT_AT_EXIT.value)
@@ -676,7 +764,7 @@ class SpotrunAgent(LocalElasticAgent):
                 self._finished = True
                 return run_result
             if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
-                if self.planned.leaving:
+                if self.planned.leaving or self._failed_before_helpers():
                     # CHANGE (overlapping faults): the workers failed while heading for this node's agreed
                     # step, most often because a peer crashed at the same moment (their collective broke). The
                     # node still goes away for its notice, as a preemption: it exits with the planned-leave
@@ -684,8 +772,14 @@ class SpotrunAgent(LocalElasticAgent):
                     # from requeueing), recording saved: false and why. It does not wait to join the
                     # survivors' re-formed round to save there: its deadline is short and the survivors restore
                     # without it (docs/guides/preemption.md, "Overlapping faults").
+                    # Workers that had not built their helpers yet died of the notice signal themselves (Slurm
+                    # signals the whole step): they had trained nothing since their restore, so this is the same
+                    # planned leave as when the agent gets the signal first.
+                    why = (self._why_failed_during_stop(run_result) if self.planned.leaving
+                           else f"{WHY_BEFORE_HELPERS} (the workers ended on the notice signal: exit codes by "
+                                f"rank { {rank: f.exitcode for rank, f in run_result.failures.items()} })")
                     self._stop_workers(self._worker_group)
-                    self._leave(step=None, why=self._why_failed_during_stop(run_result))
+                    self._leave(step=None, why=why)
                     return self._left_result(workers_finished=False)
                 result = self._handle_failure(run_result)
                 if result is not None:
@@ -710,6 +804,13 @@ class SpotrunAgent(LocalElasticAgent):
                     self._emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.MEMBERSHIP_CHANGE.value)
                     if self._recovery_cause is RecoveryCause.PEER_LOST:
                         self._let_workers_snapshot()
+                        if self._all_waiting_in_place():
+                            # CHANGE (SPOTRUN_REFORM_IN_PLACE=1): the workers aborted their group, snapshotted their
+                            # last completed step and wait in their processes: re-form around them, no restart.
+                            logger.info("%s workers wait in place after the peer loss; re-forming around them",
+                                        self._ctx())
+                            self._reform_waiting_workers()
+                            continue
                     self._restart_workers(self._worker_group)
             else:
                 raise RuntimeError(f"[{role}] Worker group in {state.name} state")
@@ -721,8 +822,17 @@ class SpotrunAgent(LocalElasticAgent):
         handler: only an assignment; the monitor loop acts on it)."""
         self.planned.receive(notice)
 
+    def receive_early_notice(self, signum: int, received_at: float) -> None:
+        """A notice signal the launcher recorded before this agent's handlers were installed (its imports, the
+        forkserver's warm-up): this node has not joined a round, it leaves at its first rendezvous."""
+        source, grace = self._notice_signals.get(signum, (f"signal:{signal.Signals(signum).name}",
+                                                           self._settings.preempt_grace))
+        logger.warning("%s %s during the agent's start-up: leaving as a planned leave", self._ctx(),
+                       signal.Signals(signum).name)
+        self.receive_notice(Notice(source, received_at + grace, f"signal {signal.Signals(signum).name} at start-up"))
+
     def _notice_signal_graces(self) -> dict[int, tuple[str, float]]:
-        graces = {int(signal.SIGTERM): ("sigterm", self._settings.preempt_grace)}
+        graces = {int(signal.SIGTERM): (SIGTERM_SOURCE, self._settings.preempt_grace)}
         if self._settings.preempt_signal:
             sig, grace = parse_signal_spec(self._settings.preempt_signal, self._settings.preempt_grace)
             graces[int(sig)] = (f"signal:{sig.name}", grace)
@@ -737,17 +847,26 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _on_notice_signal(self, signum: int, frame: object) -> None:
         source, grace = self._notice_signals[signum]
-        action = self.planned.on_signal(between_rounds=self._in_rendezvous, sigterm=signum == signal.SIGTERM,
-                                        helpers_ready=self._helpers_ready())
+        if self._workers_done and not self._run_over and self.planned.own is None:
+            # The exit barrier: the workers finished, nothing to save or stop; the barrier ends by the deadline.
+            self.receive_notice(Notice(source, time.time() + grace, f"signal {signal.Signals(signum).name}"))
+            return
+        action = self.planned.on_signal(between_rounds=self._in_rendezvous or self._workers_started_at is None,
+                                        sigterm=signum == signal.SIGTERM, helpers_ready=self._helpers_ready(),
+                                        announced=self._helpers_announced(), run_over=self._run_over)
+        if action is SignalAction.IGNORE:
+            logger.info("%s %s after the run ended: nothing to do", self._ctx(), signal.Signals(signum).name)
+            return
         if action is SignalAction.SHUT_DOWN:
             # A second SIGTERM, or workers that cannot save at an agreed step: torch's immediate shutdown.
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
         self.receive_notice(Notice(source, time.time() + grace, f"signal {signal.Signals(signum).name}"))
         if action is SignalAction.LEAVE_NOW:
-            # Between rounds (a recovery, a spare, a node that never joined a round yet): no worker to save
-            # anything; leave now (_invoke_run), as a planned leave. A node that had not joined yet used to take
-            # torch's immediate shutdown (exit -15), which a scheduler counts as a failure (overlapping soak).
-            raise _NoticeWhileNotTraining
+            # Nothing to save: between rounds (a recovery, a spare, a node that never joined a round yet) no worker
+            # runs; workers that will build their helpers but have not yet trained nothing since their restore.
+            # Leave now (_invoke_run), as a planned leave: a scheduler counts torch's shutdown as a failure.
+            raise _NoticeWhileNotTraining(WHY_BETWEEN_ROUNDS if self._workers_started_at is None or self._in_rendezvous
+                                          else WHY_BEFORE_HELPERS)
 
     def _helpers_ready(self) -> bool:
         """Every local worker constructed a ``Preemption`` helper (it will stop by itself at an agreed step)."""
@@ -755,6 +874,28 @@ class SpotrunAgent(LocalElasticAgent):
             return False
         try:
             return len(self._mailbox.helpers()) >= self._worker_group.spec.local_world_size
+        except OSError:
+            return False
+
+    def _failed_before_helpers(self) -> bool:
+        """This node has a notice and its workers, which announced helpers but had not built them, failed:
+        they took the notice signal themselves (Slurm signals every process of the step), before they had
+        trained anything since their restore. That is the notice, not a failure."""
+        own = self.planned.own
+        if own is None:
+            return False
+        outlook = self.planned.outlook(helpers_ready=self._helpers_ready(), announced=self._helpers_announced())
+        return outlook is HelperOutlook.COMING
+
+    def _helpers_announced(self) -> bool:
+        """The script will build a helper: its source imports the helper's module, or a local worker of this
+        group imported it (``coming-{local_rank}``)."""
+        if self._mailbox is None:
+            return False
+        if self._script_imports_helper:
+            return True
+        try:
+            return bool(self._mailbox.helpers_coming())
         except OSError:
             return False
 
@@ -829,7 +970,7 @@ class SpotrunAgent(LocalElasticAgent):
             except RendezvousError:
                 pass
         return TickView(now=now, peer_notices=peers, lost=lost, membership_changed=self._membership_changed(),
-                        helpers_ready=helpers_ready)
+                        helpers_ready=helpers_ready, helpers_announced=self._helpers_announced())
 
     def _planned_tick(self) -> PlannedTick:
         """While healthy: ask the planned-change coordinator what to do (``PlannedChanges.tick``) and do it."""
@@ -885,8 +1026,6 @@ class SpotrunAgent(LocalElasticAgent):
         store (``group-{local_rank}.json``) and rebuilds its process group; its process, imports, model and
         optimizer stay. The events keep their order (``planned_restart`` ... ``workers_started``, with
         ``in_place: true``)."""
-        assert self._mailbox is not None and self._pcontext is not None, "only with running workers and a mailbox"
-        group = self._worker_group
         posted = self.planned.posted
         logger.info("%s workers stopped at step %d for a planned change (%s); re-forming around them in place",
                     self._ctx(), stopped.step, posted.reason if posted is not None else "?")
@@ -895,6 +1034,22 @@ class SpotrunAgent(LocalElasticAgent):
                    reason=posted.reason if posted is not None else "unknown",
                    committed_at=self._committed_at() if stopped.saved else None, saved=stopped.saved,
                    why=stopped.why, agreed_step=stopped.step, in_place=True)
+        self._reform_waiting_workers()
+
+    def _all_waiting_in_place(self) -> bool:
+        """Every local worker waits in its process for a re-formed group (``waiting-{local_rank}``)."""
+        if not self._in_place_enabled or self._mailbox is None:
+            return False
+        try:
+            return len(self._mailbox.waiting()) >= self._worker_group.spec.local_world_size
+        except OSError:
+            return False
+
+    def _reform_waiting_workers(self) -> None:
+        """The rendezvous round of a restart, then each waiting worker is told its new rank, world size and store
+        (``group-{local_rank}.json``) instead of being replaced; a round that admitted a new node restarts them."""
+        assert self._mailbox is not None and self._pcontext is not None, "only with running workers and a mailbox"
+        group = self._worker_group
         previous = self._round_members()
         self._rendezvous(group)  # torch's: new ranks in group.workers, this round's MASTER_ADDR/PORT
         current = self._round_members()
@@ -1044,6 +1199,11 @@ class SpotrunAgent(LocalElasticAgent):
             store.add(key, 1)
             while time.monotonic() - began < self._exit_barrier_timeout:
                 if int(store.add(key, 0)) >= size:
+                    return True
+                if (own := self.planned.own) is not None and time.time() >= own.deadline - self._settings.stop_grace:
+                    # This node's workers finished; its notice leaves no time to wait for the peers' own finish.
+                    logger.warning("%s preemption notice: leaving the exit barrier (this node's workers finished)",
+                                   self._ctx())
                     return True
                 if self._notices.lost_peers():
                     logger.warning("%s peers %s left while this node finished: the run is not over", self._ctx(),

@@ -58,6 +58,10 @@ ENV_REFORM_IN_PLACE = "SPOTRUN_REFORM_IN_PLACE"
 
 #: TCP port of the agent's Prometheus exporter (``--metrics-port``; unset: no exporter).
 ENV_METRICS_PORT = "SPOTRUN_METRICS_PORT"
+#: A local rank slower than this many times its local peers' median step time is a straggler (default 1.5; 0: off).
+ENV_STRAGGLER_FACTOR = "SPOTRUN_STRAGGLER_FACTOR"
+#: Steps a rank's step time is averaged over for straggler detection (default 20).
+ENV_STRAGGLER_WINDOW = "SPOTRUN_STRAGGLER_WINDOW"
 
 #: Rendezvous backend spotrun uses when ``--rdzv-backend`` is not given (torchrun's is ``static``).
 DEFAULT_RDZV_BACKEND = "etcd-v3"
@@ -94,6 +98,12 @@ class RecoveryEvent(str, enum.Enum):
     memory_local, memory_peer or durable, ``mixed`` with ``restore_sources`` when ranks differ; ``restore_step``,
     ``restore_bytes`` summed over ``ranks``, ``restore_seconds`` of the slowest; ``restore_fallback``: why not from
     memory, when the tier was on and the state came from the durable tier); once per node and start."""
+    STRAGGLER_DETECTED = "straggler_detected"
+    """A local rank's step time over the last ``window`` steps exceeds ``factor`` times its local peers' median
+    (``rank``, ``local_rank``, ``step_time`` and ``peers_step_time`` in s, ``ratio``, ``factor``, ``window``);
+    once until it is cleared (``elastic.straggler``)."""
+    STRAGGLER_CLEARED = "straggler_cleared"
+    """A rank named by ``straggler_detected`` is back within the factor (``rank``, ``local_rank``)."""
 
 
 class FailureCause(str, enum.Enum):

@@ -49,7 +49,8 @@ VALUE_OPTIONS: Final = frozenset({
     "--rdzv-endpoint", "--rdzv-id", "--rdzv_backend", "--rdzv_conf", "--rdzv_endpoint", "--rdzv_id", "--redirects",
     "--resize-timeout", "--resize_timeout", "--role", "--shutdown-timeout", "--shutdown_timeout",
     "--signals-to-handle", "--signals_to_handle", "--start-method", "--start_method", "--stop-grace",
-    "--stop_grace", "--tee", "-r", "-t",
+    "--stop_grace", "--straggler-factor", "--straggler-window", "--straggler_factor", "--straggler_window",
+    "--tee", "-r", "-t",
 })
 """Options of ``spotrun`` that take a value (``tests/elastic/test_boot.py`` keeps this equal to the parser)."""
 DEFAULT_SIGNALS_TO_HANDLE: Final = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
@@ -160,6 +161,28 @@ def guess(argv: Sequence[str], environ: Mapping[str, str], value_options: frozen
     return WarmGuess(env, shielded)
 
 
+SUBCOMMANDS: Final = ("status", "report")
+"""``spotrun NAME ...`` that run a tool, not the launcher (``elastic.cli.SUBCOMMANDS``)."""
+
+
+def launch_notice_signals(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[int, ...]:
+    """The signals the launcher will take as a preemption notice (SIGTERM, ``--preempt-signal``), guessed from
+    argv before its imports; none for a subcommand (``spotrun status`` must stay killable). Never raises: a
+    bad ``--preempt-signal`` falls back to SIGTERM alone (the launcher reports it)."""
+    from elastic.api import ENV_PREEMPT_SIGNAL
+    from elastic.notice import notice_signals
+
+    if argv and argv[0] in SUBCOMMANDS and not os.path.isfile(argv[0]):
+        return ()
+    parsed = pre_parse(argv, VALUE_OPTIONS)
+    preempt = (_last(parsed.options, "--preempt-signal", "--preempt_signal") if parsed is not None else None) \
+        or environ.get(ENV_PREEMPT_SIGNAL) or None
+    try:
+        return tuple(int(sig) for sig in notice_signals(preempt))
+    except Exception:  # noqa: BLE001 - a bad --preempt-signal: SIGTERM is a notice whatever else is asked
+        return (int(signal.SIGTERM),)
+
+
 @dataclass(slots=True)
 class _Early:
     guess: WarmGuess
@@ -177,7 +200,7 @@ def start_early(argv: Sequence[str]) -> bool:
     if os.environ.get(ENV_EARLY_FORKSERVER, "1").strip() == "0" or _early is not None:
         return False
     try:
-        from elastic.workers import DEFAULT_PRELOAD
+        from elastic.warm import DEFAULT_PRELOAD
 
         wanted = guess(argv, os.environ, VALUE_OPTIONS)
         if wanted is None:
@@ -263,13 +286,3 @@ def discard() -> None:
         _early = None
         logger.info("warm workers off: stopping the forkserver started before the agent's imports")
         stop_forkserver()
-
-
-def main() -> None:
-    """The ``spotrun`` command: start the warm forkserver, then the launcher (``elastic.cli.main``)."""
-    import sys
-
-    start_early(sys.argv[1:])
-    from elastic.cli import main as cli_main
-
-    cli_main()

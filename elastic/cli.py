@@ -66,15 +66,18 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
-if __name__ == "__main__":  # `python -m elastic.cli`: start the warm forkserver before the imports below (boot.py)
-    from elastic.boot import start_early
+if __name__ == "__main__":  # `python -m elastic.cli`: as `spotrun` (elastic.main), before the imports below
+    from elastic import early_notice
+    from elastic.boot import launch_notice_signals, start_early
 
+    early_notice.arm(launch_notice_signals(sys.argv[1:], os.environ))
     start_early(sys.argv[1:])
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 from torch.distributed.run import config_from_args, get_args_parser
 
+from elastic import early_notice
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
     ENV_EVENTS_FILE,
@@ -90,6 +93,8 @@ from elastic.api import (
     ENV_PREEMPT_SIGNAL,
     ENV_RESIZE_TIMEOUT,
     ENV_STOP_GRACE,
+    ENV_STRAGGLER_FACTOR,
+    ENV_STRAGGLER_WINDOW,
     ENV_WARM_WORKERS,
     LaunchConfigError,
     PlannedLeaveExit,
@@ -113,9 +118,10 @@ from elastic.config import (
     hang_policy,
     parse_nnodes,
     parse_rdzv_conf,
+    straggler_policy,
 )
 from elastic.events import default_events_path
-from elastic.notice import parse_sources
+from elastic.notice import notice_signals, parse_sources
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
                        help=f"Serve Prometheus metrics (restarts, recovery stages, notices, ...) on this TCP port at "
                             f"/metrics (env {ENV_METRICS_PORT}; default: off).")
+    group.add_argument("--straggler-factor", "--straggler_factor", type=float, default=None,
+                       help=f"Name a local rank a straggler (straggler_detected event, spotrun_stragglers metric) when "
+                            f"its step time exceeds this many times its local peers' median (env "
+                            f"{ENV_STRAGGLER_FACTOR}, default 1.5; 0: off; needs hang detection).")
+    group.add_argument("--straggler-window", "--straggler_window", type=int, default=None,
+                       help=f"Steps a rank's step time is averaged over for straggler detection (env "
+                            f"{ENV_STRAGGLER_WINDOW}, default 20).")
     _no_abbreviations(parser, group)
     return parser
 
@@ -221,6 +234,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         hang=hang_policy(enabled=args.hang_detection, timeout=args.hang_timeout,
                          startup_timeout=args.hang_startup_timeout),
         metrics_port=default_metrics_port() if args.metrics_port is None else args.metrics_port,
+        straggler=straggler_policy(factor=args.straggler_factor, window=args.straggler_window),
     )
 
 
@@ -280,11 +294,17 @@ def _raise_signal_exception(signum: int, frame: object) -> NoReturn:
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
 
-def install_signal_handlers() -> None:
-    """Turn SIGTERM/SIGINT into an exception before workers exist (torch only does so once they start), so
-    ``finally`` blocks (embedded etcd cleanup) run even if the launcher is stopped during rendezvous."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _raise_signal_exception)
+def install_signal_handlers(preempt_signal: str | None = None) -> None:
+    """Turn SIGINT into an exception before workers exist (torch only does so once they start), so ``finally``
+    blocks (embedded etcd cleanup) run even if the launcher is interrupted during rendezvous. The notice
+    signals (SIGTERM, ``--preempt-signal``) are recorded as a notice instead (``elastic.early_notice``): the
+    agent leaves as a planned leave when it can act on them."""
+    signal.signal(signal.SIGINT, _raise_signal_exception)
+    try:
+        signums = [int(sig) for sig in notice_signals(preempt_signal)]
+    except LaunchConfigError:
+        signums = [int(signal.SIGTERM)]  # a bad --preempt-signal: reported by run() in a moment
+    early_notice.arm(signums)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -314,7 +334,14 @@ def run(args: argparse.Namespace) -> None:
 def _main(argv: Sequence[str] | None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    install_signal_handlers()
+    install_signal_handlers(args.preempt_signal or default_preempt_signal())
+    try:
+        _run_reporting(parser, args)
+    finally:
+        early_notice.disarm()  # an in-process caller gets its own dispositions back
+
+
+def _run_reporting(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
         run(args)
     except LaunchConfigError as exc:

@@ -20,10 +20,13 @@ from elastic.api import (
     ENV_PREEMPT_SIGNAL,
     ENV_RESIZE_TIMEOUT,
     ENV_STOP_GRACE,
+    ENV_STRAGGLER_FACTOR,
+    ENV_STRAGGLER_WINDOW,
     ENV_WARM_WORKERS,
     LaunchConfigError,
 )
 from elastic.hang import HangPolicy
+from elastic.straggler import DEFAULT_FACTOR, DEFAULT_WINDOW, StragglerPolicy
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,11 +81,17 @@ class AgentSettings:
     metrics_port: int | None = None
     """TCP port of the Prometheus exporter (``elastic.metrics``); None: no exporter. 0 picks a free port."""
 
+    straggler: StragglerPolicy | None = None
+    """Straggler detection (``--straggler-factor``, ``--straggler-window``; ``elastic.straggler``); None turns it
+    off. The CLI turns it on by default; it reads the hang detection's progress samples, so it needs that on."""
+
     def __post_init__(self) -> None:
         port = self.metrics_port
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
             raise LaunchConfigError(f"--metrics-port must be a TCP port from 0 to 65535, got {port!r}; "
                                     f"e.g. --metrics-port 9400 (or leave it out: no exporter)")
+        if self.straggler is not None and not isinstance(self.straggler, StragglerPolicy):
+            raise LaunchConfigError(f"straggler must be a StragglerPolicy or None, got {type(self.straggler).__name__}")
         if self.hang is not None and not isinstance(self.hang, HangPolicy):
             raise LaunchConfigError(f"hang must be a HangPolicy or None, got {type(self.hang).__name__}")
         for name in ("preempt_grace", "resize_timeout"):
@@ -201,6 +210,23 @@ def default_metrics_port() -> int | None:
     """``SPOTRUN_METRICS_PORT`` when set, else None (no exporter)."""
     raw = os.environ.get(ENV_METRICS_PORT, "").strip()
     return env_int(ENV_METRICS_PORT, 0) if raw else _DEFAULTS.metrics_port
+
+
+def default_straggler_factor() -> float:
+    return env_float(ENV_STRAGGLER_FACTOR, DEFAULT_FACTOR)
+
+
+def default_straggler_window() -> int:
+    return env_int(ENV_STRAGGLER_WINDOW, DEFAULT_WINDOW)
+
+
+def straggler_policy(*, factor: float | None, window: int | None) -> StragglerPolicy | None:
+    """The straggler policy from flags, falling back to ``SPOTRUN_STRAGGLER_*``; None when the factor is 0."""
+    factor = default_straggler_factor() if factor is None else factor
+    window = default_straggler_window() if window is None else window
+    if factor == 0:
+        return None
+    return StragglerPolicy(factor=factor, window=window)
 
 
 def default_events_file() -> str | None:

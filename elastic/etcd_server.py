@@ -41,7 +41,7 @@ from tenacity import (
     wait_fixed,
 )
 
-from elastic.procutil import arm_parent_death_signal
+from checkpoint._sys.procutil import arm_parent_death_signal
 
 log = logging.getLogger(__name__)
 

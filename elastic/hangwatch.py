@@ -25,6 +25,7 @@ from elastic.hang import (
     waiting_on_peers,
 )
 from elastic.progress import ProgressBoard
+from elastic.workers import signal_worker
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,14 @@ class HangWatch:
         return [HangReport(local_rank, pids[local_rank], reason, self._stacks.get(local_rank))
                 for local_rank, reason in sorted(verdict.hung.items()) if local_rank in pids]
 
+    def beats(self) -> dict[int, int]:
+        """Each worker's beat count as last sampled by :meth:`check` (local rank -> beats)."""
+        return {local_rank: track.beats for local_rank, track in self._tracks.items()}
+
+    def steps(self) -> dict[int, int | None]:
+        """Each worker's reported training step (``elastic.progress.report_step``; None: never reported)."""
+        return {local_rank: self._board.step(local_rank) for local_rank in self._tracks}
+
     def dump_all(self, pids: dict[int, int]) -> dict[int, str]:
         """Every worker's stack into the agent log (taken now for those not already looked at)."""
         fresh = self._board.stacks({r: p for r, p in pids.items() if r not in self._stacks})
@@ -108,8 +117,6 @@ class HangWatch:
 
 def kill_hung(reports: list[HangReport]) -> None:
     """SIGKILL the hung workers (their process group when they lead one); SIGTERM may never be handled."""
-    from elastic.workers import signal_worker
-
     for report in reports:
         signal_worker(report.pid, signal.SIGKILL)
 

@@ -16,10 +16,11 @@ import dataclasses
 import importlib
 import logging
 import os
+import re
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed.elastic.rendezvous.registry as rdzv_registry
@@ -32,7 +33,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHand
 from torch.distributed.launcher.api import LaunchConfig
 
 from checkpoint.memory.api import ENV_MEMORY_DIR
-from checkpoint.memory.keeper import Keeper
+from elastic import early_notice
 from elastic.agent import SpotrunAgent, warn_one_line
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
@@ -45,6 +46,7 @@ from elastic.api import (
 from elastic.boot import discard as discard_early_forkserver
 from elastic.config import AgentSettings
 from elastic.events import EVENTS_FILE_NAME, JsonlEventLog
+from elastic.memory_keeper import Keeper
 from elastic.metrics import AgentMetrics, MetricsServer, MetricsSink, serve
 from elastic.notice import NoticePoller, make_sources, notice_signals
 from elastic.progress import remove_orphaned_progress_files
@@ -95,6 +97,29 @@ def create_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler
             f"cannot set up rendezvous backend {params.backend!r} at {params.endpoint!r}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+
+
+HELPER_IMPORT = re.compile(rb"\belastic(?:\.worker)?\.preemption\b|\bfrom\s+elastic(?:\.worker)?\s+import\s[^\n]*\bpreemption\b")
+"""An import of the preemption helper's module in a script's source."""
+MAX_SCRIPT_BYTES = 4 << 20
+"""Most bytes of a training script read to look for the helper's import (a script is a few KB)."""
+
+
+def imports_helper(entrypoint: Callable[..., Any] | str, args: Sequence[Any]) -> bool:
+    """Whether a ``python -u script.py ...`` launch's script imports ``elastic.preemption`` in its own source.
+
+    A hint for the notice that arrives while the workers start (``planned.HelperOutlook``): before they
+    build their helpers, workers of such a script have trained nothing since their restore. A script that
+    imports the helper through a module of its own is seen at run time instead (``coming-{local_rank}``). A
+    module (``-m``), a function or a binary, or a script that cannot be read: False."""
+    if not isinstance(entrypoint, str) or len(args) < 2 or str(args[0]) != "-u" or str(args[1]) == "-m":
+        return False
+    try:
+        with open(str(args[1]), "rb") as handle:
+            source = handle.read(MAX_SCRIPT_BYTES)
+    except OSError:
+        return False
+    return HELPER_IMPORT.search(source) is not None
 
 
 def _maybe_warm(
@@ -197,17 +222,19 @@ def _mark_finished(handler: RendezvousHandler) -> None:
                       "waits for peers): %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
-def _with_metrics(event_log: JsonlEventLog, port: int | None) -> tuple[EventSink, MetricsServer | None]:
-    """The agent's event sink: the log itself, or (``--metrics-port``) the log wrapped by the metrics that are
-    derived from its events, with their exporter started."""
+def _with_metrics(event_log: JsonlEventLog, port: int | None
+                  ) -> tuple[EventSink, AgentMetrics | None, MetricsServer | None]:
+    """The agent's event sink, its metrics and their exporter: the log itself and no metrics, or
+    (``--metrics-port``) the log wrapped by the metrics that are derived from its events, the metrics (the
+    progress watch, ``elastic.vitals``, sets the rest) and their exporter, started."""
     if port is None:
-        return event_log, None
+        return event_log, None, None
     agent_metrics = AgentMetrics()
     try:
         exporter = serve(agent_metrics, port)
     except OSError as exc:
         raise LaunchConfigError(f"--metrics-port {port}: cannot listen there ({exc}); pick a free port") from exc
-    return MetricsSink(event_log, agent_metrics), exporter
+    return MetricsSink(event_log, agent_metrics), agent_metrics, exporter
 
 
 def events_path(config: LaunchConfig, settings: AgentSettings) -> str:
@@ -230,6 +257,7 @@ def launch(
         config.run_id = str(uuid.uuid4().int)
         logger.warning("config has no run_id, generated a random run_id: %s", config.run_id)
     entrypoint_name = torch_entrypoint_name(entrypoint, args)
+    script_imports_helper = imports_helper(entrypoint, args)
     entrypoint, args = _maybe_warm(config, entrypoint, args, settings)
     if config.start_method != "forkserver":
         discard_early_forkserver()  # elastic.boot guessed warm workers; the launcher decided otherwise
@@ -277,7 +305,7 @@ def launch(
     # in reverse order of setup, also when a later step of the setup fails.
     cleanup = contextlib.ExitStack()
     try:
-        events, exporter = _with_metrics(event_log, settings.metrics_port)
+        events, agent_metrics, exporter = _with_metrics(event_log, settings.metrics_port)
         if exporter is not None:
             cleanup.callback(exporter.close)
         # The workers' mailbox (elastic.preemption): set before the forkserver starts, warm workers inherit it.
@@ -286,7 +314,7 @@ def launch(
         cleanup.callback(mailbox.remove)
         remove_orphaned_progress_files()  # hang detection's files of agents killed on this host (as the mailboxes)
         os.environ[ENV_NOTICE_DIR] = mailbox.path
-        # The memory tier's shared memory on this node (checkpoint.memory.keeper): removed at exit, or by the
+        # The memory tier's shared memory on this node (elastic.memory_keeper): removed at exit, or by the
         # keeper process when this agent dies; orphans of agents killed with their keeper are swept here first.
         keeper = Keeper.create(config.run_id)
         cleanup.callback(keeper.close)
@@ -303,6 +331,8 @@ def launch(
             shutdown_timeout=config.shutdown_timeout,
             mailbox=mailbox,
             memory_dir=keeper.path,
+            script_imports_helper=script_imports_helper,
+            metrics=agent_metrics,
         )
         cleanup.callback(agent.release)
         poller = NoticePoller(make_sources(settings.preempt_sources, settings.preempt_grace), agent.receive_notice,
@@ -331,6 +361,8 @@ def launch(
                 # starts plain workers and says so once, naming this (warm.warm_fallback_reason).
                 note_forkserver_failure(f"{exc}; TMPDIR={tempfile.gettempdir()}")
         agent.install_notice_handlers()
+        if (early := early_notice.take()) is not None:
+            agent.receive_early_notice(early.signum, early.received_at)  # it arrived during the start-up above
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)

@@ -21,7 +21,29 @@ Exposed (Prometheus text format, ``GET /metrics``)::
     spotrun_etcd_outages_total / spotrun_etcd_outage_seconds_total
                                                   rendezvous outages ridden out (or fatal) and their length
 
-Checkpoint save/load metrics are worker-side (the checkpointer runs in the workers): see docs/guides/operating.md.
+Progress and durability (``elastic.vitals``, once a second from the workers' progress files, the
+checkpointer's save records and the memory tier's snapshots in the keeper directory; gauges appear once known)::
+
+    spotrun_training_step                         the step every local worker completed (elastic.progress.
+                                                  report_step; Preemption.save_and_stop reports it)
+    spotrun_training_steps_total                  steps the slowest local worker completed (its beats)
+    spotrun_steps_per_second                      the slowest local worker's pace over the straggler window
+    spotrun_checkpoint_durable_step               last step committed to the durable tier
+    spotrun_checkpoint_durable_timestamp_seconds  when it committed (Unix s); _age_seconds: how long ago
+    spotrun_checkpoint_save_interval_seconds      time between the last two commits
+    spotrun_checkpoint_saves_total{outcome}       committed / failed saves (once per node and save)
+    spotrun_checkpoint_save_seconds_total         save() -> commit seconds (slowest local rank), summed
+    spotrun_checkpoint_save_bytes_total           bytes the local ranks wrote for committed saves
+    spotrun_checkpoint_last_save_seconds          the last committed save's seconds
+    spotrun_memory_snapshot_step                  newest memory tier snapshot on this node
+    spotrun_memory_snapshot_timestamp_seconds     when it was written; _age_seconds: how long ago
+    spotrun_etcd_unreachable_seconds              how long the rendezvous has been failing now (0: it answers)
+    spotrun_stragglers                            local ranks named stragglers now (elastic.straggler)
+    spotrun_stragglers_detected_total             straggler_detected events
+    spotrun_step_time_ratio{local_rank}           each local rank's step time over its local peers' median
+
+Every labelled counter is created at 0 for each of its known label values (:data:`LABEL_VALUES`), so that
+``increase()`` and absence alerts work from the first scrape.
 """
 
 from __future__ import annotations
@@ -34,7 +56,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from elastic.api import EventSink, RecoveryEvent
+from checkpoint.memory.api import RestoreSource
+from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
+from elastic.notice import SOURCES
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +70,17 @@ _STAGE_OF = {
     RecoveryEvent.RENDEZVOUS_COMPLETED: "rendezvous",
     RecoveryEvent.WORKERS_STARTED: "start",
 }
+
+
+LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "restarts": tuple(c.value for c in RecoveryCause),
+    "failures": tuple(c.value for c in FailureCause),
+    "notices": ("sigterm", *SOURCES),
+    "planned_leaves": ("true", "false"),
+    "restores": (*(s.value for s in RestoreSource), "mixed"),
+    "saves": ("committed", "failed"),
+}
+"""The label values each labelled counter starts with at 0 (attribute name -> values); others appear as seen."""
 
 
 class AgentMetrics:
@@ -79,6 +114,47 @@ class AgentMetrics:
         self.restore_seconds = Histogram("spotrun_restore_seconds", "Seconds the slowest local worker took to "
                                          "restore its state, by source.", ["source"], buckets=STAGE_BUCKETS,
                                          registry=r)
+        self.training_step = Gauge("spotrun_training_step", "The training step every local worker completed "
+                                   "(as reported by elastic.progress.report_step).", registry=r)
+        self.steps = Counter("spotrun_training_steps", "Steps the slowest local worker completed (optimizer "
+                             "steps or heartbeats), over every restart.", registry=r)
+        self.steps_per_second = Gauge("spotrun_steps_per_second", "Steps per second of the slowest local worker "
+                                      "over its recent steps.", registry=r)
+        self.durable_step = Gauge("spotrun_checkpoint_durable_step", "Last step committed to the durable tier.",
+                                  registry=r)
+        self.durable_timestamp = Gauge("spotrun_checkpoint_durable_timestamp_seconds",
+                                       "When the last durable step committed (Unix seconds).", registry=r)
+        self.durable_age = Gauge("spotrun_checkpoint_durable_age_seconds",
+                                 "Seconds since the last durable step committed.", registry=r)
+        self.save_interval = Gauge("spotrun_checkpoint_save_interval_seconds",
+                                   "Seconds between the last two durable commits.", registry=r)
+        self.saves = Counter("spotrun_checkpoint_saves", "Durable checkpoint saves, by outcome (committed, "
+                             "failed), once per node and save.", ["outcome"], registry=r)
+        self.save_seconds = Counter("spotrun_checkpoint_save_seconds", "Seconds from save() to the commit of "
+                                    "the committed saves (slowest local rank), summed.", registry=r)
+        self.save_bytes = Counter("spotrun_checkpoint_save_bytes", "Bytes the local ranks wrote for committed "
+                                  "saves.", registry=r)
+        self.last_save_seconds = Gauge("spotrun_checkpoint_last_save_seconds",
+                                       "Seconds from save() to the commit of the last committed save.", registry=r)
+        self.memory_step = Gauge("spotrun_memory_snapshot_step", "Newest memory tier snapshot on this node.",
+                                 registry=r)
+        self.memory_timestamp = Gauge("spotrun_memory_snapshot_timestamp_seconds",
+                                      "When the newest memory snapshot was written (Unix seconds).", registry=r)
+        self.memory_age = Gauge("spotrun_memory_snapshot_age_seconds",
+                                "Seconds since the newest memory snapshot was written.", registry=r)
+        self.etcd_unreachable = Gauge("spotrun_etcd_unreachable_seconds", "Seconds the rendezvous (etcd) has "
+                                      "been failing now (0 while it answers).", registry=r)
+        self.stragglers = Gauge("spotrun_stragglers", "Local ranks named stragglers now.", registry=r)
+        self.stragglers_detected = Counter("spotrun_stragglers_detected", "Ranks named stragglers "
+                                           "(straggler_detected events).", registry=r)
+        self.step_time_ratio = Gauge("spotrun_step_time_ratio", "Each local rank's step time over the median of "
+                                     "its local peers'.", ["local_rank"], registry=r)
+        for name, values in LABEL_VALUES.items():
+            family = getattr(self, name)
+            for value in values:
+                family.labels(value)
+        for stage in (*_STAGE_OF.values(), "total"):
+            self.stage_seconds.labels(stage)
 
 
 @dataclass(slots=True)

@@ -60,6 +60,9 @@ HTTP_TIMEOUT = 1.0
 address does not route and we must not stall the poller."""
 
 
+SIGTERM_SOURCE = "sigterm"
+"""``Notice.source`` of a SIGTERM to the agent (the one notice that may also insist on a shutdown)."""
+
 @dataclass(frozen=True, slots=True)
 class Notice:
     """This node will be taken away at ``deadline`` (wall-clock seconds, ``time.time()``)."""

@@ -98,6 +98,47 @@ def wait_for_helpers(*, seen_before: bool, now: float, deadline: float, stop_gra
     return seen_before and now < deadline - stop_grace
 
 
+class HelperOutlook(enum.Enum):
+    """Whether this node's workers will stop at an agreed step for a notice (see :func:`helper_outlook`)."""
+
+    READY = "ready"
+    """Every local worker built its ``Preemption`` helper: post the stop, they commit an agreed step."""
+    RESTARTING = "restarting"
+    """Not built yet, but this agent's workers built them in an earlier group: they are restarting (imports,
+    the restore, perhaps from the memory tier), and will commit an agreed step while the deadline leaves room."""
+    COMING = "coming"
+    """Not built yet in this agent's first group, but the script will build one (it imports the helper's
+    module: ``announced``): it is starting (imports, ``init_process_group``, the restore) and has trained
+    nothing since its restore, so the last committed step is the state: leaving now loses nothing (a planned
+    leave, not a shutdown)."""
+    NEVER = "never"
+    """No sign of a helper: a plain torchrun script (SIGTERM: torchrun's immediate shutdown, as before)."""
+
+
+def helper_outlook(*, ready: bool, seen_before: bool, announced: bool) -> HelperOutlook:
+    """Whether the workers will stop at an agreed step, from plain facts.
+
+    Args:
+        ready: every local worker built its helper (``helper-{local_rank}``).
+        seen_before: this agent's workers built helpers in an earlier group.
+        announced: the script will build one: its source imports the helper's module
+            (``elastic.launcher.imports_helper``, read once at start), or a local worker of this group
+            imported it (``coming-{local_rank}``: a helper imported through another module of the script).
+    """
+    if ready:
+        return HelperOutlook.READY
+    if seen_before:
+        return HelperOutlook.RESTARTING
+    if announced:
+        return HelperOutlook.COMING
+    return HelperOutlook.NEVER
+
+
+WHY_BEFORE_HELPERS = ("the notice came before the workers built their Preemption helpers: they trained nothing "
+                      "since their restore, the last committed step is the state")
+"""The ``why`` of a planned leave taken while the workers start (:attr:`HelperOutlook.COMING`)."""
+
+
 def leave_exit_code(*, workers_finished: bool, configured: int) -> int:
     """Exit status of an agent that left the group for its own notice.
 
@@ -171,6 +212,8 @@ class TickView:
     membership_changed: bool = False
     helpers_ready: bool = False
     """Every local worker constructed a ``Preemption`` helper (it will stop by itself at an agreed step)."""
+    helpers_announced: bool = False
+    """The script will build a helper (see :func:`helper_outlook`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,9 +272,11 @@ class SignalAction(enum.Enum):
     LEAVE_NOW = "leave_now"
     """Between rounds: no worker to save anything; take the notice and leave at once, as a planned leave."""
     SHUT_DOWN = "shut_down"
-    """torch's immediate shutdown: a second SIGTERM, or workers that cannot save at an agreed step."""
+    """torch's immediate shutdown: a second SIGTERM, or workers that do not use the helper."""
     NOTICE = "notice"
     """Take it as this node's notice; the monitor loop acts on it."""
+    IGNORE = "ignore"
+    """The run is over (finished or left): nothing runs that the notice could concern."""
 
 
 class PlannedChanges:
@@ -309,15 +354,27 @@ class PlannedChanges:
             return PlannedDecision(PlannedTick.NONE)  # nothing planned, or a crash: the agent's restart path
         if not view.helpers_ready:
             own = self.own
-            if own is not None and not wait_for_helpers(seen_before=self.helpers_seen, now=view.now,
-                                                        deadline=own.deadline, stop_grace=self.stop_grace):
-                # The workers cannot stop at an agreed step: leave now so the peers re-form at once.
-                why = ("the workers do not use elastic.preemption.Preemption" if not self.helpers_seen
-                       else "the workers did not start their Preemption helper in time")
-                return PlannedDecision(PlannedTick.LEFT, (LeaveNow(why),))
+            if own is not None and (action := self._without_helpers(view, own)) is not None:
+                return PlannedDecision(PlannedTick.LEFT, (action,))
             return PlannedDecision(PlannedTick.NONE)
         self.posted = with_save_by(notice, self.stop_grace)  # the workers skip a save that cannot fit
         return PlannedDecision(PlannedTick.WAITING, (PostStop(self.posted),))
+
+    def outlook(self, *, helpers_ready: bool, announced: bool) -> HelperOutlook:
+        """:func:`helper_outlook` with this agent's history."""
+        return helper_outlook(ready=helpers_ready, seen_before=self.helpers_seen, announced=announced)
+
+    def _without_helpers(self, view: TickView, own: Notice) -> LeaveNow | None:
+        """This node has a notice and not every local worker runs a helper: leave now or wait for them."""
+        outlook = self.outlook(helpers_ready=False, announced=view.helpers_announced)
+        if outlook is HelperOutlook.COMING:
+            return LeaveNow(WHY_BEFORE_HELPERS)
+        if outlook is HelperOutlook.RESTARTING:
+            if wait_for_helpers(seen_before=True, now=view.now, deadline=own.deadline, stop_grace=self.stop_grace):
+                return None
+            return LeaveNow("the workers did not start their Preemption helper in time")
+        # The workers cannot stop at an agreed step: leave now so the peers re-form at once.
+        return LeaveNow("the workers do not use elastic.preemption.Preemption")
 
     def _while_posted(self, group: GroupView, posted: WorkerNotice) -> PlannedDecision:
         if while_posted(group, posted, stop_grace=self.stop_grace) is PlannedStep.WAIT:
@@ -338,11 +395,26 @@ class PlannedChanges:
             return AfterSuccess.REFORM
         return AfterSuccess.FINISH
 
-    def on_signal(self, *, between_rounds: bool, sigterm: bool, helpers_ready: bool) -> SignalAction:
-        """A notice signal arrived: ``between_rounds`` (no workers run), ``sigterm`` (SIGTERM, which may also
-        insist on a shutdown), ``helpers_ready`` (every local worker runs a ``Preemption`` helper)."""
+    def on_signal(self, *, between_rounds: bool, sigterm: bool, helpers_ready: bool, announced: bool = False,
+                  run_over: bool = False) -> SignalAction:
+        """A notice signal arrived.
+
+        Args:
+            between_rounds: no workers run (a recovery, a spare, before the first round).
+            sigterm: the signal is SIGTERM, which may also insist on a shutdown (a second one).
+            helpers_ready: every local worker runs a ``Preemption`` helper.
+            announced: the script will build a helper (see :func:`helper_outlook`).
+            run_over: the workers finished the run or this node left: nothing to stop or save.
+        """
+        if run_over:
+            return SignalAction.IGNORE
         if between_rounds and self.own is None:
             return SignalAction.LEAVE_NOW
-        if sigterm and (self.own is not None or not helpers_ready):
+        if sigterm and self.own is not None:
+            return SignalAction.SHUT_DOWN
+        outlook = self.outlook(helpers_ready=helpers_ready, announced=announced)
+        if outlook is HelperOutlook.COMING:
+            return SignalAction.LEAVE_NOW
+        if outlook is HelperOutlook.NEVER and sigterm:
             return SignalAction.SHUT_DOWN
         return SignalAction.NOTICE

@@ -15,11 +15,9 @@ Workers only ``open`` and ``mmap`` the file: the advisory lock does not concern 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import mmap
 import os
-import random
 import re
 import shutil
 import stat
@@ -27,7 +25,6 @@ import struct
 import subprocess
 import time
 from collections.abc import Iterable
-from typing import Final
 
 from elastic.hang import ProgressSample
 from elastic.worker.heartbeat import DUMP_SIGNAL as DUMP_SIGNAL
@@ -37,19 +34,19 @@ from elastic.worker.heartbeat import OFFSET_BEATS as _BEATS
 from elastic.worker.heartbeat import OFFSET_MAGIC as _MAGIC
 from elastic.worker.heartbeat import OFFSET_MAIN_THREAD as _MAIN_THREAD
 from elastic.worker.heartbeat import OFFSET_PID as _PID
+from elastic.worker.heartbeat import OFFSET_STEP as _STEP
 from elastic.worker.heartbeat import PROGRESS_KIND as PROGRESS_KIND
 from elastic.worker.heartbeat import SIZE as SIZE
 from elastic.worker.heartbeat import dump_path as dump_path
 from elastic.worker.heartbeat import heartbeat as heartbeat
 from elastic.worker.heartbeat import install as install
 from elastic.worker.heartbeat import progress_path as progress_path
+from elastic.worker.heartbeat import report_step as report_step
+from elastic.worker.runfiles import SWEEP_LIMIT, hold_owner_lock, lock_if_orphaned, sweep_candidates
 from elastic.worker.runfiles import run_scoped_path as run_scoped_path
 from elastic.worker.runfiles import run_scoped_prefix as run_scoped_prefix
 
 logger = logging.getLogger(__name__)
-
-SWEEP_LIMIT: Final = 256
-"""Most candidate files one sweep looks at (bounded work at agent start); the next agent goes on."""
 
 
 def read_main_thread(pid: int) -> tuple[str, int] | None:
@@ -104,6 +101,12 @@ class ProgressBoard:
         beats = struct.unpack_from("<Q", mm, _BEATS)[0] if mm is not None else 0
         state, activity = proc
         return ProgressSample(beats=beats, activity=activity, stopped=state in ("T", "t"))
+
+    def step(self, local_rank: int) -> int | None:
+        """The training step the worker last reported (``report_step``), None when it never did."""
+        mm = self._maps.get(local_rank)
+        value = struct.unpack_from("<Q", mm, _STEP)[0] if mm is not None else 0
+        return value - 1 if value else None
 
     def main_thread_id(self, local_rank: int) -> int | None:
         mm = self._maps.get(local_rank)
@@ -164,25 +167,24 @@ def _create_locked(path: str) -> tuple[int, mmap.mmap]:
     tmp = f"{path}.tmp{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)  # our own leftover; another user's name here makes the O_EXCL below fail instead
-    # O_EXCL | O_NOFOLLOW: the name is guessable in a shared /dev/shm, and a symlink planted there must not make
-    # the agent truncate and write into the link's target (nor a FIFO block it).
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    mm: mmap.mmap | None = None
+    # Sized and marked under the temporary name, locked (hold_owner_lock) before the rename: a sweep that sees
+    # the name finds the agent's pid in it and can never take the lock of a live agent.
+    fd = hold_owner_lock(path, tmp, prepare=_zeroed_progress_file)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, SIZE)
         mm = mmap.mmap(fd, SIZE)
-        struct.pack_into("<Q", mm, _AGENT, os.getpid())
-        struct.pack_into("<Q", mm, _MAGIC, MAGIC)
-        os.rename(tmp, path)
     except BaseException:
-        if mm is not None:
-            mm.close()
         os.close(fd)
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(path)
         raise
     return fd, mm
+
+
+def _zeroed_progress_file(fd: int) -> None:
+    """A fresh progress file: ``SIZE`` zero bytes but the agent's pid and the magic number."""
+    os.ftruncate(fd, SIZE)
+    os.pwrite(fd, struct.pack("<Q", os.getpid()), _AGENT)
+    os.pwrite(fd, struct.pack("<Q", MAGIC), _MAGIC)
 
 
 def remove_orphaned_progress_files(root: str | None = None, *, limit: int = SWEEP_LIMIT) -> int:
@@ -193,16 +195,9 @@ def remove_orphaned_progress_files(root: str | None = None, *, limit: int = SWEE
     lock is free: a live agent holds it from before the name exists until after it unlinks the name. Looks at
     most at ``limit`` candidates. Half-created ``.tmpPID`` files are never touched (unlocked for an instant)."""
     stem = run_scoped_prefix(PROGRESS_KIND, root)  # ".../spotrun-progress-{uid}-"
-    folder, prefix = os.path.dirname(stem), os.path.basename(stem)
-    try:
-        names = [n for n in os.listdir(folder) if n.startswith(prefix) and not _is_aux_name(n)]
-    except OSError:
-        return 0
-    # A random sample when there are more: live and older-format files are never removed, so a fixed order
-    # could keep every sweep on the same first ``limit`` names.
-    if len(names) > limit:
-        names = random.sample(names, limit)
-    removed = sum(_remove_if_orphaned(os.path.join(folder, name)) for name in names)
+    folder = os.path.dirname(stem)
+    names = sweep_candidates(folder, os.path.basename(stem), limit=limit, skip=_is_aux_name)
+    removed = sum(_remove_if_orphaned(path) for path in names)
     if removed:
         logger.info("removed %d progress file(s) of dead agents under %s", removed, folder)
     return removed
@@ -214,22 +209,22 @@ def _is_aux_name(name: str) -> bool:
 
 
 def _remove_if_orphaned(path: str) -> bool:
-    try:
-        # O_NONBLOCK: another user may have put a FIFO under a name of ours (/dev/shm is shared); never block on it.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
+    opened: list[os.stat_result] = []
+
+    def made_by_a_locking_agent(fd: int) -> bool:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size < SIZE:
             return False  # /dev/shm is shared: never another user's file, nor something else by that name
         if struct.unpack("<Q", os.pread(fd, 8, _AGENT))[0] == 0:
             return False  # no lock to prove its agent dead
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # its agent lives
-        if os.stat(path, follow_symlinks=False).st_ino != info.st_ino:
+        opened.append(info)
+        return True
+
+    fd = lock_if_orphaned(path, made_by_a_locking_agent)
+    if fd is None:
+        return False  # not ours, unreadable, or its agent lives
+    try:
+        if os.stat(path, follow_symlinks=False).st_ino != opened[0].st_ino:
             return False  # replaced since we opened it (a new agent of that run): not ours to judge
         # Left: a new agent of the same run and ranks on this host renaming its file onto this name between
         # the check above and the unlink below (a third agent sweeping at that instant) loses that file: a

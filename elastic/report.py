@@ -24,7 +24,8 @@ resumed from. Per fault type and cause: median and worst.
 Totals (:func:`totals`): the job's span (first ``workers_started`` to the last event), the time each recovery
 cost (from its fault to its last stage seen, plus its redone steps at the median step time when progress is
 given) and the effective training time ratio, ``1 - lost / span``. The analysis is pure (lists of dicts in,
-dataclasses out); reading files and printing happen in :func:`main`; the HTML page is ``elastic.report_html``.
+dataclasses out, the dataclasses in ``elastic.timeline``); reading files and printing happen in :func:`main`;
+the HTML page is ``elastic.report_html``.
 """
 
 from __future__ import annotations
@@ -43,18 +44,21 @@ from pathlib import Path
 from typing import Any
 
 from elastic.events import EVENTS_FILE_NAME, find_events_files, read_events, run_events_dir
+from elastic.report_html import write_html
+from elastic.timeline import NO_RECOVERY as NO_RECOVERY
+from elastic.timeline import SEGMENT_KINDS as SEGMENT_KINDS
+from elastic.timeline import STAGES as STAGES
+from elastic.timeline import Fault as Fault
+from elastic.timeline import Marker as Marker
+from elastic.timeline import Recovery as Recovery
+from elastic.timeline import Segment as Segment
+from elastic.timeline import Timeline as Timeline
+from elastic.timeline import Totals as Totals
+from elastic.timeline import recovery_cost as recovery_cost
+from elastic.timeline import stage_end as stage_end
 
-STAGES = ("detection", "stop", "rendezvous", "process_start", "checkpoint_load", "first_step")
-NO_RECOVERY = "none"
-"""The cause column of a fault that needed no recovery."""
 _RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \[rank \d+/\d+ restart \d+\] resumed from step")
 _STAGE_EVENTS = {"workers_stopped": "stop", "rendezvous_completed": "rendezvous", "workers_started": "process_start"}
-
-
-@dataclass(slots=True)
-class Fault:
-    kind: str
-    t_wall: float
 
 
 @dataclass(slots=True)
@@ -69,24 +73,6 @@ class NodeRecovery:
     @property
     def end(self) -> float:
         return self.stages.get("process_start", self.start)
-
-
-@dataclass(slots=True)
-class Recovery:
-    """One recovery of the job, attributed to a fault (or not); stages in seconds from its origin."""
-
-    cause: str
-    fault: Fault | None
-    origin: float
-    """Wall time the clock starts at: the fault's injection, else the detection."""
-    stages: dict[str, float | None] = field(default_factory=dict)
-    steps_lost: int | None = None
-    restore_source: str | None = None
-    """Where the workers restored from after it (``restore_completed``: memory_local, memory_peer, durable)."""
-
-    @property
-    def kind(self) -> str:
-        return self.fault.kind if self.fault is not None else "-"
 
 
 def node_recoveries(events: Sequence[dict[str, Any]]) -> list[NodeRecovery]:
@@ -272,46 +258,11 @@ def _is_number(value: object) -> bool:
 
 # --- timeline -------------------------------------------------------------------------------------------------
 
-SEGMENT_KINDS = ("training", "detection", "stop", "rendezvous", "start", "load", "first_step")
-"""What a node was doing in a timeline segment: training, or one stage of a recovery (the stage it is in is
-named after the event that ends it: ``stop`` lasts until ``workers_stopped``)."""
-
 _SEGMENT_END = {"workers_stopped": "stop", "rendezvous_completed": "rendezvous", "workers_started": "start"}
 MARKER_EVENTS = {"notice_received": "notice", "hang_detected": "hang", "planned_leave": "leave",
-                 "failure_detected": "failure", "run_finished": "end"}
+                 "failure_detected": "failure", "run_finished": "end", "straggler_detected": "straggler"}
 """Events drawn as markers on their node's row (and faults from the chaos journal on every row; ``lost``: the
 last sign of a node that ended without a ``run_finished``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """A span of one node's time: ``kind`` is one of :data:`SEGMENT_KINDS`."""
-
-    node: str
-    kind: str
-    start: float
-    end: float
-
-
-@dataclass(frozen=True, slots=True)
-class Marker:
-    """An instant on the timeline: an event of one node, or a fault (``node`` None: the whole job)."""
-
-    node: str | None
-    kind: str
-    t: float
-    label: str
-
-
-@dataclass(frozen=True, slots=True)
-class Timeline:
-    """Nodes (rows, in order of first appearance) x wall time: segments and markers, for text and HTML."""
-
-    nodes: tuple[str, ...]
-    segments: tuple[Segment, ...]
-    markers: tuple[Marker, ...]
-    t0: float
-    t1: float
 
 
 def timeline(events: Sequence[dict[str, Any]], faults: Sequence[Fault] = (),
@@ -386,7 +337,7 @@ def _recovery_edges(segments: Sequence[Segment], recs: Sequence[Recovery]) -> li
         if rec.cause == NO_RECOVERY:
             continue
         for seg in segments:
-            if seg.kind == "stop" and rec.fault is not None and rec.origin <= seg.start <= rec.origin + _stage_end(rec):
+            if seg.kind == "stop" and rec.fault is not None and rec.origin <= seg.start <= rec.origin + stage_end(rec):
                 out.append(Segment(seg.node, "detection", rec.origin, seg.start))
             started = rec.origin + (rec.stages.get("process_start") or 0.0)
             if seg.kind == "training" and rec.origin <= seg.start <= started + 1e-9:
@@ -398,10 +349,6 @@ def _recovery_edges(segments: Sequence[Segment], recs: Sequence[Recovery]) -> li
                         out.append(Segment(seg.node, kind, edge, end))
                         edge = end
     return out
-
-
-def _stage_end(rec: Recovery) -> float:
-    return max([v for v in rec.stages.values() if v is not None], default=0.0)
 
 
 def _marker_label(e: dict[str, Any]) -> str:
@@ -416,32 +363,35 @@ def _marker_label(e: dict[str, Any]) -> str:
         return f"failure: {e.get('cause', '?')}"
     if name == "run_finished":
         return f"finished: {e.get('state', '?')}"
+    if name == "straggler_detected":
+        return f"straggler: rank {e.get('rank', '?')}"
     return name.replace("_", " ")
 
 
+def straggler_lines(events: Sequence[dict[str, Any]], t0: float) -> list[str]:
+    """One line per ``straggler_detected`` event (pure): the rank, its node, how much slower, when, and when it
+    was cleared (the next ``straggler_cleared`` of that rank on that node), fields checked before use."""
+    ordered = sorted(events, key=lambda e: float(e["t_wall"]))
+    lines = []
+    for i, e in enumerate(ordered):
+        if e.get("event") != "straggler_detected":
+            continue
+        node, rank = e.get("node", "?"), e.get("rank")
+        numbers = [e.get(k) for k in ("ratio", "step_time", "peers_step_time")]
+        how = ""
+        if all(_is_number(v) for v in numbers):
+            ratio, own, peers = (float(v) for v in numbers)  # type: ignore[arg-type]  # checked just above
+            how = f": {ratio:.2f}x its local peers' median ({own:.3f} s vs {peers:.3f} s per step"
+            how += f" over {e['window']} steps)" if isinstance(e.get("window"), int) else ")"
+        cleared = next((c for c in ordered[i + 1:] if c.get("event") == "straggler_cleared"
+                        and c.get("node") == node and c.get("rank") == rank), None)
+        until = f", cleared at +{float(cleared['t_wall']) - t0:.1f} s" if cleared is not None else ", not cleared"
+        lines.append(f"rank {rank} (local rank {e.get('local_rank', '?')}) on {node}{how}; "
+                     f"from +{float(e['t_wall']) - t0:.1f} s{until}")
+    return lines
+
+
 # --- totals ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Totals:
-    """What the faults cost the job, in seconds of wall time."""
-
-    span: float
-    """From the first ``workers_started`` to the last event."""
-    lost: float
-    """Sum over recoveries of :func:`recovery_cost`."""
-    lost_by_cause: dict[str, float]
-    recoveries: int
-    steps_redone: int | None
-    """Steps trained again after the recoveries; None when unknown (recoveries, but no progress telling how many
-    steps any of them redid)."""
-    step_time: float | None
-    """Median seconds between two consecutive steps in the progress file (None without one)."""
-
-    @property
-    def effective_ratio(self) -> float:
-        """Share of the span spent training forward (1.0 when nothing was lost or nothing ran)."""
-        return 1.0 if self.span <= 0 else max(0.0, 1.0 - self.lost / self.span)
 
 
 def step_time(progress: Sequence[dict[str, Any]] | None) -> float | None:
@@ -454,15 +404,6 @@ def step_time(progress: Sequence[dict[str, Any]] | None) -> float | None:
                   if p.get("rank", 0) == first and _is_number(p.get("step")))
     gaps = [(t2 - t1) / (s2 - s1) for (t1, s1), (t2, s2) in zip(rows, rows[1:]) if s2 > s1 and t2 > t1]
     return statistics.median(gaps) if gaps else None
-
-
-def recovery_cost(rec: Recovery, seconds_per_step: float | None) -> float:
-    """Seconds a recovery took from training: fault (or detection) to its last stage seen, plus the redone
-    steps' time. A fault that caused no recovery costs nothing."""
-    if rec.cause == NO_RECOVERY:
-        return 0.0
-    redo = (rec.steps_lost or 0) * (seconds_per_step or 0.0)
-    return _stage_end(rec) + redo
 
 
 def totals(events: Sequence[dict[str, Any]], recs: Sequence[Recovery],
@@ -481,10 +422,6 @@ def totals(events: Sequence[dict[str, Any]], recs: Sequence[Recovery],
     return Totals(span=span, lost=sum(by_cause.values()), lost_by_cause=by_cause, recoveries=len(restarts),
                   steps_redone=sum(known) if known or not restarts else None, step_time=per_step)
 
-
-def steps_redone_text(tot: Totals) -> str:
-    """The steps redone as the report shows them: a count, or ``unknown`` (no progress data)."""
-    return "unknown" if tot.steps_redone is None else str(tot.steps_redone)
 
 
 # --- text -----------------------------------------------------------------------------------------------------
@@ -640,12 +577,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render_recoveries(recs, tot.step_time, t0) if recs else "none")
     print("\n== totals")
     print(render_totals(tot))
+    slow = straggler_lines(inputs.events, t0)
+    if slow:
+        print("\n== stragglers (elastic.straggler: slower than the local peers' median by the factor)")
+        print("\n".join(slow))
     if recs:
         print("\n== per fault type and cause (median / worst)")
         print(render(summarize(recs)))
     if args.html:
-        from elastic.report_html import write_html
-
         runs = sorted({str(e["run_id"]) for e in inputs.events if e.get("run_id")})
         write_html(args.html, line, recs, tot, title="spotrun report" + (f": run {', '.join(runs)}" if runs else ""))
         print(f"\nwrote {args.html}")

@@ -5,7 +5,7 @@ redone), the timeline (one row per agent, wall time across: training in green, e
 colour, faults as red lines across every row, notices, hangs and leaves as marks on their node's row; hover
 for details), the time lost per cause, and one row per recovery with its stages as a stacked bar.
 
-Pure string building from :mod:`elastic.report`'s dataclasses; :func:`write_html` is the only I/O.
+Pure string building from :mod:`elastic.timeline`'s dataclasses; :func:`write_html` is the only I/O.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import html
 import math
 from collections.abc import Sequence
 
-from elastic.report import NO_RECOVERY, STAGES, Recovery, Segment, Timeline, Totals, recovery_cost, steps_redone_text
+from elastic.timeline import NO_RECOVERY, STAGES, Recovery, Segment, Timeline, Totals, recovery_cost, steps_redone_text
 
 FAULT_COLOUR = "#d32f2f"
 """Faults from the chaos journal: a line across every row."""
@@ -36,7 +36,7 @@ STAGE_COLOURS = {"detection": COLOURS["detection"], "stop": COLOURS["stop"], "re
                  "first_step": COLOURS["first_step"]}
 MARKS = {"notice": ("#ef6c00", "notice"), "hang": ("#6a1b9a", "hang"), "leave": ("#455a64", "planned leave"),
          "failure": ("#ad1457", "failure detected"), "end": ("#263238", "run finished"),
-         "lost": ("#000000", "gone (no more events)")}
+         "lost": ("#000000", "gone (no more events)"), "straggler": ("#f9a825", "straggler")}
 _LABEL_W, _ROW_H, _CHART_W, _TOP = 190, 30, 900, 34
 
 _CSS = """

@@ -6,7 +6,8 @@
     spotrun-status ...                            # the same, always (a script named ``status`` can't shadow it)
 
 What it reads (the key layout of ``elastic.rendezvous.etcd_v3``; ``P = {etcd_prefix}/{run_id}/``): everything
-under ``P/ctl/`` (node registrations, join keys, the committed round, the closed marker, notices), the TTL left
+under ``P/ctl/`` (node registrations, join keys, the committed round, the closed marker, notices) and under
+``P/health/`` (each node's stragglers, ``elastic.straggler``), the TTL left
 on each node's lease, and from the agents' store of the committed round ``P/store/{R}/torchelastic/`` the
 local world size each agent announced (torch's ``_assign_worker_ranks``). Reads only: a user with a read-only
 role on the job's prefix is enough. Every value is validated; a corrupt key becomes one line under
@@ -101,6 +102,8 @@ class NodeStatus:
     lease_ttl_left: float | None = None
     """Seconds left on the node's lease (None when unknown; a live agent keeps it near ``lease_ttl``)."""
     notice: NoticeStatus | None = None
+    stragglers: dict[int, float] = field(default_factory=dict)
+    """Global rank -> its step time over its local peers' median, for this node's ranks named stragglers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +193,7 @@ class _Decoded:
     round: dict[str, Any] | None = None
     closed: bool = False
     notices: dict[str, NoticeStatus] = field(default_factory=dict)
+    stragglers: dict[str, dict[int, float]] = field(default_factory=dict)
     local_sizes: dict[int, int] = field(default_factory=dict)
     world_size: int | None = None
     problems: list[str] = field(default_factory=list)
@@ -232,6 +236,25 @@ def _decode_ctl(d: _Decoded, rel: str, kv: RawKey) -> None:
     # other keys (a newer spotrun's) are not ours to judge
 
 
+MAX_STRAGGLERS = 4096
+"""Most straggler entries one node's health report may hold (one per local rank)."""
+
+
+def _decode_health(d: _Decoded, node: str, kv: RawKey) -> None:
+    """``P/health/{node}``: ``{"stragglers": {global rank: ratio}}``, every entry checked."""
+    data = _json_object(kv.value)
+    raw = data.get("stragglers", {})
+    if not isinstance(raw, dict) or len(raw) > MAX_STRAGGLERS:
+        raise _Corrupt(f"'stragglers' must be an object of at most {MAX_STRAGGLERS} ranks")
+    out: dict[int, float] = {}
+    for rank, ratio in raw.items():
+        if not (isinstance(rank, str) and rank.isdigit() and len(rank) <= 9) or isinstance(ratio, bool) \
+                or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio <= 0:
+            raise _Corrupt(f"straggler entry {rank!r}: {ratio!r} is not a rank and a positive ratio")
+        out[int(rank)] = float(ratio)
+    d.stragglers[node] = out
+
+
 def _decode_store(d: _Decoded, rel: str, kv: RawKey) -> None:
     try:
         if rel.startswith(_ROLE_INFO):
@@ -250,7 +273,7 @@ def _decode_store(d: _Decoded, rel: str, kv: RawKey) -> None:
 
 
 def job_status(config: EtcdRendezvousConfig, ctl: Sequence[RawKey], store: Sequence[RawKey],
-               ttl_left: Mapping[int, float], now: float) -> JobStatus:
+               ttl_left: Mapping[int, float], now: float, *, health: Sequence[RawKey] = ()) -> JobStatus:
     """Decode the job's keys into a :class:`JobStatus` (pure; corrupt keys become ``problems``).
 
     Args:
@@ -260,9 +283,17 @@ def job_status(config: EtcdRendezvousConfig, ctl: Sequence[RawKey], store: Seque
         store: the keys under ``P/store/{R}/torchelastic/`` of the committed round R (may be empty).
         ttl_left: lease id -> seconds left (absent: unknown).
         now: wall-clock seconds of the read.
+        health: the keys under ``P/health/`` (the nodes' straggler reports).
     """
     prefix = config.run_prefix
     d = _Decoded()
+    for kv in health:
+        node = kv.key[len(prefix) + len("health/"):] if kv.key.startswith(prefix + "health/") else ""
+        try:
+            if node:
+                _decode_health(d, node, kv)
+        except (_Corrupt, UnicodeDecodeError) as exc:
+            d.problems.append(f"corrupt key {kv.key}: {exc}")
     for kv in ctl:
         rel = kv.key[len(prefix) + len("ctl/"):] if kv.key.startswith(prefix + "ctl/") else None
         if rel is None:
@@ -322,7 +353,8 @@ def _node(node: str, role: NodeRole, d: _Decoded, ttl_left: Mapping[int, float],
     return NodeStatus(node_id=node, role=role, group_rank=rank, host=str(info.get("host", "")),
                       addr=str(info.get("addr", "")), pid=pid if isinstance(pid, int) else None,
                       local_world_size=d.local_sizes.get(rank) if rank is not None else None,
-                      lease_ttl_left=ttl_left.get(lease) if lease else None, notice=d.notices.get(node))
+                      lease_ttl_left=ttl_left.get(lease) if lease else None, notice=d.notices.get(node),
+                      stragglers=d.stragglers.get(node, {}))
 
 
 # --- text -----------------------------------------------------------------------------------------------------
@@ -380,6 +412,12 @@ def render(status: JobStatus) -> str:
                     notice = f"{source}, deadline passed {_duration(status.read_at - n.notice.deadline)} ago"
             node_id, host = _printable(n.node_id), _printable(n.host)
             lines.append(f"{rank:>4}  {node_id[:30]:<30} {host[:16]:<16} {local:>5} {ttl:>6}  {n.role.value:<10} {notice}")
+    slow = [(slow_rank, ratio, n) for n in status.nodes for slow_rank, ratio in sorted(n.stragglers.items())]
+    if slow:
+        lines.append("")
+        for slow_rank, ratio, n in slow:
+            lines.append(f"straggler: rank {slow_rank} on {_printable(n.node_id)} ({_printable(n.host) or '?'}), "
+                         f"{ratio:.2f}x its local peers' step time")
     if status.pending_joins:
         lines.append("")
         for number, nodes in status.pending_joins.items():
@@ -428,7 +466,14 @@ def _round_number(raw: bytes) -> int | None:
 def read_status(config: EtcdRendezvousConfig, conn: Any, *, wall_clock: Callable[[], float] = time.time
                 ) -> JobStatus:
     ctl, store, ttl = read_raw(conn, config)
-    return job_status(config, ctl, store, ttl, wall_clock())
+    return job_status(config, ctl, store, ttl, wall_clock(), health=read_health(conn, config))
+
+
+def read_health(conn: Any, config: EtcdRendezvousConfig) -> list[RawKey]:
+    """The nodes' health reports (``P/health/``; read-only, one key per node)."""
+    prefix = config.run_prefix + "health/"
+    resp = conn.call("read the nodes' health reports", lambda: conn.client.get_prefix_response(prefix))
+    return [RawKey(kv.key.decode(errors="replace"), bytes(kv.value), int(kv.lease)) for kv in resp.kvs]
 
 
 # --- command line ---------------------------------------------------------------------------------------------

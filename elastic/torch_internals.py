@@ -6,8 +6,9 @@
 and reads ``MultiprocessContext._pc`` / ``._ret_vals``; the launcher calls two private helpers of
 ``torch.distributed.launcher.api``; the CLI asks torch for its privateuse1 backend name; the checkpointer reads
 a DTensor's piece through ``DTensor.__create_chunk_list__`` (the hook torch's own distributed checkpoint
-plans with). None of that is a stable API: a torch release may rename or reshape it. So each is an
-:class:`Internal` of :data:`INTERNALS`, guarded twice:
+plans with; declared with its accessor in ``checkpoint._sys.torch_internals``, below both packages). None of
+that is a stable API: a torch release may rename or reshape it. So each is an :class:`Internal` of
+:data:`INTERNALS`, guarded twice:
 
 * at start, :func:`verify_torch` runs every internal's structural check (it exists, has the parameters
   spotrun calls it with, still sets the attributes spotrun reads) and raises :class:`TorchInternalsError`
@@ -39,6 +40,9 @@ import torch
 from torch.distributed.elastic.multiprocessing import PContext
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
+from checkpoint._sys.torch_internals import CHECKPOINT_INTERNALS
+from checkpoint._sys.torch_internals import Internal as Internal
+from checkpoint._sys.torch_internals import dtensor_local_chunk as dtensor_local_chunk
 from elastic.api import TorchInternalsError
 
 logger = logging.getLogger(__name__)
@@ -48,26 +52,6 @@ TESTED_TORCH: Final = ("2.13", "2.14", "2.15")
 
 _AGENT = "torch.distributed.elastic.agent.server"
 _MP = "torch.distributed.elastic.multiprocessing.api"
-
-
-@dataclass(frozen=True, slots=True)
-class Internal:
-    """A torch function or method spotrun copies, overrides, patches or calls although torch keeps it private."""
-
-    path: str
-    """Dotted path: the longest importable module prefix, then attributes (``module.Class.method``)."""
-    reliance: str
-    """What spotrun relies on: what to re-read when its source changes."""
-    params: tuple[str, ...] | None = None
-    """Leading parameter names spotrun calls or overrides it with (None: not checked)."""
-    mentions: tuple[str, ...] = ()
-    """Text its source must contain: the private attributes it sets that spotrun reads."""
-
-    @property
-    def name(self) -> str:
-        """The short name used in messages: ``Class.method`` or ``module.function``."""
-        parts = self.path.split(".")
-        return ".".join(parts[-2:])
 
 
 INTERNALS: Final[tuple[Internal, ...]] = (
@@ -133,11 +117,8 @@ INTERNALS: Final[tuple[Internal, ...]] = (
              params=("rdzv_parameters",)),
     Internal("torch._C._get_privateuse1_backend_name",
              "elastic.cli.validate_args accepts the registered privateuse1 backend as --nproc-per-node, as torchrun"),
-    # -- the checkpointer
-    Internal("torch.distributed.tensor.DTensor.__create_chunk_list__",
-             ("checkpoint.state reads a DTensor's local piece (sizes, offsets) from it, as torch's distributed "
-              "checkpoint planner does: one chunk per rank, _StridedShard included"),
-             params=("self",)),
+    # -- the checkpointer (declared below both packages: checkpoint._sys.torch_internals)
+    *CHECKPOINT_INTERNALS,
 )
 """Every torch internal spotrun relies on (see the module docstring)."""
 
@@ -384,16 +365,6 @@ def static_master_addr_and_port(rdzv_parameters: Any) -> tuple[str | None, int |
 def privateuse1_backend_name() -> str:
     """The name torch's privateuse1 device backend is registered under (``torch._C``; no public getter)."""
     return str(torch._C._get_privateuse1_backend_name())
-
-
-def dtensor_local_chunk(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A DTensor's local piece on this rank: (sizes, global offsets), from ``DTensor.__create_chunk_list__``,
-    the hook torch's distributed checkpoint planner reads (``compute_local_shape_and_global_offset``
-    underneath, uneven and ``_StridedShard`` placements included)."""
-    chunks = tensor.__create_chunk_list__()
-    require(len(chunks) == 1 and hasattr(chunks[0], "sizes") and hasattr(chunks[0], "offsets"),
-            "DTensor.__create_chunk_list__", f"it returned {chunks!r}, not one chunk with sizes and offsets")
-    return tuple(int(s) for s in chunks[0].sizes), tuple(int(o) for o in chunks[0].offsets)
 
 
 def current_fingerprints() -> dict[str, str | None]:

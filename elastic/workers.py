@@ -3,7 +3,7 @@
 torch starts workers with ``start_new_session=True`` so that the agent can signal a worker's whole process
 group; the side effect is that a SIGKILLed agent leaves its workers running (orphans holding GPUs, ports and
 half-finished collectives). spotrun therefore starts every worker through a tiny exec shim (this file run as a
-script, stdlib only; the two first steps are ``elastic.procutil.arm_parent_death_signal``) that:
+script, stdlib only; the two first steps are ``checkpoint._sys.procutil.arm_parent_death_signal``) that:
 
 1. sets ``PR_SET_PDEATHSIG = SIGKILL`` (Linux), so the kernel kills the worker when its parent dies;
 2. checks ``getppid()`` against the agent PID *after* setting it (belt and braces: if the agent died between
@@ -31,18 +31,52 @@ subprocesses instead and says so once (:func:`fall_back_to_plain_workers`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-if __package__:
-    from elastic.procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal
+
+def _load_procutil() -> ModuleType:
+    """``checkpoint/_sys/procutil.py`` (standard library only), loaded by its path, never through the package.
+
+    This module runs as the exec shim (``python -S``, where the package may not be importable), is preloaded
+    in the warm forkserver and arms every worker's parent-death signal before its script starts. Importing
+    ``checkpoint._sys.procutil`` would bind the name ``checkpoint`` there first, and a training script's own
+    ``checkpoint`` module would then be ours (``DEFAULT_PRELOAD`` keeps that name out on purpose).
+    """
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoint", "_sys", "procutil.py")
+    spec = importlib.util.spec_from_file_location("_spotrun_procutil", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+if TYPE_CHECKING:
+    from checkpoint._sys.procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal
 else:
-    # Running as the exec shim (``python -S elastic/workers.py``): without site-packages the package may not
-    # be importable, but procutil (standard library only) sits next to this file, which is sys.path[0].
-    from procutil import ORPHANED_EXIT_CODE, arm_parent_death_signal  # type: ignore[import-not-found,no-redef]  # shim path only
+    _procutil = _load_procutil()
+    ORPHANED_EXIT_CODE, arm_parent_death_signal = _procutil.ORPHANED_EXIT_CODE, _procutil.arm_parent_death_signal
+if __package__:  # not as the exec shim, which needs procutil alone
+    from elastic.boot import adopt
+    from elastic.warm import (
+        DEFAULT_PRELOAD,
+        WarmLaunch,
+        agent_environ_now,
+        become_fresh_interpreter,
+        forkserver_environ,
+        note_forkserver_environ,
+        note_forkserver_failure,
+        run_as_fresh_interpreter,
+        script_directory,
+        shadowed_preloads,
+        warm_fallback_reason,
+    )
+    from elastic.worker.heartbeat import install as observe_progress
 
 
 def shim_command(entrypoint: str, args: tuple[Any, ...], agent_pid: int | None = None) -> tuple[str, tuple[Any, ...]]:
@@ -138,17 +172,11 @@ class ScriptEntrypoint:
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled in the agent once per worker start: capture what the child must reproduce *now*.
-        from elastic.warm import WarmLaunch
-
         return dict(self.__dict__, launch=WarmLaunch())
 
     def __call__(self, *args: str) -> None:
-        from elastic.warm import WarmLaunch, become_fresh_interpreter, run_as_fresh_interpreter
-
         launch = self.__dict__.get("launch") or WarmLaunch()
         become_fresh_interpreter(launch, self.target, module=self.module)
-        from elastic.worker.heartbeat import install as observe_progress
-
         observe_progress()  # hang detection: optimizer-step beats and stack dumps, no thread (elastic.progress)
         run_as_fresh_interpreter(self.target, tuple(args), module=self.module)
 
@@ -174,8 +202,6 @@ def _shadow_reason(script: ScriptEntrypoint) -> str | None:
     """Why a warm worker of ``script`` would import one of the preloaded packages from the wrong place."""
     import importlib.util
 
-    from elastic.warm import script_directory, shadowed_preloads
-
     def origin_of(name: str) -> str | None:
         module = sys.modules.get(name)
         if module is not None:
@@ -196,8 +222,6 @@ def fall_back_to_plain_workers(spec: Any) -> str | None:
     """If ``spec`` starts warm script workers and a warm worker started now could be told apart from
     torchrun's, rewrite ``spec`` to the plain (PDEATHSIG-shimmed) ``python -u`` command for good and return
     why; None when warm workers stay."""
-    from elastic.warm import agent_environ_now, forkserver_environ, warm_fallback_reason
-
     entry = spec.entrypoint
     script = entry.fn if isinstance(entry, PdeathsigEntrypoint) else entry
     if not isinstance(script, ScriptEntrypoint):
@@ -307,32 +331,11 @@ def signal_worker(pid: int, sig: int) -> None:
         pass
 
 
-DEFAULT_PRELOAD = (
-    "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-    # What every warm worker imported after the fork, before its script ran (~60 modules, 0.1 s of CPU per
-    # worker start): torch's worker wrapper (``_wrap``), the agent's main module that multiprocessing
-    # re-runs in each child as ``__mp_main__`` (``elastic.cli``, with ``torch.distributed.run``), and this
-    # entrypoint's own modules. Imported once here; the script sees the same modules as before (and
-    # ``elastic.cli`` under its own name, not only as ``__mp_main__``).
-    "torch.distributed.elastic.multiprocessing", "torch.distributed.run", "elastic.cli", "elastic.workers",
-    "elastic.warm", "elastic.progress",
-    # torch's checkpoint package, which spotrun's Checkpointer (and DCP users) import at every (re)start:
-    # ~0.2 s of CPU in each new worker on the resume path of a planned change; torch's own, like _dynamo.
-    "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-    # The third-party half of spotrun's Checkpointer import (~50-60 ms of CPU per new worker: fsspec ~2/3,
-    # tenacity ~1/5). spotrun's own `checkpoint` package is not preloaded: a script's own top-level
-    # `checkpoint` module is a common name, and would make every such job fall back to plain workers.
-    "fsspec", "fsspec.implementations.local", "tenacity",
-    # spotrun's worker-side helpers (the preemption helper and the elastic data cursor: ~6 ms of a new worker's
-    # start); their top-level name, ``elastic``, is preloaded above anyway, so no new name can be shadowed.
-    "elastic.preemption", "elastic.data",
-)
-
-
-def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_timeout: float = 300.0,
+def start_warm_forkserver(preload: tuple[str, ...] | None = None, *, wait_timeout: float = 300.0,
                           shielded: Sequence[int] = ()) -> float:
     """Start multiprocessing's forkserver, importing ``preload`` in it, and wait until it can fork, so that
-    every worker (first and restarted) is forked from a warm interpreter. Returns the seconds it took.
+    every worker (first and restarted) is forked from a warm interpreter (``preload`` None: ``DEFAULT_PRELOAD``).
+    Returns the seconds it took.
 
     ``shielded`` signals are blocked in the forkserver for its life (it is started with them blocked; the
     agent's own mask is restored at once, and a signal that arrived meanwhile is delivered to the agent then):
@@ -349,9 +352,7 @@ def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_ti
     import time
     from multiprocessing import forkserver, resource_tracker
 
-    from elastic.boot import adopt
-    from elastic.warm import note_forkserver_environ
-
+    preload = DEFAULT_PRELOAD if preload is None else preload
     began = time.monotonic()
     # A forkserver started before the agent's imports (elastic.boot), used when it matches this one exactly.
     early = adopt(preload, [int(s) for s in shielded], os.environ)
@@ -373,20 +374,55 @@ def start_warm_forkserver(preload: tuple[str, ...] = DEFAULT_PRELOAD, *, wait_ti
     probe.start()  # returns once the forkserver has finished its imports and forked
     send.close()
     after_imports = started_with
+    global _forkserver_cuda
     if receive.poll(wait_timeout):
         try:
-            after_imports = receive.recv()
+            after_imports, _forkserver_cuda = receive.recv()
         except EOFError:
             pass
     receive.close()
     probe.join(wait_timeout)
     note_forkserver_environ(started_with, after_imports)
+    why = cuda_fork_problem(_forkserver_cuda)
+    if why is not None:
+        import logging
+
+        logging.getLogger(__name__).warning("warm workers: %s; starting plain workers instead", why)
+        note_forkserver_failure(why)
     return time.monotonic() - began
+
+
+_forkserver_cuda: bool | None = None
+"""Whether the warm forkserver had initialised CUDA when it forked its first child (None: not known yet)."""
+
+
+def forkserver_cuda_initialized() -> bool | None:
+    """Whether the warm forkserver initialised CUDA (its first child inherited a CUDA context it cannot use);
+    None before ``start_warm_forkserver`` heard from it."""
+    return _forkserver_cuda
+
+
+def cuda_fork_problem(initialized: bool | None) -> str | None:
+    """Why warm workers cannot be used when the forkserver initialised CUDA: a forked child of a process with
+    a CUDA context cannot initialise CUDA itself (torch raises "Cannot re-initialize CUDA in forked
+    subprocess"), so every GPU worker would fail; None when it did not (or nobody knows)."""
+    if not initialized:
+        return None
+    return ("a module preloaded in the warm forkserver initialised CUDA, and a process forked from it cannot use "
+            "CUDA")
+
+
+def inherited_cuda_context() -> bool:
+    """In a forked child: True when the parent had initialised CUDA (torch marks the child a "bad fork").
+    Never initialises CUDA itself, and is False where torch was not imported."""
+    cuda = sys.modules.get("torch.cuda")
+    bad_fork = getattr(cuda, "_is_in_bad_fork", None)
+    return bool(bad_fork()) if callable(bad_fork) else False
 
 
 def _send_environ(conn: Any) -> None:
     try:
-        conn.send(dict(os.environ))
+        conn.send((dict(os.environ), inherited_cuda_context()))
         conn.close()
     except OSError:  # the launcher was stopped (SIGTERM) while warming up: nobody is listening, nothing to say
         pass

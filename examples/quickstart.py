@@ -14,12 +14,14 @@ Run it (from the repository root):
     # several nodes: 1 to 4, joins and losses handled at the next round
     spotrun --nnodes 1:4 --nproc-per-node 2 --rdzv-endpoint ETCD_HOST:2379 --rdzv-id job1 \\
         examples/quickstart.py --ckpt-dir s3://bucket/job1
-Rank 0 prints ``step=N loss=X world_size=W`` at its first step and every 20 steps.
+Rank 0 prints ``step=N loss=X world_size=W`` at its first step and every 20 steps. On a GPU machine each worker
+trains on the GPU of its ``LOCAL_RANK`` with ``nccl``; elsewhere on the CPU with ``gloo`` (the same numbers).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -39,7 +41,8 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> Non
     Rank 0 prints the first step of this process and every 20th."""
     global _first_step
     gen = torch.Generator().manual_seed(step * 1000 + dist.get_rank())
-    x = torch.randn(32, 16, generator=gen)
+    # drawn on the CPU, then moved to the model's device: the same batch on every device
+    x = torch.randn(32, 16, generator=gen).to(next(model.parameters()).device)
     y = x.sum(dim=1, keepdim=True)
     loss = nn.functional.mse_loss(model(x), y)
     optim.zero_grad()
@@ -56,9 +59,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--ckpt-every", type=int, default=20)
     args = parser.parse_args()
-    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR... from the launcher
+    device = torch.device("cpu")
+    if torch.cuda.is_available():  # one GPU per worker, by its local rank
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # RANK, WORLD_SIZE... from the launcher
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Linear(16, 1))
+    model = DistributedDataParallel(nn.Linear(16, 1).to(device))
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     # --8<-- [start:loop]
     state = {"model": model, "optim": optim}

@@ -311,53 +311,82 @@ def train(args: argparse.Namespace) -> None:
     sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))
     micro = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=args.loader_workers))
 
-    # SPOTRUN_REFORM_IN_PLACE=1 (prototype): for a peer's planned leave this process stays, rebuilds its group
-    # at the new size and goes on from memory (docs/concepts/reform-in-place.md); otherwise it exits as above.
+    # SPOTRUN_REFORM_IN_PLACE=1 (prototype): for a peer's planned leave, or a peer lost (its collective aborted
+    # by the agent's word, the last completed step snapshotted), this process stays, rebuilds its group at the
+    # new size and goes on (docs/concepts/reform-in-place.md); otherwise it exits as above.
     reform = None
     if preemption is not None:
+        from checkpoint import CheckpointError
+        from checkpoint.memory.jit import is_collective_failure
         from elastic.worker.reform import InPlaceReform
 
         reform = InPlaceReform()
 
+    snapshotted = False
     try:
         while True:
             stopped = False
-            while trainer.step < args.steps:
-                plan = batches.plan(rank, world)
-                optimizer.zero_grad(set_to_none=True)
-                if reducer is None:
-                    loss = global_mean_loss(train_step(model, ddp, plan, micro, device), args.global_batch)
-                else:
-                    loss = deterministic_step(model, reducer, plan, micro, device)
-                optimizer.step()
-                batches.advance()
-                trainer.step += 1
-                trainer.samples_seen += args.global_batch
-                if args.step_time:
-                    time.sleep(args.step_time)
-                if args.progress_file:
-                    append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
-                                                         "pid": os.getpid(), "t_wall": time.time(),
-                                                         "loss": loss.item(), **restored})
-                    restored = {}
-                if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
-                    print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
-                if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
-                    stopped = True
-                    break
-                if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
-                    ckpt.save(trainer.step, state)
+            try:
+                while trainer.step < args.steps:
+                    plan = batches.plan(rank, world)
+                    optimizer.zero_grad(set_to_none=True)
+                    if reducer is None:
+                        loss = global_mean_loss(train_step(model, ddp, plan, micro, device), args.global_batch)
+                    else:
+                        loss = deterministic_step(model, reducer, plan, micro, device)
+                    optimizer.step()
+                    batches.advance()
+                    trainer.step += 1
+                    trainer.samples_seen += args.global_batch
+                    if args.step_time:
+                        time.sleep(args.step_time)
+                    if args.progress_file:
+                        append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
+                                                             "pid": os.getpid(), "t_wall": time.time(),
+                                                             "loss": loss.item(), **restored})
+                        restored = {}
+                    if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
+                        print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
+                    if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
+                        stopped = True
+                        break
+                    if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
+                        ckpt.save(trainer.step, state)
+                    if memory is not None:
+                        memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
+            except Exception as exc:
+                if reform is None or not reform.enabled or not is_collective_failure(exc):
+                    raise
+                # A peer is gone (the agent's word aborted this rank's group) and the collective raised before
+                # optimizer.step(): the state is that of trainer.step. Snapshot it, then wait in place for the
+                # re-formed group instead of exiting (DDP: every rank holds the whole model).
                 if memory is not None:
-                    memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
-            assignment = reform.wait() if stopped and reform is not None else None
-            if assignment is None:
-                break
+                    memory.snapshot_on_failure(trainer.step, state, exc)
+                snapshotted = True
+                assignment = reform.wait_after_loss()
+                if assignment is None:
+                    raise
+                snapshotted = False
+                lost_peer = True
+            else:
+                assignment = reform.wait() if stopped and reform is not None else None
+                if assignment is None:
+                    break
+                lost_peer = False
             # Everything holding the old group goes first (DDP's reducer, the helpers' gloo groups).
             del ddp
+            if preemption is not None:
+                preemption.close()
             preemption = None
             if memory is not None:
                 memory.close()
-            ckpt.close()
+            try:
+                ckpt.close()
+            except CheckpointError as close_error:
+                if not lost_peer:
+                    raise
+                # A save in flight when the peer died cannot commit (its collectives broke): never loaded.
+                logger.warning("%s a save in flight when the peer was lost did not commit: %s", ctx, close_error)
             reform.rebuild(assignment, "nccl" if device.type == "cuda" else "gloo", timedelta(seconds=args.pg_timeout))
             rank, world = assignment.rank, assignment.world_size
             ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option), args.ckpt_retry_timeout)
@@ -376,7 +405,7 @@ def train(args: argparse.Namespace) -> None:
         # A peer died mid-step: the collective raised before optimizer.step(), so the state is still that of
         # trainer.step. Snapshot it into memory (no collective; only for a failed collective) and go on failing:
         # the group restores from it, losing no completed step even with --memory-snapshot-every K > 1.
-        if memory is not None:
+        if memory is not None and not snapshotted:
             memory.snapshot_on_failure(trainer.step, state, exc)
         raise
     finally:

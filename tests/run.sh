@@ -13,6 +13,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/.ci/venv.sh"
 bash "$root/.ci/browser.sh"  # chromium for the report page's render test, only if missing
+bash "$root/.ci/prometheus.sh"  # prometheus and promtool for tests/deploy/test_monitoring.py, only if missing
 cd "$root"
 if [ "${SPOTRUN_SKIP_LINT:-0}" != "1" ]; then
   bash "$root/.ci/lint.sh"

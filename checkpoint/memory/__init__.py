@@ -1,7 +1,7 @@
 """The memory tier: per-step snapshots in host shared memory, restored before the durable tier (issue 17).
 
-See ``checkpoint.memory.api`` for the layout and the contracts. Importing the package does not import torch
-(the keeper process, started as ``python -I -S checkpoint/memory/keeper.py``, imports it).
+See ``checkpoint.memory.api`` for the layout and the contracts. Importing the package does not import torch.
+The directory's owner on each node, the keeper, is the agent's (``elastic.memory_keeper``).
 """
 
 from typing import Any

@@ -192,3 +192,20 @@ class MemoryTier(Protocol):
     def close(self) -> None:
         """Finish the snapshot in flight and release buffers (the published snapshots stay for a restart)."""
         ...
+
+
+class DurableTier(Protocol):
+    """What a restore needs of the durable tier (``checkpoint.Checkpointer``): its newest step, a load from it,
+    and what that load read. Declared here so that the restore order (``checkpoint.memory.resume``) does not
+    import the checkpointer that calls it."""
+
+    rank: int
+    last_load_bytes: int
+
+    def latest(self) -> int | None:
+        """Newest committed, intact step, or None."""
+        ...
+
+    def load_durable(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
+        """Restore ``state`` from the durable tier (default: its newest good step); the step, or None."""
+        ...

@@ -19,13 +19,17 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from checkpoint.memory.api import ENV_MEMORY_DIR, MemoryTier, PartialRestoreError, RestoreReport, RestoreSource
+from checkpoint.memory.api import (
+    ENV_MEMORY_DIR,
+    DurableTier,
+    MemoryTier,
+    PartialRestoreError,
+    RestoreReport,
+    RestoreSource,
+)
 from checkpoint.memory.records import write_restore_record
-
-if TYPE_CHECKING:
-    from checkpoint.checkpointer import Checkpointer
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +37,7 @@ FALLBACK_MAX_CHARS = 1000
 """Longest ``restore_fallback`` a report carries (the agent reads restore records of at most 4 KiB)."""
 
 
-def restore(ckpt: Checkpointer | None, state: Mapping[str, Any], *, memory: MemoryTier | None) -> RestoreReport | None:
+def restore(ckpt: DurableTier | None, state: Mapping[str, Any], *, memory: MemoryTier | None) -> RestoreReport | None:
     """Restore ``state`` from memory, else from ``ckpt``; None (state untouched) when neither has a step.
 
     Under the spotrun agent the report also reaches the agent (``restore_completed`` in events.jsonl,
@@ -60,7 +64,7 @@ def _tell_agent(report: RestoreReport, memory: MemoryTier | None) -> None:
     write_restore_record(directory, rank, world, report)
 
 
-def _restore(ckpt: Checkpointer | None, state: Mapping[str, Any], *, memory: MemoryTier | None) -> RestoreReport | None:
+def _restore(ckpt: DurableTier | None, state: Mapping[str, Any], *, memory: MemoryTier | None) -> RestoreReport | None:
     started = time.perf_counter()
     floor = ckpt.latest() if ckpt is not None else None
     partial: PartialRestoreError | None = None

@@ -53,7 +53,7 @@ import socket
 import statistics
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -61,7 +61,8 @@ from typing import Any
 
 import torch
 
-from checkpoint.api import JSON, ChunkKey, Manifest, RankRecords, TensorRecord
+from checkpoint._sys.procutil import process_gone, process_identity
+from checkpoint.api import JSON, ChunkKey, Manifest, RankRecords, TensorItem, TensorRecord
 from checkpoint.collective import open_collectives
 from checkpoint.commit import merge_records
 from checkpoint.config import CheckpointConfig
@@ -96,6 +97,7 @@ from checkpoint.memory.layout import (
     tmp_name,
 )
 from checkpoint.per_rank import per_rank_source
+from checkpoint.pinned import CopyFence, PinnedMapping, pin_mappings, release_all
 from checkpoint.plan import plan_reads
 from checkpoint.shard import ShardLayout, block_crcs, build_layout, read_requests, shard_records
 from checkpoint.staging import copy_pieces, piece_views
@@ -166,8 +168,22 @@ class _Slot:
     views: list[torch.Tensor | None]
     step: int | None = None
     """The step it holds once published; None while empty or being written."""
+    fence: CopyFence = field(default_factory=CopyFence)
+    """The end of the device copies into it: waited on before its bytes are read (checksums, publish)."""
+    pinned: list[PinnedMapping] = field(default_factory=list)
+    """Its mapping registered with CUDA (page-locked) once a snapshot copied from a CUDA device into it."""
+
+    def fill(self, layout: ShardLayout, items: Sequence[TensorItem]) -> None:
+        """Copy the pieces of ``items`` into the slot; returns once the sources may be modified (``fence``:
+        until the bytes are here). The mapping is page-locked on the first copy from a CUDA device."""
+        if not self.pinned and self.layout.size:
+            self.pinned = pin_mappings([torch.frombuffer(self.mm, dtype=torch.uint8, count=self.layout.size)],
+                                       (item.tensor for item in items))
+        self.fence = copy_pieces([layout], [self.views], items)
 
     def close(self) -> None:
+        self.fence.wait()  # no copy may land in a mapping being closed
+        release_all(self.pinned)  # unregistered before it is unmapped
         self.views = []
         with contextlib.suppress(BufferError):
             self.mm.close()
@@ -243,7 +259,7 @@ class LocalShmTier:
         self._is_node_leader = False
         self._node_ranks: list[int] = []
         self._node_procs: dict[int, str | None] = {}
-        """Per rank of this node, its process (``elastic.procutil.process_identity``): a just-in-time snapshot does not wait for
+        """Per rank of this node, its process (``checkpoint._sys.procutil.process_identity``): a just-in-time snapshot does not wait for
         the file of a rank whose process has exited (a crashed worker never publishes)."""
         self._snapshot_bytes: list[dict[ChunkKey, int]] = []
         """Per rank, the bytes of each piece it snapshots (from the last plan)."""
@@ -419,7 +435,7 @@ class LocalShmTier:
             if slot is not None:
                 self._unpublish(slot)
                 assert self._layout is not None
-                copy_pieces([self._layout], [slot.views], flat.items)
+                slot.fill(self._layout, flat.items)
         except OSError as exc:  # the keeper directory vanished, a file was removed under us...
             self._warn_once("io", "[rank %d step %d] memory snapshot skipped: %s", self.rank, step, exc)
             self._release_slots()
@@ -563,8 +579,6 @@ class LocalShmTier:
         when the tier is off or has not planned yet, or when the state's items changed since the last plan.
         SIGTERM/SIGINT are held back while it writes and delivered after. Never raises.
         """
-        from elastic.procutil import process_gone
-
         if not self.enabled or self._layout is None or self.directory is None:
             return False
         if exc is not None and not jit.is_collective_failure(exc):
@@ -615,7 +629,7 @@ class LocalShmTier:
             raise MemoryTierError("no room for a snapshot")
         self._unpublish(slot)
         assert self._layout is not None
-        copy_pieces([self._layout], [slot.views], flat.items)
+        slot.fill(self._layout, flat.items)
         # This node's copy only: a subclass's _publish may also talk to other ranks, whose group is broken.
         LocalShmTier._publish(self, slot, step, flat.objects, flat.rank_objects)
         return True
@@ -638,8 +652,6 @@ class LocalShmTier:
 
     def _replan(self, flat: FlatState) -> None:
         """Gather every rank's item metadata and node once; lay out the pieces this rank snapshots."""
-        from elastic.procutil import process_identity  # the package's process helpers (standard library only)
-
         mine = [[i.key.fqn, list(i.key.offsets), list(i.key.lengths), i.nbytes, i.replicated] for i in flat.items]
         gathered = self._fg.all_gather({"node": self.node, "items": mine, "proc": process_identity(os.getpid())})
         nodes = [str(g["node"]) for g in gathered]
@@ -729,6 +741,7 @@ class LocalShmTier:
 
     def _publish(self, slot: _Slot, step: int, objects: dict[str, JSON], rank_objects: dict[str, JSON]) -> int:
         """Background: checksum the staged bytes, append manifest and footer, publish under the step's name."""
+        slot.fence.wait()  # the device copies end here, off the training loop's thread
         layout = slot.layout
         name = snapshot_name(SnapshotId(step, self.gen), self.rank, self.world_size)
         block = self.config.checksum_block_bytes

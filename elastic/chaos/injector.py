@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkpoint._sys.procutil import exited
 from elastic.chaos import targets
 from elastic.chaos.api import ChaosTargetError, Fault, FaultKind, FaultSkipped, Schedule
 from elastic.chaos.journal import Journal
 from elastic.chaos.schedule import due, next_wake
 from elastic.chaos.storage import write_control
-from elastic.procutil import exited
 
 logger = logging.getLogger(__name__)
 

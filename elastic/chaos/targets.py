@@ -10,6 +10,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from elastic.chaos.api import ChaosTargetError
+from elastic.events import read_events
 
 
 def _children_table() -> dict[int, list[int]]:
@@ -66,8 +67,8 @@ def node_tree(root: int) -> list[int]:
     return [root, *(pid for pid in descendants(root) if not is_resource_tracker(pid))]
 
 
-KEEPER_SCRIPT = b"checkpoint/memory/keeper.py"
-"""In the command line of an agent's memory tier keeper (``python -I -S .../checkpoint/memory/keeper.py DIR PID``)."""
+KEEPER_SCRIPT = b"elastic/memory_keeper.py"
+"""In the command line of an agent's memory tier keeper (``python -I -S .../elastic/memory_keeper.py DIR PID``)."""
 
 
 def keeper_of(agent: int) -> int | None:
@@ -115,8 +116,6 @@ def workers(agent_pids: list[int], events_file: str | None = None) -> dict[int, 
 
 
 def _workers_by_events(agent_pids: list[int], events_file: str) -> dict[int, int]:
-    from elastic.events import read_events
-
     out: dict[int, int] = {}
     events = read_events(events_file)
     for agent in agent_pids:
@@ -261,7 +260,5 @@ def process_image(pid: int) -> ProcessImage:
 
 def last_step(progress_file: str) -> int | None:
     """Highest ``step`` in a --progress-file (train_ddp.py's JSON lines); None before the first step."""
-    from elastic.events import read_events
-
     steps = [int(r["step"]) for r in read_events(progress_file) if isinstance(r.get("step"), int)]
     return max(steps) if steps else None

@@ -144,6 +144,15 @@ class NoticeAwareHandler(Protocol):
 
 
 @runtime_checkable
+class HealthReportingHandler(Protocol):
+    """A handler that shows each node's health report to ``spotrun status`` (etcd-v3: ``P/health/{node}``)."""
+
+    def publish_health(self, report: dict[str, Any] | None) -> None:
+        """Publish this node's report (``stragglers``: global rank -> step time over its local peers' median),
+        attached to the node's lease; None removes it (raises from the ``RendezvousError`` tree)."""
+
+
+@runtime_checkable
 class ConnectableHandler(Protocol):
     """A handler that can reach its backend before joining (etcd-v3 can), so the launcher reports an
     unreachable backend within the backend's timeout, before it pays seconds for the warm workers' imports."""

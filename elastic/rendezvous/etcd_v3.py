@@ -15,6 +15,9 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
     P/ctl/post/reform          the coordinator's notice that committed round N must re-form (JSON: round, waiting,
                                lost participants)
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
+    P/health/{node}            the node's health report for ``spotrun status`` (JSON: stragglers, global rank ->
+                               step time ratio), attached to its lease; written only when it changes
+                               (publish_health), read by nobody in the rendezvous
     P/finished                 only with ``finished_ttl``: the run finished successfully (JSON: by, time,
                                round), on a lease of ``finished_ttl`` s; a newcomer exits 0 at once
 
@@ -475,6 +478,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         registration.with_live_lease(lambda: conn.call("publish a preemption notice",
                                                        lambda: conn.client.put(key, value, lease=registration.lease_id)))
         log.info("%spublished preemption notice %s", self._ctx(), value)
+
+    def publish_health(self, report: dict[str, Any] | None) -> None:
+        conn = self._ensure_connected()
+        key = self._keys.health_prefix + self._node_id
+        if report is None:
+            conn.call("remove the health report", lambda: conn.client.delete(key))
+            return
+        value = json.dumps({**report, "node": self._node_id})
+        registration = self._registration
+        registration.with_live_lease(lambda: conn.call("publish the health report",
+                                                       lambda: conn.client.put(key, value, lease=registration.lease_id)))
 
     def peer_notices(self) -> dict[str, dict[str, Any]]:
         with self._cond:

@@ -17,8 +17,9 @@ Range = tuple[str, bytes | None]
 class RunKeys:
     """The keys under one run's prefix ``P`` (``EtcdRendezvousConfig.run_prefix``)."""
 
-    __slots__ = ("closed_key", "coordinator_key", "ctl", "finished_key", "join_prefix", "nodes_prefix",
-                 "notice_prefix", "post_prefix", "prefix", "proposal_key", "reform_key", "round_key", "store_prefix")
+    __slots__ = ("closed_key", "coordinator_key", "ctl", "finished_key", "health_prefix", "join_prefix",
+                 "nodes_prefix", "notice_prefix", "post_prefix", "prefix", "proposal_key", "reform_key", "round_key",
+                 "store_prefix")
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -34,6 +35,8 @@ class RunKeys:
         self.reform_key = self.post_prefix + "reform"
         self.store_prefix = prefix + "store/"
         self.finished_key = prefix + "finished"
+        self.health_prefix = prefix + "health/"
+        """Outside ``ctl/``: no mirror watches it, so a node's health report never wakes the rendezvous."""
 
     def join_key(self, target: int, node: str) -> str:
         """``P/ctl/join/{round}/{node}``: ``node`` wants to be in round ``target`` (value: :func:`join_value`)."""

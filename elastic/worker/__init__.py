@@ -8,6 +8,8 @@
 * ``runfiles``       per-run file names an agent and its workers both derive from torch's environment
 * ``reform``         ``InPlaceReform`` (prototype, ``SPOTRUN_REFORM_IN_PLACE=1``): surviving workers rebuild
                      their process group at the new world size instead of being replaced
+* ``abort``          ``abort_process_group``: from a watcher thread, make a collective blocked in the main
+                     thread raise (NCCL: the group's abort; gloo: its connections shut)
 
 Nothing here imports the agent (``elastic.agent``, ``elastic.launcher``, the rendezvous): a worker pays
 for what it uses. The old import paths (``elastic.preemption``, ``elastic.data``, ``elastic.deterministic``,

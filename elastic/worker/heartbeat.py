@@ -31,11 +31,13 @@ from elastic.worker.runfiles import run_scoped_path
 logger = logging.getLogger(__name__)
 
 SIZE: Final = 64
-"""Bytes per progress file: little-endian u64 words (magic, beats, worker pid, main thread id, agent pid)."""
+"""Bytes per progress file: little-endian u64 words (magic, beats, worker pid, main thread id, agent pid, step)."""
 MAGIC: Final = 0x3147525054505053  # b"SPPTPRG1"
 OFFSET_MAGIC, OFFSET_BEATS, OFFSET_PID, OFFSET_MAIN_THREAD, OFFSET_AGENT = 0, 8, 16, 24, 32
 """Byte offsets of the words. ``OFFSET_AGENT``: pid of the agent that holds the file's lock; 0 in files of a
 spotrun from before the lock, which the sweep leaves alone (their agent's death cannot be proven)."""
+OFFSET_STEP: Final = 40
+"""The training step the worker last completed, plus one (0: never reported; :func:`report_step`)."""
 PROGRESS_KIND: Final = "progress"
 
 DUMP_SIGNAL: Final = signal.SIGRTMIN + 6
@@ -109,6 +111,17 @@ def heartbeat() -> None:
     mm = _Worker.mm if _Worker.attached else _attach()
     if mm is not None:
         struct.pack_into("<Q", mm, OFFSET_BEATS, struct.unpack_from("<Q", mm, OFFSET_BEATS)[0] + 1)
+
+
+def report_step(step: int) -> None:
+    """Tell the agent the training step this worker just completed (``spotrun_training_step``). Cheap; a no-op
+    outside spotrun. ``elastic.preemption.Preemption.save_and_stop`` calls it every step; call it yourself in a
+    loop without one. Never raises; a negative or non-integer step is ignored."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63 - 1:
+        return
+    mm = _Worker.mm if _Worker.attached else _attach()
+    if mm is not None:
+        struct.pack_into("<Q", mm, OFFSET_STEP, step + 1)
 
 
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -15,6 +15,16 @@ The files (the *mailbox* is a private directory the agent creates and names in
   stop grace; absent in older notices). Workers only ``stat`` it: a poll costs a few microseconds.
 * ``helper-{local_rank}``  written by :class:`~elastic.worker.preemption.Preemption` at construction: the agent then knows its workers
   will stop by themselves at an agreed step, and waits for them instead of killing them.
+* ``coming-{local_rank}``  written when a worker imports ``elastic.worker.preemption`` (also through
+  ``elastic.preemption``): the script will build a helper, it has not yet (imports, the restore). A notice that
+  arrives before the helpers exist then finds workers that trained nothing since their restore: the node
+  leaves as a planned leave instead of taking torch's immediate shutdown (``elastic.planned.helper_outlook``).
+* ``watching-{local_rank}``  written by a worker whose peer-loss watcher runs (:mod:`elastic.worker.watcher`,
+  started with its ``Preemption`` helper): it aborts the training's process group when told a peer is gone.
+* ``peer-lost.json``  written by the agent the moment it knows a peer of the round is gone (its lease, a probe):
+  ``{"lost": [node, ...], "time"}``. A watching worker aborts its group, so a collective blocked on the lost
+  peer (NCCL never fails on a dead peer; gloo waits on a paused or cut-off one) raises now, and the
+  just-in-time snapshot of the last completed step runs before the worker exits.
 * ``ack-{local_rank}.json``  written after the agreed step is committed: ``{"step", "time"}``; or, when the
   save could not commit before ``save_by`` and was not started, ``{"step", "time", "saved": false, "why"}``
   (a record without ``saved`` is a committed one). Workers that all acknowledged and exited 0 ended for a
@@ -40,7 +50,6 @@ The files (the *mailbox* is a private directory the agent creates and names in
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import math
@@ -54,7 +63,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elastic.api import ENV_NOTICE_DIR
-from elastic.worker.runfiles import run_scoped_path, run_scoped_prefix
+from elastic.worker.runfiles import (
+    SWEEP_LIMIT,
+    hold_owner_lock,
+    lock_if_orphaned,
+    remove_orphaned_dirs,
+    run_scoped_path,
+    run_scoped_prefix,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +154,9 @@ class GroupAssignment:
 
 
 _HELPER_FILE = re.compile(r"helper-(\d+)")
+_COMING_FILE = re.compile(r"coming-(\d+)")
+_WATCHING_FILE = re.compile(r"watching-(\d+)")
+PEER_LOST_FILE = "peer-lost.json"
 _WAITING_FILE = re.compile(r"waiting-(\d+)")
 _ACK_FILE = re.compile(r"ack-(\d+)\.json")
 
@@ -162,7 +181,7 @@ class Mailbox:
         root = root or tempfile.gettempdir()
         remove_orphaned_mailboxes(root)
         box = cls(tempfile.mkdtemp(prefix=MAILBOX_PREFIX, dir=root))
-        box._lock_fd = _hold_lock(box.path)
+        box._lock_fd = hold_owner_lock(os.path.join(box.path, LOCK_FILE))
         _write_atomic(os.path.join(box.path, SIGNALS_FILE), [int(sig) for sig in notice_signals])
         return box
 
@@ -195,6 +214,18 @@ class Mailbox:
     def helpers(self) -> set[int]:
         # Only finished files: a worker's atomic write first creates "helper-N.tmpPID" beside its target.
         return {int(m.group(1)) for n in os.listdir(self.path) if (m := _HELPER_FILE.fullmatch(n))}
+
+    def post_peer_lost(self, nodes: Sequence[str]) -> None:
+        """A peer of the round is gone: watching workers abort their process group (``peer-lost.json``)."""
+        _write_atomic(os.path.join(self.path, PEER_LOST_FILE), {"lost": ",".join(sorted(nodes)), "time": time.time()})
+
+    def watchers(self) -> set[int]:
+        """Local ranks whose peer-loss watcher runs (``watching-{local_rank}``)."""
+        return {int(m.group(1)) for n in os.listdir(self.path) if (m := _WATCHING_FILE.fullmatch(n))}
+
+    def helpers_coming(self) -> set[int]:
+        """Local ranks whose script imported the helper's module (``coming-{local_rank}``), built or not."""
+        return {int(m.group(1)) for n in os.listdir(self.path) if (m := _COMING_FILE.fullmatch(n))}
 
     def waiting(self) -> set[int]:
         """Local ranks that acknowledged and wait in place for their new group (``waiting-{local_rank}``)."""
@@ -339,6 +370,17 @@ class Mailbox:
             if isinstance(numbers, list) else set()
         return frozenset(found or {int(signal.SIGTERM)})
 
+    def peer_lost_posted(self) -> bool:
+        """The agent posted ``peer-lost.json`` for the current group (one ``stat``: cheap to poll)."""
+        return os.path.exists(os.path.join(self.path, PEER_LOST_FILE))
+
+    def register_watcher(self, local_rank: int) -> None:
+        _write_atomic(os.path.join(self.path, f"watching-{local_rank}"), {"pid": os.getpid()})
+
+    def announce_helper(self, local_rank: int) -> None:
+        """This worker's script will build a ``Preemption`` helper (it imported its module)."""
+        _write_atomic(os.path.join(self.path, f"coming-{local_rank}"), {"pid": os.getpid()})
+
     def register_helper(self, local_rank: int) -> None:
         _write_atomic(os.path.join(self.path, f"helper-{local_rank}"), {"pid": os.getpid()})
 
@@ -411,67 +453,19 @@ def _seconds_or_none(value: object) -> float | None:
     return float(value)
 
 
-def _hold_lock(path: str) -> int:
-    """Create and lock the mailbox's lock file. Locked before it gets its name: a sweeper that sees the
-    name can never take the lock of a live agent."""
-    tmp = os.path.join(path, f"{LOCK_FILE}.{os.getpid()}")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.rename(tmp, os.path.join(path, LOCK_FILE))
-    return fd
-
-
-def _lock_if_orphaned(path: str) -> int | None:
-    """The lock of a mailbox whose agent is gone (a descriptor now holding it), or None: its agent lives, or
-    the directory has no lock (being created, or made by an older spotrun: left alone)."""
-    try:
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _agent_alive(path: str) -> bool:
     """The mailbox has a lock and its agent holds it."""
-    fd = _lock_if_orphaned(path)
+    fd = lock_if_orphaned(os.path.join(path, LOCK_FILE))
     if fd is not None:
         os.close(fd)
         return False
     return os.path.exists(os.path.join(path, LOCK_FILE))
 
 
-def remove_orphaned_mailboxes(root: str) -> int:
+def remove_orphaned_mailboxes(root: str, *, limit: int = SWEEP_LIMIT) -> int:
     """Remove this user's mailboxes under ``root`` whose agent died without cleaning up (SIGKILL, or killed
     after a SIGTERM grace ran out), and dangling links to them; returns how many mailboxes were removed."""
-    removed = 0
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if not name.startswith(MAILBOX_PREFIX):
-            continue
-        try:
-            info = os.lstat(path)
-        except OSError:
-            continue
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            continue
-        fd = _lock_if_orphaned(path)
-        if fd is None:
-            continue
-        try:
-            for entry in os.listdir(path):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(path, entry))
-            os.rmdir(path)
-            removed += 1
-        except OSError as exc:
-            logger.debug("cannot remove orphaned mailbox %s: %s", path, exc)
-        finally:
-            os.close(fd)
+    removed = remove_orphaned_dirs(root, MAILBOX_PREFIX, LOCK_FILE, limit=limit)
     _remove_dangling_links()
     if removed:
         logger.info("removed %d orphaned worker mailbox(es) of dead agents under %s", removed, root)

@@ -42,13 +42,15 @@ import math
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from elastic.api import PlannedStopVoteError
+from elastic.worker.heartbeat import report_step
 from elastic.worker.mailbox import Mailbox, WorkerNotice, find_mailbox
+from elastic.worker.watcher import PeerLossWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +175,19 @@ class Preemption:
         except ValueError:  # not the main thread: Python delivers signals to the main thread only
             logger.warning("[rank %s] Preemption constructed outside the main thread: a notice signal to this "
                            "worker is not taken as the notice", os.environ.get("RANK", "0"))
+        self.watcher: PeerLossWatcher | None = None
+        """Aborts the training's group when the agent posts a peer loss (under spotrun only)."""
         if self.mailbox is not None:
+            from elastic.worker.abort import abort_process_group  # torch.distributed: only where a helper is made
+
+            self.watcher = PeerLossWatcher(self.mailbox, self.local_rank,
+                                           lambda: abort_process_group(process_group)).start()
             self.mailbox.register_helper(self.local_rank)
+
+    def close(self) -> None:
+        """Stop the peer-loss watcher: the group it would abort is being replaced (an in-place re-form)."""
+        if self.watcher is not None:
+            self.watcher.stop()
 
     def _on_notice_signal(self, signum: int, frame: Any) -> None:
         if self._signalled is not None or self._agent_stopping():
@@ -284,6 +297,7 @@ class Preemption:
             PlannedStopVoteError: a peer rank did not reach the vote within ``timeout``, or left.
             CheckpointError: the planned save failed (from ``ckpt.save``/``ckpt.wait``).
         """
+        report_step(step)  # the agent's spotrun_training_step (a no-op outside spotrun)
         if isinstance(ckpt, SnapshotsEachStep):
             ckpt.snapshot(step, state)  # the memory tier, when configured (before this step's vote can fail)
         if not self.should_stop(step):
@@ -303,3 +317,30 @@ class Preemption:
                            os.environ.get("RANK", "0"), step, time.monotonic() - began)
         self.acknowledge(step)
         return True
+
+
+def announce_helper(environ: Mapping[str, str] | None = None) -> bool:
+    """Tell this worker's agent that the script will build a ``Preemption`` helper (``coming-{local_rank}``).
+
+    Called once when this module is imported: a script imports it at its top, long before it builds the
+    helper (after ``init_process_group`` and the restore), so an agent that gets its notice in between knows
+    the workers will stop at an agreed step and have trained nothing yet (``elastic.planned.helper_outlook``).
+    A no-op outside a spotrun worker (no ``LOCAL_RANK`` or no mailbox: stock torchrun, the warm forkserver's
+    preload, a plain ``python``); never raises (a worker must not fail over a hint). True when written.
+    """
+    env = os.environ if environ is None else environ
+    local_rank = env.get("LOCAL_RANK", "")
+    if not local_rank.isdigit():
+        return False
+    try:
+        path = find_mailbox(env)
+        if not path:
+            return False
+        Mailbox(path).announce_helper(int(local_rank))
+    except OSError as exc:
+        logger.debug("could not announce the Preemption helper to the agent: %s", exc)
+        return False
+    return True
+
+
+announce_helper()

@@ -90,6 +90,35 @@ class InPlaceReform:
                        self.config.timeout)
         return None
 
+    def wait_after_loss(self) -> GroupAssignment | None:
+        """After a collective broke because a peer was lost (the agent posted ``peer-lost.json``; the state is
+        that of the last completed step): this worker's place in the re-formed group, or None (exit as today:
+        not enabled, no peer loss posted, the agent stopping the group, or no assignment within the timeout)."""
+        if self.mailbox is None:
+            return None
+        try:
+            lost = self.mailbox.peer_lost_posted()
+        except OSError:
+            return None
+        if not lost:
+            return None
+        return self._wait_for_assignment()
+
+    def _wait_for_assignment(self) -> GroupAssignment | None:
+        assert self.mailbox is not None
+        self.mailbox.mark_waiting(self.local_rank)
+        deadline = time.monotonic() + self.config.timeout
+        while time.monotonic() < deadline:
+            assignment = self.mailbox.take_assignment(self.local_rank)
+            if assignment is not None:
+                return assignment
+            if self.mailbox.stopping():
+                return None
+            time.sleep(POLL_INTERVAL)
+        logger.warning("[local rank %d] no re-formed group within %.0f s; exiting for a restart", self.local_rank,
+                       self.config.timeout)
+        return None
+
     def _in_place_change(self) -> bool:
         """The agent's posted notice, if any yet, is one that re-forms in place (this node's own notice or a
         joining node: exit as today). No notice yet: another node's rank saw it first; the agent's follows."""

@@ -18,10 +18,10 @@ import etcd3
 import pytest
 import torch
 
-from checkpoint.memory.keeper import remove_orphaned_keepers
 from elastic.chaos.api import Fault, FaultKind, Schedule
 from elastic.chaos.storage import write_control
 from elastic.events import read_events
+from elastic.memory_keeper import remove_orphaned_keepers
 from tests.chaos.jobs import CKPT_EVERY, STEPS, TRAIN, Job, Nodes, committed_steps, final_state
 from tests.harness.procs import SPOTRUN, Launcher, Timeout, wait_for
 

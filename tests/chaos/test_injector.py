@@ -99,7 +99,7 @@ def test_missing_targets_and_partitions_are_journaled_not_raised(tmp_path: Path,
 # A stand-in agent with a real memory tier keeper (and the watch that replaces it when it dies).
 KEEPER_AGENT = textwrap.dedent("""
     import sys, time
-    from checkpoint.memory.keeper import Keeper
+    from elastic.memory_keeper import Keeper
     k = Keeper.create("chaos-keeper-test", sys.argv[1])
     print(k.path, flush=True)
     time.sleep(60)

@@ -25,10 +25,8 @@ import pytest
 import torch
 
 from checkpoint.api import CheckpointConfigError, ChunkKey
-from checkpoint.memory import keeper as keeper_module
 from checkpoint.memory.api import OWNER_LOCK, MemoryTier, RestoreSource, ShmSpaceError, SnapshotId
 from checkpoint.memory.config import MemoryTierConfig
-from checkpoint.memory.keeper import Keeper, keeper_prefix, remove_orphaned_keepers
 from checkpoint.memory.layout import (
     FOOTER,
     choose_snapshot,
@@ -43,6 +41,8 @@ from checkpoint.memory.layout import (
 )
 from checkpoint.memory.shm import LocalShmTier, check_room
 from checkpoint.state import PerRank
+from elastic import memory_keeper as keeper_module
+from elastic.memory_keeper import Keeper, keeper_prefix, remove_orphaned_keepers
 from tests.harness.dist import run_workers
 from tests.harness.procs import reap, wait_for
 
@@ -459,7 +459,7 @@ def test_reshard_two_ranks_to_one_from_memory(shm_dir: str, tmp_path: Path) -> N
 # --------------------------------------------------------------------------- keeper lifetime
 _AGENT = """
 import sys, time
-from checkpoint.memory.keeper import Keeper
+from elastic.memory_keeper import Keeper
 k = Keeper.create("memtier-test-run", sys.argv[1], process=sys.argv[2] == "1")
 open(k.path + "/snap-000000001-0badc0de-00000-of-00001.safetensors", "wb").write(b"x" * 4096)
 print(k.path, k.process.pid if k.process else 0, flush=True)
@@ -533,7 +533,7 @@ def test_a_keeper_that_dies_at_start_is_logged_as_an_error(
     shm_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(keeper_module, "keeper_command", lambda path, pid: [sys.executable, "-c", "raise SystemExit(3)"])
-    with caplog.at_level(logging.ERROR, logger="checkpoint.memory.keeper"):
+    with caplog.at_level(logging.ERROR, logger="elastic.memory_keeper"):
         keeper = Keeper.create("memtier-test-run", shm_dir)
     try:
         assert "exited at start with code 3" in caplog.text and keeper.path in caplog.text
@@ -550,7 +550,7 @@ def _new_keeper(keeper: Keeper, old_pid: int) -> int:
 
 
 def _keeper_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "checkpoint.memory.keeper" and r.levelno >= logging.ERROR]
+    return [r.getMessage() for r in caplog.records if r.name == "elastic.memory_keeper" and r.levelno >= logging.ERROR]
 
 
 def test_a_keeper_sigkilled_is_replaced_logged_once_and_the_snapshots_stay(
@@ -558,7 +558,7 @@ def test_a_keeper_sigkilled_is_replaced_logged_once_and_the_snapshots_stay(
 ) -> None:
     """Before: nothing noticed a dead keeper; a later SIGKILL of the agent left its snapshots in RAM until the
     next agent start on the host. Now the agent's watch logs it once and starts another keeper."""
-    caplog.set_level(logging.ERROR, logger="checkpoint.memory.keeper")
+    caplog.set_level(logging.ERROR, logger="elastic.memory_keeper")
     keeper = Keeper.create("memtier-test-run", shm_dir)
     pids = []
     try:
@@ -589,7 +589,7 @@ def test_a_keeper_sigtermed_took_the_directory_which_is_made_again(
     stayed gone, the workers' snapshots failed, and every later group of workers turned the tier off on every
     node (one rank without a directory turns it off everywhere). Now the directory is made again: the restore
     of what was lost finds nothing (state untouched: the caller loads the next source), and snapshots resume."""
-    caplog.set_level(logging.ERROR, logger="checkpoint.memory.keeper")
+    caplog.set_level(logging.ERROR, logger="elastic.memory_keeper")
     keeper = Keeper.create("memtier-test-run", shm_dir)
     pids = []
     state = _state(0)
@@ -632,7 +632,7 @@ def test_a_keeper_that_keeps_dying_is_replaced_a_bounded_number_of_times(
     shm_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(keeper_module, "KEEPER_RESTARTS", 1)
-    caplog.set_level(logging.ERROR, logger="checkpoint.memory.keeper")
+    caplog.set_level(logging.ERROR, logger="elastic.memory_keeper")
     keeper = Keeper.create("memtier-test-run", shm_dir)
     pids = []
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint._sys.procutil import exited, process_gone, process_identity
 from checkpoint.memory.api import RestoreReport, RestoreSource
 from checkpoint.memory.config import MemoryTierConfig
 from checkpoint.memory.jit import DeferredSignals, is_collective_failure, wait_for_names
@@ -38,7 +39,6 @@ from checkpoint.memory.resume import restore
 from checkpoint.memory.shm import LocalShmTier
 from elastic.api import RecoveryEvent
 from elastic.metrics import AgentMetrics, RecoveryClock, observe
-from elastic.procutil import exited, process_gone, process_identity
 from tests.checkpoint.test_memtier import SHM, _assert_equal, _snapshots, _state, _tensors, _train
 
 

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,3 +277,51 @@ def test_a_lost_node_leaves_the_other_three_training(lab: Lab) -> None:
     finally:
         lab.slurm.run(["scancel", str(job.id)], check=False)
     job.wait(("CANCELLED", "COMPLETED", "FAILED"), timeout=120)
+
+
+NOTICE_WINDOW_S = 40.0
+"""The random moment of the notice is drawn from this many seconds after the job's agents appear: on two cores
+the start (imports, the forkserver, eight workers' imports, init_process_group, the restore) takes 20-40 s, so
+the draw lands in the start as often as in training (issue 27)."""
+KEEPER_DIED = "memory tier keeper"
+
+
+@pytest.mark.timeout(600)
+def test_a_notice_at_a_random_moment_completes_the_job_and_requeue_resumes(lab: Lab) -> None:
+    """``scancel --signal=TERM`` (what ``--signal`` and a preemption send: every process of the step) at a
+    random moment of the job's life, the start included: every agent leaves as planned (exit 0), the job
+    ends COMPLETED 0:0, no keeper takes the signal for its end, and a requeue resumes from the last commit."""
+    seed = int(os.environ.get("SPOTRUN_TEST_SEED", str(time.time_ns() % 1_000_000)))
+    delay = random.Random(seed).uniform(0.0, NOTICE_WINDOW_S)
+    job = lab.submit("anymoment", "--time=10")
+    context = f"seed {seed} (SPOTRUN_TEST_SEED reruns it): notice {delay:.1f} s after the agents appeared"
+    try:
+        wait_for(lambda: len(job.agents()) == NODES, 60, f"the {NODES} agents of job {job.id}", interval=0.05)
+        appeared = time.monotonic()
+        wait_for(lambda: time.monotonic() - appeared >= delay, delay + 5, "the drawn moment", interval=0.05)
+        committed = job.latest()
+        lab.slurm.run(["scancel", "--signal=TERM", str(job.id)])
+        state = job.wait(("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), timeout=200)
+    except AssertionError as exc:
+        raise AssertionError(f"{context}\n{exc}") from None
+    text = job.output()
+    assert state == "COMPLETED" and lab.slurm.job(job.id).exit_code == "0:0", \
+        f"{context}\n{lab.slurm.job(job.id)}\n{job.context()}"
+    events = _finished_events(text)
+    assert len(events) == NODES, f"{context}\n{job.context()}"
+    for agent in events:
+        assert agent["run_finished"]["exit_code"] == 0 and "planned_leave" in agent, f"{context}: {agent}"
+    for bad in ("Traceback", "stopped by SIGTERM", KEEPER_DIED):
+        assert bad not in text, f"{context}: {bad!r} in the job's output\n{job.context()}"
+    latest = job.latest()
+    assert latest is None or committed is None or latest >= committed, context
+
+    start = len(job.out.read_bytes())
+    lab.slurm.run(["scontrol", "requeue", str(job.id)])
+    try:
+        wait_for(lambda: STEP_LINE.search(job.output(start)), 240, f"job {job.id} to train after the requeue")
+        first = int(STEP_LINE.findall(job.output(start))[0][0])  # rank 0 logs every 20th step
+        assert (latest or 0) < first <= (latest or 0) + 20, f"{context}: first logged step {first}, last commit {latest}"
+    finally:
+        lab.slurm.run(["scancel", str(job.id)], check=False)
+    job.wait(("CANCELLED", "COMPLETED", "FAILED"), timeout=120, restarts=1)

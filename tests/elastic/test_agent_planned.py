@@ -17,8 +17,9 @@ from torch.distributed import HashStore
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 
-from elastic.agent import PlannedTick, SpotrunAgent
+from elastic.agent import PlannedTick, SpotrunAgent, _NoticeWhileNotTraining
 from elastic.config import AgentSettings
+from elastic.planned import WHY_BEFORE_HELPERS
 from elastic.preemption import Mailbox
 from elastic.rendezvous.api import NoticeAwareHandler, RendezvousConnectionError, RendezvousStateError
 from tests.elastic.doubles import MemoryEventLog
@@ -57,6 +58,7 @@ def _agent(tmp_path: Path, handler: NoticeHandler, **settings: Any) -> tuple[Spo
                          events=events, tie_workers_to_agent=False, mailbox=box)
     agent._worker_group.group_world_size = 2
     agent._store = HashStore()
+    agent._workers_started_at = time.monotonic()  # as if its workers ran (None: between rounds)
     return agent, box, events
 
 
@@ -175,6 +177,42 @@ def test_sigterm_is_a_notice_only_when_the_workers_can_save(tmp_path: Path) -> N
     assert [e["event"] for e in events.records] == ["notice_received", "planned_stop_posted"]
     with pytest.raises(SignalException):  # a second SIGTERM insists
         agent._on_notice_signal(signal.SIGTERM, None)
+
+
+def test_sigterm_before_announced_helpers_exist_leaves_with_why(tmp_path: Path) -> None:
+    """The workers imported the helper's module (``coming-0``) but have not built it: nothing trained since
+    their restore, so a SIGTERM is a planned leave at once, not torch's immediate stop (issue 27)."""
+    agent, box, _ = _agent(tmp_path, NoticeHandler())
+    box.announce_helper(0)
+    with pytest.raises(_NoticeWhileNotTraining) as left:
+        agent._on_notice_signal(signal.SIGTERM, None)
+    assert left.value.why == WHY_BEFORE_HELPERS
+    assert agent.planned.own is not None and agent.planned.own.source == "sigterm"
+
+
+def test_a_notice_in_the_exit_barrier_ends_the_wait_at_the_deadline(tmp_path: Path) -> None:
+    agent, _, _ = _agent(tmp_path, NoticeHandler(), preempt_grace=1.5, stop_grace=1.0)
+    agent._workers_done = True  # the workers finished; the peer has not arrived yet
+    agent._on_notice_signal(signal.SIGTERM, None)  # taken as a notice, not a shutdown
+    assert agent.planned.own is not None
+    began = time.monotonic()
+    assert agent._exit_barrier_unless_peers_left() is True, "this node's workers finished: a success"
+    assert time.monotonic() - began < 5, "left by the notice's deadline, not after exit_barrier_timeout"
+
+
+def test_a_notice_signal_after_the_run_is_only_logged(tmp_path: Path) -> None:
+    agent, _, _ = _agent(tmp_path, NoticeHandler())
+    agent._run_over = True
+    agent._on_notice_signal(signal.SIGTERM, None)
+    agent._on_notice_signal(signal.SIGTERM, None)
+    assert agent.planned.own is None
+
+
+def test_an_early_notice_makes_the_first_rendezvous_a_planned_leave(tmp_path: Path) -> None:
+    agent, _, _ = _agent(tmp_path, NoticeHandler())
+    agent.receive_early_notice(int(signal.SIGTERM), time.time())
+    with pytest.raises(_NoticeWhileNotTraining):
+        agent._rendezvous(agent._worker_group)
 
 
 def test_a_peer_notice_is_posted_and_its_departure_is_not_a_crash(tmp_path: Path) -> None:

@@ -72,7 +72,7 @@ def test_guess_matches_the_launchers_decisions(tmp_path: Path) -> None:
 
 
 def test_a_forkserver_started_otherwise_is_refused() -> None:
-    from elastic.workers import DEFAULT_PRELOAD
+    from elastic.warm import DEFAULT_PRELOAD
 
     g = WarmGuess({"OMP_NUM_THREADS": "1"}, (int(signal.SIGTERM),))
     early = boot._Early(g, {"OMP_NUM_THREADS": "1", "HOME": "/x"}, tuple(DEFAULT_PRELOAD))

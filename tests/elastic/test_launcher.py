@@ -180,9 +180,9 @@ def test_a_failed_setup_leaves_no_keeper_mailbox_or_port(tmp_path: Path, monkeyp
     import socket
 
     from checkpoint.memory.api import ENV_MEMORY_DIR
-    from checkpoint.memory.keeper import Keeper
     from elastic import launcher
     from elastic.cli import build_parser, config_from_args, settings_from_args
+    from elastic.memory_keeper import Keeper
     from elastic.preemption import ENV_NOTICE_DIR, Mailbox
     from tests.harness.procs import free_port
 

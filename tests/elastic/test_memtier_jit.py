@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint.memory.keeper import remove_orphaned_keepers
 from elastic.etcd_server import EmbeddedEtcd
+from elastic.memory_keeper import remove_orphaned_keepers
 from elastic.report import recoveries
 from tests.chaos.jobs import final_state
 from tests.harness.procs import EXAMPLES, REPO, SPOTRUN, Launcher, make_env, read_jsonl, signal_all, wait_for

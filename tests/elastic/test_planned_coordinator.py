@@ -8,8 +8,10 @@ import pytest
 
 from elastic.notice import Notice
 from elastic.planned import (
+    WHY_BEFORE_HELPERS,
     AbandonStop,
     AfterSuccess,
+    HelperOutlook,
     LeaveNow,
     PlannedChanges,
     PlannedDecision,
@@ -19,6 +21,7 @@ from elastic.planned import (
     SignalAction,
     Stopped,
     TickView,
+    helper_outlook,
 )
 from elastic.preemption import WorkerNotice
 
@@ -186,3 +189,57 @@ def test_a_notice_signal_between_rounds_leaves_and_a_second_sigterm_shuts_down()
     assert planned.on_signal(between_rounds=False, sigterm=True, helpers_ready=True) is SignalAction.SHUT_DOWN, \
         "a second SIGTERM insists"
     assert planned.on_signal(between_rounds=True, sigterm=True, helpers_ready=True) is SignalAction.SHUT_DOWN
+
+
+# --- a notice while the workers start (issue 27): "not built yet" against "never will be" ------------------------
+
+
+@pytest.mark.parametrize(("ready", "seen", "announced", "expected"), [
+    (True, False, False, HelperOutlook.READY),
+    (True, True, True, HelperOutlook.READY),
+    (False, True, False, HelperOutlook.RESTARTING),
+    (False, True, True, HelperOutlook.RESTARTING),
+    (False, False, True, HelperOutlook.COMING),
+    (False, False, False, HelperOutlook.NEVER),
+])
+def test_helper_outlook(ready: bool, seen: bool, announced: bool, expected: HelperOutlook) -> None:
+    assert helper_outlook(ready=ready, seen_before=seen, announced=announced) is expected
+
+
+def test_a_sigterm_before_announced_helpers_exist_leaves_instead_of_shutting_down() -> None:
+    planned = _coordinator()
+    assert planned.on_signal(between_rounds=False, sigterm=True, helpers_ready=False,
+                             announced=True) is SignalAction.LEAVE_NOW, "nothing trained since the restore"
+    assert planned.on_signal(between_rounds=False, sigterm=False, helpers_ready=False,
+                             announced=True) is SignalAction.LEAVE_NOW
+    assert planned.on_signal(between_rounds=False, sigterm=True, helpers_ready=False,
+                             announced=False) is SignalAction.SHUT_DOWN, "a plain torchrun script: as before"
+
+
+def test_a_sigterm_while_known_helpers_restart_is_a_notice_they_save_for() -> None:
+    planned = _coordinator()
+    planned.tick(TickView(now=NOW, helpers_ready=True))
+    assert planned.helpers_seen
+    assert planned.on_signal(between_rounds=False, sigterm=True, helpers_ready=False) is SignalAction.NOTICE
+    planned.receive(Notice("sigterm", NOW + 30))
+    decision = planned.tick(TickView(now=NOW + 1, helpers_ready=False))
+    assert decision.outcome is PlannedTick.NONE and not decision.actions, "waits for the helpers to come back"
+    decision = planned.tick(TickView(now=NOW + 30 - GRACE, helpers_ready=False))
+    assert decision.outcome is PlannedTick.LEFT and isinstance(decision.actions[0], LeaveNow)
+
+
+def test_a_notice_tick_before_announced_helpers_leaves_at_once() -> None:
+    planned = _coordinator()
+    planned.receive(Notice("aws", NOW + 120))
+    decision = planned.tick(TickView(now=NOW, helpers_ready=False, helpers_announced=True))
+    assert decision.outcome is PlannedTick.LEFT
+    assert decision.actions == (LeaveNow(WHY_BEFORE_HELPERS),)
+
+
+def test_a_notice_signal_after_the_run_is_ignored() -> None:
+    planned = _coordinator()
+    assert planned.on_signal(between_rounds=True, sigterm=True, helpers_ready=False,
+                             run_over=True) is SignalAction.IGNORE
+    planned.receive(Notice("sigterm", NOW + 30))
+    assert planned.on_signal(between_rounds=False, sigterm=True, helpers_ready=True,
+                             run_over=True) is SignalAction.IGNORE, "not even a second SIGTERM: nothing runs"

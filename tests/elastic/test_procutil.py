@@ -1,4 +1,4 @@
-"""``elastic.procutil``: the parent-death signal and its race check, through each of its users' entry points
+"""``checkpoint._sys.procutil``: the parent-death signal and its race check, through each of its users' entry points
 (the worker exec shim, the embedded etcd's preexec_fn)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import elastic.workers
+from checkpoint._sys.procutil import ORPHANED_EXIT_CODE
 from elastic.etcd_server import _die_with_parent
-from elastic.procutil import ORPHANED_EXIT_CODE
 from tests.harness.procs import reap, signal_all, wait_for
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux-only")]
@@ -22,7 +22,7 @@ SHIM = [sys.executable, "-S", elastic.workers.__file__]
 
 
 def test_shim_runs_standalone_and_execs_the_command() -> None:
-    # -S and no PYTHONPATH: the shim must not need the package (only procutil beside it).
+    # -S and no PYTHONPATH: the shim must not need the package (only procutil, loaded from its folder).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([*SHIM, str(os.getpid()), "/bin/sh", "-c", "exit 3"], env=env, timeout=30)
     assert result.returncode == 3

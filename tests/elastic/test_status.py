@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import etcd3
 import grpc
@@ -302,3 +303,49 @@ def test_watch_refreshes_in_place_on_a_terminal(etcd_server: EmbeddedEtcd) -> No
             os.close(follower)
     out = b"".join(chunks).decode(errors="replace")
     assert out.count("\x1b[H\x1b[2J") == 3 and out.count("spotrun job tty at") == 3, repr(out[:500])
+
+
+# --- stragglers (P/health/{node}) ---------------------------------------------------------------------------------
+
+
+def test_a_nodes_stragglers_are_a_line_each_and_a_corrupt_report_is_a_problem() -> None:
+    health = [_kv("health/b", {"stragglers": {"5": 2.5, "7": 1.8}, "node": "b"}, 12),
+              _kv("health/a", {"stragglers": {"x": 2.0}}, 11)]
+    status = job_status(CONFIG, [_node("a", 11), _node("b", 12), ROUND], STORE, {}, NOW, health=health)
+    assert status.nodes[1].stragglers == {5: 2.5, 7: 1.8} and status.nodes[0].stragglers == {}
+    text = render(status)
+    assert "straggler: rank 5 on b (host-b), 2.50x its local peers' step time" in text
+    assert "straggler: rank 7 on b (host-b), 1.80x" in text
+    assert any("corrupt key /spotrun/rdzv/job/health/a" in p for p in status.problems)
+    assert status.to_json()["nodes"][1]["stragglers"] == {5: 2.5, 7: 1.8}
+
+
+@pytest.mark.parametrize("value", [{"stragglers": []}, {"stragglers": {"1": True}}, {"stragglers": {"1": -1}},
+                                   {"stragglers": {"1": float("inf")}}, {"stragglers": {"9" * 20: 2.0}}])
+def test_a_bad_straggler_report_is_refused(value: object) -> None:
+    raw = json.dumps(value).encode()
+    status = job_status(CONFIG, [_node("a", 11), ROUND], [], {}, NOW, health=[_kv("health/a", raw, 11)])
+    assert status.problems and status.nodes[0].stragglers == {}
+
+
+@pytest.mark.slow
+def test_a_handler_publishes_its_stragglers_where_status_reads_them(etcd_server: EmbeddedEtcd, handlers: Any) -> None:
+    from elastic.rendezvous.api import HealthReportingHandler
+    from elastic.status import read_status
+
+    host, port = etcd_server.endpoint.rsplit(":", 1)
+    config = EtcdRendezvousConfig(run_id="slow", endpoints=((host, int(port)),), min_nodes=1, max_nodes=1,
+                                  lease_ttl=3, last_call_timeout=0.3)
+    handler = handlers(config, node_id="n0")
+    assert isinstance(handler, HealthReportingHandler)
+    handler.next_rendezvous()
+    conn = EtcdConnection(config)
+    try:
+        handler.publish_health({"stragglers": {"1": 2.25}})
+        status = read_status(config, conn)
+        assert [(n.node_id, n.stragglers) for n in status.nodes] == [("n0", {1: 2.25})]
+        assert "straggler: rank 1 on n0" in render(status)
+        handler.publish_health(None)
+        assert read_status(config, conn).nodes[0].stragglers == {}
+    finally:
+        conn.close()

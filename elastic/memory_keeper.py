@@ -7,7 +7,7 @@ RAM without any process holding them, so what must be guaranteed is only that so
 Why a keeper process beside the agent, not the agent alone: an agent killed by SIGKILL (the OOM killer, a
 ``kill -9`` of the launcher) runs no cleanup, and on a node that is not reused for spotrun there is no next
 agent start to sweep it, so the snapshots (a whole model and optimizer per node) would hold RAM until reboot.
-The keeper (``python -I -S .../checkpoint/memory/keeper.py DIR AGENT_PID``, standard library only, a few MB)
+The keeper (``python -I -S .../elastic/memory_keeper.py DIR AGENT_PID``, standard library only, a few MB)
 waits on a pipe from the agent and on ``PR_SET_PDEATHSIG``; when the agent dies, however it dies, it removes the
 directory and exits. It is started by file path in isolated mode, never with ``-m``: ``-m`` puts the agent's
 working directory (the user's training repository) first on ``sys.path``, and a repository with its own
@@ -26,35 +26,57 @@ Orphans (agent and keeper both killed, e.g. a process-group SIGKILL): the direct
 ``flock``-ed from before the directory is used until after it is removed, by the agent, and inherited by the
 keeper (one open file description: the lock is held while either lives). The next agent on the host removes
 every directory of this user whose lock is free (:func:`remove_orphaned_keepers`), as
-``elastic.progress`` and ``elastic.preemption`` do for their files.
+``elastic.progress`` and ``elastic.worker.mailbox`` do for theirs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import importlib.util
 import logging
 import os
 import secrets
 import signal
-import stat
 import subprocess
 import sys
 import threading
+from types import ModuleType
 from typing import Any
 
+
+def _load_file(*parts: str) -> ModuleType:
+    """A standard-library-only file of this tree (``parts`` from its root) loaded by its path: the keeper
+    process runs without the packages on ``sys.path``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(f"_spotrun_keeper_{parts[-1][:-3]}", os.path.join(root, *parts))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 if __package__:
+    from checkpoint._sys.procutil import arm_parent_death_signal
     from checkpoint.memory.api import MEMORY_KIND, OWNER_LOCK
+    from elastic.worker.runfiles import (
+        SWEEP_LIMIT,
+        create_owned_dir,
+        remove_orphaned_dirs,
+        remove_owned_dir,
+        run_scoped_path,
+        run_scoped_prefix,
+    )
 else:
-    # The keeper process (``python -I -S keeper.py``): sys.path holds the standard library only, so nothing of
-    # the user's working directory, PYTHONPATH or site-packages can be imported in place of ours. The two
+    # The keeper process (``python -I -S memory_keeper.py``): sys.path holds the standard library only, so nothing
+    # of the user's working directory, PYTHONPATH or site-packages can be imported in place of ours. The two
     # names are checked against checkpoint.memory.api by a test.
     MEMORY_KIND, OWNER_LOCK = "memtier", ".owner.lock"  # type: ignore[misc]  # the keeper process's copy
+    arm_parent_death_signal = _load_file("checkpoint", "_sys", "procutil.py").arm_parent_death_signal
+    _runfiles = _load_file("elastic", "worker", "runfiles.py")
+    SWEEP_LIMIT, remove_owned_dir = _runfiles.SWEEP_LIMIT, _runfiles.remove_owned_dir
 
 logger = logging.getLogger(__name__)
 
-SWEEP_LIMIT = 256
-"""Most candidate directories one sweep looks at (bounded work at agent start)."""
 KEEPER_EXIT_TIMEOUT = 10.0
 KEEPER_START_TIMEOUT = 10.0
 """How long the agent waits for the keeper to say it is armed (an isolated interpreter starts in ~20 ms)."""
@@ -72,8 +94,6 @@ def _default_root() -> str:
 
 def keeper_prefix(root: str | None = None) -> str:
     """The common start of this user's keeper directories under ``root``."""
-    from elastic.progress import run_scoped_prefix
-
     return run_scoped_prefix(MEMORY_KIND, root or _default_root())
 
 
@@ -100,13 +120,10 @@ class Keeper:
     def create(cls, run_id: str, root: str | None = None, *, process: bool = True) -> Keeper:
         """Sweep orphans of dead agents under ``root``, then make and lock this agent's directory
         (``spotrun-memtier-{uid}-{run}.{hash}-{pid}-{token}``) and start its keeper process."""
-        from elastic.progress import run_scoped_path
-
         root = root or _default_root()
         remove_orphaned_keepers(root)
         path = run_scoped_path(MEMORY_KIND, run_id, os.getpid(), secrets.token_hex(4), root=root)
-        os.mkdir(path, 0o700)
-        lock_fd = _hold_lock(path)
+        lock_fd = create_owned_dir(path, OWNER_LOCK)
         proc = _start_keeper(path, lock_fd) if process else None
         logger.info("memory tier keeper directory %s (keeper pid %s)", path, proc.pid if proc else None)
         return cls(path, lock_fd, proc)
@@ -172,9 +189,7 @@ class Keeper:
 
     def _remake_dir(self) -> None:
         """Make the directory again, locked before it is used (the old lock file went with the old directory)."""
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(self.path, 0o700)
-        old, self._lock_fd = self._lock_fd, _hold_lock(self.path)
+        old, self._lock_fd = self._lock_fd, create_owned_dir(self.path, OWNER_LOCK, exist_ok=True)
         if old is not None:
             os.close(old)
 
@@ -217,86 +232,24 @@ def _start_keeper(path: str, lock_fd: int) -> subprocess.Popen[bytes]:
     return proc
 
 
-def _hold_lock(path: str) -> int:
-    """Create and lock the directory's lock file; locked before it gets its name, so a sweeper that sees the
-    name can never take the lock of a live agent."""
-    tmp = os.path.join(path, f"{OWNER_LOCK}.{os.getpid()}")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.rename(tmp, os.path.join(path, OWNER_LOCK))
-    return fd
-
-
 def remove_dir(path: str) -> None:
     """Remove a keeper directory: the snapshots, then the lock file, then the directory."""
-    try:
-        names = os.listdir(path)
-    except FileNotFoundError:
-        return
-    for name in sorted(names, key=lambda n: n == OWNER_LOCK):
-        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-            os.unlink(os.path.join(path, name))
-    with contextlib.suppress(FileNotFoundError, OSError):
-        os.rmdir(path)
+    remove_owned_dir(path, OWNER_LOCK)
 
 
 def remove_orphaned_keepers(root: str | None = None, *, limit: int = SWEEP_LIMIT) -> int:
     """Remove this user's keeper directories under ``root`` whose agent and keeper are both gone (their lock is
     free); returns how many were removed. Directories without a lock (being created) are left alone."""
     stem = keeper_prefix(root)
-    folder, prefix = os.path.dirname(stem), os.path.basename(stem)
-    try:
-        names = [n for n in os.listdir(folder) if n.startswith(prefix)][:limit]
-    except OSError:
-        return 0
-    removed = 0
-    for name in names:
-        path = os.path.join(folder, name)
-        try:
-            info = os.lstat(path)
-        except OSError:
-            continue
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            continue  # /dev/shm is shared: never another user's, nor something else by that name
-        try:
-            fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # its agent or keeper lives
-        try:
-            remove_dir(path)
-            removed += 1
-        finally:
-            os.close(fd)
+    folder = os.path.dirname(stem)
+    removed = remove_orphaned_dirs(folder, os.path.basename(stem), OWNER_LOCK, limit=limit)
     if removed:
         logger.info("removed %d memory tier director(ies) of dead agents under %s", removed, folder)
     return removed
 
 
-def _load_procutil() -> Any:
-    """``elastic/procutil.py`` (standard library only) loaded by its file path: the keeper runs without the
-    package on ``sys.path``."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("_spotrun_keeper_procutil", os.path.join(root, "elastic", "procutil.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _serve(path: str, agent_pid: int) -> None:
     """Keeper process: remove ``path`` when the agent goes (pipe closed, SIGTERM, or the agent's death)."""
-    if __package__:
-        from elastic.procutil import arm_parent_death_signal
-    else:
-        arm_parent_death_signal = _load_procutil().arm_parent_death_signal
-
     def leave(*_: Any) -> None:
         remove_dir(path)
         os._exit(0)

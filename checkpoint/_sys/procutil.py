@@ -3,8 +3,9 @@ process has exited (``exited``, ``process_identity``/``process_gone``: PID reuse
 
 Used by the worker exec shim (``elastic.workers``), the embedded etcd (``elastic.etcd_server``), the
 checkpoint writer process (``checkpoint.writer``), the memory tier's just-in-time snapshots
-(``checkpoint.memory``) and the chaos injector. Standard library only: ``elastic/workers.py`` imports
-this module while it runs as the exec shim under ``python -S``, where the package may not be importable.
+(``checkpoint.memory``), the memory tier's keeper and the chaos injector. Standard library only:
+``elastic/workers.py`` (the exec shim, ``python -S``) and the keeper (``python -I -S``) load this file by its
+path, where the package may not be importable.
 """
 
 from __future__ import annotations
