@@ -4,7 +4,7 @@
 #   1. Debian packages: slurm-wlm and munge (.ci/slurm.sh), prometheus (.ci/prometheus.sh), then chromium
 #      (.ci/browser.sh): one apt lock, so in turn;
 #   2. the suite's venv (.ci/venv.sh: torch 2.13.0 and spotrun[test]), then the docs extra (.ci/docs.sh installs it);
-#   3. the torch matrix's venvs, 2.14.1 and 2.15.0 (.ci/torch_matrix.sh --venvs-only).
+#   3. the matrix's venvs: Python 3.10 + torch 2.14.1, 3.12 + 2.15.0, 3.13 + 2.15.0 (.ci/torch_matrix.sh --venvs-only).
 # Each later step still installs what is missing itself (every script works alone); this only moves the waiting
 # to one place. Each chain's output is printed when it ends, prefixed with its name; a failed chain fails the step.
 set -uo pipefail

@@ -1,27 +1,54 @@
 #!/usr/bin/env bash
-# The elastic and checkpoint core on every tested torch release besides the suite's own 2.13.0 (CPU build):
-# torch 2.14.1 and 2.15.0 (pyproject.toml declares exactly these three). Each release gets its own venv,
-# built only if missing (`.ci/venv.sh core`: that torch, then spotrun with `pip install -e`, which must keep
-# it), then `pip install` of spotrun's wheel is resolved against that venv (--dry-run: it must not touch torch),
-# then CORE below runs; each step is timed, and all of them share one budget so that all of CI stays under 30
-# minutes on 2 cores. Called by .ci/run after the main suite and its long cases.
+# The elastic and checkpoint core on every tested Python and torch release besides the suite's own (Python 3.11,
+# torch 2.13.0 CPU build): one cell per Python, each paired with a torch release pyproject.toml declares, so that
+# every supported Python and every tested torch is run without a cell per pair (docs/supported-versions.md):
+#   Python 3.10 + torch 2.14.1 (torch 2.15 has no wheel for 3.10), Python 3.12 + torch 2.15.0 (what
+#   `pip install` brings on Ubuntu 24.04's Python today), Python 3.13 + torch 2.15.0.
+# Each cell gets its own venv, built only if missing (`.ci/venv.sh core`: that Python, that torch, then spotrun
+# with `pip install -e`, which must keep it), then `pip install` of spotrun's wheel is resolved against that venv
+# (--dry-run: it must not touch torch), then CORE below runs; each step is timed, and all of them share one
+# budget so that all of CI stays within its time. Called by .ci/run after the main suite and its long cases.
 #
-# SPOTRUN_TORCH_MATRIX: the releases (default "2.14.1 2.15.0"); SPOTRUN_MATRIX_DIR: where the venvs live
-# (default the repository root, .venv-torch-<release>). Our machines cap pip at torch<=2.14.1 (/etc/xdg/pip):
-# PIP_CONSTRAINT=/dev/null lifts it for these venvs only. 2.14.1's wheels lie on our machines' disk; 2.15.0's
-# (539 MB, and about 3 GB of CUDA libraries it shares almost none of with 2.14.1) come from the index: its venv
-# took 231 s to build with a cold cache on a loaded machine, 2.14.1's 83 s. pip keeps no cache of these downloads
-# here (the index's answers are not cacheable), so nothing is shared between the two venvs.
+# SPOTRUN_MATRIX: the cells, PYTHON:TORCH separated by spaces (default below); SPOTRUN_TORCH_MATRIX (older
+# form, still read): torch releases only, each on the default python3. SPOTRUN_MATRIX_DIR: where the venvs
+# live (default the repository root, .venv-py<python>-torch-<release>). Each Python is found as python<X.Y> on
+# PATH, else under pyenv ($PYENV_ROOT/versions/<X.Y>.*, default ~/.pyenv). Our machines cap pip at
+# torch<=2.14.1 (/etc/xdg/pip): PIP_CONSTRAINT=/dev/null lifts it for these venvs only. Only 2.14.1's cp311
+# wheel lies on our machines' disk: every cell downloads its torch (a CUDA build that runs on CPU, ~5 GB with
+# its CUDA libraries). Measured (2-core VM, 2026-11-28): 3.10 + 2.14.1 built in 169 s, 3.12 + 2.15.0 and
+# 3.13 + 2.15.0 in 206 s each side by side (.ci/prepare.sh builds all of them at once).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-releases="${SPOTRUN_TORCH_MATRIX:-2.14.1 2.15.0}"
+if [ -n "${SPOTRUN_MATRIX:-}" ]; then
+  cells="$SPOTRUN_MATRIX"
+elif [ -n "${SPOTRUN_TORCH_MATRIX:-}" ]; then
+  cells="$(for release in $SPOTRUN_TORCH_MATRIX; do printf 'default:%s ' "$release"; done)"
+else
+  cells="3.10:2.14.1 3.12:2.15.0 3.13:2.15.0"
+fi
 venvs="${SPOTRUN_MATRIX_DIR:-$root}"
 # One time budget for the whole matrix (installs and tests): the main suite and its long cases take about 17
-# minutes of CI's 30 on a quiet machine. Each step gets what is left; past it the matrix fails, naming the step.
-budget="${SPOTRUN_MATRIX_BUDGET:-900}"
+# minutes of CI's 45 on a quiet machine. Each step gets what is left; past it the matrix fails, naming the step.
+budget="${SPOTRUN_MATRIX_BUDGET:-1200}"
 deadline=$((SECONDS + budget))
 left() { echo $((deadline - SECONDS > 0 ? deadline - SECONDS : 1)); }
+
+python_for() {  # python_for X.Y: that interpreter's path ("default": python3), or nothing
+  local version="$1" candidate
+  if [ "$version" = default ]; then command -v python3; return; fi
+  if candidate="$(command -v "python$version" 2>/dev/null)" && "$candidate" -c '' 2>/dev/null; then
+    echo "$candidate"
+    return
+  fi
+  for candidate in "${PYENV_ROOT:-$HOME/.pyenv}/versions/$version".*/bin/python; do
+    if [ -x "$candidate" ]; then echo "$candidate"; return; fi
+  done
+}
+
+venv_of() {  # venv_of PYTHON RELEASE
+  if [ "$1" = default ]; then echo "$venvs/.venv-torch-$2"; else echo "$venvs/.venv-py$1-torch-$2"; fi
+}
 
 # What depends on torch: the launcher (torchrun's environment and summary, restarts, the close patch, SIGTERM
 # cleanup), stock torchrun on the etcd-v3 rendezvous, planned changes (agent units and one SIGTERMed agent that
@@ -47,57 +74,66 @@ CORE=(
   tests/checkpoint/test_distributed.py
 )
 
-build() {  # build() RELEASE VENV: that release's venv, if missing (venv.sh core)
-  PIP_CONSTRAINT=/dev/null SPOTRUN_VENV="$2" SPOTRUN_TORCH="$1" timeout "$(left)" bash "$root/.ci/venv.sh" core
+build() {  # build PYTHON RELEASE VENV: that cell's venv, if missing (venv.sh core)
+  local interpreter
+  interpreter="$(python_for "$1")"
+  if [ -z "$interpreter" ]; then
+    echo "[py $1 torch $2] no Python $1 here (python$1 on PATH, or pyenv's versions/$1.*)" >&2
+    return 1
+  fi
+  PIP_CONSTRAINT=/dev/null PYTHON="$interpreter" SPOTRUN_VENV="$3" SPOTRUN_TORCH="$2" \
+    timeout "$(left)" bash "$root/.ci/venv.sh" core
 }
 
 if [ "${1:-}" = "--venvs-only" ]; then
-  # .ci/prepare.sh: only build the venvs (each release's in parallel: downloads, not CPU, dominate), so that
-  # the run after the main suite finds them ready.
+  # .ci/prepare.sh: only build the venvs (all cells in parallel: downloads, not CPU, dominate), so that the
+  # run after the main suite finds them ready.
   logs="$(mktemp -d)"
   trap 'rm -rf "$logs"' EXIT
   pids=()
-  for release in $releases; do
-    build "$release" "$venvs/.venv-torch-$release" > "$logs/$release.log" 2>&1 &
+  for cell in $cells; do
+    build "${cell%%:*}" "${cell##*:}" "$(venv_of "${cell%%:*}" "${cell##*:}")" > "$logs/$cell.log" 2>&1 &
     pids+=($!)
   done
   status=0
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-  for release in $releases; do sed "s/^/[torch $release] /" "$logs/$release.log"; done
-  echo "[torch matrix] venvs for $releases built in $SECONDS s (status $status)"
+  for cell in $cells; do sed "s/^/[py ${cell%%:*} torch ${cell##*:}] /" "$logs/$cell.log"; done
+  echo "[torch matrix] venvs for $cells built in $SECONDS s (status $status)"
   exit $status
 fi
 
 status=0
-for release in $releases; do
-  venv="$venvs/.venv-torch-$release"
+for cell in $cells; do
+  python="${cell%%:*}"
+  release="${cell##*:}"
+  name="py $python torch $release"
+  venv="$(venv_of "$python" "$release")"
   began=$SECONDS
-  if ! build "$release" "$venv"; then
-    echo "[torch $release] FAILED: building $venv ($((SECONDS - began)) s; matrix budget ${budget} s)" >&2
+  if ! build "$python" "$release" "$venv"; then
+    echo "[$name] FAILED: building $venv ($((SECONDS - began)) s; matrix budget ${budget} s)" >&2
     status=1
     continue
   fi
   installed="$("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
   if [[ "$installed" != "$release"* ]]; then
-    echo "[torch $release] FAILED: installing spotrun changed torch to $installed" >&2
+    echo "[$name] FAILED: installing spotrun changed torch to $installed" >&2
     status=1
     continue
   fi
-  echo "[torch $release] venv ready in $((SECONDS - began)) s"
-  began=$SECONDS
+  echo "[$name] venv ready in $((SECONDS - began)) s ($("$venv/bin/python" -c 'import sys; print(sys.version.split()[0])'))"
   if ! timeout "$(left)" bash "$root/.ci/wheel_keeps_torch.sh" "$venv" "$release"; then
-    echo "[torch $release] FAILED: pip install of spotrun's wheel would not keep torch $release" >&2
+    echo "[$name] FAILED: pip install of spotrun's wheel would not keep torch $release" >&2
     status=1
   fi
   began=$SECONDS
   # SIGINT first: pytest then prints what failed so far before it stops.
   if timeout -s INT -k 30 "$(left)" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
       -k "not s3" "${CORE[@]}"; then
-    echo "[torch $release] core passed in $((SECONDS - began)) s"
+    echo "[$name] core passed in $((SECONDS - began)) s"
   else
-    echo "[torch $release] FAILED: core (rc $?, $((SECONDS - began)) s; matrix budget ${budget} s)" >&2
+    echo "[$name] FAILED: core (rc $?, $((SECONDS - began)) s; matrix budget ${budget} s)" >&2
     status=1
   fi
 done
-echo "[torch matrix] $releases: $((SECONDS)) s"
+echo "[torch matrix] $cells: $((SECONDS)) s"
 exit $status

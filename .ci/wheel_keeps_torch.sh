@@ -24,7 +24,7 @@ report, release = sys.argv[1], sys.argv[2]
 with open(report) as f:
     plan = [f"{item['metadata']['name']} {item['metadata']['version']}" for item in json.load(f)["install"]]
 torch = [what for what in plan if what.split()[0].lower() == "torch"]
-print(f"[torch {release}] `pip install` of spotrun's wheel would install: {', '.join(plan) or 'nothing'}; "
+print(f"[py {sys.version_info.major}.{sys.version_info.minor} torch {release}] `pip install` of spotrun's wheel would install: {', '.join(plan) or 'nothing'}; "
       + (f"it would replace torch {release} with {torch[0]}" if torch else f"torch {release} kept"))
 sys.exit(1 if torch else 0)
 PY

@@ -141,7 +141,7 @@ def first_step(progress: Path, *, after: float, world: int, exclude_pids: set[in
 def first_join_time(events: Path, agent_pid: int, after: float) -> float | None:
     """Wall time the new spotrun agent started its first rendezvous (its interpreter start excluded)."""
     for rec in read_jsonl(events):
-        if rec["event"] == "rendezvous_started" and rec["node"].endswith(f":{agent_pid}") and rec["t_wall"] > after:
+        if rec["event"] == "rendezvous_started" and f"-{agent_pid}-" in rec["node"] and rec["t_wall"] > after:
             return rec["t_wall"]
     return None
 

@@ -91,7 +91,7 @@ def _node0_events(workdir: Path, node0_pid: int, after: float) -> dict[str, floa
     """First time after ``after`` of each recovery event of agent 0 (the survivor), plus ``committed_at``."""
     out: dict[str, float] = {}
     for ev in read_jsonl(workdir / "events.jsonl"):
-        if not ev["node"].endswith(f":{node0_pid}") or ev["t_wall"] <= after:
+        if f"-{node0_pid}-" not in ev["node"] or ev["t_wall"] <= after:
             continue
         out.setdefault(ev["event"], float(ev["t_wall"]))
         if ev["event"] == "planned_restart" and ev.get("committed_at") is not None:

@@ -17,8 +17,8 @@ order on all ranks): a foreground one for the cheap per-save vote, the item meta
 choices (training thread), and a background one for the commit (writer thread). Neither is the training's
 default group, so a collective the writer thread runs can never interleave with the training's own.
 
-A background save that fails is not committed and deletes nothing; the next ``save`` reports it and training
-goes on, up to ``max_consecutive_failed_saves`` failures in a row (``tolerate_failed_save``).
+A background save that fails is not committed, rank 0 removes its step directory (never a committed one), and
+the next ``save`` reports it and training goes on, up to ``max_consecutive_failed_saves`` failures in a row (``tolerate_failed_save``).
 
 Seams for what comes next: a save triggered by a preemption notice is ``save`` + ``wait`` (or a new
 ``ShardWriter``); hardening the readers is ``discover``, ``shard``, ``verify`` and ``per_rank``, not this
@@ -41,6 +41,7 @@ from checkpoint.api import (
     JSON,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointStorageError,
     ChunkKey,
     Manifest,
     RankObjectsRecord,
@@ -63,6 +64,7 @@ from checkpoint.discover import (
 from checkpoint.dtypes import torch_dtype
 from checkpoint.fallback import LoadOutcome, load_with_fallback
 from checkpoint.faults import crash_point
+from checkpoint.location import check_location
 from checkpoint.memory.api import RestoreReport
 from checkpoint.memory.attach import AttachedMemory
 from checkpoint.memory.resume import restore
@@ -136,6 +138,8 @@ class Checkpointer:
         """Foreground (training thread: vote, item metadata, step choice) and background (writer thread:
         records gather, commit outcome) collectives."""
         self.rank, self.world_size = self._fg.rank, self._fg.world_size
+        if c.check_location:
+            self._check_location()
         self._memory: AttachedMemory | None = (
             None if c.memory is None else AttachedMemory.open(c.memory, process_group)
         )
@@ -164,6 +168,25 @@ class Checkpointer:
         self._validated: Manifest | None = None
         """The manifest this rank validated while choosing the step to load (rank 0 in ``_agree_on_step``
         and the fallback's older step), taken by ``_load_step`` so a load validates its step once."""
+
+    def _check_location(self) -> None:
+        """Every rank probes the root (``checkpoint.location``) and every rank raises when one failed, so none
+        is left waiting in a later collective."""
+        error: CheckpointStorageError | None = None
+        try:
+            check_location(self.storage, self.rank)
+        except CheckpointStorageError as exc:
+            error = exc
+        (failed,) = self._fg.any(error is not None)
+        if not failed:
+            return
+        self.storage.close()
+        if error is not None:
+            raise error
+        raise CheckpointStorageError(
+            f"checkpoint location {self.storage.display()} is not usable on another rank (see its error)",
+            path=self.storage.display(),
+        )
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.storage.display()!r}, rank={self.rank}/{self.world_size})"
@@ -386,6 +409,9 @@ class Checkpointer:
         outcome = self._collective("outcome broadcast", step, self._bg.broadcast, outcome)
         if outcome is None and local_error is None and started is not None:
             self._record_save_seconds(time.perf_counter() - started)
+        if self.rank == 0 and (outcome is not None or local_error is not None):
+            # after the broadcast: every rank is done writing into the step directory
+            self._remove_failed_step(step)
         if self.rank == 0 and outcome is None:
             apply_retention(self.storage, step, keep_last=self.config.keep_last, keep_every=self.config.keep_every)
             # after the broadcast: other ranks need not wait for deletions
@@ -396,6 +422,22 @@ class Checkpointer:
         if outcome is not None:
             raise CheckpointError(outcome)
         return step
+
+    def _remove_failed_step(self, step: int) -> None:
+        """Delete what a failed save of ``step`` left (shards, per-rank files, a manifest without its commit
+        marker), so the next save finds the space it needs on a full disk. Never a committed step: a save of a
+        step that was already committed fails before writing, and its directory has the commit marker."""
+        rel = step_dir(step)
+        try:
+            if self.storage.exists(f"{rel}/{COMMIT_FILE}"):
+                return
+            self.storage.rm(rel, recursive=True)
+        except CheckpointError as exc:
+            logger.warning("[rank %d step %d] could not remove the failed save's files at %s: %s",
+                           self.rank, step, self.storage.display(rel), exc)
+        else:
+            logger.info("[rank %d step %d] removed the failed save's files at %s", self.rank, step,
+                        self.storage.display(rel))
 
     def _write_commit_and_record(
         self,

@@ -60,7 +60,8 @@ class CheckpointConfig:
 
     max_consecutive_failed_saves: int = 3
     """A background save that fails (storage still failing after ``retry_timeout``, a permanent error such as
-    disk full) is not committed and deletes nothing; it is reported (an ERROR log line, the Checkpointer's
+    disk full) is not committed, and its own partial step directory is removed at once (so a full disk is not
+    filled further by every later attempt; no committed step is ever touched); it is reported (an ERROR log line, the Checkpointer's
     ``on_save_failure`` callback) and training goes on. Once this many saves in a row have failed, the next
     ``save`` raises the last error instead (>= 1; 1: raise at the first failure). ``wait`` and ``close``
     always raise the failure of the save they wait for."""
@@ -103,6 +104,12 @@ class CheckpointConfig:
     (``sync_file_range``), so the disk works while the rest of the shard is written and the final
     ``fsync`` has little left to do; 0 leaves everything to ``fsync``. Does not change durability."""
 
+    check_location: bool = True
+    """When the Checkpointer is created, every rank writes a small probe file under the root, reads it back and
+    removes it (``checkpoint.location``), so a read-only filesystem, a missing permission or a missing S3 bucket
+    fails at start with one line naming the location, not at the first save (or silently, in a run shorter than
+    the save interval). False skips it (a root that is only ever read)."""
+
     memory: MemoryTierConfig | None = None
     """The memory tier (``checkpoint.memory``, issue 17), off when None. With it, under the spotrun agent,
     :meth:`~checkpoint.checkpointer.Checkpointer.snapshot` (which ``elastic.preemption.Preemption.save_and_stop``
@@ -119,7 +126,7 @@ class CheckpointConfig:
             raise CheckpointConfigError(f'writer={self.writer!r} is invalid: use "thread" or "process"')
         if self.when_busy not in ("wait", "refuse"):
             raise CheckpointConfigError(f'when_busy={self.when_busy!r} is invalid: use "wait" or "refuse"')
-        for name in ("async_mode", "verify_on_load"):
+        for name in ("async_mode", "verify_on_load", "check_location"):
             if not isinstance(getattr(self, name), bool):
                 raise CheckpointConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         self._check_int("checksum_block_bytes", self.checksum_block_bytes, 4096, "use e.g. 1 MiB (1048576)")

@@ -155,8 +155,18 @@ def _layout_from_json(d: dict[str, JSON]) -> ShardLayout:
     return build_layout(str(d["file"]), pieces)
 
 
+WRITER_MAIN = (
+    "import sys; del sys.path[0]; import runpy; "
+    "runpy.run_module('checkpoint.writer', run_name='__main__', alter_sys=True)"
+)
+"""The writer process's ``python -c`` program: ``python -m checkpoint.writer`` would put the working directory
+(the user's training repository) first on sys.path, and its own checkpoint.py or checkpoint/ would be imported in
+place of ours. ``-c`` puts it there too, as ``sys.path[0]``, which this drops before importing anything (what
+``-P`` does, but ``-P`` needs Python 3.11)."""
+
+
 class WriterProcess:
-    """Client of the per-rank writer process (``python -P -m checkpoint.writer``)."""
+    """Client of the per-rank writer process (``WRITER_MAIN``: ``checkpoint.writer`` run as ``__main__``)."""
 
     def __init__(self, spec: StorageSpec) -> None:
         import subprocess
@@ -165,10 +175,8 @@ class WriterProcess:
 
         init = spec.to_json()  # before the child starts: a bad option fails here, naming itself
         self._lock = threading.Lock()
-        # -P: ``-m`` would put the working directory (the user's training repository) first on sys.path, and
-        # its own checkpoint.py or checkpoint/ would be imported in place of ours.
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "checkpoint.writer"],
+            [sys.executable, "-c", WRITER_MAIN],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

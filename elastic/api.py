@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 #: Seconds between SIGTERM and SIGKILL when the agent stops workers to restart them (default 3).
 ENV_STOP_GRACE = "SPOTRUN_STOP_GRACE"
-#: Path of the structured recovery event log (default ``<log root>/events.jsonl``).
+#: Path of the structured recovery event log (default ``<log-dir>/events.jsonl``, else
+#: ``$XDG_STATE_HOME/spotrun/runs/<run id>/<host>/events.jsonl``: ``elastic.events.default_events_path``).
 ENV_EVENTS_FILE = "SPOTRUN_EVENTS_FILE"
 #: Seconds a failed worker group with no restarts left waits for a peer-loss signal before giving up.
 ENV_PEER_LOSS_GRACE = "SPOTRUN_PEER_LOSS_GRACE"

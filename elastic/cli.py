@@ -41,8 +41,8 @@ Differences from torchrun:
   ``--metrics-port PORT``        Prometheus metrics at ``/metrics`` (env ``SPOTRUN_METRICS_PORT``; default off;
                                  ``elastic.metrics``).
   ``--events-file PATH``         structured recovery events (env ``SPOTRUN_EVENTS_FILE``; default
-                                 ``<log-dir>/events.jsonl``, or in torch's temporary log directory
-                                 ``/tmp/torchelastic_*/events.jsonl`` when no ``--log-dir`` is given).
+                                 ``<log-dir>/events.jsonl``, or ``$XDG_STATE_HOME/spotrun/runs/<run id>/<host>/
+                                 events.jsonl`` when no ``--log-dir`` is given; printed once at start).
 
 Subcommands (before any flag): ``spotrun status ...`` (``elastic.status``: the job as etcd sees it) and
 ``spotrun report EVENTS...`` (``elastic.report``: timeline and cost of the faults); also installed as
@@ -120,6 +120,7 @@ from elastic.config import (
     parse_rdzv_conf,
     straggler_policy,
 )
+from elastic.events import default_events_path
 from elastic.notice import notice_signals, parse_sources
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"Watch every worker's progress and restart the group when one hangs (env "
                             f"{ENV_HANG_DETECTION}, default on).")
     group.add_argument("--events-file", "--events_file", type=str, default=None,
-                       help=f"JSON-lines recovery event log (env {ENV_EVENTS_FILE}; default <log root>/events.jsonl).")
+                       help=f"JSON-lines recovery event log (env {ENV_EVENTS_FILE}; default <log-dir>/events.jsonl, "
+                            f"else $XDG_STATE_HOME/spotrun/runs/<run id>/<host>/events.jsonl; printed at start).")
     group.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
                        help=f"Serve Prometheus metrics (restarts, recovery stages, notices, ...) on this TCP port at "
                             f"/metrics (env {ENV_METRICS_PORT}; default: off).")
@@ -322,6 +324,9 @@ def run(args: argparse.Namespace) -> None:
             config, cmd, cmd_args = config_from_args(args)
         except (ValueError, AssertionError) as exc:
             raise LaunchConfigError(str(exc)) from exc
+        if settings.events_file is None:
+            settings.events_file = default_events_path(config.run_id, args.log_dir)
+        print(f"spotrun: events of run {config.run_id}: {settings.events_file}", file=sys.stderr, flush=True)
         launch(config, cmd, cmd_args, settings)
 
 

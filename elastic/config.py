@@ -43,8 +43,10 @@ class AgentSettings:
     launcher raises it to the lease TTL plus a margin (``launcher.peer_loss_window``); 0 turns it off."""
 
     events_file: str | None = None
-    """JSON-lines file for recovery events; ``None`` means ``<log root>/events.jsonl`` (the ``--log-dir``,
-    or torch's temporary log directory when no ``--log-dir`` is given)."""
+    """JSON-lines file for recovery events. The ``spotrun`` command resolves ``None`` to
+    ``elastic.events.default_events_path`` (``<log-dir>/events.jsonl``, else a per-run file under
+    ``$XDG_STATE_HOME``); a library caller of ``launcher.launch`` that leaves it ``None`` gets
+    ``<log root>/events.jsonl`` (torch's temporary log directory without a ``log_dir``)."""
 
     warm_workers: bool = True
     """Run Python script workers in processes forked from a forkserver that pre-imported torch, so a

@@ -1,31 +1,71 @@
 """Structured recovery events: one JSON object per line, appended by every agent to a shared file.
 
-Each line carries ``event``, ``run_id``, ``node`` (``host:agent_pid``), ``round`` (rendezvous rounds this
-agent completed), ``t_mono`` (``time.monotonic()``, comparable across processes of one machine) and
-``t_wall`` (Unix time, comparable across machines with synced clocks) plus event-specific fields, so a
-recovery can be broken down stage by stage: failure_detected -> workers_stopped -> rendezvous_started ->
-rendezvous_completed -> workers_started.
+Each line carries ``event``, ``run_id``, ``node`` (the agent's node id, ``host-pid-suffix``: the name
+``spotrun status`` lists, ``elastic.nodes``), ``round`` (rendezvous rounds this agent completed), ``t_mono``
+(``time.monotonic()``, comparable across processes of one machine) and ``t_wall`` (Unix time, comparable across
+machines with synced clocks) plus event-specific fields, so a recovery can be broken down stage by stage:
+failure_detected -> workers_stopped -> rendezvous_started -> rendezvous_completed -> workers_started.
+
+Where the file is by default (``default_events_path``), and how ``spotrun report`` finds a run's files again
+(``find_events_files``), is decided here too.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
-import socket
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic.api import RecoveryEvent
+from elastic.nodes import host_name, node_id
 
 logger = logging.getLogger(__name__)
 
+EVENTS_FILE_NAME = "events.jsonl"
+RUNS_DIR = os.path.join("spotrun", "runs")
+"""Under ``$XDG_STATE_HOME`` (default ``~/.local/state``): one directory per run id, one per host inside it."""
 
-def node_id() -> str:
-    """Identity of this agent in events: host name and agent PID (several agents may share a host)."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+
+def state_home(environ: Mapping[str, str] = os.environ) -> str:
+    """``$XDG_STATE_HOME``, or ``~/.local/state`` when unset or not absolute (the XDG base directory rule)."""
+    value = environ.get("XDG_STATE_HOME", "")
+    if os.path.isabs(value):
+        return value
+    return os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".local", "state")
+
+
+def run_events_dir(run_id: str, environ: Mapping[str, str] = os.environ) -> str:
+    """Where the agents of run ``run_id`` keep their events when no ``--log-dir`` or ``--events-file`` is given:
+    ``$XDG_STATE_HOME/spotrun/runs/<run id>``. The run id becomes one path component."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id) or "_"
+    return os.path.join(state_home(environ), RUNS_DIR, safe)
+
+
+def default_events_path(run_id: str, log_dir: str | None, environ: Mapping[str, str] = os.environ) -> str:
+    """The events file of an agent given no ``--events-file``: ``<log-dir>/events.jsonl`` with ``--log-dir``,
+    else ``$XDG_STATE_HOME/spotrun/runs/<run id>/<host>/events.jsonl`` (one file per host: agents of one host
+    append to it together, agents of different hosts never share a file, even on a shared home directory)."""
+    if log_dir:
+        return os.path.join(log_dir, EVENTS_FILE_NAME)
+    return os.path.join(run_events_dir(run_id, environ), host_name(), EVENTS_FILE_NAME)
+
+
+def find_events_files(run_id: str | None, log_dir: str | None, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The events files a run's agents wrote by default (``default_events_path``): ``<log-dir>/events.jsonl``
+    when ``log_dir`` is given, else every host's file under the run's directory. Existing files only, sorted."""
+    if log_dir:
+        path = os.path.join(log_dir, EVENTS_FILE_NAME)
+        return [path] if os.path.isfile(path) else []
+    if not run_id:
+        return []
+    pattern = os.path.join(glob.escape(run_events_dir(run_id, environ)), "*", EVENTS_FILE_NAME)
+    return sorted(path for path in glob.glob(pattern) if os.path.isfile(path))
 
 
 class JsonlEventLog:

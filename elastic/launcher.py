@@ -45,7 +45,7 @@ from elastic.api import (
 )
 from elastic.boot import discard as discard_early_forkserver
 from elastic.config import AgentSettings
-from elastic.events import JsonlEventLog
+from elastic.events import EVENTS_FILE_NAME, JsonlEventLog
 from elastic.memory_keeper import Keeper
 from elastic.metrics import AgentMetrics, MetricsServer, MetricsSink, serve
 from elastic.notice import NoticePoller, make_sources, notice_signals
@@ -55,6 +55,7 @@ from elastic.rendezvous.api import (
     FinishMarkingHandler,
     LeaseHandler,
     MembershipAwareHandler,
+    NamedNodeHandler,
     RendezvousFinishedError,
 )
 from elastic.torch_internals import entrypoint_name as torch_entrypoint_name
@@ -65,7 +66,6 @@ from elastic.workers import start_warm_forkserver, warm_entrypoint
 
 logger = logging.getLogger(__name__)
 
-EVENTS_FILE_NAME = "events.jsonl"
 _COMPILER_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TRITON_")
 
 
@@ -293,7 +293,9 @@ def launch(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
-    event_log = JsonlEventLog(events_path(config, settings), run_id=config.run_id)
+    # The node id the rendezvous registered (``spotrun status`` lists it) names this agent in its events too.
+    node = rdzv_handler.node_id if isinstance(rdzv_handler, NamedNodeHandler) else None
+    event_log = JsonlEventLog(events_path(config, settings), run_id=config.run_id, node=node)
     logger.info(
         "spotrun agent: run_id=%s backend=%s endpoint=%s nnodes=%s:%s nproc_per_node=%s events=%s",
         config.run_id, config.rdzv_backend, config.rdzv_endpoint, config.min_nodes, config.max_nodes,

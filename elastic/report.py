@@ -2,6 +2,7 @@
 
     spotrun report run/events.jsonl [more.jsonl ...] [--journal run/journal.jsonl] \\
         [--progress run/progress.jsonl] [--worker-log run/agent.log ...] [--html report.html]
+    spotrun report --rdzv-id job1 [--log-dir DIR] ...   # the files spotrun wrote by default for that run
 
 A recovery is what spotrun's events say it is: every event from the one that starts a recovery up to its
 ``workers_started`` carries its ``recovery_cause`` (failure, hang, peer_lost, planned_leave, scale_up;
@@ -30,8 +31,10 @@ the HTML page is ``elastic.report_html``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
+import os
 import re
 import statistics
 import sys
@@ -40,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic.events import read_events
+from elastic.events import EVENTS_FILE_NAME, find_events_files, read_events, run_events_dir
 from elastic.report_html import write_html
 from elastic.timeline import NO_RECOVERY as NO_RECOVERY
 from elastic.timeline import SEGMENT_KINDS as SEGMENT_KINDS
@@ -414,9 +417,11 @@ def totals(events: Sequence[dict[str, Any]], recs: Sequence[Recovery],
     for rec in recs:
         if rec.cause != NO_RECOVERY:
             by_cause[rec.cause] = by_cause.get(rec.cause, 0.0) + recovery_cost(rec, per_step)
-    return Totals(span=span, lost=sum(by_cause.values()), lost_by_cause=by_cause,
-                  recoveries=sum(1 for r in recs if r.cause != NO_RECOVERY),
-                  steps_redone=sum(r.steps_lost or 0 for r in recs), step_time=per_step)
+    restarts = [r for r in recs if r.cause != NO_RECOVERY]
+    known = [r.steps_lost for r in restarts if r.steps_lost is not None]
+    return Totals(span=span, lost=sum(by_cause.values()), lost_by_cause=by_cause, recoveries=len(restarts),
+                  steps_redone=sum(known) if known or not restarts else None, step_time=per_step)
+
 
 
 # --- text -----------------------------------------------------------------------------------------------------
@@ -449,7 +454,8 @@ def render_totals(tot: Totals) -> str:
              f"effective training time {100 * tot.effective_ratio:.1f}%"]
     for cause, seconds in sorted(tot.lost_by_cause.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {cause:<14} {seconds:8.2f} s lost ({100 * seconds / tot.span if tot.span else 0:.1f}% of the span)")
-    redo = f"{tot.steps_redone} steps redone" + (f" ({tot.step_time:.3f} s/step)" if tot.step_time else "")
+    redo = (f"{tot.steps_redone} steps redone" if tot.steps_redone is not None
+            else "steps redone: unknown (no --progress file)") + (f" ({tot.step_time:.3f} s/step)" if tot.step_time else "")
     lines.append(f"  {redo}")
     return "\n".join(lines)
 
@@ -510,7 +516,13 @@ def load_inputs(events: Sequence[str], journal: str | None = None, progress: str
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spotrun report", description=__doc__.split("\n\n")[0])
-    p.add_argument("events", nargs="+", help="events.jsonl files (one per agent directory, or one shared file)")
+    p.add_argument("events", nargs="*", help="events.jsonl files (one per agent directory, or one shared file); "
+                                            "none: found from --rdzv-id / --log-dir")
+    p.add_argument("--rdzv-id", "--rdzv_id", default=None,
+                   help="the run id: its events files where spotrun writes them by default "
+                        "($XDG_STATE_HOME/spotrun/runs/<run id>/*/events.jsonl), and only that run's events")
+    p.add_argument("--log-dir", "--log_dir", default=None,
+                   help="the agents' --log-dir: its events.jsonl (with --rdzv-id, only that run's events)")
     p.add_argument("--journal", default=None, help="chaos journal (spotrun-chaos --journal): faults and their kinds")
     p.add_argument("--progress", default=None, help="progress file with t_wall and step per line (first step, "
                                                     "steps redone)")
@@ -521,14 +533,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def events_files(args: argparse.Namespace) -> list[str]:
+    """The events files to read: those named, else the run's default files (``elastic.events``).
+
+    Raises:
+        FileNotFoundError: none named and none found for ``--rdzv-id`` / ``--log-dir`` (the message says where
+            it looked), or neither was given.
+    """
+    if args.events:
+        return list(args.events)
+    if not args.rdzv_id and not args.log_dir:
+        raise FileNotFoundError("name the events files, or give --rdzv-id (and --log-dir if the agents had one)")
+    found = find_events_files(args.rdzv_id, args.log_dir)
+    if not found:
+        where = (os.path.join(args.log_dir, EVENTS_FILE_NAME) if args.log_dir
+                 else os.path.join(run_events_dir(args.rdzv_id), "*", EVENTS_FILE_NAME))
+        raise FileNotFoundError(f"no events file at {where}")
+    return found
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``spotrun report``: prints the report; 1 when there is nothing to report, 2 for unreadable input."""
     args = build_parser().parse_args(argv)
     try:
-        inputs = load_inputs(args.events, args.journal, args.progress, args.worker_log)
+        inputs = load_inputs(events_files(args), args.journal, args.progress, args.worker_log)
     except OSError as exc:
         print(f"spotrun report: error: {exc}", file=sys.stderr)
         return 2
+    if args.rdzv_id:
+        inputs = dataclasses.replace(inputs, events=[e for e in inputs.events if e.get("run_id") == args.rdzv_id])
     for path, count in inputs.dropped.items():
         print(f"note: skipped {count} record(s) of {path} without a valid time")
     if not inputs.events:

@@ -14,11 +14,15 @@ import html
 import math
 from collections.abc import Sequence
 
-from elastic.timeline import NO_RECOVERY, STAGES, Recovery, Segment, Timeline, Totals, recovery_cost
+from elastic.timeline import NO_RECOVERY, STAGES, Recovery, Segment, Timeline, Totals, recovery_cost, steps_redone_text
+
+FAULT_COLOUR = "#d32f2f"
+"""Faults from the chaos journal: a line across every row."""
 
 COLOURS = {
     "training": "#43a047",
-    "detection": "#e53935",
+    # Not a red: faults are red lines across the rows, and a detection bar must not read as one.
+    "detection": "#795548",
     "stop": "#fb8c00",
     "rendezvous": "#fdd835",
     "start": "#1e88e5",
@@ -119,9 +123,9 @@ def timeline_svg(line: Timeline) -> str:
         if mark.node is None:
             mx = x(mark.t)
             parts.append(f'<g class="mk" data-tip="{_esc("fault " + tip)}"><title>{_esc("fault " + tip)}</title>'
-                         f'<line x1="{mx:.1f}" y1="{_TOP - 6}" x2="{mx:.1f}" y2="{height - 22}" stroke="#d32f2f" '
+                         f'<line x1="{mx:.1f}" y1="{_TOP - 6}" x2="{mx:.1f}" y2="{height - 22}" stroke="{FAULT_COLOUR}" '
                          f'stroke-width="2" stroke-dasharray="5 3"/><path d="M{mx - 6:.1f} {_TOP - 16} h12 l-6 9 z" '
-                         f'fill="#d32f2f"/><text x="{mx + 8:.1f}" y="{_TOP - 8}" fill="#d32f2f">'
+                         f'fill="{FAULT_COLOUR}"/><text x="{mx + 8:.1f}" y="{_TOP - 8}" fill="{FAULT_COLOUR}">'
                          f'{_esc(mark.label)}</text></g>')
             continue
         if mark.node not in row:
@@ -205,9 +209,9 @@ def render_page(line: Timeline, recs: Sequence[Recovery], tot: Totals, *, title:
     tone = "good" if ratio >= 0.95 else "warn" if ratio >= 0.8 else "bad"
     cards = [(f"{100 * ratio:.1f}%", "effective training time", tone), (f"{tot.span:.1f} s", "run span", ""),
              (f"{tot.lost:.1f} s", "lost to recoveries", "bad" if tot.lost else "good"),
-             (str(tot.recoveries), "recoveries", ""), (str(tot.steps_redone), "steps redone", "")]
+             (str(tot.recoveries), "recoveries", ""), (steps_redone_text(tot), "steps redone", "")]
     stage_legend = [(k.replace("_", " "), c) for k, c in COLOURS.items()]
-    mark_legend = [("fault (chaos journal)", "#d32f2f")] + [(name, c) for c, name in MARKS.values()]
+    mark_legend = [("fault (chaos journal)", FAULT_COLOUR)] + [(name, c) for c, name in MARKS.values()]
     body = (
         f"<header><h1>{_esc(title)}</h1><p>{len(line.nodes)} agents, +0 s = first event; hover a bar or mark for "
         f"details</p></header><main>"

@@ -80,7 +80,9 @@ class Totals:
     """Sum over recoveries of :func:`recovery_cost`."""
     lost_by_cause: dict[str, float]
     recoveries: int
-    steps_redone: int
+    steps_redone: int | None
+    """Steps trained again after the recoveries; None when unknown (recoveries, but no progress telling how many
+    steps any of them redid)."""
     step_time: float | None
     """Median seconds between two consecutive steps in the progress file (None without one)."""
 
@@ -93,6 +95,11 @@ class Totals:
 def stage_end(rec: Recovery) -> float:
     """Seconds from a recovery's origin to the last stage seen (0 when none was)."""
     return max([v for v in rec.stages.values() if v is not None], default=0.0)
+
+
+def steps_redone_text(tot: Totals) -> str:
+    """The steps redone as the report shows them: a count, or ``unknown`` (no progress data)."""
+    return "unknown" if tot.steps_redone is None else str(tot.steps_redone)
 
 
 def recovery_cost(rec: Recovery, seconds_per_step: float | None) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from checkpoint import CheckpointConfig, Checkpointer, MemoryTierConfig
+from checkpoint.api import CheckpointError
 from elastic.preemption import Preemption
 
 _first_step = True
@@ -77,9 +79,14 @@ def main() -> None:
             if step % args.ckpt_every == 0:
                 ckpt.save(step, state)               # blocks only for the host copy
     # --8<-- [end:loop]
+    if start > args.steps and dist.get_rank() == 0:  # a finished run started again
+        print(f"step {start - 1} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)
     del model, state  # free DDP before its group: torch can deadlock at exit otherwise (docs/concepts/launcher.md)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CheckpointError as exc:  # the location cannot be written, or the last save failed: one line, exit 1
+        sys.exit(f"quickstart.py: error: {exc}")

@@ -41,6 +41,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
+from checkpoint.api import CheckpointError
 from elastic.data import BatchConfig, ElasticBatches, ElasticDataError, StepPlan
 from elastic.deterministic import ShardGradReducer
 from elastic.preemption import Preemption
@@ -253,7 +255,17 @@ def deterministic_step(model: nn.Module, reducer: ShardGradReducer, plan: StepPl
 
 @record
 def main(argv: list[str] | None = None) -> None:
+    """Train; a checkpoint error (a location that cannot be written, a final save that failed) ends the process
+    with one line naming it and exit status 1, not a traceback (torchrun's summary still names the rank)."""
     args = parse_args(argv)
+    try:
+        train(args)
+    except CheckpointError as exc:
+        print(f"train_ddp.py: error: [rank {os.environ.get('RANK', '0')}] {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def train(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logger.setLevel(logging.INFO)
     if args.deterministic:
@@ -282,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
         step_loaded = ckpt.load(state)
         if step_loaded is not None:
             logger.info("%s resumed from step %s (samples_seen=%s)", ctx, step_loaded, trainer.samples_seen)
+    if ckpt is not None and trainer.step >= args.steps and rank == 0:
+        print(f"step {trainer.step} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)
     # Deterministic mode replaces DDP's gradient reduction with the fixed-order shard sum.
     reducer = None
     if args.deterministic:

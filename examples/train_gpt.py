@@ -46,6 +46,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ from train_ddp import (
     storage_option,
 )
 
+from checkpoint.api import CheckpointError
 from elastic.data import BatchConfig, ElasticBatches, ElasticDataError, StepPlan
 from elastic.preemption import Preemption
 
@@ -362,7 +364,17 @@ def memory_fields(memory: Any) -> dict[str, float]:
 
 @record
 def main(argv: list[str] | None = None) -> None:
+    """Train; a checkpoint error (a location that cannot be written, a final save that failed) ends the process
+    with one line naming it and exit status 1, not a traceback (torchrun's summary still names the rank)."""
     args = parse_args(argv)
+    try:
+        train(args)
+    except CheckpointError as exc:
+        print(f"train_gpt.py: error: [rank {os.environ.get('RANK', '0')}] {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def train(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logger.setLevel(logging.INFO)
     rank, world, device = init_distributed(args.pg_timeout)
@@ -393,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
             logger.info("%s resumed from step %s (%s)", ctx, report.step, report.source.value)
     elif ckpt is not None and (restored := ckpt.load(state)) is not None:
         logger.info("%s resumed from step %s", ctx, restored)
+    if (ckpt is not None or dcp_ckpt is not None) and trainer.step >= args.steps and rank == 0:
+        print(f"step {trainer.step} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)
     # A notice (or a node joining) stops every rank at the same, committed step (SIGTERM under torchrun).
     preemption = Preemption(sync_every=args.preempt_sync_every) if ckpt is not None else None
     sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))

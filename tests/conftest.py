@@ -123,6 +123,20 @@ def _dist_forkserver() -> Iterator[None]:
         dist.shutdown()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """An agent without --log-dir or --events-file keeps its events under $XDG_STATE_HOME
+    (``elastic.events.default_events_path``): the suite's agents keep theirs in its temporary directory, not in
+    the home directory of whoever runs the tests."""
+    before = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = before
+
+
 _WORKER_LEFTOVERS = pytest.StashKey[list[str]]()
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "EtcdRendezvousConfig",
     "FinishMarkingHandler",
     "LeaseHandler",
+    "NamedNodeHandler",
     "RoundMembersHandler",
     "MembershipAwareHandler",
     "OutageBoundHandler",
@@ -159,6 +160,15 @@ class ConnectableHandler(Protocol):
     def connect(self) -> None:
         """Reach the backend now without joining a round (raises ``RendezvousConnectionError`` once it has
         been unreachable for the backend's timeout); idempotent, ``next_rendezvous`` would do it anyway."""
+
+
+@runtime_checkable
+class NamedNodeHandler(Protocol):
+    """A handler that registers this agent under a node id (etcd-v3 does: ``elastic.nodes.node_id``): the
+    agent's events carry the same id, so ``spotrun status`` and ``spotrun report`` name a node alike."""
+
+    @property
+    def node_id(self) -> str: ...
 
 
 @runtime_checkable

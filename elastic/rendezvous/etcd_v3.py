@@ -77,12 +77,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import re
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -92,6 +89,8 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousInfo,
     RendezvousStoreInfo,
 )
+
+from elastic.nodes import node_id as new_node_id
 
 from .api import (
     BACKEND_NAME,
@@ -139,11 +138,6 @@ __all__ = [
 
 STORE_TIMEOUT = timedelta(seconds=60)
 """Default timeout of the agents' store (torch's c10d backend uses 60 s too); barriers set their own."""
-
-
-def _default_node_id() -> str:
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname().split(".")[0]) or "host"
-    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
@@ -195,7 +189,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if node_id is not None and (not node_id or "/" in node_id):
             raise ValueError(f"node_id {node_id!r} must be non-empty and contain no '/'")
         self._config = config
-        self._node_id = node_id = node_id or _default_node_id()
+        self._node_id = node_id = node_id or new_node_id()
         self._clock = clock
         self._pool = pool
         self._addr = config.local_addr or socket.getfqdn()

@@ -242,7 +242,7 @@ class Nodes(_RunFiles):
     """The injector of the last :meth:`run` (set as it starts: its restarted etcd members are the caller's)."""
 
     def events_of(self, agent: Launcher) -> list[dict[str, Any]]:
-        return [e for e in self.events if str(e.get("node", "")).endswith(f":{agent.pid}")]
+        return [e for e in self.events if f"-{agent.pid}-" in str(e.get("node", ""))]  # elastic.nodes.node_id
 
     def start_agent(self) -> Launcher:
         self.root.mkdir(parents=True, exist_ok=True)

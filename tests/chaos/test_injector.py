@@ -111,7 +111,8 @@ def test_kill_keeper_signals_the_agents_keeper_which_the_agent_replaces(tmp_path
     import tempfile
 
     root = tempfile.mkdtemp(prefix="spotrun-memtier-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    proc = subprocess.Popen([sys.executable, "-P", "-c", KEEPER_AGENT, root], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; del sys.path[0]\n" + KEEPER_AGENT, root],  # -P, on 3.10 too
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     path = proc.stdout.readline().strip()
     keepers: list[int] = []

@@ -469,8 +469,9 @@ time.sleep(120)
 
 
 def _fake_agent(root: str, keeper: bool, cwd: str | None = None) -> tuple[subprocess.Popen[str], str, int]:
-    # -P: the fake agent itself imports spotrun, not the working directory's modules (as the spotrun script does)
-    proc = subprocess.Popen([sys.executable, "-P", "-c", _AGENT, root, "1" if keeper else "0"],
+    # sys.path[0] dropped (-P, which needs Python 3.11): the fake agent itself imports spotrun, not the working
+    # directory's modules (as the spotrun script does)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; del sys.path[0]\n" + _AGENT, root, "1" if keeper else "0"],
                             stdout=subprocess.PIPE, text=True, cwd=cwd)
     assert proc.stdout is not None
     path, keeper_pid = proc.stdout.readline().split()

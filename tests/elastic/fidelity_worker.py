@@ -125,8 +125,12 @@ if args.mode == "observe":
         json.dump(observed, handle)
     with open(os.path.join(args.out, f"draws.{rank}.json"), "w") as handle:
         json.dump(draws, handle)  # unseeded generators: per process, so compared across ranks
-    print(f"fidelity-stdout rank={rank}", flush=True)
-    print(f"fidelity-stderr rank={rank}", file=sys.stderr, flush=True)
+    # One write per line: print() writes the text and its newline apart, and unbuffered (-u, as torchrun runs
+    # workers), two ranks' lines then interleave ("...rank=1fidelity-stderr rank=0"), under either launcher.
+    sys.stdout.write(f"fidelity-stdout rank={rank}\n")
+    sys.stdout.flush()
+    sys.stderr.write(f"fidelity-stderr rank={rank}\n")
+    sys.stderr.flush()
 else:
     if rank == 0:
         def on_sigterm(signum: int, frame: object) -> None:

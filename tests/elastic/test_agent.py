@@ -102,9 +102,9 @@ def _steps_at_world(tmp_path: Path, world: int, since: float) -> set[int]:
 
 
 def _worker_pids(tmp_path: Path, agent: Launcher) -> list[int]:
-    node_suffix = f":{agent.pid}"
+    node_part = f"-{agent.pid}-"  # elastic.nodes.node_id: host-pid-suffix
     started = [e for e in read_events(str(tmp_path / "events.jsonl"))
-               if e["event"] == "workers_started" and e["node"].endswith(node_suffix)]
+               if e["event"] == "workers_started" and node_part in e["node"]]
     return started[-1]["pids"] if started else []
 
 
@@ -155,10 +155,10 @@ def test_node_loss_shrinks_the_group_and_a_new_node_grows_it_back(tmp_path: Path
         wait_for(lambda: _steps_at_world(tmp_path, 2, joined_at) == {0, 1}, 90, "the group to grow back to 2")
 
         events = read_events(str(tmp_path / "events.jsonl"))
-        a_node = f":{a.pid}"
-        causes = [e["cause"] for e in events if e["event"] == "failure_detected" and e["node"].endswith(a_node)]
+        a_node = f"-{a.pid}-"
+        causes = [e["cause"] for e in events if e["event"] == "failure_detected" and a_node in e["node"]]
         assert causes and all(c in {"membership_change", "worker_failure_with_peer_loss"} for c in causes), causes
-        a_rounds = [e for e in events if e["event"] == "rendezvous_completed" and e["node"].endswith(a_node)]
+        a_rounds = [e for e in events if e["event"] == "rendezvous_completed" and a_node in e["node"]]
         assert [e["group_world_size"] for e in a_rounds][-2:] == [1, 2]
         # pytorch#135712: rounds forced by membership changes keep TORCHELASTIC_RESTART_COUNT, so with a
         # shared agent store new workers would read the previous workers' gloo addresses under the same

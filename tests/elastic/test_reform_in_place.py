@@ -153,8 +153,8 @@ def test_a_leave_that_admits_a_spare_restarts_the_survivors_worker(tmp_path: Pat
     with _running(agents):
         wait_for(lambda: _training_at(tmp_path, 2, 2), 120, "two agents to train at world size 2")
         agents.append(_agent(tmp_path, "c", etcd_server.endpoint, "spare", steps=150, env=env))
-        spare = f":{agents[2].pid}"
-        wait_for(lambda: any(e["node"].endswith(spare) for e in _events(tmp_path, "rendezvous_started")), 60,
+        spare = f"-{agents[2].pid}-"
+        wait_for(lambda: any(spare in e["node"] for e in _events(tmp_path, "rendezvous_started")), 60,
                  "the spare to wait in the rendezvous")
         b.signal(signal.SIGTERM)
         assert b.wait(30) == 0, "the preempted agent leaves"

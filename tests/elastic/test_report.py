@@ -150,3 +150,53 @@ def test_a_node_killed_without_a_word_ends_where_the_job_went_on_without_it() ->
     b = [(s.kind, s.start, s.end) for s in line.segments if s.node == "b:2"]
     assert b == [("training", 0.0, 10.0)], "b's bar stops at a's recovery, not at the end of the file"
     assert [(m.node, m.kind, m.t) for m in line.markers if m.kind == "lost"] == [("b:2", "lost", 10.0)]
+
+
+def test_steps_redone_is_unknown_without_progress_and_zero_without_recoveries() -> None:
+    recs = report.recoveries(EVENTS, JOURNAL)  # no progress file: how many steps were redone is not known
+    tot = report.totals(EVENTS, recs)
+    assert tot.recoveries == 2 and tot.steps_redone is None
+    assert "steps redone: unknown" in report.render_totals(tot)
+    page = render_page(report.timeline(EVENTS, report.faults_from(JOURNAL), recs), recs, tot)
+    assert "<b>unknown</b><span>steps redone</span>" in page
+    quiet = [e for e in EVENTS if e["node"] == "a:1" and not e.get("recovery_cause")]
+    assert report.totals(quiet, report.recoveries(quiet)).steps_redone == 0, "no recovery: nothing redone"
+
+
+def test_detection_bars_do_not_share_the_faults_red() -> None:
+    from elastic.report_html import COLOURS, FAULT_COLOUR
+
+    def rgb(colour: str) -> tuple[int, ...]:
+        return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+
+    distance = sum((a - b) ** 2 for a, b in zip(rgb(COLOURS["detection"]), rgb(FAULT_COLOUR))) ** 0.5
+    assert distance > 80, f"detection {COLOURS['detection']} vs fault {FAULT_COLOUR}: {distance:.0f} apart"
+
+
+def test_report_finds_the_events_from_the_run_id_and_the_log_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastic.events import default_events_path
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    for node in ("a:1", "b:2"):  # two hosts of one run: one file each
+        path = Path(default_events_path("job7", None)).parent.parent / node.replace(":", "_") / "events.jsonl"
+        path.parent.mkdir(parents=True)
+        _write(path, [dict(e, run_id="job7") for e in EVENTS if e["node"] == node])
+    assert report.main(["--rdzv-id", "job7"]) == 0
+    assert f"== timeline (2 nodes, {len(EVENTS)} events" in capsys.readouterr().out
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    other = [dict(e, run_id="old") for e in EVENTS[:3]]
+    _write(logs / "events.jsonl", other + [dict(e, run_id="job7") for e in EVENTS])
+    assert report.main(["--log-dir", str(logs), "--rdzv-id", "job7"]) == 0, "only that run's events"
+    assert f"== timeline (2 nodes, {len(EVENTS)} events" in capsys.readouterr().out
+    assert report.main(["--log-dir", str(logs)]) == 0
+    assert f"{len(EVENTS) + 3} events" in capsys.readouterr().out
+
+    assert report.main(["--rdzv-id", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no events file at {tmp_path / 'state' / 'spotrun' / 'runs' / 'nope'}" in err
+    assert report.main([]) == 2
+    assert "give --rdzv-id" in capsys.readouterr().err
