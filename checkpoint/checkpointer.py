@@ -454,7 +454,8 @@ class Checkpointer:
         except BaseException:
             self._recorder.failed()
             raise
-        nbytes = sum(b.nbytes for b in buffers) + (len(rank_payload[1]) if rank_payload is not None else 0)
+        # The layouts, not the staging buffers: the process writer stages into its own process (no buffers here).
+        nbytes = sum(layout.data_bytes for layout in layouts) + (len(rank_payload[1]) if rank_payload is not None else 0)
         self._recorder.committed(committed, time.perf_counter() - started, nbytes)
         return committed
 

@@ -1074,6 +1074,7 @@ class SpotrunAgent(LocalElasticAgent):
                 group_world_size=group.group_world_size, master_addr=group.master_addr,
                 master_port=group.master_port, restart_count=restart_count))
         group.state = WorkerState.HEALTHY
+        self._vitals.started({w.local_rank: w.global_rank for w in group.workers})  # new global ranks
         self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()), in_place=True)
         self._recovery_cause = None
 

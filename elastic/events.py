@@ -44,6 +44,8 @@ def run_events_dir(run_id: str, environ: Mapping[str, str] = os.environ) -> str:
     """Where the agents of run ``run_id`` keep their events when no ``--log-dir`` or ``--events-file`` is given:
     ``$XDG_STATE_HOME/spotrun/runs/<run id>``. The run id becomes one path component."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id) or "_"
+    if safe.startswith("."):  # "." or "..": never a path step up, nor a hidden directory
+        safe = "_" + safe
     return os.path.join(state_home(environ), RUNS_DIR, safe)
 
 

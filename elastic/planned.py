@@ -413,7 +413,7 @@ class PlannedChanges:
         if sigterm and self.own is not None:
             return SignalAction.SHUT_DOWN
         outlook = self.outlook(helpers_ready=helpers_ready, announced=announced)
-        if outlook is HelperOutlook.COMING:
+        if outlook is HelperOutlook.COMING and self.own is None:
             return SignalAction.LEAVE_NOW
         if outlook is HelperOutlook.NEVER and sigterm:
             return SignalAction.SHUT_DOWN

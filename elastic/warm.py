@@ -63,9 +63,10 @@ DEFAULT_PRELOAD = (
     # tenacity ~1/5). spotrun's own `checkpoint` package is not preloaded: a script's own top-level
     # `checkpoint` module is a common name, and would make every such job fall back to plain workers.
     "fsspec", "fsspec.implementations.local", "tenacity",
-    # spotrun's worker-side helpers (the preemption helper and the elastic data cursor: ~6 ms of a new worker's
-    # start); their top-level name, ``elastic``, is preloaded above anyway, so no new name can be shadowed.
-    "elastic.preemption", "elastic.data",
+    # spotrun's elastic data cursor (a few ms of a new worker's start); its top-level name, ``elastic``, is
+    # preloaded above anyway, so no new name can be shadowed. Not the preemption helper: its import in the
+    # script tells the agent the script will build one (``coming-{local_rank}``, elastic.worker.preemption).
+    "elastic.data",
 )
 """What the warm forkserver imports before it forks a worker (``elastic.workers.start_warm_forkserver``; started
 early by ``elastic.boot``, before the agent's own imports). None of it may import spotrun's ``checkpoint``."""

@@ -62,12 +62,13 @@ def steps_lost(segs: list[Segment]) -> list[int]:
 
 
 def node_labels(events: list[Mapping[str, Any]], names: Mapping[str, str]) -> dict[str, str]:
-    """``host:pid`` node ids -> the caller's names (by agent pid), or node-1, node-2, ... by first appearance."""
+    """Node ids (``host-pid-suffix``, or ``host:pid`` in older events) -> the caller's names (by agent pid), or
+    node-1, node-2, ... by first appearance."""
     labels: dict[str, str] = {}
     for e in events:
         node = str(e.get("node", "?"))
         if node not in labels:
-            pid = node.rsplit(":", 1)[-1]
+            pid = node.rsplit(":", 1)[-1] if ":" in node else (node.rsplit("-", 2) + ["", ""])[-2]
             labels[node] = names.get(pid, f"node-{len(labels) + 1}")
     return labels
 

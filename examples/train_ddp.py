@@ -253,6 +253,18 @@ def deterministic_step(model: nn.Module, reducer: ShardGradReducer, plan: StepPl
     return reducer.finish()
 
 
+def _check_same_step(step: int, device: torch.device) -> None:
+    """After a re-form in place for a lost peer: every survivor must stand at the same completed step. A peer
+    that died inside an all-reduce can leave one rank with the step's result and another without it; then
+    they do not go on (the agent restarts them, restoring one step from memory)."""
+    bounds = torch.tensor([step, -step], dtype=torch.int64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    newest, oldest = int(bounds[0]), -int(bounds[1])
+    if newest != oldest:
+        raise RuntimeError(f"the survivors of the lost peer stopped at steps {oldest} to {newest}: not re-formed in "
+                           "place (a restart restores one step for all)")
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     """Train; a checkpoint error (a location that cannot be written, a final save that failed) ends the process
@@ -316,7 +328,6 @@ def train(args: argparse.Namespace) -> None:
     # new size and goes on (docs/concepts/reform-in-place.md); otherwise it exits as above.
     reform = None
     if preemption is not None:
-        from checkpoint import CheckpointError
         from checkpoint.memory.jit import is_collective_failure
         from elastic.worker.reform import InPlaceReform
 
@@ -389,6 +400,8 @@ def train(args: argparse.Namespace) -> None:
                 logger.warning("%s a save in flight when the peer was lost did not commit: %s", ctx, close_error)
             reform.rebuild(assignment, "nccl" if device.type == "cuda" else "gloo", timedelta(seconds=args.pg_timeout))
             rank, world = assignment.rank, assignment.world_size
+            if lost_peer:
+                _check_same_step(trainer.step, device)
             ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option), args.ckpt_retry_timeout)
             memory = open_memory_tier(args.memory_snapshot_every)
             if reducer is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -77,18 +78,7 @@ class InPlaceReform:
         no assignment within the timeout)."""
         if self.mailbox is None or not self._in_place_change():
             return None
-        self.mailbox.mark_waiting(self.local_rank)
-        deadline = time.monotonic() + self.config.timeout
-        while time.monotonic() < deadline:
-            assignment = self.mailbox.take_assignment(self.local_rank)
-            if assignment is not None:
-                return assignment
-            if self.mailbox.stopping() or not self._in_place_change():
-                return None
-            time.sleep(POLL_INTERVAL)
-        logger.warning("[local rank %d] no re-formed group within %.0f s; exiting for a restart", self.local_rank,
-                       self.config.timeout)
-        return None
+        return self._wait_for_assignment(self._in_place_change)
 
     def wait_after_loss(self) -> GroupAssignment | None:
         """After a collective broke because a peer was lost (the agent posted ``peer-lost.json``; the state is
@@ -102,9 +92,11 @@ class InPlaceReform:
             return None
         if not lost:
             return None
-        return self._wait_for_assignment()
+        return self._wait_for_assignment(lambda: True)
 
-    def _wait_for_assignment(self) -> GroupAssignment | None:
+    def _wait_for_assignment(self, still_in_place: Callable[[], bool]) -> GroupAssignment | None:
+        """Mark this worker waiting and poll for its assignment; None when the agent stops the group, the change
+        stops being one re-formed in place, or the timeout passes."""
         assert self.mailbox is not None
         self.mailbox.mark_waiting(self.local_rank)
         deadline = time.monotonic() + self.config.timeout
@@ -112,7 +104,7 @@ class InPlaceReform:
             assignment = self.mailbox.take_assignment(self.local_rank)
             if assignment is not None:
                 return assignment
-            if self.mailbox.stopping():
+            if self.mailbox.stopping() or not still_in_place():
                 return None
             time.sleep(POLL_INTERVAL)
         logger.warning("[local rank %d] no re-formed group within %.0f s; exiting for a restart", self.local_rank,

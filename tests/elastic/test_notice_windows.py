@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +22,9 @@ import pytest
 
 from elastic.events import read_events
 from elastic.planned import WHY_BEFORE_HELPERS
-from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, read_jsonl, wait_for
+from elastic.worker.mailbox import Mailbox
+from elastic.worker.preemption import announce_helper
+from tests.harness.procs import EXAMPLES, REPO, SPOTRUN, Launcher, read_jsonl, wait_for
 
 TRAIN = str(EXAMPLES / "train_ddp.py")
 RDZV_CONF = "lease_ttl=2,last_call_timeout=0.3,join_timeout=90"
@@ -110,3 +114,24 @@ def test_a_notice_while_the_agent_starts_is_a_planned_leave(tmp_path: Path, etcd
         assert leave["saved"] is False, leave
     finally:
         _close([a, b])
+
+
+def test_the_warm_forkserver_does_not_preload_the_helpers_module() -> None:
+    """A warm worker must run ``elastic.worker.preemption``'s import itself: that import announces the helper
+    (``coming-{local_rank}``), which a preloaded module would never do in the worker."""
+    code = ("import importlib, sys\nfrom elastic.warm import DEFAULT_PRELOAD\n"
+            "for name in DEFAULT_PRELOAD: importlib.import_module(name)\n"
+            "print('elastic.worker.preemption' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"
+
+
+def test_a_worker_importing_the_helper_announces_it(tmp_path: Path) -> None:
+    box = tmp_path / "box"
+    box.mkdir()
+    env = {"LOCAL_RANK": "1", "SPOTRUN_NOTICE_DIR": str(box)}
+    assert announce_helper(env) is True
+    assert Mailbox(str(box)).helpers_coming() == {1}
+    assert announce_helper({"SPOTRUN_NOTICE_DIR": str(box)}) is False, "no LOCAL_RANK: not a worker (the forkserver)"
+    assert announce_helper({"LOCAL_RANK": "0"}) is False, "no mailbox: stock torchrun"
