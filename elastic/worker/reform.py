@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 IN_PLACE_REASONS = frozenset({"peer_preempt"})
 """The planned changes that re-form in place: a peer leaves with a notice (scale-down)."""
 POLL_INTERVAL = 0.005
+LOSS_NOTICE_WAIT = 10.0
+"""Seconds a worker whose collective broke waits for its agent to say a peer is gone (a probe of a dead peer's
+port answers within a second; a silent peer's lease lapses within its TTL, 3 s by default)."""
 """Seconds between two looks at the mailbox while waiting (a ``stat``)."""
 
 
@@ -80,17 +83,20 @@ class InPlaceReform:
             return None
         return self._wait_for_assignment(self._in_place_change)
 
-    def wait_after_loss(self) -> GroupAssignment | None:
-        """After a collective broke because a peer was lost (the agent posted ``peer-lost.json``; the state is
-        that of the last completed step): this worker's place in the re-formed group, or None (exit as today:
-        not enabled, no peer loss posted, the agent stopping the group, or no assignment within the timeout)."""
+    def wait_after_loss(self, notice_wait: float = LOSS_NOTICE_WAIT) -> GroupAssignment | None:
+        """After a collective broke (the state is that of the last completed step): once the agent says a peer
+        was lost (``peer-lost.json``, within ``notice_wait`` s: a killed peer's sockets close before its agent
+        is seen gone), this worker's place in the re-formed group; else None (exit as today: not enabled, no
+        peer loss, the agent stopping the group, or no assignment within the timeout)."""
         if self.mailbox is None:
             return None
+        deadline = time.monotonic() + notice_wait
         try:
-            lost = self.mailbox.peer_lost_posted()
+            while not self.mailbox.peer_lost_posted():
+                if self.mailbox.stopping() or time.monotonic() >= deadline:
+                    return None
+                time.sleep(POLL_INTERVAL)
         except OSError:
-            return None
-        if not lost:
             return None
         return self._wait_for_assignment(lambda: True)
 
