@@ -363,7 +363,8 @@ def forkserver_running() -> bool:
 def forkserver_scope() -> Iterator[None]:
     """Stop, on the way out, the forkserver the body started (none ran before it): a launch called
     in-process leaves no forkserver behind, and a process its caller forks afterwards starts its own
-    (multiprocessing's state copied by the fork names a forkserver that is not the child's)."""
+    (multiprocessing's state copied by the fork names a forkserver that is not the child's). multiprocessing's
+    resource tracker stays, as after torchrun's ``main(argv)``: it may hold the caller's live semaphores."""
     ran_before = forkserver_running()
     try:
         yield

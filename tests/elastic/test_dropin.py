@@ -219,6 +219,11 @@ def test_main_in_process_leaves_nothing_behind(tmp_path: Path) -> None:
     finally:
         signal.signal(signal.SIGUSR1, previous_usr1)
         boot.stop_forkserver()
+        # multiprocessing's resource tracker outlives main(argv), as it outlives torchrun's: stop it here (the
+        # suite fails on a process left behind), as tests/harness/dist.py does.
+        from multiprocessing import resource_tracker
+
+        resource_tracker._resource_tracker._stop()
 
 
 @pytest.mark.parametrize(
