@@ -153,7 +153,20 @@ class SpotrunError(Exception):
 
 
 class LaunchConfigError(SpotrunError, ValueError):
-    """A command-line flag, environment fallback or rendezvous option is malformed or inconsistent."""
+    """A command-line flag, environment fallback or rendezvous option is malformed or inconsistent.
+
+    ``spotrun`` prints it as one line and exits 1, as torchrun exits on its error; ``elastic.cli.main(argv)``
+    called from Python raises it, an instance of the type torchrun raises for the same input (a ValueError,
+    or one of the subclasses below)."""
+
+
+class LaunchConfigRangeError(LaunchConfigError, AssertionError):
+    """A launch value out of its range (``--nnodes`` below 1 or MIN > MAX, ``--nproc-per-node`` below 1,
+    ``--max-restarts`` below 0, ``--monitor-interval`` not above 0): torchrun raises an AssertionError."""
+
+
+class LaunchConfigFormatError(LaunchConfigError, RuntimeError):
+    """``--nnodes`` with more than one ``:``: torchrun raises a RuntimeError."""
 
 
 class RendezvousUnavailableError(SpotrunError):

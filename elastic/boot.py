@@ -15,15 +15,22 @@ test keeps the table equal to the real parser's); the launcher later compares th
 decided (:func:`adopt`) and uses the early forkserver only when everything matches, else stops it and starts
 one as before, saying why once. A wrong guess costs CPU, never behaviour.
 
+The same pre-parser rejects a command line that is surely bad (:func:`reject_early`: an unknown option, a
+``--nnodes``, ``--nproc-per-node``, ``--max-restarts``, ``--monitor-interval`` or ``--rdzv-conf`` torchrun would
+refuse) before the agent's ``import torch``, with torchrun's exit status and one line: a user waits a moment,
+not the seconds that import takes on a loaded machine. What it cannot judge for certain goes on to the real
+parser, which checks everything again.
+
 This module must not import torch (nor anything that does): it runs before the agent's imports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -55,6 +62,13 @@ VALUE_OPTIONS: Final = frozenset({
 """Options of ``spotrun`` that take a value (``tests/elastic/test_boot.py`` keeps this equal to the parser)."""
 DEFAULT_SIGNALS_TO_HANDLE: Final = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """torchrun's ``--signals-to-handle`` default."""
+TABLE_TORCH_RELEASE: Final = "2.13"
+"""The torch release whose torchrun options the two tables above list: an option missing from them is rejected
+before ``import torch`` only under that release (a newer torchrun may have added it)."""
+EXIT_BAD_VALUE: Final = 1
+"""torchrun's exit status for a flag value its launch config refuses (its exception ends the process)."""
+EXIT_USAGE: Final = 2
+"""argparse's exit status for an unknown option (torchrun's too)."""
 ENV_EARLY_FORKSERVER: Final = "SPOTRUN_EARLY_FORKSERVER"
 """``0`` turns the speculative forkserver off (the forkserver then starts after the agent's imports)."""
 
@@ -141,6 +155,9 @@ def guess(argv: Sequence[str], environ: Mapping[str, str], value_options: frozen
         flag = environ.get(ENV_WARM_WORKERS, "").strip().lower()
         if flag in ("0", "false", "no", "off"):
             return None
+        method = _last(opts, "--start-method", "--start_method") or environ.get("PET_START_METHOD")
+        if method is not None and method != "forkserver":
+            return None  # a start method asked for: torchrun's workers (elastic.cli.warm_workers_wanted)
     if not parsed.module and not os.path.isfile(parsed.script):
         return None  # the launcher starts no forkserver for a missing script
     nproc_text = _last(opts, "--nproc-per-node", "--nproc_per_node") or environ.get("PET_NPROC_PER_NODE", "1")
@@ -181,6 +198,79 @@ def launch_notice_signals(argv: Sequence[str], environ: Mapping[str, str]) -> tu
         return tuple(int(sig) for sig in notice_signals(preempt))
     except Exception:  # noqa: BLE001 - a bad --preempt-signal: SIGTERM is a notice whatever else is asked
         return (int(signal.SIGTERM),)
+
+
+_BAD_VALUE_CHECKS: Final = (
+    # (the options' spellings, their torchrun environment fallback, the keyword of check_launch_values, its type)
+    (("--nnodes",), "PET_NNODES", "nnodes", str),
+    (("--nproc-per-node", "--nproc_per_node"), "PET_NPROC_PER_NODE", "nproc_per_node", str),
+    (("--max-restarts", "--max_restarts"), "PET_MAX_RESTARTS", "max_restarts", int),
+    (("--monitor-interval", "--monitor_interval"), "PET_MONITOR_INTERVAL", "monitor_interval", float),
+    (("--rdzv-conf", "--rdzv_conf"), "PET_RDZV_CONF", "rdzv_conf", str),
+)
+_VALID_DEFAULTS: Final = {"nnodes": "1", "nproc_per_node": "1", "max_restarts": 0, "monitor_interval": 1.0,
+                          "rdzv_conf": ""}
+"""Stand-ins for what the command does not set: valid by construction (torchrun's defaults are)."""
+
+
+def unknown_options(argv: Sequence[str]) -> list[str]:
+    """The options before the training script that are no option of spotrun's, nor an abbreviation of one:
+    argparse's "unrecognized arguments" (valid only under ``TABLE_TORCH_RELEASE``). Pure."""
+    known = FLAG_OPTIONS | VALUE_OPTIONS
+    unknown: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--" or not token.startswith("--"):
+            break  # the script (or a short option, left to argparse)
+        name, eq, _ = token.partition("=")
+        if not any(option.startswith(name) for option in known):
+            unknown.append(token)
+        elif not eq and name in VALUE_OPTIONS:
+            i += 1
+        i += 1
+    return unknown
+
+
+def reject_early(argv: Sequence[str], environ: Mapping[str, str], torch_release: str | None) -> tuple[int, str] | None:
+    """(exit status, message) for a command line torchrun surely refuses, judged without torch; None when it
+    is valid or only the real parser can tell. ``torch_release``: the installed torch's ``MAJOR.MINOR``. Pure."""
+    from elastic.api import LaunchConfigError
+    from elastic.config import check_launch_values
+
+    if torch_release == TABLE_TORCH_RELEASE and (unknown := unknown_options(argv)):
+        return EXIT_USAGE, f"unrecognized arguments: {' '.join(unknown)} (spotrun --help lists the options)"
+    parsed = pre_parse(argv, VALUE_OPTIONS)
+    if parsed is None or parsed.script is None or "-h" in parsed.options or "--help" in parsed.options:
+        return None
+    values: dict[str, object] = dict(_VALID_DEFAULTS)
+    for spellings, env, keyword, kind in _BAD_VALUE_CHECKS:
+        given = [parsed.options[s] for s in spellings if s in parsed.options]
+        if len(given) > 1:
+            return None  # both spellings: argparse keeps the later one, which the pre-parser cannot tell
+        text = given[0] if given else environ.get(env)
+        if text is None:
+            continue
+        try:
+            values[keyword] = kind(text)
+        except ValueError:
+            return None  # argparse's own "invalid int value" (exit 2)
+    try:
+        check_launch_values(**values)  # type: ignore[arg-type]  # each value converted to its keyword's type above
+    except LaunchConfigError as exc:
+        return EXIT_BAD_VALUE, str(exc)
+    return None
+
+
+def installed_torch_release() -> str | None:
+    """The installed torch's ``MAJOR.MINOR`` from its package metadata (no import); None when unknown."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    return ".".join(version.split(".")[:2])
 
 
 @dataclass(slots=True)
@@ -277,6 +367,33 @@ def stop_forkserver() -> None:
             stop()
         except OSError as exc:
             logger.debug("stopping the early forkserver: %s", exc)
+
+
+def early_forkserver_started() -> bool:
+    """Whether :func:`start_early` started the forkserver this process runs (the launcher adopts or stops it)."""
+    return _early is not None
+
+
+def forkserver_running() -> bool:
+    """Whether this process has multiprocessing's forkserver (a copy forked from a process that has one
+    believes it has one too: multiprocessing's own state, reset by :func:`stop_forkserver`)."""
+    import multiprocessing.forkserver as forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None) is not None
+
+
+@contextlib.contextmanager
+def forkserver_scope() -> Iterator[None]:
+    """Stop, on the way out, the forkserver the body started (none ran before it): a launch called
+    in-process leaves no forkserver behind, and a process its caller forks afterwards starts its own
+    (multiprocessing's state copied by the fork names a forkserver that is not the child's). multiprocessing's
+    resource tracker stays, as after torchrun's ``main(argv)``: it may hold the caller's live semaphores."""
+    ran_before = forkserver_running()
+    try:
+        yield
+    finally:
+        if not ran_before and forkserver_running():
+            stop_forkserver()
 
 
 def discard() -> None:

@@ -5,11 +5,15 @@ Every torchrun flag of the installed torch is accepted with the same spellings (
 (``torch.distributed.run.get_args_parser``) and the launch config is built by torch's ``config_from_args``.
 Differences from torchrun:
 
-* ``--rdzv-backend`` defaults to ``etcd-v3`` (``PET_RDZV_BACKEND`` still overrides it).
+* ``--rdzv-backend`` defaults to ``etcd-v3`` (``PET_RDZV_BACKEND`` still overrides it) when the command names
+  an ``--rdzv-endpoint``; without one spotrun picks what torchrun picks (:func:`rendezvous_mode`).
 * ``--standalone`` starts an embedded etcd on a free loopback port with a temporary data directory and a
   random run id; etcd and its data are removed on every exit path (success, failure, SIGINT/SIGTERM).
-  Without ``--rdzv-endpoint`` and with ``--nnodes 1`` spotrun behaves as ``--standalone`` (torchrun does the
-  same with its c10d store).
+  A single-node job without ``--rdzv-endpoint`` and without ``--master-port`` runs standalone too, as under
+  torchrun (which uses its c10d store there). With a ``--master-port``, or with more than one node (the classic
+  ``--nnodes 2 --node-rank 0 --master-addr H --master-port P``), a command that names no backend and no
+  endpoint runs on torch's static rendezvous with exactly that address and port, as torchrun; a multi-node one
+  says once how to make it elastic (``--rdzv-backend etcd-v3 --rdzv-endpoint HOST:PORT``).
 * spotrun-only flags (all optional):
 
   ``--stop-grace SECONDS``       SIGTERM->SIGKILL grace when workers are stopped for a restart
@@ -19,8 +23,10 @@ Differences from torchrun:
                                  at least ``lease_ttl`` + 2 unless 0).
   ``--[no-]warm-workers``        fork Python script workers from a torch-preloaded forkserver (env
                                  ``SPOTRUN_WARM_WORKERS``, default on): a restart skips ``import torch``.
-                                 (torchrun's ``--start-method`` only ever applied to ``--run-path``
-                                 functions, and still does; ``--no-python`` binaries are never warm.)
+                                 Only when the command asks for no other ``--start-method`` (flag or
+                                 ``PET_START_METHOD``): with ``spawn`` or ``fork`` asked, script workers are
+                                 torchrun's ``python -u script`` subprocesses (torchrun applies the method
+                                 to ``--run-path`` functions only); ``--no-python`` binaries are never warm.
   ``--preempt-grace SECONDS``    a SIGTERM to the agent is a preemption notice with this deadline (env
                                  ``SPOTRUN_PREEMPT_GRACE``, default 30); see ``elastic.planned``.
   ``--preempt-signal SIG[@S]``   an extra notice signal, Slurm style (env ``SPOTRUN_PREEMPT_SIGNAL``).
@@ -50,8 +56,12 @@ Subcommands (before any flag): ``spotrun status ...`` (``elastic.status``: the j
 still run as the training script, as torchrun would.
 
 Exit status: 0 on success (also after leaving the group for a preemption notice, unless
-``--planned-leave-exit-code`` says otherwise); 1 when workers fail (with torchrun's root-cause summary); 2 for a bad command
-line or rendezvous configuration; 1 when the rendezvous backend is unreachable.
+``--planned-leave-exit-code`` says otherwise); 1 when workers fail (with torchrun's root-cause summary); 1 for a
+bad flag value or rendezvous configuration (as torchrun, with one line instead of its traceback); 2 for a command
+line argparse rejects (an unknown option, a value of the wrong type), as torchrun; 1 when the rendezvous backend is
+unreachable. Called from Python, ``main(argv)`` raises what torchrun's ``main(argv)`` raises for the same input
+(a configuration error is an ``elastic.api.LaunchConfigError``, a ValueError, AssertionError or RuntimeError as
+torchrun's) and leaves nothing behind: its forkserver stopped, signal handlers and environment restored.
 """
 
 from __future__ import annotations
@@ -62,16 +72,19 @@ import logging
 import os
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
-if __name__ == "__main__":  # `python -m elastic.cli`: as `spotrun` (elastic.main), before the imports below
-    from elastic import early_notice
-    from elastic.boot import launch_notice_signals, start_early
+if __name__ == "__main__":
+    # `python -m elastic.cli` is `python -m elastic` (the console script's entry point, elastic.main.main): this file
+    # then runs once, as the module elastic.cli, instead of a second time as __main__ in every warm worker
+    # (multiprocessing re-runs a main module by its name in its children, but never a package's __main__).
+    import runpy
 
-    early_notice.arm(launch_notice_signals(sys.argv[1:], os.environ))
-    start_early(sys.argv[1:])
+    runpy.run_module("elastic", run_name="__main__", alter_sys=True)
+    sys.exit(0)
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
@@ -97,6 +110,8 @@ from elastic.api import (
     ENV_STRAGGLER_WINDOW,
     ENV_WARM_WORKERS,
     LaunchConfigError,
+    LaunchConfigFormatError,
+    LaunchConfigRangeError,
     PlannedLeaveExit,
     RendezvousUnavailableError,
     StandaloneEtcdError,
@@ -104,6 +119,7 @@ from elastic.api import (
 )
 from elastic.config import (
     AgentSettings,
+    check_launch_values,
     default_events_file,
     default_metrics_port,
     default_peer_loss_grace,
@@ -117,7 +133,6 @@ from elastic.config import (
     default_warm_workers,
     hang_policy,
     parse_nnodes,
-    parse_rdzv_conf,
     straggler_policy,
 )
 from elastic.events import default_events_path
@@ -126,7 +141,15 @@ from elastic.notice import notice_signals, parse_sources
 logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
+"""A command line argparse rejects (torchrun's code for it)."""
 EXIT_FAILURE = 1
+"""Failed workers, a bad flag value or configuration, an unreachable rendezvous (torchrun's code for them)."""
+STATIC_BACKEND = "static"
+"""torch's static rendezvous (torchrun's default backend)."""
+GIVEN = "spotrun_given"
+"""Attribute of a parsed command line (:func:`parse_command_line`): the dests the user set, by flag or ``PET_*``."""
+_CHOICES_SEEN = {"rdzv_backend": "PET_RDZV_BACKEND", "start_method": "PET_START_METHOD"}
+"""The dests whose default spotrun tells from a user's choice, with their torchrun environment fallback."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,7 +244,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         stop_grace=default_stop_grace() if args.stop_grace is None else args.stop_grace,
         peer_loss_grace=default_peer_loss_grace() if args.peer_loss_grace is None else args.peer_loss_grace,
         events_file=args.events_file if args.events_file is not None else default_events_file(),
-        warm_workers=default_warm_workers() if args.warm_workers is None else args.warm_workers,
+        warm_workers=default_warm_workers() if (wanted := warm_workers_wanted(args)) is None else wanted,
         preempt_grace=default_preempt_grace() if args.preempt_grace is None else args.preempt_grace,
         # An empty --preempt-signal/--preempt-notice falls back to the environment too (as it always did).
         preempt_signal=args.preempt_signal or default_preempt_signal(),
@@ -238,36 +261,95 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
     )
 
 
-def validate_args(args: argparse.Namespace) -> None:
-    """Reject what torch would only catch with a bare ValueError/AssertionError, with a useful message."""
-    parse_nnodes(args.nnodes)
-    parse_rdzv_conf(args.rdzv_conf)
-    if args.max_restarts < 0:
-        raise LaunchConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if args.monitor_interval <= 0:
-        raise LaunchConfigError(f"--monitor-interval must be > 0 seconds, got {args.monitor_interval}")
-    nproc = args.nproc_per_node
-    if nproc not in {"auto", "cpu", "gpu", "xpu"}:
-        try:
-            if int(nproc) < 1:
-                raise LaunchConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
-        except ValueError as exc:
-            # torch also accepts a registered privateuse1 backend name; let config_from_args judge that.
-            from elastic.torch_internals import privateuse1_backend_name
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, also noting (attribute ``spotrun_given``) whether ``--rdzv-backend`` and
+    ``--start-method`` were chosen (by flag or ``PET_*``) or are defaults: spotrun decides differently for
+    each (:func:`rendezvous_mode`, :func:`warm_workers_wanted`)."""
+    seen = argparse.Namespace(**dict.fromkeys(_CHOICES_SEEN))  # argparse leaves an attribute it finds unset
+    args = parser.parse_args(argv, namespace=seen)
+    given = {dest for dest, env in _CHOICES_SEEN.items() if getattr(args, dest) is not None or env in os.environ}
+    for dest in _CHOICES_SEEN:
+        if getattr(args, dest) is None:
+            setattr(args, dest, parser.get_default(dest))
+    setattr(args, GIVEN, frozenset(given))
+    return args
 
-            if nproc != privateuse1_backend_name():
-                raise LaunchConfigError(
-                    f"--nproc-per-node={nproc!r} is not valid; use an integer, cpu, gpu, xpu or auto"
-                ) from exc
+
+def _given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the user chose ``dest``; a namespace parsed without :func:`parse_command_line` tells only by a
+    value other than spotrun's default or by the ``PET_*`` variable."""
+    given: frozenset[str] | None = getattr(args, GIVEN, None)
+    if given is not None:
+        return dest in given
+    return getattr(args, dest) != build_parser().get_default(dest) or _CHOICES_SEEN[dest] in os.environ
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Reject what torch would only catch with a bare ValueError/AssertionError, with a useful message (of the
+    type torchrun raises for the same input)."""
+    judged = check_launch_values(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
+                                 max_restarts=args.max_restarts, monitor_interval=args.monitor_interval,
+                                 rdzv_conf=args.rdzv_conf)
+    if not judged:
+        # torch also accepts a registered privateuse1 backend name; let config_from_args judge that.
+        from elastic.torch_internals import privateuse1_backend_name
+
+        if args.nproc_per_node != privateuse1_backend_name():
+            raise LaunchConfigError(
+                f"--nproc-per-node={args.nproc_per_node!r} is not valid; use an integer, cpu, gpu, xpu or auto"
+            )
 
 
 def should_run_standalone(args: argparse.Namespace) -> bool:
-    """``--standalone``, or a single-node etcd-v3 job with no endpoint (torchrun's implicit standalone)."""
+    """``--standalone``, or torchrun's implicit standalone: a single-node job without ``--rdzv-endpoint`` on the
+    default backend (or torch's static one) and without ``--master-port``; an explicit ``--rdzv-backend
+    etcd-v3`` ignores the port (it is only ever the static backend's). torchrun runs standalone only without a
+    port: with one it stays on the static backend and its workers get exactly that port (a script may call
+    ``init_process_group(init_method="tcp://localhost:PORT")``)."""
     if args.standalone:
         return True
-    if args.rdzv_backend == DEFAULT_RDZV_BACKEND and not args.rdzv_endpoint:
-        return parse_nnodes(args.nnodes)[1] == 1
-    return False
+    if args.rdzv_endpoint or parse_nnodes(args.nnodes)[1] != 1:
+        return False
+    if args.rdzv_backend == STATIC_BACKEND or not _given(args, "rdzv_backend"):
+        return args.master_port is None
+    return bool(args.rdzv_backend == DEFAULT_RDZV_BACKEND)
+
+
+def should_run_static(args: argparse.Namespace) -> bool:
+    """torchrun's static rendezvous for a command that names no backend and no endpoint and does not run
+    standalone: a ``--master-port``, or several nodes (``--nnodes 2 --node-rank 0 --master-addr H --master-port
+    P``, torchrun's classic multi-node command)."""
+    if args.rdzv_endpoint or _given(args, "rdzv_backend"):
+        return False
+    return not should_run_standalone(args)
+
+
+def rendezvous_mode(args: argparse.Namespace) -> str:
+    """``standalone`` (an embedded etcd), ``static`` (torch's static rendezvous, as torchrun) or the backend
+    the command names (``etcd-v3`` by default with an ``--rdzv-endpoint``)."""
+    if should_run_standalone(args):
+        return "standalone"
+    if should_run_static(args):
+        return STATIC_BACKEND
+    return str(args.rdzv_backend)
+
+
+def static_note(args: argparse.Namespace) -> str:
+    """The one line a multi-node job on the static rendezvous gets: how to make it elastic."""
+    return (f"spotrun: --nnodes {args.nnodes} with no --rdzv-backend or --rdzv-endpoint: torch's static rendezvous "
+            f"at {args.master_addr}:{args.master_port or 29500} (as torchrun: a lost node ends the job). For an elastic "
+            f"job give every node --rdzv-backend {DEFAULT_RDZV_BACKEND} --rdzv-endpoint HOST:PORT of an etcd v3 server "
+            f"(e.g. `python -m elastic.etcd_server --host 0.0.0.0`) and the same --rdzv-id")
+
+
+def warm_workers_wanted(args: argparse.Namespace) -> bool | None:
+    """``--[no-]warm-workers`` when given; False when the command asks for a start method other than the
+    forkserver (its workers are then torchrun's, ``python -u script``); else None (the environment decides)."""
+    if args.warm_workers is not None:
+        return bool(args.warm_workers)
+    if _given(args, "start_method") and args.start_method != "forkserver":
+        return False
+    return None
 
 
 @contextlib.contextmanager
@@ -307,6 +389,32 @@ def install_signal_handlers(preempt_signal: str | None = None) -> None:
     early_notice.arm(signums)
 
 
+@contextlib.contextmanager
+def restored_signal_handlers() -> Iterator[None]:
+    """Put back every signal handler the launch replaced (its own, the agent's notice handlers, torch's
+    ``PContext`` ones): ``main(argv)`` called in-process leaves the caller's handlers as they were."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal.signal works in the main thread only: nothing here can have been replaced
+        return
+    catchable = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+    before = {sig: signal.getsignal(sig) for sig in catchable}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+
+
+def _torchrun_type(exc: ValueError | AssertionError) -> LaunchConfigError:
+    """A torch configuration error as spotrun's, of the same type (ValueError, AssertionError, RuntimeError)."""
+    if isinstance(exc, AssertionError):
+        return LaunchConfigRangeError(str(exc))
+    if isinstance(exc, RuntimeError):
+        return LaunchConfigFormatError(str(exc))
+    return LaunchConfigError(str(exc))
+
+
 def run(args: argparse.Namespace) -> None:
     """Launch with parsed arguments (raises ChildFailedError when workers fail, like torchrun's run)."""
     from elastic.launcher import launch
@@ -316,14 +424,19 @@ def run(args: argparse.Namespace) -> None:
     verify_torch_once()  # before the embedded etcd: an unusable torch fails here, never mid-run
     settings = settings_from_args(args)
     with contextlib.ExitStack() as stack:
-        if should_run_standalone(args):
+        mode = rendezvous_mode(args)
+        if mode == "standalone":
             stack.enter_context(standalone_rendezvous(args))
+        elif mode == STATIC_BACKEND and args.rdzv_backend != STATIC_BACKEND:
+            args.rdzv_backend = STATIC_BACKEND
+            if parse_nnodes(args.nnodes)[1] > 1:
+                print(static_note(args), file=sys.stderr)
         if args.master_port is None:
             args.master_port = 29500  # torchrun's default, used only by the static backend
         try:
             config, cmd, cmd_args = config_from_args(args)
         except (ValueError, AssertionError) as exc:
-            raise LaunchConfigError(str(exc)) from exc
+            raise _torchrun_type(exc) from exc
         if settings.events_file is None:
             settings.events_file = default_events_path(config.run_id, args.log_dir)
         print(f"spotrun: events of run {config.run_id}: {settings.events_file}", file=sys.stderr, flush=True)
@@ -332,31 +445,37 @@ def run(args: argparse.Namespace) -> None:
 
 @record
 def _main(argv: Sequence[str] | None) -> None:
+    """torchrun's ``main``; ``argv`` None is the command line (errors: one line and torchrun's exit code),
+    a list is a call from Python (errors: the exception torchrun's ``main(argv)`` raises)."""
+    from elastic.boot import forkserver_scope
+
+    command = argv is None
     parser = build_parser()
-    args = parser.parse_args(argv)
-    install_signal_handlers(args.preempt_signal or default_preempt_signal())
-    try:
-        _run_reporting(parser, args)
-    finally:
-        early_notice.disarm()  # an in-process caller gets its own dispositions back
-
-
-def _run_reporting(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    try:
-        run(args)
-    except LaunchConfigError as exc:
-        parser.exit(EXIT_USAGE, f"spotrun: error: {exc}\n")
-    except (RendezvousUnavailableError, StandaloneEtcdError, TorchInternalsError) as exc:
-        parser.exit(EXIT_FAILURE, f"spotrun: error: {exc}\n")
-    except PlannedLeaveExit as exc:
-        logger.warning("%s", exc)
-        parser.exit(exc.exit_code)
-    except SignalException as exc:
-        # torchrun's exit code (1) and error file for an immediate stop (a signal before the workers could
-        # save at an agreed step, or a second SIGTERM); one line instead of the launcher's own traceback.
-        get_error_handler().record_exception(exc)
-        parser.exit(EXIT_FAILURE, f"spotrun: stopped by {exc.sigval.name} (workers stopped at once; a restart "
-                                  "resumes from the last committed checkpoint)\n")
+    args = parse_command_line(parser, argv)
+    with restored_signal_handlers(), forkserver_scope():
+        install_signal_handlers(args.preempt_signal or default_preempt_signal())
+        try:
+            run(args)
+        except (LaunchConfigError, RendezvousUnavailableError, StandaloneEtcdError, TorchInternalsError) as exc:
+            if not command:
+                raise
+            parser.exit(EXIT_FAILURE, f"spotrun: error: {exc}\n")
+        except PlannedLeaveExit as exc:
+            logger.warning("%s", exc)
+            if command:
+                parser.exit(exc.exit_code)
+            if exc.exit_code:
+                raise
+        except SignalException as exc:
+            if not command:
+                raise  # as torchrun's main
+            # torchrun's exit code (1) and error file for an immediate stop (a signal before the workers could
+            # save at an agreed step, or a second SIGTERM); one line instead of the launcher's own traceback.
+            get_error_handler().record_exception(exc)
+            parser.exit(EXIT_FAILURE, f"spotrun: stopped by {exc.sigval.name} (workers stopped at once; a restart "
+                                      "resumes from the last committed checkpoint)\n")
+        finally:
+            early_notice.disarm()  # a notice recorded and never taken must not outlive the launch
 
 
 SUBCOMMANDS = {"status": "spotrun-status", "report": "spotrun-report"}
@@ -378,7 +497,7 @@ def subcommand(argv: Sequence[str], is_file: Callable[[str], bool] = os.path.isf
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point (``spotrun``)."""
+    """Console entry point (``spotrun``); ``main(argv)`` from Python as torchrun's ``main(argv)``."""
     if not logging.getLogger().handlers:
         # The CLI is an application, so it may configure logging; library modules never do.
         logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -394,8 +513,4 @@ def main(argv: Sequence[str] | None = None) -> None:
         from elastic import report
 
         sys.exit(report.main(args[1:]))
-    _main(args)
-
-
-if __name__ == "__main__":
-    main()
+    _main(None if argv is None else args)

@@ -24,6 +24,8 @@ from elastic.api import (
     ENV_STRAGGLER_WINDOW,
     ENV_WARM_WORKERS,
     LaunchConfigError,
+    LaunchConfigFormatError,
+    LaunchConfigRangeError,
 )
 from elastic.hang import HangPolicy
 from elastic.straggler import DEFAULT_FACTOR, DEFAULT_WINDOW, StragglerPolicy
@@ -233,11 +235,17 @@ def default_events_file() -> str | None:
     return os.environ.get(ENV_EVENTS_FILE) or _DEFAULTS.events_file
 
 
+_NNODES_FORMS = "use N or MIN:MAX, e.g. --nnodes 2 or --nnodes 1:4"
+
+
 def parse_nnodes(text: str) -> tuple[int, int]:
-    """Parse ``--nnodes`` (``N`` or ``MIN:MAX``) into ``(min, max)`` with an error a user understands."""
+    """Parse ``--nnodes`` (``N`` or ``MIN:MAX``) into ``(min, max)`` with an error a user understands (of the
+    type torchrun raises for the same text: ``elastic.api.LaunchConfigError``)."""
     parts = text.strip().split(":")
-    if len(parts) not in (1, 2) or not all(p.strip() for p in parts):
-        raise LaunchConfigError(f"--nnodes={text!r} is malformed; use N or MIN:MAX, e.g. --nnodes 2 or --nnodes 1:4")
+    if len(parts) > 2:
+        raise LaunchConfigFormatError(f"--nnodes={text!r} is malformed; {_NNODES_FORMS}")
+    if not all(p.strip() for p in parts):
+        raise LaunchConfigError(f"--nnodes={text!r} is malformed; {_NNODES_FORMS}")
     try:
         numbers = [int(p) for p in parts]
     except ValueError as exc:
@@ -246,12 +254,40 @@ def parse_nnodes(text: str) -> tuple[int, int]:
         ) from exc
     min_nodes, max_nodes = numbers[0], numbers[-1]
     if min_nodes < 1:
-        raise LaunchConfigError(f"--nnodes={text!r}: the minimum number of nodes must be >= 1")
+        raise LaunchConfigRangeError(f"--nnodes={text!r}: the minimum number of nodes must be >= 1")
     if min_nodes > max_nodes:
-        raise LaunchConfigError(
+        raise LaunchConfigRangeError(
             f"--nnodes={text!r}: minimum {min_nodes} is greater than maximum {max_nodes}; use MIN:MAX with MIN <= MAX"
         )
     return min_nodes, max_nodes
+
+
+NPROC_DEVICE_NAMES = frozenset({"auto", "cpu", "gpu", "xpu"})
+"""``--nproc-per-node`` values torch counts itself (it also accepts a registered privateuse1 backend name)."""
+
+
+def check_launch_values(*, nnodes: str, nproc_per_node: str, max_restarts: int, monitor_interval: float,
+                        rdzv_conf: str) -> bool:
+    """Reject what torchrun rejects only once it built its launch config (or deep in its agent), with one line a
+    user understands and the exception type torchrun raises. Torch-free: the command line is checked before
+    ``import torch`` (``elastic.boot``) and again by the launcher. Returns whether ``nproc_per_node`` was judged:
+    False for a name that is neither a number nor one of ``NPROC_DEVICE_NAMES`` (a privateuse1 backend's name
+    needs torch to tell)."""
+    parse_nnodes(nnodes)
+    parse_rdzv_conf(rdzv_conf)
+    if max_restarts < 0:
+        raise LaunchConfigRangeError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if not monitor_interval > 0:
+        raise LaunchConfigRangeError(f"--monitor-interval must be > 0 seconds, got {monitor_interval}")
+    if nproc_per_node in NPROC_DEVICE_NAMES:
+        return True
+    try:
+        nproc = int(nproc_per_node)
+    except ValueError:
+        return False
+    if nproc < 1:
+        raise LaunchConfigRangeError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+    return True
 
 
 def parse_rdzv_conf(text: str) -> dict[str, str]:

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import importlib
 import logging
+import math
 import os
 import re
 import tempfile
@@ -27,9 +28,11 @@ import torch.distributed.elastic.rendezvous.registry as rdzv_registry
 from torch.distributed.elastic import events as torch_events
 from torch.distributed.elastic import metrics
 from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler, RendezvousParameters
+from torch.distributed.launcher import api as torch_launcher
 from torch.distributed.launcher.api import LaunchConfig
 
 from checkpoint.memory.api import ENV_MEMORY_DIR
@@ -44,6 +47,7 @@ from elastic.api import (
     RendezvousUnavailableError,
 )
 from elastic.boot import discard as discard_early_forkserver
+from elastic.boot import early_forkserver_started, forkserver_running
 from elastic.config import AgentSettings
 from elastic.events import EVENTS_FILE_NAME, JsonlEventLog
 from elastic.memory_keeper import Keeper
@@ -122,11 +126,23 @@ def imports_helper(entrypoint: Callable[..., Any] | str, args: Sequence[Any]) ->
     return HELPER_IMPORT.search(source) is not None
 
 
+def replaced_torch_agent() -> object | None:
+    """What torch's launcher builds instead of its ``LocalElasticAgent`` when a caller replaced the class in
+    ``torch.distributed.launcher.api`` (a framework's own agent, a test double); None when it is torch's own."""
+    agent: object = torch_launcher.LocalElasticAgent
+    return None if agent is LocalElasticAgent else agent
+
+
 def _maybe_warm(
     config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: list[Any], settings: AgentSettings
 ) -> tuple[Callable[..., Any] | str, list[Any]]:
     """Switch a ``python -u script`` launch to warm workers (forkserver with torch preloaded) when enabled."""
     if not settings.warm_workers:
+        return entrypoint, args
+    if forkserver_running() and not early_forkserver_started():
+        # This process already has a forkserver (a caller of main(argv) that uses one): it was started with
+        # neither spotrun's preloads nor its environment, and multiprocessing keeps one per process.
+        logger.info("warm workers off: this process already runs a forkserver of its own; plain workers like torchrun")
         return entrypoint, args
     warm = warm_entrypoint(entrypoint, [str(a) for a in args])
     if warm is None:
@@ -169,8 +185,17 @@ def _effective_settings(config: LaunchConfig, settings: AgentSettings, lease_ttl
 
 
 def lease_ttl_of(handler: RendezvousHandler) -> float | None:
-    """How long a dead peer stays a member (etcd-v3's lease TTL); None for backends without leases."""
-    return float(handler.lease_ttl) if isinstance(handler, LeaseHandler) else None
+    """How long a dead peer stays a member (etcd-v3's lease TTL); None for backends without leases.
+
+    A runtime-checkable protocol only checks that the attribute exists (any ``Mock`` has it): the value must be
+    a positive, finite number of seconds, else the handler counts as one without leases."""
+    if not isinstance(handler, LeaseHandler):
+        return None
+    ttl = handler.lease_ttl
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
+        logger.debug("rendezvous handler %s has no usable lease_ttl (%r): no lease wait", type(handler).__name__, ttl)
+        return None
+    return float(ttl)
 
 
 def _preimport_log_formatter_dependencies() -> None:
@@ -237,6 +262,14 @@ def _with_metrics(event_log: JsonlEventLog, port: int | None
     return MetricsSink(event_log, agent_metrics), agent_metrics, exporter
 
 
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def events_path(config: LaunchConfig, settings: AgentSettings) -> str:
     """``--events-file``, else ``<log root>/events.jsonl`` (``--log-dir`` or torch's temp log dir)."""
     if settings.events_file:
@@ -253,6 +286,12 @@ def launch(
 ) -> dict[int, Any]:
     """Run the agent until the job succeeds (returns rank -> return value) or fails (``ChildFailedError``)."""
     verify_torch_once()  # the torch internals spotrun relies on: fail here, not mid-run
+    if (replaced := replaced_torch_agent()) is not None:
+        # CHANGE (drop-in): the caller swapped torch's agent class for its own, and torchrun would run that one:
+        # so does spotrun, through torch's own launch (spotrun's agent, and what it adds, sit this launch out).
+        logger.warning("torch's LocalElasticAgent is replaced by %r here: running torch's launch_agent with it, "
+                       "as torchrun would (without spotrun's agent)", replaced)
+        return torch_launcher.launch_agent(config, entrypoint, args)
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
         logger.warning("config has no run_id, generated a random run_id: %s", config.run_id)
@@ -313,6 +352,9 @@ def launch(
         mailbox = Mailbox.create(notice_signals=shielded)
         cleanup.callback(mailbox.remove)
         remove_orphaned_progress_files()  # hang detection's files of agents killed on this host (as the mailboxes)
+        # Both variables name this launch's directories, removed at its end: put back what a caller of
+        # main(argv) had, so nothing it starts afterwards finds them.
+        cleanup.callback(_restore_env, {name: os.environ.get(name) for name in (ENV_NOTICE_DIR, ENV_MEMORY_DIR)})
         os.environ[ENV_NOTICE_DIR] = mailbox.path
         # The memory tier's shared memory on this node (elastic.memory_keeper): removed at exit, or by the
         # keeper process when this agent dies; orphans of agents killed with their keeper are swept here first.
