@@ -10,6 +10,8 @@
                      their process group at the new world size instead of being replaced
 * ``abort``          ``abort_process_group``: from a watcher thread, make a collective blocked in the main
                      thread raise (NCCL: the group's abort; gloo: its connections shut)
+* ``watcher``        ``PeerLossWatcher``: started by ``Preemption`` under spotrun, aborts the group when the agent
+                     posts a peer loss (``peer-lost.json``)
 
 Nothing here imports the agent (``elastic.agent``, ``elastic.launcher``, the rendezvous): a worker pays
 for what it uses. The old import paths (``elastic.preemption``, ``elastic.data``, ``elastic.deterministic``,

@@ -137,7 +137,10 @@ def test_the_cli_fails_at_start_with_one_line_on_an_unusable_newer_torch(tmp_pat
         "torch.__version__ = '2.99.0'\n"
         "PContext.close = lambda self, sig=None, grace=30: None\n"
         "from elastic.cli import main\n"
-        f"main(['--standalone', '--nproc-per-node', '1', {str(script)!r}])\n"
+        # the command line (argv None), as the spotrun command runs it: main(list) is the in-process API, which
+        # raises as torchrun's main(argv) does
+        f"sys.argv = ['spotrun', '--standalone', '--nproc-per-node', '1', {str(script)!r}]\n"
+        "main()\n"
     )
     proc = subprocess.run([sys.executable, "-c", driver], cwd=REPO, env=make_env(), capture_output=True, text=True,
                           timeout=50)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(60)
 
 WORKER_MODULES = ["elastic.worker.mailbox", "elastic.worker.preemption", "elastic.worker.heartbeat",
                   "elastic.worker.data", "elastic.worker.deterministic", "elastic.worker.runfiles",
-                  "elastic.worker.reform"]
+                  "elastic.worker.reform", "elastic.worker.watcher"]
 
 
 def test_the_worker_package_imports_nothing_of_the_agent() -> None:
