@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Final
 
 from checkpoint.memory.api import ENV_MEMORY_DIR
+from checkpoint.recordfiles import read_record, record_names
 
 logger = logging.getLogger(__name__)
 
@@ -102,20 +103,10 @@ def parse_save_record(raw: bytes) -> SaveRecord:
 
 def read_save_records(directory: str) -> list[SaveRecord]:
     """Agent side: every valid record in ``directory`` (a bad one is skipped with a warning, left in place)."""
-    try:
-        names = sorted(n for n in os.listdir(directory) if _NAME.fullmatch(n))[:MAX_FILES]
-    except OSError:
-        return []
     out: list[SaveRecord] = []
-    for name in names:
-        path = os.path.join(directory, name)
+    for path in record_names(directory, _NAME, MAX_FILES):
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            try:
-                raw = os.read(fd, MAX_BYTES + 1)
-            finally:
-                os.close(fd)
-            out.append(parse_save_record(raw))
+            out.append(parse_save_record(read_record(path, MAX_BYTES)))
         except FileNotFoundError:
             continue  # its worker's directory went away between the listing and the read
         except (OSError, ValueError) as exc:

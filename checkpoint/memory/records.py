@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from checkpoint.memory.api import RestoreReport, RestoreSource
+from checkpoint.recordfiles import read_record, record_names
 
 logger = logging.getLogger(__name__)
 
@@ -104,20 +105,10 @@ def parse_record(raw: bytes) -> RestoreRecord:
 
 def collect_restore_records(directory: str) -> list[RestoreRecord]:
     """Agent side: read and delete the records in ``directory`` (bad ones are deleted with a warning)."""
-    try:
-        names = sorted(n for n in os.listdir(directory) if _NAME.fullmatch(n))[:MAX_FILES]
-    except OSError:
-        return []
     out: list[RestoreRecord] = []
-    for name in names:
-        path = os.path.join(directory, name)
+    for path in record_names(directory, _NAME, MAX_FILES):
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            try:
-                raw = os.read(fd, MAX_BYTES + 1)
-            finally:
-                os.close(fd)
-            out.append(parse_record(raw))
+            out.append(parse_record(read_record(path, MAX_BYTES)))
         except (OSError, ValueError) as exc:
             logger.warning("ignoring the restore record %s: %s", path, exc)
         finally:
