@@ -9,7 +9,7 @@ import re
 import socket
 import uuid
 
-__all__ = ["host_name", "node_id"]
+__all__ = ["host_name", "node_id", "node_pid"]
 
 
 def host_name() -> str:
@@ -22,3 +22,15 @@ def node_id() -> str:
     reused across restarts of a container). The etcd-v3 rendezvous registers under it, ``spotrun status`` lists
     it and the agent's events carry it, so one node has one name everywhere."""
     return f"{host_name()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+_NODE_ID = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-(?P<suffix>[0-9a-f]{6})")
+
+
+def node_pid(node: str) -> int | None:
+    """The agent PID in a node id: ``host-pid-suffix`` (:func:`node_id`), or ``host:pid`` in the events of
+    spotrun before one name was used everywhere; None for anything else."""
+    if (match := _NODE_ID.fullmatch(node)) is not None:
+        return int(match.group("pid"))
+    host, sep, pid = node.rpartition(":")
+    return int(pid) if sep and host and pid.isdigit() else None

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.events import read_events
+from elastic.nodes import node_pid
 
 # Fields worth showing on a timeline line, per event (the rest is context every line carries).
 _DETAIL = ("cause", "reason", "source", "step", "saved", "late", "why", "world_size", "state", "action")
@@ -68,8 +69,8 @@ def node_labels(events: list[Mapping[str, Any]], names: Mapping[str, str]) -> di
     for e in events:
         node = str(e.get("node", "?"))
         if node not in labels:
-            pid = node.rsplit(":", 1)[-1] if ":" in node else (node.rsplit("-", 2) + ["", ""])[-2]
-            labels[node] = names.get(pid, f"node-{len(labels) + 1}")
+            pid = node_pid(node)
+            labels[node] = names.get(str(pid), f"node-{len(labels) + 1}")
     return labels
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from elastic.chaos.api import ChaosTargetError
 from elastic.events import read_events
+from elastic.nodes import node_pid
 
 
 def _children_table() -> dict[int, list[int]]:
@@ -120,7 +121,7 @@ def _workers_by_events(agent_pids: list[int], events_file: str) -> dict[int, int
     events = read_events(events_file)
     for agent in agent_pids:
         started = [e for e in events if e.get("event") == "workers_started"
-                   and str(e.get("node", "")).endswith(f":{agent}")]
+                   and node_pid(str(e.get("node", ""))) == agent]
         if not started:
             continue
         last = started[-1]
