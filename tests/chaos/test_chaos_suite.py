@@ -180,7 +180,9 @@ def test_a_dead_keeper_is_replaced_and_memory_restores_go_on(tmp_path: Path, etc
               Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=11),
               Fault(kind=FaultKind.KILL_KEEPER, target="agent:0", at_step=15, params={"signal": "TERM"}),
               Fault(kind=FaultKind.KILL_WORKER, target="worker:0", at_step=23))
-    job = Job(tmp_path, etcd_server.endpoint, "memkeeper", memory_every=1)
+    # Slower steps: the keeper sent its death signal by hand waits up to AGENT_EXIT_WAIT (3 s) for its agent's
+    # pipe before it takes the agent for alive and leaves; the run must outlast that to see the second death.
+    job = Job(tmp_path, etcd_server.endpoint, "memkeeper", memory_every=1, step_time=0.3)
     code, injector = job.run(Schedule(seed=19, faults=faults), timeout=100)
     assert code == 0, job.output()[-3000:]
     assert [r["kind"] for r in injector.injected] == [f.kind.value for f in faults], injector.injected
