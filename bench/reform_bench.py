@@ -16,8 +16,8 @@ Job: ``examples/train_ddp.py``'s model, optimizer (SGD + momentum) and data curs
   ``rendezvous_completed -> first step`` (stopping and starting the workers: warm fork, process-group init,
   memory-tier restore, DDP construction, the first step).
 * ``agent-inplace``: the same with ``SPOTRUN_REFORM_IN_PLACE=1`` (the prototype, ``elastic.worker.reform``):
-  the survivors of a ``notice`` keep their processes and rebuild their group when the agent posts the new
-  round; ``join`` and ``kill`` still restart (the prototype covers a peer's planned leave only).
+  the survivors of a ``notice`` or a ``kill`` keep their processes and rebuild their group when the agent posts
+  the new round (for a kill after aborting their group on the agent's word); ``join`` still restarts.
 * ``inplace``: N processes (started before timing: they stand for surviving workers) train the same job at
   world N; at the change, the survivors keep model, optimizer and cursor in memory and time
   ``del ddp`` + ``destroy_process_group``, ``init_process_group`` at the new size (a fresh TCP store port,
@@ -103,7 +103,8 @@ def restart_side(nodes: int, cycles: int, workdir: Path, timeout: float, *,
                  in_place: bool = False) -> dict[str, list[dict[str, float]]]:
     """change -> list of {stage: seconds from the change's origin (agreed step commit, or the death)}.
     ``in_place``: the agents and workers run with SPOTRUN_REFORM_IN_PLACE=1 (the prototype: a notice re-forms
-    around the survivors' processes; a join and a kill restart them as before)."""
+    around the survivors' processes, and so does a kill since the workers abort their group on the agent's word and
+    wait in place; a join restarts them as before)."""
     results: dict[str, list[dict[str, float]]] = {c: [] for c in CHANGES}
     extra = {ENV_REFORM_IN_PLACE: "1"} if in_place else {}
     env = make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"), OMP_NUM_THREADS="1", **extra)
@@ -319,7 +320,7 @@ def report(results: dict[str, dict[str, list[dict[str, float]]]], nodes: int) ->
         _agent_table(f"restart: spotrun today, {nodes} agents", results["restart"])
     if "agent-inplace" in results:
         _agent_table(f"agent-inplace: spotrun with SPOTRUN_REFORM_IN_PLACE=1, {nodes} agents (notice in place; "
-                     "join and kill restart as today)", results["agent-inplace"])
+                     "kill in place too; join restarts as today)", results["agent-inplace"])
     if "inplace" in results:
         print("\ninplace: the rebuild alone in surviving processes (slowest survivor, seconds):\n")
         print("| change | detect | destroy | init_process_group | DDP (+state) | first step | total |")
