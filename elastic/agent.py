@@ -635,8 +635,8 @@ class SpotrunAgent(LocalElasticAgent):
                 lost = self._notices.lost_peers()
             except RendezvousError:
                 pass
+        watching = self._every_local_worker(Mailbox.watchers)
         try:
-            watching = len(self._mailbox.watchers()) >= self._worker_group.spec.local_world_size
             if watching:
                 self._mailbox.post_peer_lost(sorted(lost))
         except OSError as exc:
@@ -868,14 +868,19 @@ class SpotrunAgent(LocalElasticAgent):
             raise _NoticeWhileNotTraining(WHY_BETWEEN_ROUNDS if self._workers_started_at is None or self._in_rendezvous
                                           else WHY_BEFORE_HELPERS)
 
-    def _helpers_ready(self) -> bool:
-        """Every local worker constructed a ``Preemption`` helper (it will stop by itself at an agreed step)."""
+    def _every_local_worker(self, marks: Callable[[Mailbox], set[int]]) -> bool:
+        """Every local worker left its mark of this kind in the mailbox (``marks``: ``Mailbox.helpers``,
+        ``Mailbox.waiting``, ``Mailbox.watchers``); False without a mailbox or when it cannot be read."""
         if self._mailbox is None:
             return False
         try:
-            return len(self._mailbox.helpers()) >= self._worker_group.spec.local_world_size
+            return len(marks(self._mailbox)) >= self._worker_group.spec.local_world_size
         except OSError:
             return False
+
+    def _helpers_ready(self) -> bool:
+        """Every local worker constructed a ``Preemption`` helper (it will stop by itself at an agreed step)."""
+        return self._every_local_worker(Mailbox.helpers)
 
     def _failed_before_helpers(self) -> bool:
         """This node has a notice and its workers, which announced helpers but had not built them, failed:
@@ -1038,12 +1043,7 @@ class SpotrunAgent(LocalElasticAgent):
 
     def _all_waiting_in_place(self) -> bool:
         """Every local worker waits in its process for a re-formed group (``waiting-{local_rank}``)."""
-        if not self._in_place_enabled or self._mailbox is None:
-            return False
-        try:
-            return len(self._mailbox.waiting()) >= self._worker_group.spec.local_world_size
-        except OSError:
-            return False
+        return self._in_place_enabled and self._every_local_worker(Mailbox.waiting)
 
     def _reform_waiting_workers(self) -> None:
         """The rendezvous round of a restart, then each waiting worker is told its new rank, world size and store
