@@ -12,6 +12,7 @@ SIGKILL after ``--stop-grace`` and the restore fell back to the periodic snapsho
 from __future__ import annotations
 
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ import pytest
 from elastic.etcd_server import EmbeddedEtcd
 from elastic.events import read_events
 from elastic.memory_keeper import remove_orphaned_keepers
+from elastic.progress import remove_orphaned_progress_files
+from elastic.worker.mailbox import remove_orphaned_mailboxes
 from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, make_env, read_jsonl, signal_all, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -31,6 +34,14 @@ TRAIN = [str(EXAMPLES / "train_ddp.py"), "--global-batch", "64", "--dataset-size
          "--ckpt-every", "1000", "--log-every", "1000", "--pg-timeout", "60", "--step-time", "0.1",
          "--memory-snapshot-every", str(EVERY)]  # fmt: skip
 RDZV_CONF = f"lease_ttl={LEASE_TTL:g},last_call_timeout=0.5,join_timeout=60"
+
+
+def _sweep_node_b() -> None:
+    """What the SIGKILLed node B left on this host, as the next agent here would sweep it: its keeper
+    directory, its progress files and its mailbox (with the link to it)."""
+    remove_orphaned_keepers()
+    remove_orphaned_progress_files()
+    remove_orphaned_mailboxes(tempfile.gettempdir())
 
 
 def _node(endpoint: str, run: Path, name: str, **env: str) -> Launcher:
@@ -58,7 +69,7 @@ def test_a_paused_peer_is_aborted_and_costs_no_completed_step(tmp_path: Path, et
         signal_all(victims, signal.SIGKILL)
         b.close()
         a.close()
-        remove_orphaned_keepers()  # node B's keeper directory (its keeper was killed with it)
+        _sweep_node_b()
 
     lines = read_jsonl(progress)
     survivor = {r["pid"] for r in lines if r["world_size"] == 2} - set(victims)
@@ -100,7 +111,7 @@ def test_a_lost_peer_is_re_formed_around_in_place(tmp_path: Path, etcd_server: E
         signal_all(victims, signal.SIGKILL)
         b.close()
         a.close()
-        remove_orphaned_keepers()
+        _sweep_node_b()
 
     lines = read_jsonl(progress)
     (old_pid,) = {r["pid"] for r in lines if r["world_size"] == 2} - set(victims)
