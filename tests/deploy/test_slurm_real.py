@@ -284,6 +284,7 @@ NOTICE_WINDOW_S = 40.0
 the start (imports, the forkserver, eight workers' imports, init_process_group, the restore) takes 20-40 s, so
 the draw lands in the start as often as in training (issue 27)."""
 KEEPER_DIED = "while its agent lives"  # the keeper took the notice for its end (it must not)
+KEEPER_STARTED = re.compile(r"memory tier keeper directory \S+ \(keeper pid \d+\)")
 
 
 @pytest.mark.timeout(600)
@@ -311,6 +312,9 @@ def test_a_notice_at_a_random_moment_completes_the_job_and_requeue_resumes(lab: 
     assert len(events) == NODES, f"{context}\n{job.context()}"
     for agent in events:
         assert agent["run_finished"]["exit_code"] == 0 and "planned_leave" in agent, f"{context}: {agent}"
+    # Each agent ran a keeper (its INFO line names the pid): the check below is about live keepers, and one that
+    # took the notice for its end would have made its agent log KEEPER_DIED and start another.
+    assert len(KEEPER_STARTED.findall(text)) >= NODES, f"{context}: keepers started\n{job.context()}"
     for bad in ("Traceback", "stopped by SIGTERM", KEEPER_DIED):
         assert bad not in text, f"{context}: {bad!r} in the job's output\n{job.context()}"
     latest = job.latest()
