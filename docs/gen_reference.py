@@ -3,12 +3,12 @@
 Each generated block of a page sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; the
 text around it is written by hand. The blocks come from:
 
-* ``cli-*``: the argparse parsers themselves (``elastic.cli.build_parser``, which *is* the installed torch's
-  torchrun parser plus spotrun's flags; ``spotrun status``, ``spotrun report``, ``spotrun-ckpt``,
-  ``spotrun-chaos``, ``python -m elastic.etcd_server``): every option string, its environment variable,
-  its effective default and its help text;
-* ``env``: every module-level ``SPOTRUN_*`` constant of ``elastic`` and ``checkpoint`` with its ``#:`` comment
-  or docstring;
+* ``cli-*``: spotrun's own flags from their table (``elastic.options``), torchrun's from the parser
+  (``elastic.cli.build_parser``, which *is* the installed torch's torchrun parser plus spotrun's flags), and the
+  tools' parsers (``spotrun status``, ``spotrun report``, ``spotrun-ckpt``, ``spotrun-chaos``, ``python -m
+  elastic.etcd_server``): every option string, its environment variable, its effective default and its help;
+* ``env``: the variables of ``elastic.options`` and every other module-level ``SPOTRUN_*`` constant of
+  ``elastic`` and ``checkpoint`` with its ``#:`` comment or docstring;
 * ``rdzv-conf``: the fields of ``EtcdRendezvousConfig`` (defaults and field docstrings), its aliases and the
   torch keys it accepts and ignores;
 * ``events``, ``failure-causes``, ``recovery-causes``: the ``RecoveryEvent``, ``FailureCause`` and
@@ -92,33 +92,8 @@ def _torch_env(action: argparse.Action) -> str | None:
     return f"PET_{action.dest.upper()}" if isinstance(action, (env, check_env)) else None
 
 
-def _spotrun_env(action: argparse.Action) -> str | None:
-    import elastic.api
-
-    value = getattr(elastic.api, f"ENV_{action.dest.upper()}", None)
-    return value if isinstance(value, str) else None
-
-
-def _spotrun_default(dest: str) -> object:
-    """Effective default of a spotrun-only flag (their argparse default is None: the environment decides)."""
-    import elastic.config
-    from elastic.hang import HangPolicy
-
-    hang = HangPolicy()
-    special: dict[str, object] = {
-        "hang_detection": True,
-        "hang_timeout": f"adaptive: {hang.multiplier:g}x the slowest of the last {hang.window} steps, at least "
-                        f"{hang.floor:g} s",
-        "hang_startup_timeout": hang.startup_timeout,
-    }
-    if dest in special:
-        return special[dest]
-    fn: Callable[[], object] | None = getattr(elastic.config, f"default_{dest}", None)
-    return fn() if fn is not None else None
-
-
-def _default(action: argparse.Action, effective: object = argparse.SUPPRESS) -> str:
-    value = action.default if effective is argparse.SUPPRESS else effective
+def _default(action: argparse.Action) -> str:
+    value = action.default
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) or action.nargs == 0:
         return "on" if value else "off"
     if isinstance(action, argparse.BooleanOptionalAction):
@@ -142,14 +117,13 @@ def _options(action: argparse.Action) -> str:
 
 
 def parser_table(parser: argparse.ArgumentParser, *, env: Callable[[argparse.Action], str | None] | None = None,
-                 effective: Callable[[argparse.Action], object] | None = None,
                  actions: list[argparse.Action] | None = None) -> str:
     rows = []
     for action in actions if actions is not None else parser._actions:
         if action.help == argparse.SUPPRESS or isinstance(action, (argparse._HelpAction,
                                                                     argparse._SubParsersAction)):
             continue
-        default = _default(action, effective(action) if effective else argparse.SUPPRESS)
+        default = _default(action)
         row = [_options(action)]
         if env is not None:
             name = env(action)
@@ -160,21 +134,37 @@ def parser_table(parser: argparse.ArgumentParser, *, env: Callable[[argparse.Act
     return table(header, rows)
 
 
+def spotrun_options_table() -> str:
+    from elastic.options import OPTIONS
+
+    rows = []
+    for option in OPTIONS:
+        shown = option.shown_default
+        if shown is None:
+            default = ""
+        elif option.is_switch or option.default_text is not None:
+            default = cell(shown)
+        else:
+            default = code(shown)
+        rows.append(["<br>".join(map(code, option.option_strings)), code(option.env), default,
+                     cell(option.help_text)])
+    return table(["flag", "environment", "default", "meaning"], rows)
+
+
 def cli_spotrun() -> str:
     from elastic.cli import build_parser
+    from elastic.options import OPTIONS
 
     parser = build_parser()
-    ours = next(g for g in parser._action_groups if g.title == "spotrun")
-    own = set(map(id, ours._group_actions))
-    torch_actions = [a for a in parser._actions if id(a) not in own]
+    ours = {s for option in OPTIONS for s in option.option_strings}
+    torch_actions = [a for a in parser._actions if not ours.intersection(a.option_strings)]
     import torch
 
     return (
         "#### spotrun-only flags\n\n"
         "Spelled in full only (no abbreviations), so a script's own `--hang` or `--preempt` reaches the script. "
         "The environment variable is read when the flag is not given.\n\n"
-        + parser_table(parser, env=_spotrun_env, effective=lambda a: _spotrun_default(a.dest),
-                       actions=list(ours._group_actions))
+        + spotrun_options_table()
         + f"\n#### torchrun's flags (torch {torch.__version__.split('+')[0]})\n\n"
         "The parser is the installed torch's `get_args_parser()`: both spellings, defaults and `PET_*` "
         "fallbacks are torchrun's; only `--rdzv-backend` defaults to `etcd-v3`.\n\n"
@@ -258,8 +248,11 @@ def _module_constants(path: Path) -> Iterator[tuple[str, str, str]]:
 
 
 def env_variables() -> list[tuple[str, str, str]]:
-    """(variable, module, documentation) of every ``SPOTRUN_*`` constant, sorted by variable."""
-    found = []
+    """(variable, module, documentation) of every option's variable and every other ``SPOTRUN_*`` constant,
+    sorted by variable."""
+    from elastic.options import OPTIONS
+
+    found = [(option.env, "elastic.options", option.env_help) for option in OPTIONS]
     for package in ("elastic", "checkpoint"):
         for path in sorted((ROOT / package).rglob("*.py")):
             module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
@@ -269,15 +262,9 @@ def env_variables() -> list[tuple[str, str, str]]:
 
 
 def _flag_of_env() -> dict[str, str]:
-    from elastic.cli import build_parser
+    from elastic.options import OPTIONS
 
-    parser = build_parser()
-    flags = {}
-    for action in parser._actions:
-        name = _spotrun_env(action)
-        if name and action.option_strings:
-            flags[name] = action.option_strings[0]
-    return flags
+    return {option.env: option.flag for option in OPTIONS}
 
 
 def env() -> str:

@@ -10,58 +10,40 @@ Data flow: ``cli`` parses torchrun's flags (plus a few spotrun ones) into a torc
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
+
+from elastic import options
 
 # --- Environment variables read by spotrun (typed module constants, torchft style) ------------------------
 
-#: Seconds between SIGTERM and SIGKILL when the agent stops workers to restart them (default 3).
-ENV_STOP_GRACE = "SPOTRUN_STOP_GRACE"
-#: Path of the structured recovery event log (default ``<log-dir>/events.jsonl``, else
-#: ``$XDG_STATE_HOME/spotrun/runs/<run id>/<host>/events.jsonl``: ``elastic.events.default_events_path``).
-ENV_EVENTS_FILE = "SPOTRUN_EVENTS_FILE"
-#: Seconds a failed worker group with no restarts left waits for a peer-loss signal before giving up.
-ENV_PEER_LOSS_GRACE = "SPOTRUN_PEER_LOSS_GRACE"
+# The variables of spotrun's flags are declared with their flags in elastic.options; named here too for callers.
+ENV_STOP_GRACE: Final = options.STOP_GRACE.env
+ENV_EVENTS_FILE: Final = options.EVENTS_FILE.env
+ENV_PEER_LOSS_GRACE: Final = options.PEER_LOSS_GRACE.env
+ENV_WARM_WORKERS: Final = options.WARM_WORKERS.env
+ENV_HANG_TIMEOUT: Final = options.HANG_TIMEOUT.env
+ENV_HANG_STARTUP_TIMEOUT: Final = options.HANG_STARTUP_TIMEOUT.env
+ENV_HANG_DETECTION: Final = options.HANG_DETECTION.env
+ENV_PREEMPT_NOTICE: Final = options.PREEMPT_NOTICE.env
+ENV_PREEMPT_GRACE: Final = options.PREEMPT_GRACE.env
+ENV_PREEMPT_SIGNAL: Final = options.PREEMPT_SIGNAL.env
+ENV_PREEMPT_POLL_INTERVAL: Final = options.PREEMPT_POLL_INTERVAL.env
+ENV_RESIZE_TIMEOUT: Final = options.RESIZE_TIMEOUT.env
+ENV_PLANNED_LEAVE_EXIT_CODE: Final = options.PLANNED_LEAVE_EXIT_CODE.env
+ENV_METRICS_PORT: Final = options.METRICS_PORT.env
+ENV_STRAGGLER_FACTOR: Final = options.STRAGGLER_FACTOR.env
+ENV_STRAGGLER_WINDOW: Final = options.STRAGGLER_WINDOW.env
 
-#: 1 (default) runs Python script workers forked from a torch-preloaded forkserver; 0 starts fresh interpreters.
-ENV_WARM_WORKERS = "SPOTRUN_WARM_WORKERS"
-
-#: Seconds without progress after start-up before a worker counts as hung (default: adaptive to the step time).
-ENV_HANG_TIMEOUT = "SPOTRUN_HANG_TIMEOUT"
-#: Seconds without progress allowed during start-up, first steps and checkpoint load (default 600).
-ENV_HANG_STARTUP_TIMEOUT = "SPOTRUN_HANG_STARTUP_TIMEOUT"
-#: 1 (default) watches every worker's progress and restarts the group when one hangs; 0 turns it off.
-ENV_HANG_DETECTION = "SPOTRUN_HANG_DETECTION"
-
-# Planned changes (elastic.notice, elastic.planned, elastic.preemption)
-#: Comma-separated metadata sources to poll: ``aws``, ``aws-rebalance``, ``gcp``, ``azure`` (``--preempt-notice``).
-ENV_PREEMPT_NOTICE = "SPOTRUN_PREEMPT_NOTICE"
-#: Seconds a SIGTERM (or a notice without its own deadline) leaves before the node is gone (``--preempt-grace``).
-ENV_PREEMPT_GRACE = "SPOTRUN_PREEMPT_GRACE"
-#: An extra notice signal, ``NAME[@SECONDS]`` like Slurm's ``--signal`` (``--preempt-signal``).
-ENV_PREEMPT_SIGNAL = "SPOTRUN_PREEMPT_SIGNAL"
-#: Seconds between two polls of the metadata services (``--preempt-poll-interval``).
-ENV_PREEMPT_POLL_INTERVAL = "SPOTRUN_PREEMPT_POLL_INTERVAL"
 #: Base URLs of the metadata services (tests point them at local servers).
 ENV_AWS_METADATA_URL = "SPOTRUN_AWS_METADATA_URL"
 ENV_GCP_METADATA_URL = "SPOTRUN_GCP_METADATA_URL"
 ENV_AZURE_METADATA_URL = "SPOTRUN_AZURE_METADATA_URL"
-#: Seconds the workers get to commit an agreed step when a node joins (``--resize-timeout``).
-ENV_RESIZE_TIMEOUT = "SPOTRUN_RESIZE_TIMEOUT"
-#: Exit status of an agent that left the group for its notice (``--planned-leave-exit-code``, default 0).
-ENV_PLANNED_LEAVE_EXIT_CODE = "SPOTRUN_PLANNED_LEAVE_EXIT_CODE"
 #: Directory of the agent<->worker mailbox (set by spotrun for its workers; absent under torchrun).
 ENV_NOTICE_DIR = "SPOTRUN_NOTICE_DIR"
-#: ``1``: prototype (issue 18 item 4). For a peer's planned leave, workers that use
-#: ``elastic.worker.reform.InPlaceReform`` keep their process and rebuild their process group at the new size
-#: instead of being restarted (the agent and its workers both read it; docs/concepts/reform-in-place.md).
+#: ``1``: prototype. For a peer's planned leave, workers that use ``elastic.worker.reform.InPlaceReform`` keep
+#: their process and rebuild their process group at the new size instead of being restarted (the agent and its
+#: workers both read it; docs/concepts/reform-in-place.md).
 ENV_REFORM_IN_PLACE = "SPOTRUN_REFORM_IN_PLACE"
-
-#: TCP port of the agent's Prometheus exporter (``--metrics-port``; unset: no exporter).
-ENV_METRICS_PORT = "SPOTRUN_METRICS_PORT"
-#: A local rank slower than this many times its local peers' median step time is a straggler (default 1.5; 0: off).
-ENV_STRAGGLER_FACTOR = "SPOTRUN_STRAGGLER_FACTOR"
-#: Steps a rank's step time is averaged over for straggler detection (default 20).
-ENV_STRAGGLER_WINDOW = "SPOTRUN_STRAGGLER_WINDOW"
 
 #: Rendezvous backend spotrun uses when ``--rdzv-backend`` is not given (torchrun's is ``static``).
 DEFAULT_RDZV_BACKEND = "etcd-v3"

@@ -1,26 +1,21 @@
-"""A speculative warm forkserver, started before the agent imports torch (issue 18: agents that start fast).
+"""A speculative warm forkserver, started from the command line before the agent imports torch.
 
-Why: a warm worker is forked from a forkserver that imported torch (``elastic.workers.start_warm_forkserver``,
-~4 s of CPU for its preloads). The agent needs its own ``import torch`` first (~2 s) to parse torchrun's flags
-(torch's parser lives in ``torch.distributed.run``) and only then started the forkserver: the two imports ran
-one after the other, and a node that joins a running job waited for both before its first step. Here the
-forkserver is started from the command line alone, before the agent's imports, so the two overlap (on a node
-with two or more cores, nearly all of it).
+Why: warm workers fork from a forkserver that imported torch, and the agent needs its own ``import torch`` to
+parse torchrun's flags (torch's parser lives in ``torch.distributed.run``). Started here, from argv alone, the
+two imports overlap instead of running one after the other, so a node that joins a running job starts sooner.
 
 What the forkserver must have at its start is what its preloaded modules and children inherit: the import-time
-environment (``OMP_NUM_THREADS``, which torchrun sets to 1 with more than one local worker,
-``TORCHELASTIC_SIGNALS_TO_HANDLE``) and the blocked notice signals (``--preempt-signal``). They are *guessed*
-from argv by a small pre-parser (:func:`guess`: the flags that take a value are torchrun's and spotrun's, a
-test keeps the table equal to the real parser's); the launcher later compares the guess with what it really
-decided (:func:`adopt`) and uses the early forkserver only when everything matches, else stops it and starts
-one as before, saying why once. A wrong guess costs CPU, never behaviour.
+environment (``OMP_NUM_THREADS``, ``TORCHELASTIC_SIGNALS_TO_HANDLE``) and the blocked notice signals
+(``--preempt-signal``). A small pre-parser guesses them from argv (:func:`guess`); the launcher compares the
+guess with what it decided (:func:`adopt`) and uses the early forkserver only when everything matches, else
+restarts it. A wrong guess costs CPU, never behaviour.
 
 The same pre-parser rejects a command line that is surely bad (:func:`reject_early`: an unknown option, a
 ``--nnodes``, ``--nproc-per-node``, ``--max-restarts``, ``--monitor-interval`` or ``--rdzv-conf`` torchrun would
-refuse) before the agent's ``import torch``, with torchrun's exit status and one line: a user waits a moment,
-not the seconds that import takes on a loaded machine. What it cannot judge for certain goes on to the real
-parser, which checks everything again.
+refuse) with torchrun's exit status and one line, without waiting for ``import torch``; what it cannot judge
+for certain goes on to the real parser.
 
+Its option sets are torchrun's (listed here, for ``TABLE_TORCH_RELEASE``) and spotrun's (``elastic.options``).
 This module must not import torch (nor anything that does): it runs before the agent's imports.
 """
 
@@ -34,37 +29,36 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from elastic import options
+
 logger = logging.getLogger(__name__)
 
-FLAG_OPTIONS: Final = frozenset({
+TORCHRUN_FLAG_OPTIONS: Final = frozenset({
     "-h", "--help", "--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path",
-    "--virtual-local-rank", "--virtual_local_rank", "--hang-detection", "--hang_detection", "--no-hang-detection",
-    "--no-hang_detection", "--warm-workers", "--warm_workers", "--no-warm-workers", "--no-warm_workers",
+    "--virtual-local-rank", "--virtual_local_rank",
 })
-"""Options of ``spotrun`` that take no value (``tests/elastic/test_boot.py`` keeps this equal to the parser)."""
-VALUE_OPTIONS: Final = frozenset({
+"""torchrun's options that take no value (under ``TABLE_TORCH_RELEASE``)."""
+TORCHRUN_VALUE_OPTIONS: Final = frozenset({
     "--duplicate-stderr-filters", "--duplicate-stdout-filters", "--duplicate_stderr_filters",
-    "--duplicate_stdout_filters", "--event-log-handler", "--event_log_handler", "--events-file", "--events_file",
-    "--hang-startup-timeout", "--hang-timeout", "--hang_startup_timeout", "--hang_timeout", "--local-addr",
+    "--duplicate_stdout_filters", "--event-log-handler", "--event_log_handler", "--local-addr",
     "--local-ranks-filter", "--local_addr", "--local_ranks_filter", "--log-dir", "--log_dir", "--logs-specs",
     "--logs_specs", "--master-addr", "--master-port", "--master_addr", "--master_port", "--max-restarts",
-    "--max_restarts", "--metrics-port", "--metrics_port", "--monitor-interval", "--monitor_interval", "--nnodes",
-    "--node-rank", "--node_rank", "--nproc-per-node", "--nproc_per_node", "--numa-binding", "--numa_binding",
-    "--peer-loss-grace", "--peer_loss_grace", "--planned-leave-exit-code", "--planned_leave_exit_code",
-    "--preempt-grace", "--preempt-notice", "--preempt-poll-interval", "--preempt-signal", "--preempt_grace",
-    "--preempt_notice", "--preempt_poll_interval", "--preempt_signal", "--rdzv-backend", "--rdzv-conf",
+    "--max_restarts", "--monitor-interval", "--monitor_interval", "--nnodes", "--node-rank", "--node_rank",
+    "--nproc-per-node", "--nproc_per_node", "--numa-binding", "--numa_binding", "--rdzv-backend", "--rdzv-conf",
     "--rdzv-endpoint", "--rdzv-id", "--rdzv_backend", "--rdzv_conf", "--rdzv_endpoint", "--rdzv_id", "--redirects",
-    "--resize-timeout", "--resize_timeout", "--role", "--shutdown-timeout", "--shutdown_timeout",
-    "--signals-to-handle", "--signals_to_handle", "--start-method", "--start_method", "--stop-grace",
-    "--stop_grace", "--straggler-factor", "--straggler-window", "--straggler_factor", "--straggler_window",
-    "--tee", "-r", "-t",
+    "--role", "--shutdown-timeout", "--shutdown_timeout", "--signals-to-handle", "--signals_to_handle",
+    "--start-method", "--start_method", "--tee", "-r", "-t",
 })
+"""torchrun's options that take a value (under ``TABLE_TORCH_RELEASE``)."""
+FLAG_OPTIONS: Final = TORCHRUN_FLAG_OPTIONS | options.switch_spellings()
+"""Options of ``spotrun`` that take no value (``tests/elastic/test_boot.py`` keeps this equal to the parser)."""
+VALUE_OPTIONS: Final = TORCHRUN_VALUE_OPTIONS | options.value_spellings()
 """Options of ``spotrun`` that take a value (``tests/elastic/test_boot.py`` keeps this equal to the parser)."""
 DEFAULT_SIGNALS_TO_HANDLE: Final = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """torchrun's ``--signals-to-handle`` default."""
 TABLE_TORCH_RELEASE: Final = "2.13"
-"""The torch release whose torchrun options the two tables above list: an option missing from them is rejected
-before ``import torch`` only under that release (a newer torchrun may have added it)."""
+"""The torch release whose torchrun options the two torchrun sets above list: an option missing from them is
+rejected before ``import torch`` only under that release (a newer torchrun may have added it)."""
 EXIT_BAD_VALUE: Final = 1
 """torchrun's exit status for a flag value its launch config refuses (its exception ends the process)."""
 EXIT_USAGE: Final = 2
@@ -140,7 +134,6 @@ def _last(options: Mapping[str, str | None], *names: str) -> str | None:
 
 def guess(argv: Sequence[str], environ: Mapping[str, str], value_options: frozenset[str]) -> WarmGuess | None:
     """The forkserver the launcher will start, or None when it will start none or argv leaves doubt. Pure."""
-    from elastic.api import ENV_PREEMPT_SIGNAL, ENV_WARM_WORKERS
     from elastic.notice import notice_signals
 
     parsed = pre_parse(argv, value_options)
@@ -149,11 +142,10 @@ def guess(argv: Sequence[str], environ: Mapping[str, str], value_options: frozen
     opts = parsed.options
     if any(k in opts for k in ("-h", "--help", "--no-python", "--no_python", "--run-path", "--run_path")):
         return None
-    if any(k in opts for k in ("--no-warm-workers", "--no-warm_workers")):
+    if any(k in opts for k in options.WARM_WORKERS.negations):
         return None
-    if not any(k in opts for k in ("--warm-workers", "--warm_workers")):
-        flag = environ.get(ENV_WARM_WORKERS, "").strip().lower()
-        if flag in ("0", "false", "no", "off"):
+    if not any(k in opts for k in options.WARM_WORKERS.spellings):
+        if environ.get(options.WARM_WORKERS.env, "").strip().lower() in options.SWITCH_OFF:
             return None
         method = _last(opts, "--start-method", "--start_method") or environ.get("PET_START_METHOD")
         if method is not None and method != "forkserver":
@@ -170,7 +162,7 @@ def guess(argv: Sequence[str], environ: Mapping[str, str], value_options: frozen
         env["OMP_NUM_THREADS"] = "1"
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = (_last(opts, "--signals-to-handle", "--signals_to_handle")
                                              or environ.get("PET_SIGNALS_TO_HANDLE") or DEFAULT_SIGNALS_TO_HANDLE)
-    preempt = _last(opts, "--preempt-signal", "--preempt_signal") or environ.get(ENV_PREEMPT_SIGNAL) or None
+    preempt = _last(opts, *options.PREEMPT_SIGNAL.spellings) or environ.get(options.PREEMPT_SIGNAL.env) or None
     try:
         shielded = tuple(int(s) for s in notice_signals(preempt))
     except Exception:  # noqa: BLE001 - a bad --preempt-signal: the launcher reports it; no guess
@@ -186,14 +178,13 @@ def launch_notice_signals(argv: Sequence[str], environ: Mapping[str, str]) -> tu
     """The signals the launcher will take as a preemption notice (SIGTERM, ``--preempt-signal``), guessed from
     argv before its imports; none for a subcommand (``spotrun status`` must stay killable). Never raises: a
     bad ``--preempt-signal`` falls back to SIGTERM alone (the launcher reports it)."""
-    from elastic.api import ENV_PREEMPT_SIGNAL
     from elastic.notice import notice_signals
 
     if argv and argv[0] in SUBCOMMANDS and not os.path.isfile(argv[0]):
         return ()
     parsed = pre_parse(argv, VALUE_OPTIONS)
-    preempt = (_last(parsed.options, "--preempt-signal", "--preempt_signal") if parsed is not None else None) \
-        or environ.get(ENV_PREEMPT_SIGNAL) or None
+    preempt = (_last(parsed.options, *options.PREEMPT_SIGNAL.spellings) if parsed is not None else None) \
+        or environ.get(options.PREEMPT_SIGNAL.env) or None
     try:
         return tuple(int(sig) for sig in notice_signals(preempt))
     except Exception:  # noqa: BLE001 - a bad --preempt-signal: SIGTERM is a notice whatever else is asked

@@ -14,41 +14,8 @@ Differences from torchrun:
   ``--nnodes 2 --node-rank 0 --master-addr H --master-port P``), a command that names no backend and no
   endpoint runs on torch's static rendezvous with exactly that address and port, as torchrun; a multi-node one
   says once how to make it elastic (``--rdzv-backend etcd-v3 --rdzv-endpoint HOST:PORT``).
-* spotrun-only flags (all optional):
-
-  ``--stop-grace SECONDS``       SIGTERM->SIGKILL grace when workers are stopped for a restart
-                                 (env ``SPOTRUN_STOP_GRACE``, default 3; torch uses 30).
-  ``--peer-loss-grace SECONDS``  with no restarts left, how long a failed group waits for a lost-peer signal
-                                 before giving up (env ``SPOTRUN_PEER_LOSS_GRACE``, default 5; with etcd-v3
-                                 at least ``lease_ttl`` + 2 unless 0).
-  ``--[no-]warm-workers``        fork Python script workers from a torch-preloaded forkserver (env
-                                 ``SPOTRUN_WARM_WORKERS``, default on): a restart skips ``import torch``.
-                                 Only when the command asks for no other ``--start-method`` (flag or
-                                 ``PET_START_METHOD``): with ``spawn`` or ``fork`` asked, script workers are
-                                 torchrun's ``python -u script`` subprocesses (torchrun applies the method
-                                 to ``--run-path`` functions only); ``--no-python`` binaries are never warm.
-  ``--preempt-grace SECONDS``    a SIGTERM to the agent is a preemption notice with this deadline (env
-                                 ``SPOTRUN_PREEMPT_GRACE``, default 30); see ``elastic.planned``.
-  ``--preempt-signal SIG[@S]``   an extra notice signal, Slurm style (env ``SPOTRUN_PREEMPT_SIGNAL``).
-  ``--preempt-notice LIST``      poll cloud metadata for notices: aws, aws-rebalance, gcp, azure (env
-                                 ``SPOTRUN_PREEMPT_NOTICE``), every ``--preempt-poll-interval`` s (default 2).
-  ``--resize-timeout SECONDS``   a joining node first lets the workers commit an agreed step (env
-                                 ``SPOTRUN_RESIZE_TIMEOUT``, default 60).
-  ``--planned-leave-exit-code N`` exit status of an agent that left for its notice with training unfinished
-                                 (env ``SPOTRUN_PLANNED_LEAVE_EXIT_CODE``, 0-255, default 0; 75 with a
-                                 podFailurePolicy Ignore rule on a Kubernetes Indexed Job).
-  ``--hang-timeout SECONDS``     a worker without progress (optimizer steps, ``elastic.progress.heartbeat()``
-                                 or main-thread CPU) this long after start-up counts as hung: its stack is
-                                 logged, it is killed and the group restarts (env ``SPOTRUN_HANG_TIMEOUT``;
-                                 default adaptive: 10x the slowest recent step, at least 60 s).
-  ``--hang-startup-timeout S``   the budget for start-up, first steps and checkpoint load (env
-                                 ``SPOTRUN_HANG_STARTUP_TIMEOUT``, default 600).
-  ``--[no-]hang-detection``      (env ``SPOTRUN_HANG_DETECTION``, default on).
-  ``--metrics-port PORT``        Prometheus metrics at ``/metrics`` (env ``SPOTRUN_METRICS_PORT``; default off;
-                                 ``elastic.metrics``).
-  ``--events-file PATH``         structured recovery events (env ``SPOTRUN_EVENTS_FILE``; default
-                                 ``<log-dir>/events.jsonl``, or ``$XDG_STATE_HOME/spotrun/runs/<run id>/<host>/
-                                 events.jsonl`` when no ``--log-dir`` is given; printed once at start).
+* spotrun's own flags (all optional, each with a ``SPOTRUN_*`` environment fallback) are declared in
+  ``elastic.options``; they are spelled in full only, so a script's ``--hang`` or ``--preempt`` reaches the script.
 
 Subcommands (before any flag): ``spotrun status ...`` (``elastic.status``: the job as etcd sees it) and
 ``spotrun report EVENTS...`` (``elastic.report``: timeline and cost of the faults); also installed as
@@ -91,24 +58,9 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 from torch.distributed.run import config_from_args, get_args_parser
 
 from elastic import early_notice
+from elastic import options as opt
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
-    ENV_EVENTS_FILE,
-    ENV_HANG_DETECTION,
-    ENV_HANG_STARTUP_TIMEOUT,
-    ENV_HANG_TIMEOUT,
-    ENV_METRICS_PORT,
-    ENV_PEER_LOSS_GRACE,
-    ENV_PLANNED_LEAVE_EXIT_CODE,
-    ENV_PREEMPT_GRACE,
-    ENV_PREEMPT_NOTICE,
-    ENV_PREEMPT_POLL_INTERVAL,
-    ENV_PREEMPT_SIGNAL,
-    ENV_RESIZE_TIMEOUT,
-    ENV_STOP_GRACE,
-    ENV_STRAGGLER_FACTOR,
-    ENV_STRAGGLER_WINDOW,
-    ENV_WARM_WORKERS,
     LaunchConfigError,
     LaunchConfigFormatError,
     LaunchConfigRangeError,
@@ -120,19 +72,9 @@ from elastic.api import (
 from elastic.config import (
     AgentSettings,
     check_launch_values,
-    default_events_file,
-    default_metrics_port,
-    default_peer_loss_grace,
-    default_planned_leave_exit_code,
-    default_preempt_grace,
-    default_preempt_notice,
-    default_preempt_poll_interval,
-    default_preempt_signal,
-    default_resize_timeout,
-    default_stop_grace,
-    default_warm_workers,
     hang_policy,
     parse_nnodes,
+    resolve,
     straggler_policy,
 )
 from elastic.events import default_events_path
@@ -168,69 +110,23 @@ def build_parser() -> argparse.ArgumentParser:
                 "the etcd-v3 backend with a random run id; --rdzv-backend/--rdzv-endpoint/--rdzv-id are ignored."
             )
     group = parser.add_argument_group("spotrun")
-    group.add_argument("--stop-grace", "--stop_grace", type=float, default=None,
-                       help=f"Seconds between SIGTERM and SIGKILL when stopping workers for a restart "
-                            f"(env {ENV_STOP_GRACE}, default 3).")
-    group.add_argument("--peer-loss-grace", "--peer_loss_grace", type=float, default=None,
-                       help=f"With no restarts left, seconds a failed worker group waits for a lost-peer signal "
-                            f"before failing the job (env {ENV_PEER_LOSS_GRACE}, default 5; with etcd-v3 at least the "
-                            f"lease_ttl + 2 s, so a peer that died with the failure is seen; 0: no wait).")
-    group.add_argument("--warm-workers", "--warm_workers", action=argparse.BooleanOptionalAction, default=None,
-                       help=f"Fork Python script workers from a forkserver that pre-imported torch, so restarts skip "
-                            f"the interpreter start (env {ENV_WARM_WORKERS}, default on; --no-warm-workers: plain "
-                            f"`python -u script` subprocesses like torchrun).")
-    group.add_argument("--preempt-grace", "--preempt_grace", type=float, default=None,
-                       help=f"Seconds a SIGTERM to the agent leaves before the node is gone: workers using "
-                            f"elastic.preemption.Preemption commit an agreed step within it and the agent exits 0 "
-                            f"(env {ENV_PREEMPT_GRACE}, default 30).")
-    group.add_argument("--preempt-signal", "--preempt_signal", type=str, default=None,
-                       help=f"An extra notice signal NAME[@SECONDS], like Slurm's --signal=USR2@120 "
-                            f"(env {ENV_PREEMPT_SIGNAL}).")
-    group.add_argument("--preempt-notice", "--preempt_notice", type=str, default=None,
-                       help=f"Poll these metadata services for preemption notices, comma-separated: aws, "
-                            f"aws-rebalance, gcp, azure (env {ENV_PREEMPT_NOTICE}).")
-    group.add_argument("--preempt-poll-interval", "--preempt_poll_interval", type=float, default=None,
-                       help=f"Seconds between metadata polls (env {ENV_PREEMPT_POLL_INTERVAL}, default 2).")
-    group.add_argument("--resize-timeout", "--resize_timeout", type=float, default=None,
-                       help=f"When a node joins, seconds the workers get to commit an agreed step before the "
-                            f"group restarts anyway (env {ENV_RESIZE_TIMEOUT}, default 60).")
-    group.add_argument("--planned-leave-exit-code", "--planned_leave_exit_code", type=int, default=None,
-                       help=f"Exit status (0-255) of an agent that left the group for its preemption notice with "
-                            f"training unfinished (env {ENV_PLANNED_LEAVE_EXIT_CODE}, default 0). On a Kubernetes "
-                            f"Indexed Job use e.g. 75 with a podFailurePolicy Ignore rule, so the index is recreated.")
-    group.add_argument("--hang-timeout", "--hang_timeout", type=float, default=None,
-                       help=f"Seconds without progress after start-up before a worker counts as hung and the group "
-                            f"restarts (env {ENV_HANG_TIMEOUT}; default adaptive: 10x the slowest recent step, "
-                            f"at least 60 s).")
-    group.add_argument("--hang-startup-timeout", "--hang_startup_timeout", type=float, default=None,
-                       help=f"Seconds without progress allowed during start-up, first steps and checkpoint load "
-                            f"(env {ENV_HANG_STARTUP_TIMEOUT}, default 600).")
-    group.add_argument("--hang-detection", "--hang_detection", action=argparse.BooleanOptionalAction, default=None,
-                       help=f"Watch every worker's progress and restart the group when one hangs (env "
-                            f"{ENV_HANG_DETECTION}, default on).")
-    group.add_argument("--events-file", "--events_file", type=str, default=None,
-                       help=f"JSON-lines recovery event log (env {ENV_EVENTS_FILE}; default <log-dir>/events.jsonl, "
-                            f"else $XDG_STATE_HOME/spotrun/runs/<run id>/<host>/events.jsonl; printed at start).")
-    group.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
-                       help=f"Serve Prometheus metrics (restarts, recovery stages, notices, ...) on this TCP port at "
-                            f"/metrics (env {ENV_METRICS_PORT}; default: off).")
-    group.add_argument("--straggler-factor", "--straggler_factor", type=float, default=None,
-                       help=f"Name a local rank a straggler (straggler_detected event, spotrun_stragglers metric) when "
-                            f"its step time exceeds this many times its local peers' median (env "
-                            f"{ENV_STRAGGLER_FACTOR}, default 1.5; 0: off; needs hang detection).")
-    group.add_argument("--straggler-window", "--straggler_window", type=int, default=None,
-                       help=f"Steps a rank's step time is averaged over for straggler detection (env "
-                            f"{ENV_STRAGGLER_WINDOW}, default 20).")
-    _no_abbreviations(parser, group)
+    for option in opt.OPTIONS:
+        # default None: the flag not given, so the environment decides (elastic.config.resolve)
+        if option.is_switch:
+            group.add_argument(*option.spellings, action=argparse.BooleanOptionalAction, default=None,
+                               help=option.help_text.replace("%", "%%"))
+        else:
+            group.add_argument(*option.spellings, type=option.kind, default=None,
+                               help=option.help_text.replace("%", "%%"))
+    _no_abbreviations(parser)
     return parser
 
 
-def _no_abbreviations(parser: argparse.ArgumentParser, group: argparse._ArgumentGroup) -> None:
-    """spotrun-only flags are matched by their full names only. argparse classifies every argument, also
-    those after the training script, against option prefixes: with ``--hang-timeout`` and
-    ``--hang-detection`` a script's own ``--hang`` became an "ambiguous option" error (and a script's
-    ``--preempt`` likewise). torch's flags keep torchrun's abbreviations."""
-    ours = {option for action in group._group_actions for option in action.option_strings}
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """spotrun's flags are matched by their full names only: argparse classifies every argument, also those
+    after the training script, against option prefixes, so a script's own ``--hang`` would be an "ambiguous
+    option" between ``--hang-timeout`` and ``--hang-detection``. torch's flags keep torchrun's abbreviations."""
+    ours = {spelling for option in opt.OPTIONS for spelling in option.option_strings}
     original = parser._get_option_tuples
 
     def option_tuples(option_string: str) -> list[tuple[Any, ...]]:
@@ -240,23 +136,22 @@ def _no_abbreviations(parser: argparse.ArgumentParser, group: argparse._Argument
 
 
 def settings_from_args(args: argparse.Namespace) -> AgentSettings:
+    """The agent's settings: each flag's value, else its ``SPOTRUN_*`` variable, else its default."""
     return AgentSettings(
-        stop_grace=default_stop_grace() if args.stop_grace is None else args.stop_grace,
-        peer_loss_grace=default_peer_loss_grace() if args.peer_loss_grace is None else args.peer_loss_grace,
-        events_file=args.events_file if args.events_file is not None else default_events_file(),
-        warm_workers=default_warm_workers() if (wanted := warm_workers_wanted(args)) is None else wanted,
-        preempt_grace=default_preempt_grace() if args.preempt_grace is None else args.preempt_grace,
-        # An empty --preempt-signal/--preempt-notice falls back to the environment too (as it always did).
-        preempt_signal=args.preempt_signal or default_preempt_signal(),
-        preempt_sources=parse_sources(args.preempt_notice or default_preempt_notice()),
-        preempt_poll_interval=default_preempt_poll_interval() if args.preempt_poll_interval is None
-        else args.preempt_poll_interval,
-        resize_timeout=default_resize_timeout() if args.resize_timeout is None else args.resize_timeout,
-        planned_leave_exit_code=default_planned_leave_exit_code() if args.planned_leave_exit_code is None
-        else args.planned_leave_exit_code,
+        stop_grace=resolve(opt.STOP_GRACE, args.stop_grace),
+        peer_loss_grace=resolve(opt.PEER_LOSS_GRACE, args.peer_loss_grace),
+        events_file=resolve(opt.EVENTS_FILE, args.events_file),
+        warm_workers=resolve(opt.WARM_WORKERS, warm_workers_wanted(args)),
+        preempt_grace=resolve(opt.PREEMPT_GRACE, args.preempt_grace),
+        # An empty --preempt-signal/--preempt-notice falls back to the environment too.
+        preempt_signal=resolve(opt.PREEMPT_SIGNAL, args.preempt_signal or None),
+        preempt_sources=parse_sources(resolve(opt.PREEMPT_NOTICE, args.preempt_notice or None)),
+        preempt_poll_interval=resolve(opt.PREEMPT_POLL_INTERVAL, args.preempt_poll_interval),
+        resize_timeout=resolve(opt.RESIZE_TIMEOUT, args.resize_timeout),
+        planned_leave_exit_code=resolve(opt.PLANNED_LEAVE_EXIT_CODE, args.planned_leave_exit_code),
         hang=hang_policy(enabled=args.hang_detection, timeout=args.hang_timeout,
                          startup_timeout=args.hang_startup_timeout),
-        metrics_port=default_metrics_port() if args.metrics_port is None else args.metrics_port,
+        metrics_port=resolve(opt.METRICS_PORT, args.metrics_port),
         straggler=straggler_policy(factor=args.straggler_factor, window=args.straggler_window),
     )
 
@@ -453,7 +348,7 @@ def _main(argv: Sequence[str] | None) -> None:
     parser = build_parser()
     args = parse_command_line(parser, argv)
     with restored_signal_handlers(), forkserver_scope():
-        install_signal_handlers(args.preempt_signal or default_preempt_signal())
+        install_signal_handlers(resolve(opt.PREEMPT_SIGNAL, args.preempt_signal or None))
         try:
             run(args)
         except (LaunchConfigError, RendezvousUnavailableError, StandaloneEtcdError, TorchInternalsError) as exc:

@@ -1,77 +1,65 @@
-"""Validated settings of spotrun's launcher and agent (what torchrun's flags do not already cover)."""
+"""Validated settings of spotrun's launcher and agent (what torchrun's flags do not already cover).
+
+The defaults, flags and ``SPOTRUN_*`` variables are ``elastic.options``'; :func:`resolve` reads a flag's value,
+else its variable, else its default."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
-from elastic.api import (
-    ENV_EVENTS_FILE,
-    ENV_HANG_DETECTION,
-    ENV_HANG_STARTUP_TIMEOUT,
-    ENV_HANG_TIMEOUT,
-    ENV_METRICS_PORT,
-    ENV_PEER_LOSS_GRACE,
-    ENV_PLANNED_LEAVE_EXIT_CODE,
-    ENV_PREEMPT_GRACE,
-    ENV_PREEMPT_NOTICE,
-    ENV_PREEMPT_POLL_INTERVAL,
-    ENV_PREEMPT_SIGNAL,
-    ENV_RESIZE_TIMEOUT,
-    ENV_STOP_GRACE,
-    ENV_STRAGGLER_FACTOR,
-    ENV_STRAGGLER_WINDOW,
-    ENV_WARM_WORKERS,
-    LaunchConfigError,
-    LaunchConfigFormatError,
-    LaunchConfigRangeError,
-)
+from elastic import options as opt
+from elastic.api import LaunchConfigError, LaunchConfigFormatError, LaunchConfigRangeError
 from elastic.hang import HangPolicy
-from elastic.straggler import DEFAULT_FACTOR, DEFAULT_WINDOW, StragglerPolicy
+from elastic.options import Option
+from elastic.straggler import StragglerPolicy
+
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True, slots=True)
 class AgentSettings:
     """Knobs of :class:`~elastic.agent.SpotrunAgent` that change torch's recovery behaviour."""
 
-    stop_grace: float = 3.0
+    stop_grace: float = opt.STOP_GRACE.default
     """Seconds between SIGTERM and SIGKILL when workers are stopped for a restart. torch waits 30 s, but
     workers stuck in a broken collective never answer SIGTERM, so a long grace only delays recovery."""
 
-    peer_loss_grace: float = 5.0
+    peer_loss_grace: float = opt.PEER_LOSS_GRACE.default
     """When a worker group fails with no restarts left, seconds to wait for the rendezvous to report a lost
     peer before giving up: a collective broken by a dead peer fails before the peer's lease expires. The
     launcher raises it to the lease TTL plus a margin (``launcher.peer_loss_window``); 0 turns it off."""
 
-    events_file: str | None = None
+    events_file: str | None = opt.EVENTS_FILE.default
     """JSON-lines file for recovery events. The ``spotrun`` command resolves ``None`` to
     ``elastic.events.default_events_path`` (``<log-dir>/events.jsonl``, else a per-run file under
     ``$XDG_STATE_HOME``); a library caller of ``launcher.launch`` that leaves it ``None`` gets
     ``<log root>/events.jsonl`` (torch's temporary log directory without a ``log_dir``)."""
 
-    warm_workers: bool = True
+    warm_workers: bool = opt.WARM_WORKERS.default
     """Run Python script workers in processes forked from a forkserver that pre-imported torch, so a
     restart costs a fork instead of an interpreter start plus ``import torch`` (see ``elastic.workers``)."""
 
-    preempt_grace: float = 30.0
+    preempt_grace: float = opt.PREEMPT_GRACE.default
     """Seconds between a SIGTERM to the agent (or a notice without its own deadline) and the node going
     away: Kubernetes' default terminationGracePeriodSeconds is 30."""
 
-    preempt_signal: str | None = None
+    preempt_signal: str | None = opt.PREEMPT_SIGNAL.default
     """An extra notice signal, ``NAME[@SECONDS]`` (Slurm ``--signal=USR2@120``); None: SIGTERM only."""
 
     preempt_sources: tuple[str, ...] = ()
     """Metadata services polled for notices: ``aws``, ``aws-rebalance``, ``gcp``, ``azure``."""
 
-    preempt_poll_interval: float = 2.0
+    preempt_poll_interval: float = opt.PREEMPT_POLL_INTERVAL.default
     """Seconds between two polls of the metadata services."""
 
-    resize_timeout: float = 60.0
+    resize_timeout: float = opt.RESIZE_TIMEOUT.default
     """When a node waits to join, seconds the running workers get to reach an agreed step and commit it
     before the group is restarted anyway (losing the steps since the last checkpoint, as before)."""
 
-    planned_leave_exit_code: int = 0
+    planned_leave_exit_code: int = opt.PLANNED_LEAVE_EXIT_CODE.default
     """Exit status of an agent that left the group for its notice with training unfinished (0-255). 0 says
     "done" to the platform; a Kubernetes Indexed Job then never recreates the index. Set e.g. 75 there with a
     podFailurePolicy rule ``action: Ignore`` on that code (deploy/kubernetes/job.yaml)."""
@@ -80,7 +68,7 @@ class AgentSettings:
     """Hang detection budgets (``--hang-timeout``, ``--hang-startup-timeout``); None turns it off
     (``--no-hang-detection``). The CLI turns it on by default (see ``elastic.hang``)."""
 
-    metrics_port: int | None = None
+    metrics_port: int | None = opt.METRICS_PORT.default
     """TCP port of the Prometheus exporter (``elastic.metrics``); None: no exporter. 0 picks a free port."""
 
     straggler: StragglerPolicy | None = None
@@ -123,116 +111,53 @@ class AgentSettings:
             raise LaunchConfigError("--events-file must be a path, got an empty string")
 
 
-_DEFAULTS = AgentSettings()
-"""Every setting's default in one place (the field defaults above); the ``default_*`` functions below are
-what the CLI uses when a flag is not given: the ``SPOTRUN_*`` variable if set, else this."""
-
-
-def env_float(name: str, default: float) -> float:
-    """Read a float from the environment, naming the variable when it does not parse."""
+def from_env(option: Option[T]) -> T:
+    """``option``'s ``SPOTRUN_*`` variable when set (an empty one is unset; a blank one too for an integer), else
+    its default; a malformed value is a LaunchConfigError naming the variable."""
+    name = option.env
     raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise LaunchConfigError(f"environment variable {name}={raw!r} is not a number of seconds") from exc
+    if option.is_switch:
+        word = (raw if raw is not None else "1" if option.default else "0").strip().lower()
+        if word in opt.SWITCH_ON:
+            return cast(T, True)
+        if word in opt.SWITCH_OFF:
+            return cast(T, False)
+        raise LaunchConfigError(f"environment variable {name}={word!r} must be 1 or 0")
+    if raw is None or (raw.strip() if option.kind is int else raw) == "":
+        return option.default
+    if option.kind is float:
+        try:
+            return cast(T, float(raw))
+        except ValueError as exc:
+            raise LaunchConfigError(f"environment variable {name}={raw!r} is not a number of seconds") from exc
+    if option.kind is int:
+        try:
+            return cast(T, int(raw))
+        except ValueError as exc:
+            raise LaunchConfigError(f"environment variable {name}={raw!r} is not an integer") from exc
+    return cast(T, raw)
 
 
-def env_int(name: str, default: int) -> int:
-    """Read an integer from the environment, naming the variable when it does not parse."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise LaunchConfigError(f"environment variable {name}={raw!r} is not an integer") from exc
-
-
-def default_stop_grace() -> float:
-    return env_float(ENV_STOP_GRACE, _DEFAULTS.stop_grace)
-
-
-def default_peer_loss_grace() -> float:
-    return env_float(ENV_PEER_LOSS_GRACE, _DEFAULTS.peer_loss_grace)
-
-
-def default_preempt_grace() -> float:
-    return env_float(ENV_PREEMPT_GRACE, _DEFAULTS.preempt_grace)
-
-
-def default_preempt_poll_interval() -> float:
-    return env_float(ENV_PREEMPT_POLL_INTERVAL, _DEFAULTS.preempt_poll_interval)
-
-
-def default_resize_timeout() -> float:
-    return env_float(ENV_RESIZE_TIMEOUT, _DEFAULTS.resize_timeout)
-
-
-def default_planned_leave_exit_code() -> int:
-    return env_int(ENV_PLANNED_LEAVE_EXIT_CODE, _DEFAULTS.planned_leave_exit_code)
-
-
-def default_preempt_signal() -> str | None:
-    return os.environ.get(ENV_PREEMPT_SIGNAL) or _DEFAULTS.preempt_signal
-
-
-def default_preempt_notice() -> str:
-    """The comma-separated metadata sources (``--preempt-notice``'s syntax); empty: none."""
-    return os.environ.get(ENV_PREEMPT_NOTICE) or ",".join(_DEFAULTS.preempt_sources)
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """Read a boolean (1/0, true/false, yes/no, on/off) from the environment, naming the variable when bad."""
-    raw = os.environ.get(name, "1" if default else "0").strip().lower()
-    if raw in {"1", "true", "yes", "on"}:
-        return True
-    if raw in {"0", "false", "no", "off"}:
-        return False
-    raise LaunchConfigError(f"environment variable {name}={raw!r} must be 1 or 0")
-
-
-def default_warm_workers() -> bool:
-    return env_flag(ENV_WARM_WORKERS, _DEFAULTS.warm_workers)
+def resolve(option: Option[T], given: T | None) -> T:
+    """The flag's value when given (not None), else :func:`from_env`."""
+    return from_env(option) if given is None else given
 
 
 def hang_policy(*, enabled: bool | None, timeout: float | None, startup_timeout: float | None) -> HangPolicy | None:
     """The hang policy from flags, falling back to ``SPOTRUN_HANG_*``; None when detection is off."""
-    if not (env_flag(ENV_HANG_DETECTION, True) if enabled is None else enabled):
+    if not resolve(opt.HANG_DETECTION, enabled):
         return None
-    if timeout is None and os.environ.get(ENV_HANG_TIMEOUT):
-        timeout = env_float(ENV_HANG_TIMEOUT, 0.0)
-    startup = env_float(ENV_HANG_STARTUP_TIMEOUT, HangPolicy().startup_timeout) if startup_timeout is None \
-        else startup_timeout
-    return HangPolicy(timeout=timeout, startup_timeout=startup)
-
-
-def default_metrics_port() -> int | None:
-    """``SPOTRUN_METRICS_PORT`` when set, else None (no exporter)."""
-    raw = os.environ.get(ENV_METRICS_PORT, "").strip()
-    return env_int(ENV_METRICS_PORT, 0) if raw else _DEFAULTS.metrics_port
-
-
-def default_straggler_factor() -> float:
-    return env_float(ENV_STRAGGLER_FACTOR, DEFAULT_FACTOR)
-
-
-def default_straggler_window() -> int:
-    return env_int(ENV_STRAGGLER_WINDOW, DEFAULT_WINDOW)
+    return HangPolicy(timeout=resolve(opt.HANG_TIMEOUT, timeout),
+                      startup_timeout=resolve(opt.HANG_STARTUP_TIMEOUT, startup_timeout))
 
 
 def straggler_policy(*, factor: float | None, window: int | None) -> StragglerPolicy | None:
     """The straggler policy from flags, falling back to ``SPOTRUN_STRAGGLER_*``; None when the factor is 0."""
-    factor = default_straggler_factor() if factor is None else factor
-    window = default_straggler_window() if window is None else window
+    factor = resolve(opt.STRAGGLER_FACTOR, factor)
+    window = resolve(opt.STRAGGLER_WINDOW, window)
     if factor == 0:
         return None
     return StragglerPolicy(factor=factor, window=window)
-
-
-def default_events_file() -> str | None:
-    return os.environ.get(ENV_EVENTS_FILE) or _DEFAULTS.events_file
 
 
 _NNODES_FORMS = "use N or MIN:MAX, e.g. --nnodes 2 or --nnodes 1:4"

@@ -22,6 +22,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from elastic import options
 from elastic.api import LaunchConfigError
 
 
@@ -29,10 +30,10 @@ from elastic.api import LaunchConfigError
 class HangPolicy:
     """How long a worker may go without progress before it counts as hung."""
 
-    timeout: float | None = None
+    timeout: float | None = options.HANG_TIMEOUT.default
     """Fixed budget in seconds after start-up (``--hang-timeout``); None adapts to the observed step time."""
 
-    startup_timeout: float = 600.0
+    startup_timeout: float = options.HANG_STARTUP_TIMEOUT.default
     """Budget for start-up, the first steps and checkpoint load (``--hang-startup-timeout``)."""
 
     multiplier: float = 10.0

@@ -20,10 +20,11 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from elastic import options
 from elastic.api import LaunchConfigError
 
-DEFAULT_FACTOR = 1.5
-DEFAULT_WINDOW = 20
+DEFAULT_FACTOR = options.STRAGGLER_FACTOR.default
+DEFAULT_WINDOW = options.STRAGGLER_WINDOW.default
 
 
 @dataclass(kw_only=True, slots=True)

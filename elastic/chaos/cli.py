@@ -23,12 +23,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from elastic.api import ENV_EVENTS_FILE
 from elastic.chaos.api import STORAGE_CONTROL_ENV, ChaosError, Schedule, restarts_needed
 from elastic.chaos.injector import Injector
 from elastic.chaos.journal import Journal
 from elastic.chaos.schedule import load_schedule
 from elastic.chaos.targets import last_step
+from elastic.options import EVENTS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +111,11 @@ def events_file_of(command: list[str]) -> str | None:
     """The ``--events-file`` a spotrun command line (or its environment) names, so workers forked by the
     warm-worker forkserver can be found without repeating it."""
     for i, arg in enumerate(command):
-        if arg in ("--events-file", "--events_file") and i + 1 < len(command):
+        if arg in EVENTS_FILE.spellings and i + 1 < len(command):
             return command[i + 1]
-        if arg.startswith(("--events-file=", "--events_file=")):
+        if arg.startswith(tuple(f"{s}=" for s in EVENTS_FILE.spellings)):
             return arg.split("=", 1)[1]
-    return os.environ.get(ENV_EVENTS_FILE) or None
+    return os.environ.get(EVENTS_FILE.env) or None
 
 
 _LAUNCHERS = ("spotrun", "torchrun")
