@@ -68,7 +68,7 @@ def test_spotrun_settings_from_flags_and_env(monkeypatch: pytest.MonkeyPatch) ->
 
 
 # (flag, env var, env value, flag value, settings field, from env, from flag): the flag wins over the env
-# var, the env var over the default, each read the same way (elastic.config.default_*).
+# var, the env var over the default, each read the same way (elastic.config.resolve).
 SETTINGS = [
     ("--stop-grace", "SPOTRUN_STOP_GRACE", "1.5", "0.5", "stop_grace", 1.5, 0.5),
     ("--peer-loss-grace", "SPOTRUN_PEER_LOSS_GRACE", "7", "8", "peer_loss_grace", 7.0, 8.0),
