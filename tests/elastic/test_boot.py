@@ -26,8 +26,8 @@ def test_option_tables_equal_the_real_parser() -> None:
     for action in build_parser()._actions:
         if action.option_strings:
             (flags if action.nargs == 0 else values).update(action.option_strings)
-    assert flags == FLAG_OPTIONS, "update elastic/boot.py's FLAG_OPTIONS"
-    assert values == VALUE_OPTIONS, "update elastic/boot.py's VALUE_OPTIONS"
+    assert flags == FLAG_OPTIONS, "update elastic/boot.py's TORCHRUN_FLAG_OPTIONS (spotrun's: elastic/options.py)"
+    assert values == VALUE_OPTIONS, "update elastic/boot.py's TORCHRUN_VALUE_OPTIONS (spotrun's: elastic/options.py)"
 
 
 @pytest.mark.parametrize(
