@@ -1315,16 +1315,19 @@ def complete_failures(
             local_rank=local_rank, pid=pids.get(local_rank, -1), exitcode=exitcode,
             error_file=pcontext.error_files[local_rank],
         )
-    return dict(sorted(merged.items(), key=lambda item: _failure_order(item[1], died_at)))
+    return dict(sorted(merged.items(), key=lambda item: failure_order(item[1], died_at)))
 
 
-def _failure_order(failure: ProcessFailure, died_at: dict[int, float]) -> tuple[float, float, float]:
-    """Sort key: death time when known, then the error file's timestamp and mtime (sub-second)."""
+def failure_order(failure: ProcessFailure, died_at: dict[int, float]) -> tuple[float, int, float, float]:
+    """Sort key, root cause first: death time when known; in a tie (deaths noted together: the death clock's
+    thread ran late), a worker killed by a signal before one that raised, since a peer's death breaks the others'
+    collective into an exception, never into a signal; then the error file's timestamp and mtime (sub-second).
+    A worker without an error file gets torch's "now" as its timestamp, which alone would rank it last."""
     try:
         mtime = os.stat(failure.error_file).st_mtime
     except OSError:
         mtime = float("inf")
-    return (died_at.get(failure.local_rank, float("inf")), failure.timestamp, mtime)
+    return (died_at.get(failure.local_rank, float("inf")), 0 if failure.exitcode < 0 else 1, failure.timestamp, mtime)
 
 
 def _running_workers(pcontext: PContext) -> Callable[[], bool] | None:
