@@ -19,11 +19,15 @@ import argparse
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from fsspec.core import split_protocol
+from tqdm import tqdm
 
 from checkpoint.api import (
     CheckpointError,
@@ -34,15 +38,26 @@ from checkpoint.api import (
     Manifest,
     step_dir,
 )
+from checkpoint.checksum import crc32, crc32_combine
+from checkpoint.config import CheckpointConfig
 from checkpoint.discover import (
     check_files,
     latest_good_step,
     list_steps,
+    read_checksummed,
+    read_manifest,
+    read_objects,
+    read_rank_objects,
     require_checkpoint,
     resolve_step,
     validate_step,
 )
+from checkpoint.dtypes import element_size
+from checkpoint.hf import CONFIG, from_hf, read_config, tied_weights
+from checkpoint.plan import validate_tiling
+from checkpoint.retention import delete_step
 from checkpoint.storage import Storage
+from checkpoint.verify import BlockVerifier, truncated
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _storage(args: argparse.Namespace, uri: str | None = None) -> Storage:
     """Storage for the checkpoint URI; an export target gets the options only if it uses the same protocol."""
-    from fsspec.core import split_protocol
-
     options = dict(args.storage_option)
     if uri is not None and split_protocol(uri)[0] != split_protocol(args.uri)[0]:
         options = {}
@@ -212,11 +225,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = True) -> list[str]:
     """Read every byte of every shard once: whole-file crc32 and every chunk block crc32. Returns problems."""
-    from tqdm import tqdm
-
-    from checkpoint.checksum import crc32, crc32_combine
-    from checkpoint.verify import BlockVerifier, truncated
-
     rel = step_dir(manifest.step)
     by_file: dict[str, list[tuple[str, Any]]] = {name: [] for name in manifest.files}
     problems: list[str] = []
@@ -272,8 +280,6 @@ def verify_manifest(storage: Storage, manifest: Manifest, *, progress: bool = Tr
 
 def verify_rank_objects(storage: Storage, manifest: Manifest) -> list[str]:
     """Read every per-rank objects file whole and check its size, crc32 and content. Returns problems."""
-    from checkpoint.discover import read_rank_objects
-
     problems: list[str] = []
     for rrec in sorted(manifest.rank_objects.values(), key=lambda r: r.rank):
         try:
@@ -286,8 +292,6 @@ def verify_rank_objects(storage: Storage, manifest: Manifest) -> list[str]:
 def structure_problems(storage: Storage, manifest: Manifest) -> list[str]:
     """The checks ``load`` applies before reading a byte (``validate_step``), as problems: chunks tile every
     tensor, byte ranges lie inside files whose recorded sizes are their real sizes, names stay in the step."""
-    from checkpoint.plan import validate_tiling
-
     problems = []
     for check in (validate_tiling, lambda m: check_files(storage, m)):
         try:
@@ -300,7 +304,7 @@ def structure_problems(storage: Storage, manifest: Manifest) -> list[str]:
 def header_problems(storage: Storage, manifest: Manifest) -> list[str]:
     """Each shard's safetensors header against the manifest: every chunk is there with its dtype, shape and
     byte range (what ``safetensors.load_file`` would read must be what spotrun reads)."""
-    from checkpoint.shard import read_header
+    from checkpoint.shard import read_header  # imports torch: ls and inspect stay torch-free
 
     rel = step_dir(manifest.step)
     problems: list[str] = []
@@ -328,8 +332,6 @@ def header_problems(storage: Storage, manifest: Manifest) -> list[str]:
 
 def json_file_problems(storage: Storage, manifest: Manifest) -> list[str]:
     """``objects.json`` and the index against their checksums in the manifest (what ``load`` reads of them)."""
-    from checkpoint.discover import read_checksummed, read_objects
-
     problems: list[str] = []
     for name in sorted(manifest.checksums):
         try:
@@ -347,12 +349,8 @@ def json_file_problems(storage: Storage, manifest: Manifest) -> list[str]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     storage = _storage(args)
-    if args.step is not None:
-        from checkpoint.discover import read_manifest
-
-        manifest = read_manifest(storage, args.step)  # check files ourselves: report every problem
-    else:
-        manifest = resolve_step(storage, None)
+    # with --step, read_manifest leaves the file checks to us, so that every problem is reported
+    manifest = read_manifest(storage, args.step) if args.step is not None else resolve_step(storage, None)
     problems = structure_problems(storage, manifest)
     if not problems:  # bytes are read only once the manifest's sizes are known to be the files' real ones
         problems += verify_manifest(storage, manifest, progress=not args.no_progress)
@@ -371,11 +369,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from checkpoint.dtypes import element_size
-    from checkpoint.export import export_step, select_tensors
-    from checkpoint.hf import CONFIG, read_config, tied_weights
+    from checkpoint.export import export_step, select_tensors  # imports torch: ls and inspect stay torch-free
 
     storage = _storage(args)
     manifest = resolve_step(storage, args.step)
@@ -405,9 +399,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from checkpoint.checkpointer import Checkpointer
-    from checkpoint.config import CheckpointConfig
-    from checkpoint.hf import from_hf
+    from checkpoint.checkpointer import Checkpointer  # imports torch: ls and inspect stay torch-free
 
     state = from_hf(args.src)  # tied weights re-added from its config.json, so a live model's state matches
     config = CheckpointConfig(storage_options=dict(args.storage_option), async_mode=False)
@@ -418,8 +410,6 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from checkpoint.retention import delete_step
-
     storage = _storage(args)
     listing = list_steps(storage)
     if args.step not in listing.committed and args.step not in listing.uncommitted:
@@ -454,8 +444,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except BrokenPipeError:  # ``spotrun-ckpt inspect | head``: the reader left; exit quietly like cat does
-        import os
-
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
         return 141  # 128 + SIGPIPE, what a shell reports for a command killed by the broken pipe

@@ -59,7 +59,7 @@ def element_size(name: str) -> int:
 
 @functools.cache
 def _to_torch() -> dict[str, torch.dtype]:
-    import torch
+    import torch  # on first use: spotrun-ckpt ls and inspect run without torch
 
     return {name: getattr(torch, attr) for name, (attr, _) in _TABLE.items() if hasattr(torch, attr)}
 

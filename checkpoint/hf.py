@@ -55,7 +55,7 @@ def tied_weights(config: dict[str, Any]) -> dict[str, str]:
 def _classes_of(model_type: Any) -> list[str]:
     """Every model class transformers registers for ``model_type`` (a config saved without ``architectures``):
     their ties are candidates, kept only where both names are exported and the values are equal."""
-    from transformers.models.auto import modeling_auto
+    from transformers.models.auto import modeling_auto  # optional: tied_weights found transformers installed
 
     names: list[str] = []
     for attr in dir(modeling_auto):
@@ -103,7 +103,7 @@ def from_hf(directory: str, *, ties: dict[str, str] | None = None) -> dict[str, 
         IncompatibleCheckpointError: the directory has no safetensors weights, or two files hold the same
             tensor.
     """
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # imports torch: spotrun-ckpt export reads configs without it
 
     state: dict[str, Any] = {}
     for path in weight_files(directory):

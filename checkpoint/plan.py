@@ -32,7 +32,7 @@ from .api import (
 from .dtypes import element_size, torch_dtype
 
 if TYPE_CHECKING:
-    import torch
+    import torch  # on first use: spotrun-ckpt ls and inspect run without torch
 
 logger = logging.getLogger(__name__)
 

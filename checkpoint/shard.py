@@ -14,7 +14,7 @@ import logging
 import struct
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -321,8 +321,6 @@ class SpanReader:
         files = [f for f in self.spans if f not in self.buffers]
         if threads <= 1 or len(files) <= 1:
             return
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="ckpt-read") as pool:
             for file, data in zip(files, pool.map(self._read_span, files), strict=True):
                 self.buffers[file] = data
@@ -383,8 +381,6 @@ def read_requests(
             return sum(apply_read(storage, step_rel, r, destinations(r.dst), block_bytes, verify, fetch) for r in requests)
     if threads <= 1 or len(requests) <= 1:
         return sum(apply_read(storage, step_rel, r, destinations(r.dst), block_bytes, verify) for r in requests)
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as pool:
         futures: list[Future[int]] = []
         for r in requests:

@@ -36,9 +36,10 @@ import base64
 import binascii
 import logging
 import math
+import random
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -56,7 +57,18 @@ from .api import (
 )
 from .dtypes import safetensors_name, torch_dtype
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 logger = logging.getLogger(__name__)
+
+
+def _dtensor() -> type[DTensor]:
+    """DTensor, imported on first use: torch.distributed.tensor is slow to import, and ``import checkpoint``
+    should not pay for it."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 __all__ = [
     "BYTES_MARKER",
@@ -201,7 +213,7 @@ class ModelOptimizer:
         Returns:
             ``get_optimizer_state_dict(model, optimizers)``: state keyed by parameter FQN.
         """
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # slow to import: on first use
 
         # DCP skips the initialisation when gradients exist (load after a backward, save before the
         # first step), which would leave no destination for the saved state: hide them meanwhile.
@@ -225,7 +237,7 @@ class ModelOptimizer:
         Args:
             state_dict: what ``state_dict`` returned (as the Checkpointer restores it).
         """
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict  # slow to import: on first use
 
         set_optimizer_state_dict(self.model, self.optimizers, state_dict)
 
@@ -240,12 +252,12 @@ class _ModelState:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict  # slow to import: on first use
 
         return get_model_state_dict(self.model)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict  # slow to import: on first use
 
         set_model_state_dict(self.model, state_dict)
 
@@ -304,8 +316,6 @@ def forget_optimizer_state(optimizers: Iterable[torch.optim.Optimizer]) -> None:
 
 # --------------------------------------------------------------------------- flatten
 def _tensor_item(fqn: str, t: torch.Tensor) -> TensorItem:
-    from torch.distributed.tensor import DTensor
-
     if type(t).__name__ == "ShardedTensor":
         raise TypeError(
             f"tensor {fqn!r} is a ShardedTensor (FSDP1/old TP); only DTensor sharding is supported: use fully_shard (FSDP2)"
@@ -314,7 +324,7 @@ def _tensor_item(fqn: str, t: torch.Tensor) -> TensorItem:
         raise TypeError(f"tensor {fqn!r} has layout {t.layout}; only dense (strided) tensors can be checkpointed")
     if t.is_meta:
         raise TypeError(f"tensor {fqn!r} is on the meta device and has no data to checkpoint")
-    if isinstance(t, DTensor):
+    if isinstance(t, _dtensor()):
         return _dtensor_item(fqn, t)
     try:
         st = dtype_to_st(t.dtype)
@@ -400,9 +410,7 @@ class _InlineBudget:
 
 def encode_tensor(path: str, t: torch.Tensor, budget: _InlineBudget | None = None) -> JSON:
     """A tensor as inline JSON (dtype, shape, base64 of its C-contiguous little-endian bytes)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor) or t.layout != torch.strided or t.is_meta:
+    if isinstance(t, _dtensor()) or t.layout != torch.strided or t.is_meta:
         raise TypeError(
             f"{path!r} inside a per-rank entry is a DTensor, sparse or meta tensor; per-rank entries hold small "
             f"dense tensors only (put sharded tensors in the sharded state)"
@@ -600,11 +608,9 @@ def _as_live(fqn: str, local: torch.Tensor, live: Any) -> torch.Tensor:
     Keeping the live objects (parameters, DTensors, optimizer state) means every reference the caller
     holds sees the loaded values, and a DTensor keeps its mesh and placements.
     """
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(live, torch.Tensor):
         return local  # the live state has no tensor here (e.g. a Stateful that builds its dict lazily)
-    target = live.to_local() if isinstance(live, DTensor) else live
+    target = live.to_local() if isinstance(live, _dtensor()) else live
     if tuple(target.shape) != tuple(local.shape):
         raise IncompatibleCheckpointError(
             f"tensor {fqn!r} was loaded with shape {tuple(local.shape)} but the live piece has {tuple(target.shape)}"
@@ -670,8 +676,6 @@ class RNGState:
         Returns:
             ``{"torch": ..., "python": ..., "cuda": [...]}`` (``cuda`` only where CUDA is available).
         """
-        import random
-
         sd: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             sd["cuda"] = torch.cuda.get_rng_state_all()
@@ -683,8 +687,6 @@ class RNGState:
         Args:
             state_dict: what ``state_dict`` returned.
         """
-        import random
-
         torch.set_rng_state(state_dict["torch"])
         version, internal, gauss = state_dict["python"]
         random.setstate((version, tuple(internal), gauss))

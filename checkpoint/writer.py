@@ -12,9 +12,15 @@ The two implementations of ``api.ShardWriter``, chosen once per Checkpointer by 
 
 from __future__ import annotations
 
+import json
 import logging
+import mmap
 import os
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
@@ -169,10 +175,6 @@ class WriterProcess:
     """Client of the per-rank writer process (``WRITER_MAIN``: ``checkpoint.writer`` run as ``__main__``)."""
 
     def __init__(self, spec: StorageSpec) -> None:
-        import subprocess
-        import sys
-        import threading
-
         init = spec.to_json()  # before the child starts: a bad option fails here, naming itself
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
@@ -195,8 +197,6 @@ class WriterProcess:
             raise CheckpointError(f"the checkpoint writer process (pid {self.proc.pid}) is gone: {exc}") from exc
 
     def _request(self, payload: dict[str, JSON]) -> dict[str, JSON]:
-        import json
-
         with self._lock:
             self._send(json.dumps(payload))
             assert self.proc.stdout is not None
@@ -230,8 +230,6 @@ class WriterProcess:
         return RankRecords.from_json(reply["records"])
 
     def close(self, timeout: float = 30.0) -> None:
-        import subprocess
-
         if self.proc.poll() is None:
             try:
                 self._send('{"op": "exit"}')
@@ -329,12 +327,6 @@ def open_writer(config: CheckpointConfig, storage: Storage, spec: StorageSpec, r
 
 def _serve() -> None:
     """Child side: map staging buffers, write shard files on request, answer with records or the error."""
-    import json
-    import mmap
-    import os
-    import signal
-    import sys
-
     try:  # die with the training process, whatever kills it (one that died before this sees stdin EOF)
         arm_parent_death_signal(sig=signal.SIGKILL)
     except OSError:

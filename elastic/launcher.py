@@ -62,6 +62,7 @@ from elastic.rendezvous.api import (
     NamedNodeHandler,
     RendezvousFinishedError,
 )
+from elastic.rendezvous.registry import register
 from elastic.torch_internals import entrypoint_name as torch_entrypoint_name
 from elastic.torch_internals import static_master_addr_and_port, verify_torch_once
 from elastic.warm import note_agent_import_env, note_agent_import_start, note_forkserver_failure
@@ -74,12 +75,7 @@ _COMPILER_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "T
 
 
 def register_backends() -> None:
-    """Register the etcd-v3 backend in torch's handler registry (idempotent; absent until it is installed)."""
-    try:
-        from elastic.rendezvous.registry import register
-    except ImportError:  # the rendezvous package has not landed (development) or is broken
-        logger.debug("elastic.rendezvous.registry is not importable; etcd-v3 backend unavailable", exc_info=True)
-        return
+    """Register the etcd-v3 backend in torch's handler registry (idempotent)."""
     register()
 
 

@@ -32,7 +32,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic.api import LaunchConfigError
+from elastic.config import parse_rdzv_conf
 from elastic.rendezvous.api import BACKEND_NAME, EtcdRendezvousConfig, RendezvousConfigError, RendezvousError
+from elastic.rendezvous.etcd_client import EtcdConnection
 
 logger = logging.getLogger(__name__)
 
@@ -496,10 +501,6 @@ def build_parser(prog: str = "spotrun status") -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> EtcdRendezvousConfig:
     """The job's rendezvous config, parsed by the same code the agents use (same keys, same errors)."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    from elastic.config import parse_rdzv_conf
-
     conf = parse_rdzv_conf(args.rdzv_conf)
     # A look should fail fast: the agents ride out etcd_timeout (default 30 s), a person waits for this.
     conf.setdefault("etcd_timeout", str(STATUS_ETCD_TIMEOUT_S))
@@ -510,9 +511,6 @@ def config_from_args(args: argparse.Namespace) -> EtcdRendezvousConfig:
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """``spotrun status`` / ``spotrun-status``; returns the exit status."""
-    from elastic.api import LaunchConfigError
-    from elastic.rendezvous.etcd_client import EtcdConnection
-
     if prog is None:
         prog = "spotrun-status" if argv is None and sys.argv[0].endswith("spotrun-status") else "spotrun status"
     parser = build_parser(prog)

@@ -11,16 +11,25 @@ removes each of those differences in the child before the script runs and ends t
 read at import time and that changed since) is detected in the agent by :func:`warm_fallback_reason`, and the
 agent then starts plain subprocesses instead (torchrun's way).
 
-Everything here that runs in the worker imports lazily: it runs before the user's script and must not add
-modules a fresh interpreter would not have.
+multiprocessing is imported where it is used: ``elastic.boot`` imports this module before it knows whether the
+launcher will start a forkserver, on the path that must stay fast. A warm worker gains no module from the
+imports at the top: the forkserver it is forked from preloaded torch, which imports them all.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
+import io
 import os
+import runpy
+import signal
 import sys
+import threading
+import types
 from collections.abc import Callable, Iterable, Mapping
+from importlib.machinery import SourceFileLoader
 from typing import Any
 
 #: Prefixes of environment variables that torch, its BLAS/OpenMP runtimes, the dynamic loader or the
@@ -280,8 +289,6 @@ class WarmLaunch:
 def ignored_signals() -> frozenset[int]:
     """Signals this process ignores now: an ``exec`` keeps them ignored (every caught one goes back to its
     default action), so they are what a worker torch starts at this moment inherits."""
-    import signal
-
     out = set()
     for sig in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError):
@@ -293,16 +300,12 @@ def ignored_signals() -> frozenset[int]:
 def blocked_signals() -> frozenset[int]:
     """Signals blocked in this thread now: an ``exec`` keeps the mask, so they are what a worker torch starts at
     this moment inherits blocked."""
-    import signal
-
     return frozenset(int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, []))
 
 
 def reset_signal_mask(blocked: frozenset[int]) -> None:
     """The agent's signal mask instead of the forkserver's, which blocks the agent's notice signals for its own
     protection (``elastic.workers.start_warm_forkserver``); a forked child inherits that mask."""
-    import signal
-
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
@@ -312,8 +315,6 @@ def reset_signal_dispositions(ignored: frozenset[int]) -> None:
     KeyboardInterrupt unless ignored; SIGPIPE and SIGXFSZ ignored). A forked child would keep the forkserver's,
     which it inherited when the agent started it, before torch's agent replaced its handlers: under ``nohup``
     or as a shell's background job a warm worker kept SIGHUP/SIGQUIT ignored where torchrun's has them default."""
-    import signal
-
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
@@ -333,7 +334,7 @@ def _share_stdin() -> Any:
         os.fstat(0)
     except OSError:
         return None
-    from multiprocessing import context, reduction
+    from multiprocessing import context, reduction  # on use: see the module docstring
 
     if context.get_spawning_popen() is None:  # not being pickled for a child (e.g. a test calls it directly)
         return None
@@ -445,7 +446,7 @@ def _reset_multiprocessing() -> None:
     """Fresh-interpreter multiprocessing state: no start method chosen yet (so ``fork`` is the default on
     Linux, as torchrun's workers see), this process is ``MainProcess`` with no parent, its own authkey, and
     its own resource tracker when it needs one (the inherited one is the agent's)."""
-    from multiprocessing import context, process, resource_tracker
+    from multiprocessing import context, process, resource_tracker  # on use: see the module docstring
 
     context._default_context._actual_context = None  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
     process._current_process = _main_process()  # type: ignore[attr-defined]  # private CPython state: a fresh interpreter's
@@ -477,7 +478,7 @@ def _reseed_inherited_random_state() -> None:
 
 def _main_process() -> Any:
     """A new ``multiprocessing.process._MainProcess`` (the module deletes that class after using it once)."""
-    from multiprocessing import process
+    from multiprocessing import process  # on use: see the module docstring
 
     class _MainProcess(process.BaseProcess):
         def __init__(self) -> None:
@@ -498,8 +499,6 @@ def _main_process() -> Any:
 def _restore_stdio(stdin_handle: Any) -> None:
     """stdin as the agent's fd 0; stdout/stderr as ``python -u`` makes them (unbuffered binary layer,
     write-through text layer), so output interleaves exactly as under torchrun."""
-    import io
-
     stdin_fd = None
     if stdin_handle is not None:
         try:
@@ -554,16 +553,12 @@ def _named(stream: Any, name: str) -> Any:
 def run_as_fresh_interpreter(target: str, args: tuple[str, ...], *, module: bool) -> None:
     """Run ``target`` as ``__main__`` and end as CPython does: on a clean exit (code 0) return normally (torch
     collects the return value); otherwise print like the interpreter, run exit handlers and ``os._exit``."""
-    import types
-
     main = types.ModuleType("__main__")
     main.__dict__.update(__builtins__=sys.modules["builtins"], __annotations__={}, __spec__=None, __package__=None)
     sys.modules["__main__"] = main
     exc: BaseException | None = None
     try:
         if module:
-            import runpy
-
             sys.argv = ["-m", *args]
             runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]  # what `python -m` calls
         else:
@@ -585,8 +580,6 @@ def run_as_fresh_interpreter(target: str, args: tuple[str, ...], *, module: bool
     _flush_c_stdio()
     if interrupted:
         # CPython >= 3.8 ends on an uncaught KeyboardInterrupt by re-raising SIGINT with the default action.
-        import signal
-
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
@@ -601,9 +594,6 @@ def _script_traceback(tb: Any) -> Any:
 
 
 def _run_script(main: Any, target: str) -> None:
-    import io
-    from importlib.machinery import SourceFileLoader
-
     path = os.path.abspath(target)
     try:
         with io.open_code(path) as handle:
@@ -621,9 +611,6 @@ def _run_script(main: Any, target: str) -> None:
 def finalize(code: int) -> int:
     """CPython's ``Py_FinalizeEx`` order: wait for non-daemon threads, run ``atexit`` handlers, flush stdio
     (a failed flush turns exit code 0 into 120)."""
-    import atexit
-    import threading
-
     threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter calls at exit
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -647,8 +634,6 @@ def _write_stderr(text: str) -> None:
 def _flush_c_stdio() -> None:
     """``os._exit`` skips libc's exit-time flush; C extensions that printf would lose their last lines."""
     try:
-        import ctypes
-
         ctypes.CDLL(None).fflush(None)
     except (OSError, AttributeError):
         pass

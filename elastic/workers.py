@@ -31,10 +31,15 @@ subprocesses instead and says so once (:func:`fall_back_to_plain_workers`).
 
 from __future__ import annotations
 
+# multiprocessing and logging are imported where they are used ("on use: keeps the shim light"): the exec
+# shim runs this file with ``python -S`` for every worker, and they would double its start-up time.
 import importlib.util
 import os
+import select
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -116,7 +121,7 @@ def release_forkserver_alive_fd() -> None:
     it could reuse the server), so a forkserver and its children keep each other alive after the agent
     dies. The child never uses it: its own ``ensure_running`` would start a new forkserver anyway."""
     try:
-        from multiprocessing import forkserver
+        from multiprocessing import forkserver  # on use: keeps the shim light
     except ImportError:
         return
     server = getattr(forkserver, "_forkserver", None)
@@ -143,12 +148,8 @@ def watch_agent(agent_pid: int) -> None:
         return
 
     def wait_for_agent_exit() -> None:
-        import select
-
         select.select([pidfd], [], [])  # a pidfd becomes readable when the process exits
         os.kill(os.getpid(), signal.SIGKILL)
-
-    import threading
 
     threading.Thread(target=wait_for_agent_exit, name="spotrun-agent-watch", daemon=True).start()
 
@@ -200,8 +201,6 @@ def warm_entrypoint(cmd: Any, cmd_args: list[str], python: str = sys.executable)
 
 def _shadow_reason(script: ScriptEntrypoint) -> str | None:
     """Why a warm worker of ``script`` would import one of the preloaded packages from the wrong place."""
-    import importlib.util
-
     def origin_of(name: str) -> str | None:
         module = sys.modules.get(name)
         if module is not None:
@@ -243,9 +242,6 @@ class DeathClock:
     not the one reported; exact death times let the agent name the true root cause."""
 
     def __init__(self, sentinels: dict[int, int], clock: Callable[[], float] | None = None) -> None:
-        import threading
-        import time
-
         self._clock = clock or time.monotonic
         self.died_at: dict[int, float] = {}
         self._stop = threading.Event()
@@ -254,7 +250,7 @@ class DeathClock:
         self._thread.start()
 
     def _watch(self, pending: dict[int, int]) -> None:
-        from multiprocessing.connection import wait
+        from multiprocessing.connection import wait  # on use: keeps the shim light
 
         by_fd = {fd: rank for rank, fd in pending.items()}
         while by_fd and not self._stop.is_set():
@@ -286,8 +282,7 @@ def wait_for_workers(processes: list[Any] | None, returns: Any, timeout: float) 
     The agent waits on this while its workers head for an agreed step: it acts the moment they finish,
     instead of at its next monitor tick (up to ``--monitor-interval`` later, on the resume path of every
     planned change)."""
-    import time
-    from multiprocessing.connection import wait
+    from multiprocessing.connection import wait  # on use: keeps the shim light
 
     waitables: list[Any] = [proc.sentinel for proc in processes or [] if proc.is_alive()]
     if isinstance(returns, dict):
@@ -306,8 +301,7 @@ def terminate_processes(processes: list[Any], grace: float, sig: int = signal.SI
     """Send ``sig`` to every live ``multiprocessing`` process, wait up to ``grace`` s, then SIGKILL the rest.
     A process that leads its own process group (warm workers, like torchrun's) is signalled as a group, as
     torch's ``SubprocessHandler.close`` does, so its DataLoader workers stop with it."""
-    import time
-    from multiprocessing.connection import wait
+    from multiprocessing.connection import wait  # on use: keeps the shim light
 
     alive = [proc for proc in processes if proc.is_alive()]
     for proc in alive:
@@ -348,8 +342,7 @@ def start_warm_forkserver(preload: tuple[str, ...] | None = None, *, wait_timeou
     for its ``import torch``. The forkserver exits when the agent dies (its alive pipe hits EOF). The
     environment it started with, and the one its children inherit after its imports, are remembered for
     ``elastic.warm`` (fallback decision and the workers' environment)."""
-    import multiprocessing
-    import time
+    import multiprocessing  # on use: keeps the shim light
     from multiprocessing import forkserver, resource_tracker
 
     preload = DEFAULT_PRELOAD if preload is None else preload
@@ -385,7 +378,7 @@ def start_warm_forkserver(preload: tuple[str, ...] | None = None, *, wait_timeou
     note_forkserver_environ(started_with, after_imports)
     why = cuda_fork_problem(_forkserver_cuda)
     if why is not None:
-        import logging
+        import logging  # on use: keeps the shim light
 
         logging.getLogger(__name__).warning("warm workers: %s; starting plain workers instead", why)
         note_forkserver_failure(why)

@@ -10,6 +10,7 @@ path, where the package may not be importable.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -36,8 +37,6 @@ def arm_parent_death_signal(
     """
     parent = os.getppid() if expected_parent is None else expected_parent
     if sys.platform.startswith("linux"):
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
             errno = ctypes.get_errno()

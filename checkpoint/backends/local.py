@@ -3,6 +3,7 @@ ranged reads straight into the caller's buffer."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -162,8 +163,6 @@ class RangeWriteback:
     def __init__(self) -> None:
         self.fn: Any = None
         try:
-            import ctypes
-
             libc = ctypes.CDLL(None, use_errno=True)
             fn = libc.sync_file_range
             fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
@@ -176,8 +175,6 @@ class RangeWriteback:
         if self.fn is None:
             return
         if self.fn(fd, start, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
-            import ctypes
-
             logger.debug("sync_file_range failed (%s); disabled", os.strerror(ctypes.get_errno()))
             self.fn = None
 

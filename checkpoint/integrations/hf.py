@@ -28,6 +28,7 @@ import shutil
 import tempfile
 from typing import Any
 
+from safetensors.torch import save_model
 from transformers import (
     TrainerCallback,
     TrainerControl,
@@ -161,8 +162,6 @@ class CheckpointerCallback(TrainerCallback):
         with open(os.path.join(directory, "trainer_state.json"), "w") as f:
             json.dump(trainer_state, f)
         # The Trainer insists on weights in a resume directory and reloads them: give it the ones just loaded.
-        from safetensors.torch import save_model
-
         save_model(trainer.model, os.path.join(directory, "model.safetensors"))
         self._resume_dir = directory
         logger.info("resuming the Trainer from step %d of %r (via %s)", loaded, self.checkpointer, directory)

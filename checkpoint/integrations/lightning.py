@@ -27,6 +27,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from checkpoint.api import CheckpointNotFoundError
 from checkpoint.checkpointer import Checkpointer
+from checkpoint.discover import list_steps, read_objects, validate_step
 from checkpoint.integrations.common import GlobalRNG, read_step
 from checkpoint.state import PerRank
 
@@ -101,8 +102,6 @@ class CheckpointerIO(CheckpointIO):
     def _step_of(self, path: str) -> int:
         if path in self._paths:
             return self._paths[path]
-        from checkpoint.discover import list_steps, read_objects, validate_step
-
         for step in sorted(list_steps(self.checkpointer.storage).committed, reverse=True):
             objects = read_objects(self.checkpointer.storage, validate_step(self.checkpointer.storage, step))
             if objects.get(PATH_KEY) == path:

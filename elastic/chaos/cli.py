@@ -28,6 +28,7 @@ from elastic.chaos.injector import Injector
 from elastic.chaos.journal import Journal
 from elastic.chaos.schedule import load_schedule
 from elastic.chaos.targets import last_step
+from elastic.config import hang_policy
 from elastic.options import EVENTS_FILE
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,6 @@ def launch_budget(command: list[str]) -> LaunchBudget | None:
     if args is None:
         return None
     from elastic.cli import build_parser  # imports torch: only for a launcher command line
-    from elastic.config import hang_policy
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # the launcher itself reports a bad command line

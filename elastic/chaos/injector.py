@@ -25,6 +25,7 @@ from elastic.chaos.api import ChaosTargetError, Fault, FaultKind, FaultSkipped, 
 from elastic.chaos.journal import Journal
 from elastic.chaos.schedule import due, next_wake
 from elastic.chaos.storage import write_control
+from elastic.memory_keeper import KEEPER_DEATH_SIGNAL
 
 logger = logging.getLogger(__name__)
 
@@ -327,6 +328,4 @@ def _netns_links(netns: str) -> list[str]:
 def _keeper_leave_signal() -> signal.Signals:
     """What makes a keeper leave as if its agent had died, removing the node's snapshots: ``kill_keeper``'s
     ``TERM``. Not SIGTERM itself, which a keeper ignores (a notice is its agent's to handle)."""
-    from elastic.memory_keeper import KEEPER_DEATH_SIGNAL
-
     return KEEPER_DEATH_SIGNAL
