@@ -336,7 +336,7 @@ def _median(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} s (n={len(values)})" if values else "-"
 
 
-def _median_worst(values: list[float]) -> str:
+def median_worst(values: list[float]) -> str:
     """``median / worst`` with the count and whether the worst meets :data:`RESUME_TARGET_S`."""
     if not values:
         return "-"
@@ -372,7 +372,7 @@ def print_report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -
             cells = [_median(results[k]["stages"].get(fault, {}).get(stage, [])) for k in kinds]
             print(f"| {fault}: fault -> {stage} | " + " | ".join(cells) + " |")
     for fault in ("notice", "rejoin"):
-        cells = [_median_worst(results[k].get("resume", {}).get(fault, [])) for k in kinds]
+        cells = [median_worst(results[k].get("resume", {}).get(fault, [])) for k in kinds]
         print(f"| {fault}: agreed step -> first step of the new group, median / worst "
               f"(target <= {RESUME_TARGET_S:.0f} s) | " + " | ".join(cells) + " |")
     for k in kinds:

@@ -223,7 +223,7 @@ def _agent_process(plan: _Plan, ids: list[int], go: Any, crash: Any, settled: An
                 profiles.start()
             crash.wait()
             if plan.victim in handlers:
-                handlers[plan.victim]._simulate_crash(silent=plan.silent_loss)
+                handlers[plan.victim].simulate_crash(silent=plan.silent_loss)
             for fut in [pool.submit(survive, i) for i in ids if i != plan.victim]:
                 fut.result()
             results.put(("cpu-recovery", -1, time.time(), time.process_time()))

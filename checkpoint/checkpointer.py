@@ -192,6 +192,16 @@ class Checkpointer:
         return f"Checkpointer({self.storage.display()!r}, rank={self.rank}/{self.world_size})"
 
     @property
+    def writer(self) -> ShardWriter:
+        """The shard writer saves go through (``config.writer``: threads of this process, or a child process)."""
+        return self._writer
+
+    @property
+    def save_pending(self) -> bool:
+        """Whether a save started and was not waited for yet (``wait`` collects its outcome)."""
+        return self._future is not None
+
+    @property
     def failed_saves_in_a_row(self) -> int:
         """Background saves that failed since the last committed one (0 after a commit)."""
         return self._failed_in_a_row

@@ -322,17 +322,18 @@ class SpanReader:
         if threads <= 1 or len(files) <= 1:
             return
         with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="ckpt-read") as pool:
-            for file, data in zip(files, pool.map(self._read_span, files), strict=True):
+            for file, data in zip(files, pool.map(self.read_span, files), strict=True):
                 self.buffers[file] = data
 
-    def _read_span(self, file: str) -> memoryview:
+    def read_span(self, file: str) -> memoryview:
+        """Read ``file``'s span (what ``prefetch`` runs in its threads)."""
         lo, hi = self.spans[file]
         return memoryview(self.storage.read_range(f"{self.step_rel}/{file}", lo, hi))
 
     def fetch(self, file: str, start: int, end: int) -> memoryview:
         lo, _ = self.spans[file]
         if file not in self.buffers:
-            self.buffers[file] = self._read_span(file)
+            self.buffers[file] = self.read_span(file)
         return self.buffers[file][start - lo : end - lo]
 
 

@@ -112,7 +112,7 @@ class ServerTLS:
         return result
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     """A port that was free a moment ago (the caller must tolerate losing the race for it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -120,7 +120,7 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
+def die_with_parent_preexec(parent: int) -> Callable[[], None]:
     """preexec_fn: ask Linux to SIGTERM etcd when the thread that started it dies (even by SIGKILL); etcd
     exits at once if ``parent`` (this process, read before the fork) died before the signal was armed."""
 
@@ -228,8 +228,8 @@ class EmbeddedEtcd:
             self._root = tempfile.mkdtemp(prefix="spotrun-etcd-")
         began = time.monotonic()
         if self.client_port is None and self._wanted_client_port is not None:
-            self.peer_port = _free_port(self.host)
-            self.metrics_port = _free_port(self.host) if self.tls is not None else None
+            self.peer_port = free_port(self.host)
+            self.metrics_port = free_port(self.host) if self.tls is not None else None
             self.client_port = self._wanted_client_port
             self._start_once(self.client_port, self.peer_port)
         elif self.client_port is None:
@@ -291,8 +291,8 @@ class EmbeddedEtcd:
         )
         for attempt in retrying:
             with attempt:
-                client_port, peer_port = _free_port(self.host), _free_port(self.host)
-                metrics_port = _free_port(self.host) if self.tls is not None else None
+                client_port, peer_port = free_port(self.host), free_port(self.host)
+                metrics_port = free_port(self.host) if self.tls is not None else None
                 if len({client_port, peer_port, metrics_port}) < 3 - (metrics_port is None):
                     raise _PortInUse("probed the same port twice")
                 if self._user_data_dir is None:
@@ -344,7 +344,7 @@ class EmbeddedEtcd:
             # Own session: a Ctrl-C on the launcher's terminal must not kill etcd before the launcher
             # has stopped its workers and closed the rendezvous.
             start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()) if self.die_with_parent and sys.platform == "linux" else None,
+            preexec_fn=die_with_parent_preexec(os.getpid()) if self.die_with_parent and sys.platform == "linux" else None,
         )
         self._proc = proc
         try:

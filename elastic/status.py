@@ -446,7 +446,7 @@ def read_raw(conn: Any, config: EtcdRendezvousConfig) -> tuple[list[RawKey], lis
            for kv in resp.kvs]
     store: list[RawKey] = []
     round_kv = next((kv for kv in ctl if kv.key == prefix + "ctl/round"), None)
-    number = _round_number(round_kv.value) if round_kv is not None else None
+    number = round_number(round_kv.value) if round_kv is not None else None
     if number is not None:
         sp = f"{prefix}store/{number}/torchelastic/"
         sresp = conn.call("read the agents' store", lambda: conn.client.get_prefix_response(sp))
@@ -460,7 +460,9 @@ def read_raw(conn: Any, config: EtcdRendezvousConfig) -> tuple[list[RawKey], lis
     return ctl, store, ttl
 
 
-def _round_number(raw: bytes) -> int | None:
+def round_number(raw: bytes) -> int | None:
+    """The number in a round key's value; None when it holds none (not JSON, not an object, not a positive
+    integer)."""
     try:
         number = json.loads(raw).get("number")
     except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, nested too deeply

@@ -66,7 +66,8 @@ def test_the_counts_count_what_they_say(tmp_path: Path) -> None:
         "    from os import path\n    return path\n")
     (root / "tests" / "test_x.py").write_text(
         "import os\nfrom elastic.mod import _free, Big\n\n\nclass Double:\n    def __init__(self):\n"
-        "        self._hidden = 2\n\n    def use(self):\n        return self._hidden\n\n\n"
+        "        self._hidden = 2\n\n    def use(self):\n        return self._hidden\n\n"
+        "    def _helper(self):\n        return super()._helper()\n\n\n"
         "def test_it(big):\n    big._hidden\n    big._helper()\n    os._exit\n    big._unknown\n"
         "    getattr(big, '_helper')\n    big.__class__\n")
     classes = house_counts.class_sizes(root)

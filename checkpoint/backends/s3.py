@@ -112,11 +112,12 @@ class MultipartSink:
             self.upload_id = out["UploadId"]
         number = len(self.futures) + 1
         self.slots.acquire()
-        fut = self.backend.upload_pool().submit(self._upload_part, number, body)
+        fut = self.backend.upload_pool().submit(self.upload_part, number, body)
         fut.add_done_callback(lambda _f: self.slots.release())
         self.futures.append(fut)
 
-    def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
+    def upload_part(self, number: int, body: bytes) -> dict[str, Any]:
+        """Upload part ``number`` with retries (what the upload pool runs); returns its ``PartNumber``/``ETag``."""
         out = self.backend.retry(
             f"upload part {number} of",
             self.rel,

@@ -315,6 +315,12 @@ class ClientPool:
         self._held = threading.local()
         """Per thread: how deep it is in ``slot`` (a call made within a call does not take a second slot)."""
 
+    @property
+    def open_count(self) -> int:
+        """How many shared clients and helpers are open now (the last user to release one closes it)."""
+        with self._lock:
+            return len(self._clients)
+
     @contextlib.contextmanager
     def slot(self) -> Iterator[None]:
         """Hold one of the pool's ``max_in_flight`` request slots; when none is free (a burst), wait for one after a

@@ -161,8 +161,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with the node) / the notices the other participants of this node's round published (no I/O).
     ``lost_peers() -> set[str]``
         Participants of this node's round whose registration vanished (crashed or left), no I/O.
-    ``connect() -> None``
-        Reach etcd and load the run's state without joining (bounded by ``etcd_timeout``); idempotent.
+    ``connect() -> None`` / ``register() -> None``
+        Reach etcd and load the run's state without joining (bounded by ``etcd_timeout``) / and register this
+        node as well; idempotent.
+    ``simulate_crash(silent=False) -> None``
+        Vanish like a SIGKILLed agent (fault injection: tests, benchmarks).
+    ``mirror``, ``keys``, ``registration``, ``peers``, ``rounds``, ``connection``, ``registered``
+        The parts it composes, read-only, for diagnostics and tests.
     ``node_id`` / ``round`` properties
         This agent's id (stable across rounds) / the number of the last round it completed (None before).
 
@@ -238,10 +243,41 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """The finished marker, and the run's keys once its job ended (deleted by its last agent, or by a
         newcomer reusing the run id)."""
 
+    # ================================================================== its parts, read-only (diagnostics, tests)
     @property
-    def _mirror(self) -> Mirror:
+    def mirror(self) -> Mirror:
         """The mirror of ``P/ctl/`` that the watch keeps (read it under the condition)."""
         return self._watch.mirror
+
+    @property
+    def keys(self) -> RunKeys:
+        """The run's key layout in etcd."""
+        return self._keys
+
+    @property
+    def registration(self) -> Registration:
+        """This node's lease and node key."""
+        return self._registration
+
+    @property
+    def peers(self) -> PeerLiveness:
+        """This node's liveness port and its watch on the ring successor's."""
+        return self._peers
+
+    @property
+    def rounds(self) -> RoundWriter:
+        """The transactions that form rounds."""
+        return self._rounds
+
+    @property
+    def connection(self) -> EtcdConnection | None:
+        """The etcd connection (None before ``connect()``)."""
+        return self._conn
+
+    @property
+    def registered(self) -> bool:
+        """Whether this node has registered (lease, node key, coordinator thread)."""
+        return self._registered
 
     # ================================================================== torch interface
     def get_backend(self) -> str:
@@ -294,11 +330,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         This node follows the coordinator's posts (``state.follow``): it writes its join key, waits for the
         round key, and commits the proposed round when the proposal makes it rank 0. Only at its join deadline
         does it read every key once and ask ``state.decide`` whether it timed out (or is a spare)."""
-        self._ensure_registered()
+        self.register()
         began = self._clock()
         join_deadline = began + self._config.join_timeout
         with self._cond:
-            committed = self._mirror.committed
+            committed = self.mirror.committed
         target = (committed.number if committed else 0) + 1
         joined_target: tuple[int, int | None] | None = None  # (round, lease) of our last join write
         committed_mod: int | None = None  # round-key revision our last successful commit replaced
@@ -308,7 +344,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         while True:
             with self._cond:
                 self._health.raise_if_fatal()
-                mirror = self._mirror
+                mirror = self.mirror
                 view = FollowerView(
                     node_id=self._node_id,
                     target=target,
@@ -377,8 +413,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _full_snapshot(self, target: int, join_deadline: float) -> Snapshot:
         """A ``Snapshot`` of every key: from the mirror when it is full, else from one range read."""
         with self._cond:
-            if self._mirror.full and self._mirror.loaded:
-                return snapshot_of(self._mirror, node_id=self._node_id, config=self._config, now=self._clock(),
+            if self.mirror.full and self.mirror.loaded:
+                return snapshot_of(self.mirror, node_id=self._node_id, config=self._config, now=self._clock(),
                                    target=target, join_deadline=join_deadline)
         conn = self._require_conn()
         resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self._keys.ctl))
@@ -395,7 +431,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._ensure_connected()
         with self._cond:
             self._health.raise_if_fatal()
-            return self._mirror.closed
+            return self.mirror.closed
 
     def set_closed(self) -> None:
         """Mark the job's rendezvous closed (eventually seen by every node; next_rendezvous then raises)."""
@@ -406,7 +442,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             within=self._config.close_timeout,
         )
         with self._cond:
-            self._mirror.closed = True
+            self.mirror.closed = True
             self._cond.notify_all()
         log.info("%sclosed the rendezvous", self._ctx())
 
@@ -494,7 +530,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         with self._cond:
             mine = self._my_round
             peers = set(mine.participants) - {self._node_id} if mine is not None else set()
-            return {node: dict(n) for node, n in self._mirror.notices.items() if node in peers}
+            return {node: dict(n) for node, n in self.mirror.notices.items() if node in peers}
 
     def lost_peers(self) -> set[str]:
         with self._cond:
@@ -502,7 +538,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if mine is None:
                 return set()
             lost = set(self._updater.lost.get(mine.number, ())) | self._updater.finished.get(mine.number, set())
-            mirror = self._mirror
+            mirror = self.mirror
             if mirror.full:
                 lost |= set(mine.participants) - set(mirror.nodes)
             elif mirror.reform is not None and mirror.reform.round == mine.number:
@@ -523,11 +559,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if close_worker_store:
             self._worker_store.close()  # our workers are stopped by now (shutdown comes after them)
         if self._released:
-            self._peers.stop()  # after a silent ``_simulate_crash``: its port was left open until now
+            self._peers.stop()  # after a silent ``simulate_crash``: its port was left open until now
             return
         self._released = True
         with self._cond:
-            reap = reap or self._mirror.closed
+            reap = reap or self.mirror.closed
         self._stop_threads()
         self._peers.stop()
         conn, lease = self._conn, self._registration.lease_id
@@ -547,7 +583,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         (its lease lapsed: a partition, a pause), else whether a lost peer's liveness port refuses or cannot be
         probed (``PeerLiveness.any_refuses``)."""
         with self._cond:
-            mine, committed = self._my_round, self._mirror.committed
+            mine, committed = self._my_round, self.mirror.committed
         if (mine is not None and committed is not None and committed.number > mine.number
                 and self._node_id not in committed.participants):
             return False
@@ -558,9 +594,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         it) and revoke the lease of each whose process is gone; returns those nodes (``PeerLiveness.probe``)."""
         return self._peers.probe()
 
-    # ================================================================== test hooks
-    def _simulate_crash(self, *, silent: bool = False) -> None:
-        """Test hook: vanish like a SIGKILLed agent (no revoke of its own: the lease expires after lease_ttl,
+    # ================================================================== fault injection
+    def simulate_crash(self, *, silent: bool = False) -> None:
+        """Vanish like a SIGKILLed agent (no revoke of its own: the lease expires after lease_ttl,
         unless a peer's probe of its closed liveness port revokes it first). ``silent``: like a host that lost
         power or its network instead, its liveness port neither refuses nor ends connections (a probe proves
         nothing): only the lease tells; ``leave()`` closes the port later."""
@@ -574,7 +610,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     # ================================================================== this node's round and membership
     def _nodes_waiting_locked(self) -> int:
         """From the full mirror (the coordinator), else from the coordinator's reform post."""
-        mirror = self._mirror
+        mirror = self.mirror
         committed = mirror.committed
         if committed is None:
             return len(mirror.joins.get(1, {}))
@@ -594,7 +630,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return self._my_round is not None and self._nodes_waiting_locked() > 0
 
     def _complete_round(self, began: float) -> tuple[RendezvousInfo, RoundRecord, int]:
-        record = self._mirror.committed
+        record = self.mirror.committed
         assert record is not None
         rank = record.rank_of(self._node_id)
         assert rank is not None
@@ -657,7 +693,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._threads.append(watcher)
             return self._conn
 
-    def _ensure_registered(self) -> None:
+    def register(self) -> None:
+        """Connect and register this node (lease, node key, coordinator thread) without joining a round;
+        idempotent. ``next_rendezvous`` does it first."""
         conn = self._ensure_connected()
         with self._start_lock:
             if self._registered:

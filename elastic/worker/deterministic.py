@@ -29,7 +29,7 @@ cannot do this (it reduces whatever each rank accumulated, in bucket order), hen
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -70,7 +70,7 @@ def dyadic_blocks(num_shards: int, start: int, end: int) -> list[Node]:
     return out
 
 
-def tree_sum(num_shards: int, known: dict[Node, torch.Tensor], node: Node | None = None) -> torch.Tensor:
+def tree_sum(num_shards: int, known: Mapping[Node, torch.Tensor], node: Node | None = None) -> torch.Tensor:
     """The value of ``node`` (default: the root) of the shard tree: a known value, else left + right child.
 
     ``known`` holds leaves ``(s, 1)`` or larger nodes; the nodes needed must tile the shards under ``node``.
@@ -183,6 +183,12 @@ class ShardGradReducer:
             offset += n
         row[-1] = loss_sum.detach()
         self._leaves[(shard, 1)] = row
+
+    @property
+    def leaves(self) -> Mapping[Node, torch.Tensor]:
+        """This step's shards so far: ``(shard, 1)`` -> flat gradient followed by the shard's summed loss (what
+        ``finish`` sums along the tree)."""
+        return self._leaves
 
     def _world(self) -> tuple[int, int]:
         if dist.is_available() and dist.is_initialized():

@@ -150,7 +150,7 @@ def test_staging_buffers_are_reused(backend) -> None:
             state["extra"]["scalar"].fill_(step)
             ckpt.save(step, state)
         ckpt.wait()
-        assert ckpt._writer.stager.allocations == 1
+        assert ckpt.writer.stager.allocations == 1
         assert list_steps(ckpt.storage).committed == [4]
 
 
@@ -278,7 +278,7 @@ def test_save_seconds_estimate_is_the_slowest_recent_committed_save(backend, mon
 def test_sync_mode_commits_before_returning(backend) -> None:
     with Checkpointer(backend.uri, backend.config(async_mode=False)) as ckpt:
         ckpt.save(1, make_state(14))
-        assert ckpt._future is None and ckpt.latest() == 1
+        assert not ckpt.save_pending and ckpt.latest() == 1
 
 
 def test_large_tensors_split_files_and_multipart(backend) -> None:

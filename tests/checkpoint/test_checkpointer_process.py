@@ -33,11 +33,11 @@ def test_process_writer_round_trip_and_reaping(backend) -> None:
             Checkpointer(backend.uri, cfg)
         return
     with Checkpointer(backend.uri, cfg) as ckpt:
-        child = ckpt._writer.client.proc
+        child = ckpt.writer.client.proc
         for step in (1, 2, 3):
             ckpt.save(step, state(step))
         ckpt.wait()
-        assert ckpt._writer.stager.allocations == 1
+        assert ckpt.writer.stager.allocations == 1
         assert list_steps(ckpt.storage).committed == [2, 3]
         dst = zeros()
         assert ckpt.load(dst) == 3
@@ -70,7 +70,7 @@ def test_dead_writer_process_is_a_clear_error(tmp_path: Path, monkeypatch) -> No
     try:
         ckpt.save(1, state(1))
         ckpt.wait()
-        proc = ckpt._writer.client.proc
+        proc = ckpt.writer.client.proc
         ckpt.save(2, state(2))
         os.kill(proc.pid, signal.SIGKILL)  # mid-write (or before it started): either way step 2 fails
         with pytest.raises(CheckpointError, match=r"writer process \(pid \d+\) (died with exit code -9|is gone)"):
@@ -78,6 +78,6 @@ def test_dead_writer_process_is_a_clear_error(tmp_path: Path, monkeypatch) -> No
         assert ckpt.latest() == 1
         ckpt.save(3, state(3))  # a new writer process takes over
         ckpt.wait()
-        assert ckpt._writer.client.proc.pid != proc.pid and ckpt.latest() == 3
+        assert ckpt.writer.client.proc.pid != proc.pid and ckpt.latest() == 3
     finally:
         ckpt.close()

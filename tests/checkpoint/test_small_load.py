@@ -205,13 +205,13 @@ def test_remote_small_load_fetches_the_files_spans_in_parallel() -> None:
     assert not storage.is_local
     reader = shard_mod.SpanReader(storage, "step", {name: (8, 40) for name in files})
     threads: list[str] = []
-    real = reader._read_span
+    real = reader.read_span
 
     def recording(file: str) -> memoryview:
         threads.append(threading.current_thread().name)
         return real(file)
 
-    reader._read_span = recording  # type: ignore[method-assign]  # records where each span is read
+    reader.read_span = recording  # type: ignore[method-assign]  # records where each span is read
     reader.prefetch(4)
     assert len(threads) == 3 and all(name.startswith("ckpt-read") for name in threads)
     for name, data in files.items():

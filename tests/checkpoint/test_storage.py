@@ -439,7 +439,7 @@ def test_s3_abort_waits_for_parts_in_flight_and_retries_once(moto_endpoint: str,
     sink = backend.open_sink("big.bin")
     in_flight = [0]
     lock, release = threading.Lock(), threading.Event()
-    real_upload = sink._upload_part  # type: ignore[attr-defined]
+    real_upload = sink.upload_part  # type: ignore[attr-defined]
 
     def slow_upload(number: int, body: bytes) -> dict[str, Any]:
         with lock:
@@ -451,7 +451,7 @@ def test_s3_abort_waits_for_parts_in_flight_and_retries_once(moto_endpoint: str,
             with lock:
                 in_flight[0] -= 1
 
-    sink._upload_part = slow_upload  # type: ignore[attr-defined]
+    sink.upload_part = slow_upload  # type: ignore[attr-defined]
     s3 = _RecordingS3(sink.fs, in_flight, fail_first_abort)  # type: ignore[attr-defined]
     sink.fs = s3  # type: ignore[attr-defined]
     try:

@@ -46,7 +46,7 @@ def handlers() -> Iterator[Callable[..., EtcdV3RendezvousHandler]]:
 
     yield make
     for handler in made:
-        handler._simulate_crash()  # no etcd calls: fast teardown even when etcd was stopped
+        handler.simulate_crash()  # no etcd calls: fast teardown even when etcd was stopped
 
 
 @pytest.fixture

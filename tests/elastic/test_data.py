@@ -188,7 +188,7 @@ def _shard_total(world: int) -> torch.Tensor:
             ix = torch.tensor(idx)
             reducer.add_shard(shard, nn.functional.mse_loss(model(x[ix]), y[ix], reduction="sum"))
         for node in dyadic_blocks(6, *rank_bounds(6, world, rank)):
-            known[node] = tree_sum(6, reducer._leaves, node)
+            known[node] = tree_sum(6, reducer.leaves, node)
     return tree_sum(6, known) / 30
 
 

@@ -71,14 +71,14 @@ def test_port_taken_between_probe_and_bind_is_retried(monkeypatch: pytest.Monkey
     taken = holder.getsockname()[1]
     import elastic.etcd_server as mod
 
-    real_free_port = mod._free_port
+    real_free_port = mod.free_port
     calls = {"n": 0}
 
     def fake_free_port(host: str) -> int:
         calls["n"] += 1
         return taken if calls["n"] == 1 else real_free_port(host)
 
-    monkeypatch.setattr(mod, "_free_port", fake_free_port)
+    monkeypatch.setattr(mod, "free_port", fake_free_port)
     try:
         with EmbeddedEtcd() as server:
             assert server.client_port != taken

@@ -335,7 +335,7 @@ def test_a_confirmed_dead_agents_lease_is_revoked_by_its_peer(etcd_server: Embed
     survivor, proc = _two_agents(etcd_server, handlers, pool, "revoked", liveness=True)
     client = _etcd_client(etcd_server)
     try:
-        wait_for(lambda: survivor._peers.watch is not None and survivor._peers.watch.holding is not None, timeout=10,
+        wait_for(lambda: survivor.peers.watch is not None and survivor.peers.watch.holding is not None, timeout=10,
                  what="the survivor to hold a connection to the child's liveness port")
         lease, left = _lease_left(client, survivor, "child")
         assert left > DEATH_BOUND_S + 1, f"the child's lease has only {left} s left: an expiry would prove nothing"
@@ -361,10 +361,10 @@ def test_the_lease_to_revoke_is_the_registration_keys_not_the_one_it_names(etcd_
     client = _etcd_client(etcd_server)
     try:
         own = client.lease(30)
-        hostile = {"node_id": "intruder", "addr": "127.0.0.1", "live_port": 9, "lease": h._registration.lease_id, "seq": 1}
+        hostile = {"node_id": "intruder", "addr": "127.0.0.1", "live_port": 9, "lease": h.registration.lease_id, "seq": 1}
         client.put(RunKeys(h.config.run_prefix).nodes_prefix + "intruder", json.dumps(hostile), lease=own)
-        peer = wait_for(lambda: h._mirror.peers.get("intruder"), timeout=10, what="the registration to be seen")
-        assert peer.lease == own.id != h._registration.lease_id
+        peer = wait_for(lambda: h.mirror.peers.get("intruder"), timeout=10, what="the registration to be seen")
+        assert peer.lease == own.id != h.registration.lease_id
         client.revoke_lease(own.id)
     finally:
         client.close()
@@ -397,13 +397,13 @@ def test_a_lost_peers_port_says_whether_the_survivors_collectives_break(
     assert all(info.world_size == 2 for info in pool.map(lambda h: h.next_rendezvous(), hs))
     survivor, victim = hs
     assert survivor.lost_peers_refuse() is False  # nobody lost: nothing to wait for
-    victim._simulate_crash(silent=loss != "killed")
+    victim.simulate_crash(silent=loss != "killed")
     assert survivor.wait_membership_change(TTL + 5), "the loss was not seen"
     assert survivor.lost_peers() == {victim.node_id}
     if loss == "no_answer":  # a powered-off host or a partition: the connect times out
         monkeypatch.setattr(peers_module, "probe_each", lambda found, timeout=0.3: [Probe.SILENT] * len(found))
     assert survivor.lost_peers_refuse() is (loss == "killed")
-    assert survivor._peers.any_refuses({"not-in-the-ring"}) is True  # no address to probe: unknown
+    assert survivor.peers.any_refuses({"not-in-the-ring"}) is True  # no address to probe: unknown
 
 
 @pytest.mark.timeout(60)
@@ -420,12 +420,12 @@ def test_a_node_left_out_of_a_newer_round_has_no_snapshot_to_wait_for(etcd_serve
     stayer, left_out = hs
     client = _etcd_client(etcd_server)
     try:
-        client.revoke_lease(left_out._registration.lease_id)  # what an expiry during a partition does
+        client.revoke_lease(left_out.registration.lease_id)  # what an expiry during a partition does
     finally:
         client.close()
     assert stayer.wait_membership_change(TTL + 5), "the stayer did not see the lapsed lease"
     assert stayer.next_rendezvous().world_size == 1
-    wait_for(lambda: left_out._mirror.committed is not None and left_out._mirror.committed.number == 2, timeout=10,
+    wait_for(lambda: left_out.mirror.committed is not None and left_out.mirror.committed.number == 2, timeout=10,
              what="the left-out node to see round 2")  # fmt: skip
-    assert left_out.round == 1 and left_out.node_id not in left_out._mirror.committed.participants
+    assert left_out.round == 1 and left_out.node_id not in left_out.mirror.committed.participants
     assert left_out.lost_peers_refuse() is False

@@ -13,7 +13,7 @@ import pytest
 
 import elastic.workers
 from checkpoint._sys.procutil import ORPHANED_EXIT_CODE
-from elastic.etcd_server import _die_with_parent
+from elastic.etcd_server import die_with_parent_preexec
 from tests.harness.procs import reap, signal_all, wait_for
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux-only")]
@@ -35,7 +35,7 @@ def test_shim_exits_when_the_expected_parent_is_not_its_parent() -> None:
 
 
 def test_etcd_preexec_exits_when_the_launcher_died_before_arming() -> None:
-    proc = subprocess.Popen(["/bin/sh", "-c", "exit 0"], preexec_fn=_die_with_parent(0))
+    proc = subprocess.Popen(["/bin/sh", "-c", "exit 0"], preexec_fn=die_with_parent_preexec(0))
     assert proc.wait(30) == ORPHANED_EXIT_CODE
 
 

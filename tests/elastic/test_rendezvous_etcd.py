@@ -96,7 +96,7 @@ def test_lost_participant_is_seen_within_a_lease_and_next_round_is_fast(etcd_ser
     victim, survivors = hs[1], [hs[0], hs[2]]
 
     began = time.monotonic()
-    victim._simulate_crash()
+    victim.simulate_crash()
     seen = [pool.submit(h.wait_membership_change, LOSS_BOUND_S) for h in survivors]
     assert all(f.result(timeout=LOSS_BOUND_S + 5) for f in seen), "survivors must notice the loss"
     detected = time.monotonic() - began
@@ -119,8 +119,8 @@ def coordinator_of(hs: list[EtcdV3RendezvousHandler]) -> EtcdV3RendezvousHandler
     """The handler that holds the coordinator key (as the others' mirrors say), once they agree."""
     deadline = time.monotonic() + 10
     while True:
-        seen = {h._mirror.coordinator[0] for h in hs if h._mirror.coordinator is not None}
-        if len(seen) == 1 and all(h._mirror.coordinator is not None for h in hs):
+        seen = {h.mirror.coordinator[0] for h in hs if h.mirror.coordinator is not None}
+        if len(seen) == 1 and all(h.mirror.coordinator is not None for h in hs):
             return next(h for h in hs if h.node_id in seen)
         assert time.monotonic() < deadline, f"no agreed coordinator: {seen}"
         time.sleep(0.02)
@@ -152,8 +152,8 @@ def test_a_round_costs_o_n_watch_events_and_only_the_coordinator_mirrors_joins(
     first = etcd_events_sent(etcd_server) - before
     coordinator = coordinator_of(hs)
     followers = [h for h in hs if h is not coordinator]
-    assert coordinator._mirror.full and len(coordinator._mirror.nodes) == n
-    assert all(not h._mirror.full and not h._mirror.nodes and not h._mirror.joins for h in followers)
+    assert coordinator.mirror.full and len(coordinator.mirror.nodes) == n
+    assert all(not h.mirror.full and not h.mirror.nodes and not h.mirror.joins for h in followers)
     assert first <= 10 * n, f"the first round of {n} agents cost {first} watch events (O(N^2) would be ~{3 * n * n})"
 
     victim = followers[0]
@@ -176,21 +176,21 @@ def test_handlers_sharing_one_client_form_rounds_and_outlive_a_leaver(etcd_serve
     config = make_config(etcd_server.endpoint, run_id="shared", min_nodes=1, max_nodes=3)
     hs = [handlers(config, node_id=f"n{i}", pool=shared) for i in range(3)]
     assert_consistent(rendezvous_all(pool, hs), 3)
-    assert len({id(h._conn.client) for h in hs if h._conn is not None}) == 1, "one client for the three"
+    assert len({id(h.connection.client) for h in hs if h.connection is not None}) == 1, "one client for the three"
     names = [t.name for t in threading.enumerate()]
     assert names.count("rdzv-lease-shared") == 1, "one lease keeper thread for the three"
     assert not any(n.startswith("rdzv-lease-n") for n in names), "no lease thread of their own"
     assert sum(n.startswith("rdzv-watch-mux-") for n in names) == 1, "the followers share one watch stream"
-    leases = [h._registration.lease_id for h in hs]
+    leases = [h.registration.lease_id for h in hs]
     assert not any(pool.map(lambda h: h.wait_membership_change(3 * LEASE_TTL), hs)), "the shared keeper let a lease go"
-    assert [h._registration.lease_id for h in hs] == leases
+    assert [h.registration.lease_id for h in hs] == leases
     hs[2].leave()
     rest = hs[:2]
     assert all(pool.map(lambda h: h.wait_membership_change(LOSS_BOUND_S), rest))
     assert_consistent(rendezvous_all(pool, rest), 2)
     for h in rest:
         h.leave()
-    assert not shared._clients, "the last one to leave closes the shared client"
+    assert not shared.open_count, "the last one to leave closes the shared client"
 
 
 @pytest.mark.timeout(60)
@@ -199,13 +199,13 @@ def test_the_coordinators_loss_is_seen_by_all_and_another_takes_over(etcd_server
     assert_consistent(rendezvous_all(pool, hs), 4)
     victim = coordinator_of(hs)
     survivors = [h for h in hs if h is not victim]
-    victim._simulate_crash()  # no revoke: its lease expires (or a ring neighbour's probe revokes it)
+    victim.simulate_crash()  # no revoke: its lease expires (or a ring neighbour's probe revokes it)
     assert all(pool.map(lambda h: h.wait_membership_change(LOSS_BOUND_S + 2), survivors))
     assert all(victim.node_id in h.lost_peers() for h in survivors)
     infos = rendezvous_all(pool, survivors)
     assert_consistent(infos, 3)
     successor = coordinator_of(survivors)
-    assert successor is not victim and successor._mirror.full
+    assert successor is not victim and successor.mirror.full
     # The new coordinator tells the others of the next loss (it mirrors the registrations now).
     follower = next(h for h in survivors if h is not successor)
     follower.leave()
@@ -303,7 +303,7 @@ def test_node_beyond_max_is_a_spare_until_a_loss(etcd_server: EmbeddedEtcd, hand
     assert not pending.done()
     assert all(h.num_nodes_waiting() == 0 and not h.membership_changed() for h in hs)
 
-    hs[0]._simulate_crash()
+    hs[0].simulate_crash()
     assert hs[1].wait_membership_change(LOSS_BOUND_S)
     infos = [hs[1].next_rendezvous(), pending.result(timeout=20)]
     assert_consistent(infos, 2)
@@ -350,7 +350,7 @@ def test_a_peer_that_finished_is_not_reported_lost(etcd_server: EmbeddedEtcd, ha
     a, b, c = (handlers(config, name) for name in "abc")
     rendezvous_all(pool, [a, b, c])
     caplog.set_level(logging.INFO, logger="elastic.rendezvous.etcd_v3")
-    c._simulate_crash()  # before the end: a loss, and said so
+    c.simulate_crash()  # before the end: a loss, and said so
     assert a.wait_membership_change(LOSS_BOUND_S) and b.wait_membership_change(LOSS_BOUND_S)
     lost = [r for r in caplog.records if "lost its lease" in r.getMessage()]
     assert {r.levelno for r in lost} == {logging.WARNING} and len(lost) == 2
@@ -393,7 +393,7 @@ def test_etcd_restart_keeps_membership(etcd_server: EmbeddedEtcd, handlers, pool
     assert not any(f.result(timeout=10) for f in changed)
     assert all(h.num_nodes_waiting() == 0 for h in hs)
     # And the handlers still work: a re-rendezvous forms round 2.
-    hs[0]._simulate_crash()
+    hs[0].simulate_crash()
     assert hs[1].wait_membership_change(2 + 3)
     info = hs[1].next_rendezvous()
     assert info.world_size == 1 and hs[1].round == 2
@@ -446,7 +446,7 @@ def test_lease_expiry_during_outage_reregisters_and_breaks_round(etcd_server: Em
 
     host, port = etcd_server.endpoint.rsplit(":", 1)
     client = etcd3.client(host=host, port=int(port))
-    client.revoke_lease(hs[1]._registration.lease_id)  # as if the lease had expired
+    client.revoke_lease(hs[1].registration.lease_id)  # as if the lease had expired
     client.close()
     assert hs[0].wait_membership_change(LOSS_BOUND_S)
     # n1 re-registers (on its next write or its refresher seeing TTL <= 0) and both end up in one round:
@@ -462,8 +462,8 @@ def test_lease_expiry_during_outage_reregisters_and_breaks_round(etcd_server: Em
 def _registered_without_join(client: Any, h: EtcdV3RendezvousHandler, target: int, since: int) -> list[int]:
     """The revisions after ``since``, up to now, at which ``h`` was registered without its join key for ``target``
     (read back from etcd's history: the coordinator's watch sees the state at each of them)."""
-    node_key = h._keys.nodes_prefix + h.node_id
-    join_key = f"{h._keys.join_prefix}{target}/{h.node_id}"
+    node_key = h.keys.nodes_prefix + h.node_id
+    join_key = f"{h.keys.join_prefix}{target}/{h.node_id}"
     now = int(client.get_response(node_key).header.revision)
     return [rev for rev in range(since + 1, now + 1)
             if client.get_response(node_key, revision=rev).kvs and not client.get_response(join_key, revision=rev).kvs]
@@ -484,15 +484,15 @@ def test_a_node_whose_lease_expired_is_never_registered_without_its_join(etcd_se
     client = etcd3.client(host=host, port=int(port))
     try:
         n1 = hs[1]
-        join_key = f"{n1._keys.join_prefix}1/{n1.node_id}"
+        join_key = f"{n1.keys.join_prefix}1/{n1.node_id}"
         wait_for(lambda: client.get(join_key)[0] is not None, 10, "n1's join key")
         for _ in range(3):  # each revoke: a lease expiry, as the starved keepers saw them
-            old = n1._registration.lease_id
-            since = int(client.get_prefix_response(n1._keys.ctl).header.revision)
+            old = n1.registration.lease_id
+            since = int(client.get_prefix_response(n1.keys.ctl).header.revision)
             client.revoke_lease(old)
-            wait_for(lambda old=old: n1._registration.lease_id not in (None, old)
+            wait_for(lambda old=old: n1.registration.lease_id not in (None, old)
                      and client.get(join_key)[1] is not None
-                     and client.get(join_key)[1].lease_id == n1._registration.lease_id, 10, "n1 re-registered and re-joined")
+                     and client.get(join_key)[1].lease_id == n1.registration.lease_id, 10, "n1 re-registered and re-joined")
             assert _registered_without_join(client, n1, 1, since) == []
         assert not any(f.done() for f in waiting)
     finally:
@@ -509,17 +509,17 @@ def test_a_re_registration_does_not_re_join_a_round_that_moved_on(etcd_server: E
 
     h = handlers(make_config(etcd_server.endpoint, min_nodes=2, max_nodes=2), node_id="n0")
     h.connect()
-    h._ensure_registered()
-    h._registration.joining = (1, 12345)  # as if our join saw a round key the round has moved on from since
+    h.register()
+    h.registration.joining = (1, 12345)  # as if our join saw a round key the round has moved on from since
     host, port = etcd_server.endpoint.rsplit(":", 1)
     client = etcd3.client(host=host, port=int(port))
     try:
-        old = h._registration.lease_id
+        old = h.registration.lease_id
         client.revoke_lease(old)
-        node_key = h._keys.nodes_prefix + "n0"
-        wait_for(lambda: h._registration.lease_id not in (None, old) and client.get(node_key)[0] is not None, 10,
+        node_key = h.keys.nodes_prefix + "n0"
+        wait_for(lambda: h.registration.lease_id not in (None, old) and client.get(node_key)[0] is not None, 10,
                  "n0 re-registered")
-        assert client.get(f"{h._keys.join_prefix}1/n0")[0] is None
+        assert client.get(f"{h.keys.join_prefix}1/n0")[0] is None
     finally:
         client.close()
 
@@ -561,14 +561,14 @@ def test_agents_end_in_one_round_after_mass_lease_expiries_during_the_recovery(e
 
     host, port = etcd_server.endpoint.rsplit(":", 1)
     client = etcd3.client(host=host, port=int(port))
-    victim._simulate_crash(silent=True)
+    victim.simulate_crash(silent=True)
     agents = [pool.submit(agent, h) for h in survivors]
     try:
         rng = random.Random(18)
         until = time.monotonic() + LEASE_TTL + 1.5  # through the loss and the first recovery rounds
         while time.monotonic() < until:
             for h in rng.sample(survivors, len(survivors) // 2):
-                lease = h._registration.lease_id
+                lease = h.registration.lease_id
                 if lease is not None:
                     try:
                         client.revoke_lease(lease)
@@ -645,16 +645,16 @@ def test_stale_commit_is_rejected_and_old_stores_are_dropped(etcd_server: Embedd
     h = handlers(make_config(etcd_server.endpoint, min_nodes=1, max_nodes=1), node_id="solo")
     info1 = h.next_rendezvous()
     info1.store.set("k", "round1")
-    stale_mod = h._mirror.committed_mod
+    stale_mod = h.mirror.committed_mod
     info2 = h.next_rendezvous()
     assert h.round == 2
     assert not info2.store.check(["k"]), "a new round starts from an empty store"
     # An agent still acting on round 1's view tries to commit "its" round 2: etcd refuses.
-    assert h._rounds.commit(2, ("ghost",), stale_mod, 0) is False
-    assert h._mirror.committed is not None and h._mirror.committed.participants == ("solo",)
+    assert h.rounds.commit(2, ("ghost",), stale_mod, 0) is False
+    assert h.mirror.committed is not None and h.mirror.committed.participants == ("solo",)
     # A commit of a proposal the coordinator has replaced since (its revision moved) fails too.
-    assert h._rounds.commit(3, ("ghost",), h._mirror.committed_mod, stale_mod) is False
-    assert h._mirror.committed.number == 2
+    assert h.rounds.commit(3, ("ghost",), h.mirror.committed_mod, stale_mod) is False
+    assert h.mirror.committed.number == 2
     h.next_rendezvous()  # round 3 drops round 1's store
     assert not info1.store.check(["k"])
 
@@ -740,20 +740,21 @@ def test_the_round_record_names_each_participants_liveness_port_and_the_ring_use
     config = make_config(etcd_server.endpoint, run_id="ring", min_nodes=3, max_nodes=3)
     hs = [handlers(config, node_id=f"n{i}") for i in range(3)]
     assert_consistent(rendezvous_all(pool, hs), 3)
-    conn = hs[0]._require_conn()
+    conn = hs[0].connection
+    assert conn is not None
     value, _ = conn.client.get(config.run_prefix + "ctl/round")
     record = json.loads(value)
     by_node = {h.node_id: h for h in hs}
     for node, (addr, port, lease) in record["ring"].items():
         h = by_node[node]
-        assert h._peers.listener is not None and (port, lease) == (h._peers.listener.port, h._registration.lease_id), f"{node}'s ring entry"
+        assert h.peers.listener is not None and (port, lease) == (h.peers.listener.port, h.registration.lease_id), f"{node}'s ring entry"
         assert isinstance(addr, str) and addr
     assert set(record["ring"]) == set(by_node)
     for rank, node in enumerate(record["participants"]):
         successor = record["participants"][(rank + 1) % 3]
-        watch = by_node[node]._peers.watch
+        watch = by_node[node].peers.watch
         assert watch is not None and watch.target is not None and watch.target.node == successor
-        assert watch.target.port == by_node[successor]._peers.listener.port  # type: ignore[union-attr]
+        assert watch.target.port == by_node[successor].peers.listener.port  # type: ignore[union-attr]
 
 
 def test_the_election_wait_grows_with_max_nodes_and_is_capped() -> None:

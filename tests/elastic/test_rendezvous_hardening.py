@@ -86,7 +86,7 @@ def test_job_outliving_the_auth_token_survives_a_node_loss_and_an_etcd_restart(
 
     # The condition under test is the passage of time: every token the handlers hold expires unused.
     time.sleep(TOKEN_TTL + 1.5)
-    hs[1]._simulate_crash()
+    hs[1].simulate_crash()
     assert hs[0].wait_membership_change(LOSS_BOUND_S + 5), "the survivor must see the loss"
     (info,) = rendezvous_all(pool, [hs[0]])
     assert (hs[0].round, info.world_size) == (2, 1)
@@ -170,7 +170,7 @@ def test_same_run_id_works_again_after_a_clean_end(etcd_server: EmbeddedEtcd, ha
     # A newcomer to the second (running) job never clears it: it waits as a spare; the job goes on.
     spare = handlers(cfg, node_id="spare")
     waiting = pool.submit(spare.next_rendezvous)
-    wait_for(lambda: second[0].num_nodes_waiting() == 0 and spare._registered, 10, "the spare to register")
+    wait_for(lambda: second[0].num_nodes_waiting() == 0 and spare.registered, 10, "the spare to register")
     assert not waiting.done() and not any(h.membership_changed() for h in second)
     infos[0].store.set("live", "1")
     assert infos[1].store.get("live") == b"1"
@@ -196,7 +196,7 @@ def test_a_closed_run_with_live_agents_is_not_cleared_until_they_leave(
     with pytest.raises(RendezvousClosedError):  # the old agents still see their job closed
         old[1].next_rendezvous()
     old[0].leave()
-    old[1]._simulate_crash()  # the last old agent vanishes (SIGKILL): nobody of the ended job deletes its keys
+    old[1].simulate_crash()  # the last old agent vanishes (SIGKILL): nobody of the ended job deletes its keys
     info = fut.result(timeout=LOSS_BOUND_S + 10)
     assert (newcomer.round, info.world_size) == (1, 1)
     assert "cleared the keys of the ended job" in caplog.text, "the newcomer cleared the ended run itself"

@@ -138,7 +138,7 @@ def test_a_pooled_channel_is_not_closed_under_a_call_still_running(etcd_server: 
         b.close()  # the last reference: the channel would be closed now, under a's call
         closed.set()
         assert result.result(timeout=10) == b"v"
-    assert not pool._clients, "the shared client is closed once the call in flight ended"
+    assert not pool.open_count, "the shared client is closed once the call in flight ended"
     with pytest.raises(ConnectionClosedError, match="closed"):
         a.call("read", lambda: a.client.get("k"))
 
@@ -150,7 +150,7 @@ def test_a_coordinator_thread_that_outlives_its_handler_stops_quietly(
     pool's channel, when it was the last user) closed, and must end without an error."""
     config = make_config(etcd_server.endpoint, run_id="outlive", max_nodes=3)
     handler = EtcdV3RendezvousHandler(config, node_id="n0", pool=ClientPool())
-    rounds = handler._rounds  # the round-forming transactions (rounds.RoundWriter), the coordinator's elect
+    rounds = handler.rounds  # the round-forming transactions (rounds.RoundWriter), the coordinator's elect
     elect = rounds.elect
     entered, gate = threading.Event(), threading.Event()
 
@@ -162,7 +162,7 @@ def test_a_coordinator_thread_that_outlives_its_handler_stops_quietly(
     rounds.elect = held_elect  # type: ignore[method-assign]  # the test's hold on the coordinator
     caplog.set_level(logging.WARNING)
     try:
-        handler._ensure_registered()
+        handler.register()
         assert entered.wait(10), "the coordinator never tried to be elected"
         handler.leave()
         coordinator = [t for t in threading.enumerate() if t.name == "rdzv-coord-n0"]
@@ -171,6 +171,6 @@ def test_a_coordinator_thread_that_outlives_its_handler_stops_quietly(
         wait_for(lambda: not coordinator[0].is_alive(), timeout=10, what="the coordinator thread to end")
     finally:
         gate.set()
-        handler._simulate_crash()
+        handler.simulate_crash()
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR or "closed channel" in r.getMessage()]
     assert not errors, [r.getMessage() for r in errors]

@@ -20,7 +20,7 @@ import pytest
 from elastic.etcd_server import EmbeddedEtcd
 from elastic.rendezvous.api import EtcdRendezvousConfig, parse_endpoints
 from elastic.rendezvous.etcd_client import EtcdConnection
-from elastic.status import NodeRole, RawKey, RunState, _round_number, job_status, render
+from elastic.status import NodeRole, RawKey, RunState, job_status, render, round_number
 from tests.elastic.etcd_security import PASSWORD, USER, enable_auth, etcdctl_path
 from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, free_port, make_env, read_jsonl, run_cli, wait_for
 
@@ -105,7 +105,7 @@ def test_a_deeply_nested_store_value_is_one_problem_line() -> None:
 
 @pytest.mark.parametrize("raw", [b"[1]", b"7", b"[" * 100_000, b"{\"number\": true}", b"\xff"])
 def test_the_round_number_of_an_unusable_round_key_is_none(raw: bytes) -> None:
-    assert _round_number(raw) is None
+    assert round_number(raw) is None
 
 
 def test_ids_and_hosts_from_etcd_are_printed_with_control_characters_escaped() -> None:

@@ -10,9 +10,9 @@ What is counted, precisely:
 
   - attribute access ``x._name`` (one leading underscore, not a dunder) where ``_name`` is defined in the project's
     code (``elastic/``, ``checkpoint/``, ``examples/``, ``bench/``: a ``def``/``class`` name, a module-level or
-    class-level assignment, or an attribute assigned as ``self._name``), except ``self._name``/``cls._name`` in a
-    test's own class that defines ``_name`` itself, and except chains rooted at a name imported from outside
-    the project (``torch._dynamo``, ``os._exit``);
+    class-level assignment, or an attribute assigned as ``self._name``), except ``self._name``/``cls._name`` and
+    ``super()._name`` in a test's own class that defines ``_name`` itself, and except chains rooted at a name
+    imported from outside the project (``torch._dynamo``, ``os._exit``);
   - ``getattr``/``setattr``/``hasattr``/``delattr`` (and ``monkeypatch.setattr``/``delattr``) with such a
     ``"_name"`` as a constant string, or a dotted constant string ending in one (``"elastic.agent._x"``);
   - ``from X import _name`` where ``X`` is a module of the project's code.
@@ -159,8 +159,11 @@ class _PrivateAccesses(ast.NodeVisitor):
 
     def _excused(self, node: ast.Attribute) -> bool:
         base = node.value
-        if isinstance(base, ast.Name) and base.id in ("self", "cls") and self.own and node.attr in self.own[-1]:
+        own = bool(self.own) and node.attr in self.own[-1]
+        if own and isinstance(base, ast.Name) and base.id in ("self", "cls"):
             return True
+        if own and isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+            return True  # an override calling the one it overrides
         return self._root(node) in self.foreign
 
     def visit_Call(self, node: ast.Call) -> None:
