@@ -6,8 +6,7 @@ them with ISA-L (``isal.isal_zlib.crc32``, the same function, PCLMULQDQ-folded: 
 otherwise. Verification on load costs one crc pass over every byte read, so this is what sets the verified
 load's throughput.
 
-ISA-L's crc32 releases the GIL on large buffers (isal 1.9: 2 threads run ~1.7x one thread), so parallel read threads
-verify their blocks side by side.
+ISA-L's crc32 releases the GIL on large buffers, so parallel read threads verify their blocks side by side.
 """
 
 from __future__ import annotations

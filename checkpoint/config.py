@@ -111,7 +111,7 @@ class CheckpointConfig:
     the save interval). False skips it (a root that is only ever read)."""
 
     memory: MemoryTierConfig | None = None
-    """The memory tier (``checkpoint.memory``, issue 17), off when None. With it, under the spotrun agent,
+    """The memory tier (``checkpoint.memory``), off when None. With it, under the spotrun agent,
     :meth:`~checkpoint.checkpointer.Checkpointer.snapshot` (which ``elastic.preemption.Preemption.save_and_stop``
     calls at every step) copies the state into the node's host shared memory every ``memory.every`` steps,
     ``load()`` restores the newest snapshot every rank can read before the durable tier, and a failed collective

@@ -95,8 +95,8 @@ _PERMANENT_TYPES: tuple[type[BaseException], ...] = (
 def _foreign_errors() -> tuple[type[BaseException], ...]:
     """Error types we convert at this edge: the OSError family plus botocore's own once botocore is loaded.
     Only an S3 filesystem raises botocore errors, and it imports botocore before it can; importing it here
-    for every root (a local one too) cost each worker start ~50 ms of CPU, on the resume path of a planned
-    change. So it is looked up when an error is being classified, not at import."""
+    for every root (a local one too) would slow every worker start, on the resume path of a planned change.
+    So it is looked up when an error is being classified, not at import."""
     types: list[type[BaseException]] = [OSError]
     exceptions = sys.modules.get("botocore.exceptions")
     if exceptions is not None:

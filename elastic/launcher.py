@@ -161,8 +161,8 @@ def peer_loss_window(grace: float, lease_ttl: float | None) -> float:
     """Seconds a failed group with no restarts left watches the membership for a lost peer before giving up.
 
     A SIGKILLed peer breaks the survivors' collectives at once (its sockets close), but its lease lasts up
-    to ``lease_ttl``: a fixed grace shorter than that charged the loss to the survivor as its own failure
-    and ended the job. So the wait covers the lease TTL plus a margin; ``grace`` 0 keeps it off."""
+    to ``lease_ttl``: a shorter wait would charge the loss to the survivor as its own failure and end the
+    job. So the wait covers the lease TTL plus a margin; ``grace`` 0 keeps it off."""
     if grace <= 0 or lease_ttl is None:
         return grace
     return max(grace, lease_ttl + LEASE_EXPIRY_MARGIN)

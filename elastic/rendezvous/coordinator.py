@@ -30,8 +30,8 @@ ELECT_SPREAD_PER_NODE_S = 0.0005
 """Without a coordinator, a node waits a random delay of up to this many seconds per ``max_nodes`` (at most
 ``ELECT_SPREAD_MAX_S``) before it tries the election, and only tries when none won meanwhile: at 1,000 agents
 that starting together, the first winner's key reaches most of them before their turn, instead of 1,000
-election transactions (which, retried after a mass lease loss, kept an overloaded etcd answering "too many
-requests"). Below 10 ms (max_nodes < 20) there is no wait."""
+election transactions that an overloaded etcd answers with "too many requests". Below 10 ms (max_nodes < 20)
+there is no wait."""
 
 ELECT_SPREAD_MAX_S = 1.0
 

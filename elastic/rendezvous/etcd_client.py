@@ -31,8 +31,7 @@ thousand simultaneous lease grants and joins do not all hit etcd at once; a real
 
 A closed connection refuses new calls with ``ConnectionClosedError`` (its handler is stopping), and a pooled one
 releases its share of the client only when its last call in flight has ended, so the pool never closes a
-channel under a call that is still running (a handler thread that outlived its handler's 2 s join used to log
-"Cannot invoke RPC on closed channel!").
+channel under a call that is still running.
 """
 
 from __future__ import annotations

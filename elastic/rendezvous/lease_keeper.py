@@ -2,9 +2,9 @@
 
 An agent process has one lease (its registration) and one ``LeaseKeeper`` of its own. A process that hosts
 many agents (the rendezvous bench, a test) shares one keeper between them through the ``ClientPool`` that
-shares their etcd client: a thread and a stream per lease, refreshed every second, is ~3 thread starts and a
-gRPC stream per agent per second, and at 1,000 agents on one host that work alone starved the refreshes
-until leases expired. One keeper sends every lease's request on one stream and reads the answers back.
+shares their etcd client: a thread and a stream per lease would start threads and gRPC streams for every agent
+every second, enough work at a thousand agents to starve the refreshes. One keeper sends every lease's request
+on one stream and reads the answers back.
 
 The keeper only talks to etcd; what an answer means is its owner's business (``LeaseOwner``): a refreshed
 lease says etcd is reachable, a TTL of 0 says the lease is gone (re-register), a failure counts towards the
@@ -13,8 +13,7 @@ owner's outage bound. Owners must not block in their callbacks: the keeper's one
 A refresh cannot starve the leases it keeps:
 
 * each stream may take at most ``call_timeout`` s, below the refresh interval (a third of the TTL), so one slow
-  or lost answer costs one tick, not the TTL (with python3-etcd3's 5 s per call, one slow answer at TTL 3 let
-  every lease of the process expire at once);
+  or lost answer costs one tick, not the TTL;
 * the answers that did come are used even when the stream then failed, and when only some leases were answered
   the others are asked again at once (a new stream) rather than a tick later; only a tick that stopped making
   progress (or ran out of time) tells the owners of the leases left unanswered that the refresh failed;

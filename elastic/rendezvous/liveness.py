@@ -1,4 +1,4 @@
-"""A dead agent known in under a second when its process dies, instead of after its lease TTL (issue 18).
+"""A dead agent known in under a second when its process dies, instead of after its lease TTL.
 
 etcd learns of a SIGKILLed, OOM-killed or crashed agent only when its lease expires (``lease_ttl``, 3 s by
 default; etcd's floor is about 2 s), although the kernel closes a dead process's sockets at once. So every

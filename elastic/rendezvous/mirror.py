@@ -194,7 +194,7 @@ class MirrorUpdater:
             node = rel[len("notice/") :]
             committed = mirror.committed
             # The notice goes with its node's lease. A participant of the current round that left for it keeps
-            # it here until the next round: a node leaving for its notice revokes its lease ~10 ms after its
+            # it here until the next round: a node leaving for its notice revokes its lease just after its
             # workers acknowledged the agreed step, possibly before a peer's agent looked at the notices, and
             # without it that peer would take the planned leave for a crash.
             if committed is None or node not in committed.participants:

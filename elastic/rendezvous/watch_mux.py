@@ -2,8 +2,7 @@
 
 A real agent has one handler and its own stream. A process that hosts many agents (the rendezvous bench, a
 test) would open one stream per agent, all over the same few keys (the closed key, the notices, the
-coordinator's posts and the round key): at 1,000 agents in 32 processes that is 1,000 streams, ~1,000 copies of
-every event sent by etcd and ~1,000 grpc streams' C-core work on this machine. The ``WatchMux`` that their
+coordinator's posts and the round key), each receiving its own copy of every event. The ``WatchMux`` that their
 ``ClientPool`` shares watches those ranges once and hands each response to every subscribed handler.
 
 A subscriber first gets the ranges' current keys (``watch_reset``) and from then on every response

@@ -3,8 +3,8 @@ the round's rank-0 agent (``TORCHELASTIC_USE_AGENT_STORE=True``, as torchrun's d
 
 Why the agent hosts it: when rank 0's *worker* hosts the store (``use_agent_store`` False), every other
 worker that calls ``init_process_group`` before rank 0 has bound MASTER_PORT gets ECONNREFUSED and waits out
-TCPStore's connect backoff (measured here: 0.3-0.5 s of the ~1 s from a planned change's committed step to
-the new group's first step). An agent-hosted store is listening before the round is committed, so no worker
+TCPStore's connect backoff, on the path from a planned change's committed step to the new group's first step.
+An agent-hosted store is listening before the round is committed, so no worker
 ever connects too early; and the port is bound, not merely "free at commit time" (``get_free_port``'s race
 with any other process on the host is gone).
 
@@ -12,10 +12,10 @@ One server per round, bound before the commit (its port goes into the round reco
 later round completes or the agent shuts down (a node that ``leave()``s for its notice keeps it until it exits:
 its workers, and the peers', may still be tearing down their process groups). A later round's workers never
 see it: a new round always starts from an empty store (no stale keys even when ``TORCHELASTIC_RESTART_COUNT`` does not change
-across a planned round) - the same guarantee as before (pytorch#135712).
+across a planned round), as torch's own agent store guarantees.
 
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torchrun's opt-out of its shared store) restores the old
-behaviour: rank 0's worker hosts the store on a port that was free at commit time.
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torchrun's opt-out of its shared store) restores
+torch's older behaviour: rank 0's worker hosts the store on a port that was free at commit time.
 """
 
 from __future__ import annotations
