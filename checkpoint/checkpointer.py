@@ -19,10 +19,6 @@ default group, so a collective the writer thread runs can never interleave with 
 
 A background save that fails is not committed, rank 0 removes its step directory (never a committed one), and
 the next ``save`` reports it and training goes on, up to ``max_consecutive_failed_saves`` failures in a row (``tolerate_failed_save``).
-
-Seams for what comes next: a save triggered by a preemption notice is ``save`` + ``wait`` (or a new
-``ShardWriter``); hardening the readers is ``discover``, ``shard``, ``verify`` and ``per_rank``, not this
-class.
 """
 
 from __future__ import annotations

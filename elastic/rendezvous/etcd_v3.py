@@ -167,7 +167,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     ``simulate_crash(silent=False) -> None``
         Vanish like a SIGKILLed agent (fault injection: tests, benchmarks).
     ``mirror``, ``keys``, ``registration``, ``peers``, ``rounds``, ``connection``, ``registered``
-        The parts it composes, read-only, for diagnostics and tests.
+        The parts it composes and its state, for diagnostics and tests to read (never to replace).
     ``node_id`` / ``round`` properties
         This agent's id (stable across rounds) / the number of the last round it completed (None before).
 
@@ -200,13 +200,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._addr = config.local_addr or socket.getfqdn()
         self._worker_store = WorkerStoreHost(self._addr, enabled=agent_hosts_store())
 
-        self._keys = RunKeys(config.run_prefix)
+        self.keys = RunKeys(config.run_prefix)
+        """The run's key names."""
         self._cond = threading.Condition()
         """Guards the mirror and this node's round state; notified on every change (waiting loops wake on it)."""
         self._stop = threading.Event()
         self._my_round: RoundRecord | None = None
-        self._conn: EtcdConnection | None = None
-        self._registered = False
+        self.connection: EtcdConnection | None = None
+        """The etcd connection (None before ``connect()``)."""
+        self.registered = False
+        """Whether this node registered (lease, node key, coordinator thread)."""
         self._released = False
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
@@ -215,71 +218,39 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # callables they are given.
         self._health = EtcdHealth(config, self._cond, clock, self._ctx)
         """Whether etcd answers; the fatal error every public method raises once the handler cannot go on."""
-        self._updater = MirrorUpdater(self._keys.ctl, self._ctx, self._health.corrupt)
+        self._updater = MirrorUpdater(self.keys.ctl, self._ctx, self._health.corrupt)
         """Applies keys and events to the mirror; knows which participants left which round."""
-        self._watch = MirrorWatch(config, self._keys, self._updater, self._health, self._cond, self._stop,
-                                  node_id=node_id, lease=lambda: self._registration.lease_id,
+        self._watch = MirrorWatch(config, self.keys, self._updater, self._health, self._cond, self._stop,
+                                  node_id=node_id, lease=lambda: self.registration.lease_id,
                                   require_conn=self._require_conn, clock=clock, ctx=self._ctx, pool=pool)
-        """Keeps ``_mirror`` current from etcd's watch (its thread starts at connect)."""
-        self._peers = PeerLiveness(config, self._keys, self._cond, node_id=node_id, mirror=lambda: self._watch.mirror,
-                                   my_round=lambda: self._my_round, conn=lambda: self._conn,
-                                   require_conn=self._require_conn, released=lambda: self._released, ctx=self._ctx)
+        """Keeps ``mirror`` current from etcd's watch (its thread starts at connect)."""
+        self.peers = PeerLiveness(config, self.keys, self._cond, node_id=node_id, mirror=lambda: self._watch.mirror,
+                                  my_round=lambda: self._my_round, conn=lambda: self.connection,
+                                  require_conn=self._require_conn, released=lambda: self._released, ctx=self._ctx)
         """Our liveness port and our watch on the ring successor's; revokes a dead peer's lease."""
-        self._registration = Registration(
-            config, self._keys, self._health, self._cond, self._stop, node_id=node_id, addr=self._addr,
-            live_port=lambda: self._peers.listener.port if self._peers.listener is not None else None,
+        self.registration = Registration(
+            config, self.keys, self._health, self._cond, self._stop, node_id=node_id, addr=self._addr,
+            live_port=lambda: self.peers.listener.port if self.peers.listener is not None else None,
             require_conn=self._require_conn, ctx=self._ctx, pool=pool)
         """Our lease and node key (registered again when the lease is gone), kept alive by a ``LeaseKeeper``."""
-        self._rounds = RoundWriter(self._keys, node_id=node_id, addr=self._addr, store_port=self._worker_store.port_for,
-                                   require_conn=self._require_conn, ctx=self._ctx)
+        self.rounds = RoundWriter(self.keys, node_id=node_id, addr=self._addr, store_port=self._worker_store.port_for,
+                                  require_conn=self._require_conn, ctx=self._ctx)
         """The transactions that form rounds (join, commit; the coordinator's election, proposal, reform)."""
         self._coordinator = Coordinator(
-            config, self._rounds, self._updater, self._health, self._cond, self._stop, node_id=node_id,
-            mirror=lambda: self._watch.mirror, lease=lambda: self._registration.lease_id,
-            renewing=self._registration.renewing, released=lambda: self._released, clock=clock, ctx=self._ctx)
+            config, self.rounds, self._updater, self._health, self._cond, self._stop, node_id=node_id,
+            mirror=lambda: self._watch.mirror, lease=lambda: self.registration.lease_id,
+            renewing=self.registration.renewing, released=lambda: self._released, clock=clock, ctx=self._ctx)
         """The coordinator role: tries the election while none holds it, and runs it while this node does."""
-        self._ended_run = EndedRun(config, self._keys, self._watch, self._health, self._cond, node_id=node_id,
+        self._ended_run = EndedRun(config, self.keys, self._watch, self._health, self._cond, node_id=node_id,
                                    clock=clock, ctx=self._ctx)
         """The finished marker, and the run's keys once its job ended (deleted by its last agent, or by a
         newcomer reusing the run id)."""
 
-    # ================================================================== its parts, read-only (diagnostics, tests)
     @property
     def mirror(self) -> Mirror:
         """The mirror of ``P/ctl/`` that the watch keeps (read it under the condition)."""
         return self._watch.mirror
 
-    @property
-    def keys(self) -> RunKeys:
-        """The run's key layout in etcd."""
-        return self._keys
-
-    @property
-    def registration(self) -> Registration:
-        """This node's lease and node key."""
-        return self._registration
-
-    @property
-    def peers(self) -> PeerLiveness:
-        """This node's liveness port and its watch on the ring successor's."""
-        return self._peers
-
-    @property
-    def rounds(self) -> RoundWriter:
-        """The transactions that form rounds."""
-        return self._rounds
-
-    @property
-    def connection(self) -> EtcdConnection | None:
-        """The etcd connection (None before ``connect()``)."""
-        return self._conn
-
-    @property
-    def registered(self) -> bool:
-        """Whether this node has registered (lease, node key, coordinator thread)."""
-        return self._registered
-
-    # ================================================================== torch interface
     def get_backend(self) -> str:
         return BACKEND_NAME
 
@@ -350,7 +321,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     target=target,
                     committed=mirror.committed,
                     closed=mirror.closed,
-                    joined=joined_target == (target, self._registration.lease_id),
+                    joined=joined_target == (target, self.registration.lease_id),
                     proposal=mirror.proposal,
                     now=self._clock(),
                     join_deadline=join_deadline,
@@ -381,16 +352,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             # I/O outside the lock (the watch thread needs it to deliver our own writes).
             if action is Action.JOIN:
                 if self._write_join(target, seen_mod):
-                    joined_target = (target, self._registration.lease_id)
+                    joined_target = (target, self.registration.lease_id)
             elif action is Action.COMMIT:
                 assert proposal is not None
-                if self._rounds.commit(target, decision.participants, seen_mod, proposal.mod_revision, ring):
+                if self.rounds.commit(target, decision.participants, seen_mod, proposal.mod_revision, ring):
                     committed_mod = seen_mod
             elif action is Action.CHECK:
                 checked_at = self._clock()
                 if not self._check_deadline(target, join_deadline):
                     joined_target = None  # our join key is gone: write it again
-        self._peers.watch_successor(record, rank)
+        self.peers.watch_successor(record, rank)
         return info
 
     def _check_deadline(self, target: int, join_deadline: float) -> bool:
@@ -417,7 +388,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 return snapshot_of(self.mirror, node_id=self._node_id, config=self._config, now=self._clock(),
                                    target=target, join_deadline=join_deadline)
         conn = self._require_conn()
-        resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self._keys.ctl))
+        resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self.keys.ctl))
         mirror = Mirror(revision=int(resp.header.revision), loaded=True, full=True)
         for kv in resp.kvs:
             self._updater.put(mirror, kv.key.decode(), kv.value, kv.mod_revision)
@@ -438,7 +409,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         conn = self._ensure_connected()
         conn.call(
             "mark the rendezvous closed",
-            lambda: conn.client.put(self._keys.closed_key, json.dumps({"by": self._node_id, "time": time.time()})),
+            lambda: conn.client.put(self.keys.closed_key, json.dumps({"by": self._node_id, "time": time.time()})),
             within=self._config.close_timeout,
         )
         with self._cond:
@@ -508,21 +479,21 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def publish_notice(self, notice: dict[str, Any]) -> None:
         conn = self._ensure_connected()
-        key = self._keys.notice_prefix + self._node_id
+        key = self.keys.notice_prefix + self._node_id
         value = json.dumps({**notice, "node": self._node_id})
-        registration = self._registration
+        registration = self.registration
         registration.with_live_lease(lambda: conn.call("publish a preemption notice",
                                                        lambda: conn.client.put(key, value, lease=registration.lease_id)))
         log.info("%spublished preemption notice %s", self._ctx(), value)
 
     def publish_health(self, report: dict[str, Any] | None) -> None:
         conn = self._ensure_connected()
-        key = self._keys.health_prefix + self._node_id
+        key = self.keys.health_prefix + self._node_id
         if report is None:
             conn.call("remove the health report", lambda: conn.client.delete(key))
             return
         value = json.dumps({**report, "node": self._node_id})
-        registration = self._registration
+        registration = self.registration
         registration.with_live_lease(lambda: conn.call("publish the health report",
                                                        lambda: conn.client.put(key, value, lease=registration.lease_id)))
 
@@ -559,14 +530,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if close_worker_store:
             self._worker_store.close()  # our workers are stopped by now (shutdown comes after them)
         if self._released:
-            self._peers.stop()  # after a silent ``simulate_crash``: its port was left open until now
+            self.peers.stop()  # after a silent ``simulate_crash``: its port was left open until now
             return
         self._released = True
         with self._cond:
             reap = reap or self.mirror.closed
         self._stop_threads()
-        self._peers.stop()
-        conn, lease = self._conn, self._registration.lease_id
+        self.peers.stop()
+        conn, lease = self.connection, self.registration.lease_id
         if conn is not None and lease is not None:
             try:
                 conn.call("revoke this node's lease", lambda: conn.client.revoke_lease(lease), within=min(2.0, self._config.etcd_timeout))
@@ -587,12 +558,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if (mine is not None and committed is not None and committed.number > mine.number
                 and self._node_id not in committed.participants):
             return False
-        return self._peers.any_refuses(self.lost_peers())
+        return self.peers.any_refuses(self.lost_peers())
 
     def probe_peers(self) -> set[str]:
         """Probe every other participant of this node's round now (a worker failed: a dead peer would explain
         it) and revoke the lease of each whose process is gone; returns those nodes (``PeerLiveness.probe``)."""
-        return self._peers.probe()
+        return self.peers.probe()
 
     # ================================================================== fault injection
     def simulate_crash(self, *, silent: bool = False) -> None:
@@ -603,9 +574,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._released = True
         self._stop_threads()
         if not silent:
-            self._peers.stop()
-        if self._conn is not None:
-            self._conn.close()
+            self.peers.stop()
+        if self.connection is not None:
+            self.connection.close()
 
     # ================================================================== this node's round and membership
     def _nodes_waiting_locked(self) -> int:
@@ -635,9 +606,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         rank = record.rank_of(self._node_id)
         assert rank is not None
         self._my_round = record
-        self._registration.joining = None
+        self.registration.joining = None
         self._worker_store.round_completed(record.number, record.master_port, rank)
-        store = EtcdV3Store(self._require_conn(), f"{self._keys.store_prefix}{record.number}/", STORE_TIMEOUT)
+        store = EtcdV3Store(self._require_conn(), f"{self.keys.store_prefix}{record.number}/", STORE_TIMEOUT)
         log.info(
             "%sround %d complete in %.3f s: rank %d of %d, master %s:%d",
             self._ctx(),
@@ -658,23 +629,23 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _write_join(self, target: int, seen_mod: int) -> bool:
         """Put our join key for ``target`` unless the round key moved since our snapshot (under our live lease)."""
-        registration = self._registration
+        registration = self.registration
         seq = registration.seq
         with self._cond:
             registration.joining = (target, seen_mod)
-        return registration.with_live_lease(lambda: self._rounds.join(target, seen_mod, seq, registration.lease_id))
+        return registration.with_live_lease(lambda: self.rounds.join(target, seen_mod, seq, registration.lease_id))
 
     # ================================================================== start-up
     def _require_conn(self) -> EtcdConnection:
-        if self._conn is None:
+        if self.connection is None:
             raise RendezvousStateError(f"{self._ctx()}handler is not connected")
-        return self._conn
+        return self.connection
 
     def _ensure_connected(self) -> EtcdConnection:
         if self._released:
             raise RendezvousClosedError(f"{self._ctx()}this handler was shut down")
         with self._start_lock:
-            if self._conn is None:
+            if self.connection is None:
                 try:
                     conn = EtcdConnection(self._config, context=self._ctx, pool=self._pool)
                 except RendezvousConnectionError:
@@ -687,26 +658,26 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._watch.release_mux()
                     conn.close()
                     raise
-                self._conn = conn
+                self.connection = conn
                 watcher = threading.Thread(target=self._watch.follow, name=f"rdzv-watch-{self._node_id}", daemon=True)
                 watcher.start()
                 self._threads.append(watcher)
-            return self._conn
+            return self.connection
 
     def register(self) -> None:
         """Connect and register this node (lease, node key, coordinator thread) without joining a round;
         idempotent. ``next_rendezvous`` does it first."""
         conn = self._ensure_connected()
         with self._start_lock:
-            if self._registered:
+            if self.registered:
                 return
             self._ended_run.raise_if_finished(conn)
             if self._ended_run.clear(conn):  # the ended job's agents may have left a marker since
                 self._ended_run.raise_if_finished(conn)
-            self._peers.start()
-            self._registration.register(conn)
-            self._registered = True
-            self._registration.keep(conn)
+            self.peers.start()
+            self.registration.register(conn)
+            self.registered = True
+            self.registration.keep(conn)
             coordinator = threading.Thread(target=self._coordinator.run, name=f"rdzv-coord-{self._node_id}", daemon=True)
             coordinator.start()
             self._threads.append(coordinator)
@@ -714,11 +685,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     # ================================================================== teardown
     def _stop_threads(self) -> None:
         self._stop.set()
-        self._registration.release_keeper()
+        self.registration.release_keeper()
         self._watch.cancel()
         with self._cond:
             self._cond.notify_all()
-        renewer = self._registration.renewer
+        renewer = self.registration.renewer
         for thread in [*self._threads, *([renewer] if renewer is not None else [])]:
             if thread is not threading.current_thread():
                 thread.join(timeout=2.0)  # a stuck thread must not hold up a signal-driven leave()

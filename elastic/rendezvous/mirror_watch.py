@@ -244,8 +244,8 @@ class MirrorWatch:
         """Follow the followers' view through the watch every handler of the pool shares (one stream per
         process instead of one per handler); True when it ended because the wanted view changed.
 
-        CHANGE (vs one stream per handler): only with a ``ClientPool``, i.e. many agents in one process (the
-        bench, tests); a real agent (no pool) keeps its own stream."""
+        Only with a ``ClientPool``, i.e. many agents in one process (the bench, tests); a real agent (no pool)
+        keeps its own stream."""
         mux = self._mux
         assert mux is not None  # held from connect to release
         with self._cond:
