@@ -26,6 +26,7 @@ hash differs (its ``reliance`` says what to look for), port what changed, add th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -284,16 +285,11 @@ def verify_torch(version: str | None = None, internals: tuple[Internal, ...] = I
     return result
 
 
-_verified: TorchCheck | None = None
-
-
+@functools.cache
 def verify_torch_once() -> TorchCheck:
     """:func:`verify_torch` on the first call of the process, its result afterwards (the launcher and the CLI
     both call it; the notice is said once)."""
-    global _verified
-    if _verified is None:
-        _verified = verify_torch()
-    return _verified
+    return verify_torch()
 
 
 def require(condition: bool, internal: str, detail: str) -> None:

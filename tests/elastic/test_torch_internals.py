@@ -154,11 +154,14 @@ def test_the_cli_fails_at_start_with_one_line_on_an_unusable_newer_torch(tmp_pat
 
 def test_verify_once_checks_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[None] = []
-    monkeypatch.setattr(torch_internals, "_verified", None)
     monkeypatch.setattr(torch_internals, "verify_torch", lambda: calls.append(None) or "checked")
-    assert torch_internals.verify_torch_once() == "checked"
-    assert torch_internals.verify_torch_once() == "checked"
-    assert len(calls) == 1
+    torch_internals.verify_torch_once.cache_clear()
+    try:
+        assert torch_internals.verify_torch_once() == "checked"
+        assert torch_internals.verify_torch_once() == "checked"
+        assert len(calls) == 1
+    finally:
+        torch_internals.verify_torch_once.cache_clear()  # the next caller checks the real torch
 
 
 def test_a_missing_agent_hook_is_named(tmp_path: Any) -> None:
