@@ -58,20 +58,21 @@ _forkserver_environ: tuple[dict[str, str], dict[str, str]] | None = None
 
 DEFAULT_PRELOAD = (
     "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-    # What every warm worker imported after the fork, before its script ran: torch's worker wrapper (``_wrap``), the agent's main module that multiprocessing
-    # re-runs in each child as ``__mp_main__`` (``elastic.cli``, with ``torch.distributed.run``), and the
-    # warm entrypoint's own modules. Imported once here; the script sees the same modules as before (and
-    # ``elastic.cli`` under its own name, not only as ``__mp_main__``).
+    # What every warm worker imported after the fork, before its script ran: torch's worker wrapper (``_wrap``),
+    # the agent's main module that multiprocessing re-runs in each child as ``__mp_main__`` (``elastic.cli``,
+    # with ``torch.distributed.run``), and the warm entrypoint's own modules. Imported once here; the script sees
+    # the same modules (and ``elastic.cli`` under its own name, not only as ``__mp_main__``).
     "torch.distributed.elastic.multiprocessing", "torch.distributed.run", "elastic.cli", "elastic.workers",
     "elastic.warm", "elastic.progress",
     # torch's checkpoint package, which spotrun's Checkpointer (and DCP users) import at every (re)start,
     # on the resume path of a planned change; torch's own, like _dynamo.
     "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-    # The third-party half of spotrun's Checkpointer import. spotrun's own `checkpoint` package is not preloaded: a script's own top-level
-    # `checkpoint` module is a common name, and would make every such job fall back to plain workers.
+    # The third-party half of spotrun's Checkpointer import. spotrun's own `checkpoint` package is not
+    # preloaded: a script's own top-level `checkpoint` module is a common name, and would make every such job
+    # fall back to plain workers.
     "fsspec", "fsspec.implementations.local", "tenacity",
-    # spotrun's elastic data cursor; its top-level name, ``elastic``, is
-    # preloaded above anyway, so no new name can be shadowed. Not the preemption helper: its import in the
+    # spotrun's elastic data cursor; its top-level name, ``elastic``, is preloaded above anyway, so no new name
+    # can be shadowed. Not the preemption helper: its import in the
     # script tells the agent the script will build one (``coming-{local_rank}``, elastic.worker.preemption).
     "elastic.data",
 )
