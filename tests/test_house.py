@@ -16,7 +16,7 @@ LONGEST_CLASS = 1087
 LARGE_CLASS = 400
 LARGE_CLASSES = 5
 """At most this many classes have more than ``LARGE_CLASS`` lines."""
-PRIVATE_ACCESSES_IN_TESTS = 135
+PRIVATE_ACCESSES_IN_TESTS = 134
 FUNCTION_LOCAL_IMPORTS = 73
 DOCSTRING_SHARE = 0.1882
 """Docstring lines over all lines of elastic/ and checkpoint/ together."""
