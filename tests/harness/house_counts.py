@@ -282,12 +282,17 @@ def report(top: int = 10, with_flags: bool = True, folders: list[str] | None = N
                       [(len(v), f) for f, v in sorted(local.items(), key=lambda kv: (-len(kv[1]), kv[0]))],
                       ("count", "file")))
     if with_flags:
-        spellings = option_spellings()
+        try:
+            spellings = option_spellings()
+        except subprocess.CalledProcessError as exc:  # the parser moved: say so, count the rest
+            spellings = {}
+            out.append(f"## Option definitions per flag: parser not found ({exc.stderr.strip().splitlines()[-1]})")
         rows = sorted(spellings.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0]))
         repeated = sum(files > 1 for files, _ in spellings.values())
-        out.append(_table(f"Option definitions per flag: {len(spellings)} flags, {repeated} spelled in more than "
-                          "one file of elastic/", [(flag, files, times) for flag, (files, times) in rows],
-                          ("flag", "files", "times")))
+        if spellings:
+            out.append(_table(f"Option definitions per flag: {len(spellings)} flags, {repeated} spelled in more "
+                              "than one file of elastic/", [(flag, files, times) for flag, (files, times) in rows],
+                              ("flag", "files", "times")))
     found = import_circles()
     out.append(_table(f"Import circles: {len(found)}", [(", ".join(c),) for c in found], ("modules",)))
     rows = []
