@@ -17,7 +17,7 @@ LARGE_CLASS = 400
 LARGE_CLASSES = 5
 """At most this many classes have more than ``LARGE_CLASS`` lines."""
 PRIVATE_ACCESSES_IN_TESTS = 134
-FUNCTION_LOCAL_IMPORTS = 73
+FUNCTION_LOCAL_IMPORTS = 71
 DOCSTRING_SHARE = 0.1882
 """Docstring lines over all lines of elastic/ and checkpoint/ together."""
 
