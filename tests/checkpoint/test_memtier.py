@@ -393,14 +393,14 @@ def test_failing_publishes_are_logged_and_turn_the_tier_off(
         calls.append(args[1])
         raise OSError(28, "No space left on device (injected)")
 
-    monkeypatch.setattr(tier, "_publish", failing_publish)
+    monkeypatch.setattr(tier.publisher, "publish", failing_publish)
     try:
         with caplog.at_level(logging.WARNING, logger="checkpoint.memory.shm"):
             for step in range(1, 6):
                 _train(state, step)
                 tier.snapshot(step, state)
-                if tier._future is not None:  # skip mode: the next snapshot must find this one finished
-                    wait_for(tier._future.done, timeout=10, what="the publish to fail")
+                if tier.inflight.future is not None:  # skip mode: the next snapshot must find this one finished
+                    wait_for(tier.inflight.future.done, timeout=10, what="the publish to fail")
                 if step == 1:
                     continue
                 assert "memory snapshot failed: [Errno 28] No space left" in caplog.text  # read, not overwritten

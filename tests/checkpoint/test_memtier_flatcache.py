@@ -170,7 +170,7 @@ def test_snapshots_with_the_cache_are_the_bytes_of_snapshots_without(shm_dirs: t
     state = _state()
     cached = LocalShmTier(shm_dirs[0], MemoryTierConfig(every=1))
     plain = LocalShmTier(shm_dirs[1], MemoryTierConfig(every=1))
-    plain._flat_cache = _Uncached()  # type: ignore[assignment]
+    plain.flat_cache = _Uncached()  # type: ignore[assignment]
     try:
         for step in range(1, 6):
             _train(state, step)
@@ -181,7 +181,7 @@ def test_snapshots_with_the_cache_are_the_bytes_of_snapshots_without(shm_dirs: t
             plain.wait()
             a, b = _published(shm_dirs[0]), _published(shm_dirs[1])
             assert a[step] == b[step], step
-        assert cached._flat_cache.hits > 0
+        assert cached.flat_cache.hits > 0
     finally:
         cached.close()
         plain.close()
@@ -237,13 +237,13 @@ def test_auto_weighs_the_median_of_recent_snapshots_not_one_slow_vote(shm_dirs: 
             _train(state, step)
             tier.snapshot(step, state)
         tier.wait()
-        assert len(tier._stages) == 1  # the first two snapshots of the plan mapped their slots: not sampled
-        tier._intervals = [0.1] * 8  # 100 ms steps; snapshots of 1 ms but one of 500 ms
-        tier._stages = [0.001, 0.001, 0.5, 0.001, 0.001]
-        tier.last_stage_seconds = 0.5
-        assert tier._proposed_every() == 1
-        tier._stages = [0.001, 0.5, 0.5]  # slow as a rule: a longer interval
-        assert tier._proposed_every() == 100  # 0.5 s per snapshot / (2 % of 0.1 s): capped at max_every
+        assert len(tier.cadence.stages) == 1  # the first two snapshots of the plan mapped their slots: not sampled
+        tier.cadence.intervals = [0.1] * 8  # 100 ms steps; snapshots of 1 ms but one of 500 ms
+        tier.cadence.stages = [0.001, 0.001, 0.5, 0.001, 0.001]
+        tier.cadence.last_stage_seconds = 0.5
+        assert tier.cadence.propose() == 1
+        tier.cadence.stages = [0.001, 0.5, 0.5]  # slow as a rule: a longer interval
+        assert tier.cadence.propose() == 100  # 0.5 s per snapshot / (2 % of 0.1 s): capped at max_every
     finally:
         tier.close()
 

@@ -314,7 +314,7 @@ def test_auto_interval_grows_when_staging_dominates_and_stays_the_same_on_every_
     finally:
         tier.close()
     assert acted[:2] == [1, 2]  # measures first
-    assert tier._every == 7 and all(s % 7 == 0 for s in acted[3:])  # then the cap, on the steps divisible by it
+    assert tier.interval == 7 and all(s % 7 == 0 for s in acted[3:])  # then the cap, on the steps divisible by it
 
 
 def test_config_rejects_bad_auto_settings() -> None:
@@ -339,10 +339,10 @@ def test_jit_leaves_a_stuck_snapshot_in_flight_alone(shm_dir: str) -> None:
             tier.snapshot(step, state)
         tier.wait()
         stuck: Future[int] = Future()  # never completes
-        tier._future, tier._inflight = stuck, tier._slots[0]
+        tier.inflight.future, tier.inflight.slot = stuck, tier.slots.items[0]
         _train(state, 4)
         assert tier.snapshot_on_failure(4, state, GLOO_ERROR) is True
-        assert tier._slots[0] is not None and tier._slots[0].step != 4  # the stuck slot was not touched
+        assert tier.slots.items[0] is not None and tier.slots.items[0].step != 4  # the stuck slot was not touched
         assert 4 in _steps(shm_dir)
         stuck.set_result(-1)
     finally:

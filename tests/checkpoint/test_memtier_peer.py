@@ -240,7 +240,7 @@ def _ddp_snapshot(rank: int, world: int, dirs: list[str], nodes: list[str], step
             snaps[step] = _plain(_ddp_tensors(state))
         tier.wait()
         return {"snaps": snaps, "sent": tier.buddy_bytes_sent, "received": tier.buddy_copies_received,
-                "copy_bytes": tier._node_copy_bytes}
+                "copy_bytes": tier.buddies.copy_bytes}
     finally:
         tier.close()
 
@@ -468,7 +468,7 @@ def _fsdp_snapshot(rank: int, world: int, dirs: list[str], nodes: list[str], ckp
                 with Checkpointer(ckpt) as durable:
                     durable.save(step, state)
         tier.wait()
-        return {"full": saved, "sent": tier.buddy_bytes_sent, "copy_bytes": tier._node_copy_bytes}
+        return {"full": saved, "sent": tier.buddy_bytes_sent, "copy_bytes": tier.buddies.copy_bytes}
     finally:
         tier.close()
 

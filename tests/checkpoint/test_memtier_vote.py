@@ -1,4 +1,4 @@
-"""The memory tier's vote behind a snapshot (``LocalShmTier._vote_behind``): with ``when_busy="wait"`` a round's
+"""The memory tier's vote behind a snapshot (``vote.Votes.vote_behind``): with ``when_busy="wait"`` a round's
 vote runs on the background thread after its publish, and the next snapshot reads it instead of voting on the
 caller's thread. These tests check that this changes when the caller blocks, not what a restore may use: only a
 step every rank published, never one a rank skipped or failed to publish.
@@ -86,20 +86,20 @@ def test_steady_snapshots_vote_on_the_callers_thread_only_once(shm_dir: str, tmp
 def _one_rank_fails(rank: int, world: int, directory: str) -> dict[str, Any]:
     state = _state(0)
     tier = LocalShmTier(directory, MemoryTierConfig(every=1))
-    publish = tier._publish
+    publish = tier.publisher.publish
 
     def failing(slot: Any, step: int, *args: Any) -> int:
         if rank == 1 and step >= 3:  # rank 1 dies inside its publish of step 3 (and never publishes again)
             raise OSError(5, "I/O error (injected)")
         return publish(slot, step, *args)
 
-    tier._publish = failing  # type: ignore[method-assign]
+    tier.publisher.publish = failing  # type: ignore[method-assign]
     try:
         for step in range(1, 5):
             _train(state, step)
             tier.snapshot(step, state)
         tier.wait()
-        return {"complete": tier._complete, "votes": tier.votes_blocking}
+        return {"complete": tier.votes.complete, "votes": tier.votes_blocking}
     finally:
         tier.close()
 
@@ -171,21 +171,21 @@ after this long (the default, 30 minutes, would be the hang these tests guard ag
 def _vote_fails_on_one_rank(rank: int, world: int, directory: str, when: str) -> dict[str, Any]:
     state = _state(0)
     tier = LocalShmTier(directory, MemoryTierConfig(every=1, collective_timeout=VOTE_TIMEOUT))
-    vote = tier._bg.max_each
+    vote = tier.votes.behind.max_each
     fired = []
 
     def failing(*values: int) -> tuple[int, ...]:
         # Rank 1's vote behind step 3 raises: "before" without entering the all-reduce (rank 0 then waits for it
         # in vain), "after" once the all-reduce completed on both ranks (rank 0 got an outcome, rank 1 did not:
         # what a timeout on one rank only looks like)
-        if rank == 1 and tier._published == 3 and not fired:
-            fired.append(tier._published)
+        if rank == 1 and tier.publisher.published == 3 and not fired:
+            fired.append(tier.publisher.published)
             if when == "after":
                 vote(*values)
             raise RuntimeError("vote failed on rank 1 (injected)")
         return vote(*values)
 
-    tier._bg.max_each = failing  # type: ignore[method-assign]
+    tier.votes.behind.max_each = failing  # type: ignore[method-assign]
     taken, blocked = [], []
     try:
         for step in range(1, 7):
@@ -232,14 +232,14 @@ def test_a_vote_failing_on_one_rank_stops_snapshots_on_every_rank_without_a_mism
 def _ballot_fails_on_one_rank(rank: int, world: int, directory: str) -> dict[str, Any]:
     state = _state(0)
     tier = LocalShmTier(directory, MemoryTierConfig(every=1, collective_timeout=VOTE_TIMEOUT))
-    ballot = tier._ballot
+    ballot = tier.votes.ballot
 
     def failing(*args: Any) -> tuple[int, ...]:
-        if rank == 1 and tier._published == 3:  # rank 1 cannot say what it votes behind step 3
+        if rank == 1 and tier.publisher.published == 3:  # rank 1 cannot say what it votes behind step 3
             raise ValueError("ballot failed on rank 1 (injected)")
         return ballot(*args)
 
-    tier._ballot = failing  # type: ignore[method-assign]
+    tier.votes.ballot = failing  # type: ignore[method-assign]
     try:
         return {"taken": _snapshot_steps(tier, state), "votes": tier.votes_blocking, "stopped": tier.stopped}
     finally:
