@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from checkpoint.api import JSON
 
@@ -30,7 +31,7 @@ T = TypeVar("T")
 class Collective:
     """Collectives over ``group`` (rank 0 of the group coordinates); local identities when ``group`` is None."""
 
-    def __init__(self, group: Any = None, *, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, group: ProcessGroup | None = None, *, rank: int = 0, world_size: int = 1) -> None:
         if group is None and world_size != 1:
             raise ValueError(f"a Collective without a process group has world size 1, got {world_size}")
         self.group = group
@@ -93,7 +94,7 @@ class Collective:
         return self.broadcast(pick() if self.rank == 0 else None)
 
 
-def open_collectives(process_group: Any, timeout: timedelta, count: int) -> list[Collective]:
+def open_collectives(process_group: ProcessGroup | None, timeout: timedelta, count: int) -> list[Collective]:
     """``count`` Collectives over new gloo groups with the members of ``process_group`` (default: the world).
 
     Collective itself (same order on every rank) when torch.distributed is initialised and the group has

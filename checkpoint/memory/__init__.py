@@ -1,4 +1,4 @@
-"""The memory tier: per-step snapshots in host shared memory, restored before the durable tier (issue 17).
+"""The memory tier: per-step snapshots in host shared memory, restored before the durable tier.
 
 See ``checkpoint.memory.api`` for the layout and the contracts. Importing the package does not import torch.
 The directory's owner on each node, the keeper, is the agent's (``elastic.memory_keeper``).

@@ -1,9 +1,10 @@
 """Contracts of the memory tier: snapshots of a rank's state in host shared memory, beside the durable tier.
 
 Data flow (one module each): ``config`` (how often, how much room to leave) -> ``layout`` (pure: names, the
-footer, which step to restore, whether there is room) -> ``shm`` (a rank's snapshots in its node's keeper
-directory: stage, checksum, publish; find and read them back) -> ``resume`` (memory first, then the durable
-tier, and a :class:`RestoreReport` saying which). ``keeper`` is the agent's side: the directory's owner.
+footer, which step to restore, whether there is room) -> ``shm.LocalShmTier`` (the coordinator of a rank's
+snapshots in its node's keeper directory: ``nodeplan``, ``slots``, ``vote``, ``cadence``, ``publish``; read back by
+``localrestore``) -> ``resume`` (memory first, then the durable tier, and a :class:`RestoreReport` saying which).
+The keeper, the directory's owner, is the agent's side.
 
 A snapshot is laid out like a durable step, one shm object per rank per step: the rank's safetensors shard
 (header + data, the same ``ShardLayout`` as a durable shard), then its JSON :class:`SnapshotManifest` (the
@@ -13,10 +14,10 @@ locates and checksums the manifest. The snapshots of one step on a node merge in
 ``shard.read_requests``, ``state.apply``) is the durable one and reshards the same way. A snapshot is never
 a committed checkpoint: it has no commit marker and lives outside the checkpoint root.
 
-Across nodes (``peerplan``, pure, and ``peer.PeerShmTier``): what exists on one node only is copied to a buddy
-node's keeper (``peer-...`` files, the same format), and a restore plans over the union of the current nodes'
-keepers, receiving the byte ranges its node lacks from a peer (``restore_source: memory_peer``). Seam for what
-comes next (issue 17): just-in-time snapshots from survivors.
+Across nodes (``peerplan``, pure; ``buddy`` and ``peerrestore`` plugged into ``peer.PeerShmTier`` through
+``hooks``): what exists on one node only is copied to a buddy node's keeper (``peer-...`` files, the same format),
+and a restore plans over the union of the current nodes' keepers, receiving the byte ranges its node lacks from a
+peer (``restore_source: memory_peer``).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class RestoreReport:
 
 @runtime_checkable
 class MemoryTier(Protocol):
-    """A rank's view of one memory tier (``shm.LocalShmTier``: this node's keeper; later a peer's too).
+    """A rank's view of one memory tier (``shm.LocalShmTier``: this node's keeper; ``peer.PeerShmTier``: every node's).
 
     ``snapshot`` is called by every rank at every step (collective at the steps it acts on, like
     ``Checkpointer.save``); ``restore`` by every rank once, before training (collective).
@@ -192,6 +193,23 @@ class MemoryTier(Protocol):
     def close(self) -> None:
         """Finish the snapshot in flight and release buffers (the published snapshots stay for a restart)."""
         ...
+
+
+@runtime_checkable
+class KeeperTier(Protocol):
+    """A tier in a keeper directory that knows its rank in its group (``shm.LocalShmTier``): a restore's record
+    goes to that directory, for the agent's ``restore_completed`` event."""
+
+    directory: str | None
+    rank: int
+    world_size: int
+
+
+@runtime_checkable
+class ExplainsFallback(Protocol):
+    """A tier that says why its last ``restore`` returned None (``restore_fallback`` of the durable report)."""
+
+    last_fallback_reason: str | None
 
 
 class DurableTier(Protocol):

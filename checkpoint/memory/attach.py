@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpoint.memory.api import MemoryTier, RestoreReport
 from checkpoint.memory.config import MemoryTierConfig
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class AttachedMemory:
         self._said_skip = False
 
     @classmethod
-    def open(cls, config: MemoryTierConfig, process_group: Any) -> AttachedMemory:
+    def open(cls, config: MemoryTierConfig, process_group: ProcessGroup | None) -> AttachedMemory:
         """The node's tier with buddy copies and peer restores (``PeerShmTier``). Collective: after the process
         group, on every rank; off on every rank (said once) when one has no keeper directory."""
         from checkpoint.memory.peer import PeerShmTier

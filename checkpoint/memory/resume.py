@@ -24,6 +24,8 @@ from typing import Any
 from checkpoint.memory.api import (
     ENV_MEMORY_DIR,
     DurableTier,
+    ExplainsFallback,
+    KeeperTier,
     MemoryTier,
     PartialRestoreError,
     RestoreReport,
@@ -54,12 +56,13 @@ def restore(ckpt: DurableTier | None, state: Mapping[str, Any], *, memory: Memor
 
 
 def _tell_agent(report: RestoreReport, memory: MemoryTier | None) -> None:
-    directory = getattr(memory, "directory", None) or os.environ.get(ENV_MEMORY_DIR)
+    keeper = memory if isinstance(memory, KeeperTier) else None
+    directory = (keeper.directory if keeper is not None else None) or os.environ.get(ENV_MEMORY_DIR)
     if not directory or not os.path.isdir(directory):
         return  # not under spotrun: nobody to tell
-    rank = getattr(memory, "rank", None)
-    world = getattr(memory, "world_size", None)
-    if not isinstance(rank, int) or not isinstance(world, int):
+    if keeper is not None:
+        rank, world = keeper.rank, keeper.world_size
+    else:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     write_restore_record(directory, rank, world, report)
 
@@ -77,7 +80,8 @@ def _restore(ckpt: DurableTier | None, state: Mapping[str, Any], *, memory: Memo
         if report is not None:
             return report
         # Said in the durable report (restore_fallback), so that the agent's event says why memory was not used.
-        fallback = str(partial) if partial is not None else getattr(memory, "last_fallback_reason", None)
+        fallback = (str(partial) if partial is not None
+                    else memory.last_fallback_reason if isinstance(memory, ExplainsFallback) else None)
     if ckpt is None:
         if partial is not None:
             raise partial

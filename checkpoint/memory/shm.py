@@ -155,11 +155,12 @@ class LocalShmTier:
             self.wait()
         elif self.inflight.future is not None and self.inflight.future.done():
             self.wait()  # read a finished publish's outcome before the vote (skip mode replaces the future)
+        busy = self.inflight.busy()
         sig = None if flat is None else signature(flat)
         proposed = self._proposal(step)
         try:
             vote = self.votes.vote_now(bad=flat is None or proposed is None, changed=sig != self._signature,
-                                       busy=self.inflight.busy(), published=self.publisher.published,
+                                       busy=busy, published=self.publisher.published,
                                        every=proposed if proposed is not None else self.cadence.every)
         except Exception as exc:  # noqa: BLE001 - the other ranks may have an outcome this rank has not
             self._leave(step, f"its snapshot vote failed: {exc}")

@@ -40,7 +40,8 @@ from checkpoint.memory.layout import (
     size_for,
     snapshot_name,
 )
-from checkpoint.memory.shm import LocalShmTier, check_room
+from checkpoint.memory.shm import LocalShmTier
+from checkpoint.memory.slots import check_room
 from checkpoint.state import PerRank
 from elastic import memory_keeper as keeper_module
 from elastic.memory_keeper import Keeper, keeper_prefix, remove_orphaned_keepers
@@ -279,7 +280,7 @@ def test_direct_parts_tile_the_read_on_block_boundaries() -> None:
 def test_a_large_tensor_read_in_parts_by_several_threads_is_exact_and_checked(
     shm_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from checkpoint.memory.shm import READ_PART_BYTES
+    from checkpoint.memory.localrestore import READ_PART_BYTES
 
     g = torch.Generator().manual_seed(3)
     big = (READ_PART_BYTES * 5 // 4) // 4 + 1234  # fp32 elements: two parts, the second one short
@@ -359,9 +360,9 @@ def test_no_room_skips_with_a_warning_and_turns_the_tier_off(shm_dir: str, caplo
 def test_a_shm_too_small_for_the_tier_is_one_error_at_start_naming_the_size(
     shm_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 17 item 6: the size is checked at start (the first snapshot plan), once per node, with the size
-    needed (two snapshots of each rank) and the fix. Before, the first snapshot's slot check said only what one
-    snapshot needs, and a /dev/shm with room for one snapshot but not two turned the tier off mid-run."""
+    """The size is checked at start (the first snapshot plan), once per node, with the size needed (two snapshots
+    of each rank) and the fix: a /dev/shm with room for one snapshot but not two is one error at start, not a tier
+    that turns itself off mid-run."""
     from checkpoint.state import flatten
 
     state = _state(0)
