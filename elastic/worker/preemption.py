@@ -14,9 +14,8 @@ Agreement (every rank stops at the same step): notices reach nodes at different 
 alone would split the group. Every ``sync_every`` steps (the same step numbers on every rank, so the calls
 pair up) the ranks all-reduce one int (MAX of "my node has a notice") on a dedicated gloo group (a
 ``checkpoint.collective.Collective``, bounded by ``timeout``); the first such step at which any rank saw a
-notice is the agreed step on every rank. One 8-byte gloo all-reduce
-costs ~0.1 ms on a LAN; at the default ``sync_every=8`` that is negligible, and the notice is acted on at
-most 8 steps late (deadlines are 30-120 s, steps well under a second). Between sync steps the call is an
+notice is the agreed step on every rank. One 8-byte gloo all-reduce every ``sync_every`` steps is
+negligible, and the notice is acted on at most ``sync_every`` steps late (deadlines are 30-120 s, steps well under a second). Between sync steps the call is an
 integer modulo: no I/O, no collective.
 
 Deadline-aware save: at the agreed step every rank reports how long its last saves took
@@ -45,12 +44,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from elastic.api import PlannedStopVoteError
 from elastic.worker.heartbeat import report_step
 from elastic.worker.mailbox import Mailbox, WorkerNotice, find_mailbox
 from elastic.worker.watcher import PeerLossWatcher
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,23 @@ class SnapshotsEachStep(Protocol):
     a no-op unless its ``CheckpointConfig(memory=...)`` turns the memory tier on)."""
 
     def snapshot(self, step: int, state: Any) -> bool: ...
+
+
+class PlannedSaver(Protocol):
+    """What a planned stop needs of a checkpointer (``checkpoint.Checkpointer``): a save and its commit."""
+
+    def save(self, step: int, state: Any) -> object: ...
+
+    def wait(self) -> object: ...
+
+
+@runtime_checkable
+class EstimatesSave(Protocol):
+    """A checkpointer that can say how long its next save will take (``Checkpointer.save_seconds_estimate``);
+    without it a planned save is always tried."""
+
+    @property
+    def save_seconds_estimate(self) -> float | None: ...
 
 
 def is_sync_step(step: int, sync_every: int) -> bool:
@@ -121,7 +140,7 @@ class Preemption:
     (see :data:`DEFAULT_SAVE_MARGIN`).
     """
 
-    def __init__(self, *, sync_every: int = DEFAULT_SYNC_EVERY, process_group: Any = None,
+    def __init__(self, *, sync_every: int = DEFAULT_SYNC_EVERY, process_group: ProcessGroup | None = None,
                  mailbox_dir: str | None = None, timeout: timedelta = DEFAULT_VOTE_TIMEOUT,
                  save_margin: float = DEFAULT_SAVE_MARGIN) -> None:
         """Args:
@@ -254,10 +273,9 @@ class Preemption:
                 f"not reach step {step} within {self.timeout.total_seconds():.0f} s, or left: {exc}"
             ) from exc
 
-    def _decide_save(self, ckpt: Any, step: int) -> SaveDecision:
+    def _decide_save(self, ckpt: PlannedSaver, step: int) -> SaveDecision:
         """The same decision on every rank: one all-gather of (estimate, seconds left) on the vote's group."""
-        # Any object with save/wait is accepted; the estimate is optional (None: try the save).
-        estimate = _report(getattr(ckpt, "save_seconds_estimate", None))
+        estimate = _report(ckpt.save_seconds_estimate if isinstance(ckpt, EstimatesSave) else None)
         save_by = self.notice.save_by if self.notice is not None else None
         left = None if save_by is None else save_by - time.time()
         reports = self._collective(step, self._vote.all_gather, [estimate, left])
@@ -275,7 +293,7 @@ class Preemption:
         if self.mailbox is not None:
             self.mailbox.acknowledge(self.local_rank, step, saved=saved, why=why)
 
-    def save_and_stop(self, ckpt: Any, step: int, state: Any) -> bool:
+    def save_and_stop(self, ckpt: PlannedSaver | None, step: int, state: Any) -> bool:
         """If this is the agreed step: save ``state`` as ``step`` with ``ckpt`` (a ``Checkpointer``), wait for
         the commit, acknowledge, and return True (leave the training loop). Otherwise False (microseconds).
         First, at every step, ``ckpt.snapshot(step, state)`` when ``ckpt`` has it: a ``Checkpointer`` whose
