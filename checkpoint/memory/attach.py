@@ -33,6 +33,7 @@ from checkpoint.memory.config import MemoryTierConfig
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.utils.hooks import RemovableHandle
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class AttachedMemory:
         self._step: int | None = None
         self._state: Mapping[str, Any] | None = None
         self._watched: tuple[int, ...] = ()
-        self._hooks: list[Any] = []
+        self._hooks: list[RemovableHandle] = []
         self._stepped = False
         """An optimizer of the state stepped after the last ``snapshot`` call: the state is past ``_step``."""
         self._said_skip = False
