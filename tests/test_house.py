@@ -14,11 +14,11 @@ pytestmark = pytest.mark.timeout(120)
 LONGEST_CLASS = 1087
 """No class of elastic/ or checkpoint/ has more lines than this."""
 LARGE_CLASS = 400
-LARGE_CLASSES = 5
+LARGE_CLASSES = 3
 """At most this many classes have more than ``LARGE_CLASS`` lines."""
-PRIVATE_ACCESSES_IN_TESTS = 134
+PRIVATE_ACCESSES_IN_TESTS = 105
 FUNCTION_LOCAL_IMPORTS = 71
-DOCSTRING_SHARE = 0.1882
+DOCSTRING_SHARE = 0.1872
 """Docstring lines over all lines of elastic/ and checkpoint/ together."""
 
 
