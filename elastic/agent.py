@@ -43,7 +43,7 @@ import signal
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
@@ -60,15 +60,27 @@ from torch.distributed.elastic.multiprocessing import (
     ProcessFailure,
     SignalException,
 )
-from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousHandler
+from torch.distributed.elastic.rendezvous import RendezvousError
 
-from checkpoint.memory.records import RestoreRecord, collect_restore_records, snapshots_in, summarize
+from checkpoint.memory.records import snapshots_in
+from elastic.agent_hooks import (
+    PROCEED,
+    AgentFeature,
+    EndRun,
+    NextTick,
+    Proceed,
+    Tick,
+    Verdict,
+    WorkersStarted,
+    WorkersStarting,
+    WorkersStopping,
+)
 from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
-from elastic.hangwatch import HangReport, HangWatch, kill_hung, write_hang_error_file
+from elastic.hangwatch import HangFeature, HangWatch
+from elastic.membership import MembershipView, first_line, warn_one_line
 from elastic.metrics import AgentMetrics
 from elastic.notice import SIGTERM_SOURCE, Notice, parse_signal_spec
-from elastic.outage import OutageClock, OutageVerdict
 from elastic.planned import (
     WHY_BEFORE_HELPERS,
     AbandonStop,
@@ -87,19 +99,10 @@ from elastic.planned import (
     leave_exit_code,
 )
 from elastic.progress import ProgressBoard
-from elastic.rendezvous.api import (
-    DEFAULT_ETCD_TIMEOUT_S,
-    HealthReportingHandler,
-    MembershipAwareHandler,
-    NoticeAwareHandler,
-    OutageBoundHandler,
-    PeerProbingHandler,
-    RendezvousOutageError,
-    RoundMembersHandler,
-    is_permanent,
-)
+from elastic.restores import RESTORE_REPORT_WAIT as RESTORE_REPORT_WAIT
+from elastic.restores import RestoreReports
 from elastic.torch_internals import check_agent_internals, worker_processes, worker_return_values
-from elastic.vitals import Vitals, progress_of
+from elastic.vitals import Vitals, VitalsFeature
 from elastic.worker.mailbox import GroupAssignment, Mailbox
 from elastic.worker.reform import IN_PLACE_REASONS, in_place_enabled
 from elastic.workers import (
@@ -143,8 +146,6 @@ class _NoticeWhileNotTraining(BaseException):
 PEER_REVOKE_SEEN_S = 1.0
 """Longest wait for our etcd watch to show a peer lease this agent just revoked (milliseconds, normally)."""
 JIT_POLL_INTERVAL = 0.02
-RESTORE_REPORT_WAIT = 5.0
-"""Seconds after the first local worker's restore record the agent reports the ones it has (the others late)."""
 
 
 def decide_on_failure(*, remaining_restarts: int, peer_lost: bool) -> FailureAction:
@@ -210,9 +211,9 @@ class SpotrunAgent(LocalElasticAgent):
         quiet_worker_failure_tracebacks()
         self._settings = settings
         self._events = events
-        self._membership = membership_aware(spec.rdzv_handler)
         self._clock = clock
-        self._rdzv_outage = OutageClock(bound=outage_bound(spec.rdzv_handler))
+        self.membership = MembershipView(spec.rdzv_handler, self, clock=clock)
+        """The rendezvous as the monitor loop sees it: membership changes, lost peers, the outage clock."""
         self._round = 0
         self._charged_restart_pending = False
         self._previous_group_world_size: int | None = None
@@ -220,7 +221,7 @@ class SpotrunAgent(LocalElasticAgent):
         self._close_started_at: float | None = None
         # Planned changes (elastic.planned): the workers' mailbox; the decisions and their state in `planned`.
         self._mailbox = mailbox
-        self._notices = spec.rdzv_handler if isinstance(spec.rdzv_handler, NoticeAwareHandler) else None
+        self._notices = self.membership.notices
         self.planned = PlannedChanges(stop_grace=settings.stop_grace, resize_timeout=settings.resize_timeout)
         """This agent's planned-change state (its notice, the stop posted to its workers), ticked by the monitor loop."""
         self._in_place_enabled = in_place_enabled()
@@ -236,10 +237,10 @@ class SpotrunAgent(LocalElasticAgent):
         """The local workers finished the run (the exit barrier): a notice has nothing left to stop."""
         self._run_over = False
         """``run`` returned: a notice signal now is only logged."""
-        # Hang detection (elastic.hang): progress files of the local workers, judged every monitor tick.
-        self._hang_watch = (HangWatch(settings.hang, ProgressBoard(spec.rdzv_handler.get_run_id()), ctx=self._ctx)
-                            if settings.hang is not None else None)
-        self._hung_pending = False
+        watch = (HangWatch(settings.hang, ProgressBoard(spec.rdzv_handler.get_run_id()), ctx=self.ctx)
+                 if settings.hang is not None else None)
+        self.hang = HangFeature(watch, self) if watch is not None else None
+        """Hang detection (``elastic.hang``): the local workers' progress, judged every monitor tick."""
         self._recovery_cause: RecoveryCause | None = None
         """Why the current recovery happens: on every event until its workers_started (None at first start)."""
         self._exit_status = 0
@@ -247,14 +248,16 @@ class SpotrunAgent(LocalElasticAgent):
         self._finished = False
         """The run ended: the workers succeeded and every peer of the round reached the exit barrier."""
         self._memory_dir = memory_dir
-        self._restores: list[RestoreRecord] = []
-        """Restore records of the local workers not yet reported (``restore_completed``, one per start)."""
-        self._restores_first_seen: float | None = None
-        # Progress, durability and stragglers (elastic.vitals): metrics and straggler events, once a second.
-        self._vitals = Vitals(metrics=metrics, emit=self._emit, memory_dir=memory_dir, ctx=self._ctx,
-                              straggler=settings.straggler if self._hang_watch is not None else None)
-        self._published_stragglers: set[int] = set()
-        """Global ranks of the stragglers in this node's last health report (``spotrun status``)."""
+        vitals = Vitals(metrics=metrics, emit=self.emit, memory_dir=memory_dir, ctx=self.ctx,
+                        straggler=settings.straggler if watch is not None else None)
+        features: list[AgentFeature | None] = [
+            self.membership,
+            self.hang,
+            RestoreReports(memory_dir, self, clock=clock) if memory_dir is not None else None,
+            VitalsFeature(vitals, self, self.membership, watch),
+        ]
+        self._features = [feature for feature in features if feature is not None]
+        """The features, called in this order at each hook (``elastic.agent_hooks``)."""
 
     @property
     def exit_status(self) -> int:
@@ -268,13 +271,38 @@ class SpotrunAgent(LocalElasticAgent):
         leave or a failure. The launcher then lets the rendezvous keep its ``finished`` marker."""
         return self._finished
 
-    # --- context for logs and events ------------------------------------------------------------------------
+    # --- what the features may ask (agent_hooks.AgentHost) ---------------------------------------------------
 
-    def _ctx(self) -> str:
+    @property
+    def worker_group(self) -> WorkerGroup:
+        """The local worker group."""
+        return self._worker_group
+
+    @property
+    def pcontext(self) -> PContext | None:
+        """The running workers' process context (None between rounds)."""
+        return self._pcontext
+
+    def monitor(self) -> RunResult:
+        """Look at the local workers once."""
+        return self._monitor_workers(self._worker_group)
+
+    def stop_workers(self) -> None:
+        """Stop the local workers with the short grace."""
+        self._stop_workers(self._worker_group)
+
+    def restart_workers(self) -> None:
+        """Stop the workers, run a rendezvous round and start new ones."""
+        self._restart_workers(self._worker_group)
+
+
+    def ctx(self) -> str:
+        """The log prefix: role, round, group rank."""
         wg = self._worker_group
         return f"[{wg.spec.role} round={self._round} group_rank={wg.group_rank}/{wg.group_world_size}]"
 
-    def _emit(self, event: RecoveryEvent, **fields: Any) -> None:
+    def emit(self, event: RecoveryEvent, **fields: Any) -> None:
+        """Record ``event`` with this agent's context fields."""
         wg = self._worker_group
         self._events.emit(
             event,
@@ -283,158 +311,26 @@ class SpotrunAgent(LocalElasticAgent):
             group_world_size=wg.group_world_size,
             world_size=wg.workers[0].world_size if wg.workers else None,
             restarts_left=self._remaining_restarts,
-            rdzv_round=self._rdzv_round(),
+            rdzv_round=self.membership.round,
             recovery_cause=self._recovery_cause.value if self._recovery_cause is not None else None,
             **fields,
         )
 
-    def _begin_recovery(self, cause: RecoveryCause) -> None:
+    def begin_recovery(self, cause: RecoveryCause) -> None:
         """Label the recovery starting now (the first cause wins until the workers are started again)."""
         if self._recovery_cause is None:
             self._recovery_cause = cause
 
-    def _membership_cause(self) -> RecoveryCause:
-        """A membership change in a healthy group: a peer went away, else a node is joining."""
-        lost = False
-        if self._notices is not None:
-            try:
-                lost = bool(self._notices.lost_peers())
-            except RendezvousError:
-                lost = False
-        return RecoveryCause.PEER_LOST if lost else RecoveryCause.SCALE_UP
-
     def release(self) -> None:
         """Remove what the agent keeps outside its process (progress files); called once at exit."""
-        if self._hang_watch is not None:
-            self._hang_watch.close()
-
-    def _rdzv_round(self) -> int | None:
-        """The backend's round number when it has one (etcd-v3's ``round``), for cross-node correlation."""
-        return self._membership.round if self._membership is not None else None
-
-    # --- membership signals ---------------------------------------------------------------------------------
-
-    def _membership_changed(self) -> bool:
-        handler = self._worker_group.spec.rdzv_handler
-        if self._membership is None:
-            return self._nodes_waiting(handler)
-        try:
-            changed = self._membership.membership_changed()
-        except RendezvousError as exc:
-            # Errors outside the declared tree (a bug, a changed handler) propagate.
-            self._rendezvous_failed("query the rendezvous for membership changes", exc)
-            return False
-        self._rendezvous_ok()
-        return changed or self._nodes_waiting(handler)
-
-    def _nodes_waiting(self, handler: RendezvousHandler) -> bool:
-        """torch's own signal: a node is waiting to join."""
-        try:
-            waiting = handler.num_nodes_waiting() > 0
-        except SignalException:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any handler's store error is an outage (below)
-            # Any handler may sit behind this call (torch's c10d raises store errors outside the
-            # RendezvousError tree), so here any error counts against the outage bound.
-            self._rendezvous_failed("query the rendezvous for waiting nodes", exc)
-            return False
-        self._rendezvous_ok()
-        return waiting
-
-    def _wait_for_membership_change(self, timeout: float, *, raise_permanent: bool = False) -> bool:
-        """Block up to ``timeout`` s, returning early (True) on a membership event when the handler has one;
-        ``raise_permanent``: a permanent rendezvous error (``is_permanent``) is raised instead of handled."""
-        if timeout <= 0:
-            return False
-        if self._membership is None:
-            time.sleep(timeout)  # torch's path: poll once per monitor interval
-            return False
-        started = time.monotonic()
-        try:
-            changed = self._membership.wait_membership_change(timeout)
-        except RendezvousError as exc:
-            if raise_permanent and is_permanent(exc):
-                raise
-            self._rendezvous_failed("wait for membership changes", exc)
-            time.sleep(max(0.0, timeout - (time.monotonic() - started)))
-            return False
-        self._rendezvous_ok()
-        return changed
-
-    def _rendezvous_ok(self) -> None:
-        seen = self._rdzv_outage.observe(True, self._clock())
-        if seen.verdict is OutageVerdict.RECOVERED:
-            logger.warning("%s the rendezvous answers again after %.1f s", self._ctx(), seen.failing_for)
-            self._emit(RecoveryEvent.ETCD_OUTAGE, seconds=round(seen.failing_for, 3), fatal=False)
-
-    def _rendezvous_failed(self, what: str, exc: BaseException) -> None:
-        """CHANGE: torch lets a rendezvous error while monitoring kill the agent at once. The workers do not
-        need the backend while training, so an etcd restart must not end a healthy job; but one that stays
-        away past the handler's bound must: nobody would notice a lost peer, and the job could end with exit
-        0 after the rest of the group is gone. Warns at the start of an outage and every few seconds. A
-        permanent error (a corrupt key, a failed watch: ``rendezvous.api.is_permanent``) ends the job at once
-        with its own message: no later call could succeed, waiting out the bound would only hide it."""
-        seen = self._rdzv_outage.observe(False, self._clock())
-        fatal = is_permanent(exc) or seen.verdict is OutageVerdict.FATAL
-        if fatal and self._worker_group.state is not WorkerState.SUCCEEDED:  # in the exit barrier: done anyway
-            self._end_for_outage(exc, seen.failing_for)
-        if seen.verdict is OutageVerdict.WARN:
-            warn_one_line(logger, exc, "%s cannot %s (%s); the job fails if this lasts %.0f s more", self._ctx(), what,
-                          _first_line(exc), seen.fatal_in)
-
-    def _end_for_outage(self, exc: BaseException, failing_for: float) -> NoReturn:
-        """Stop the workers and raise a permanent error as is, else a ``RendezvousOutageError`` (the CLI prints
-        it as one line, exit 1)."""
-        error = exc if is_permanent(exc) else RendezvousOutageError(
-            f"rendezvous at {outage_endpoint(self._worker_group.spec.rdzv_handler)} failing for {failing_for:.1f} s, "
-            f"more than its bound of {self._rdzv_outage.bound:g} s (last error: {_first_line(exc)}); giving up")
-        # A permanent error says what is wrong (the handler's own RendezvousOutageError carries the measured
-        # duration; this clock started later).
-        logger.error("%s %s; stopping the workers (committed checkpoints are kept)", self._ctx(),
-                     _first_line(error) if error is exc else f"rendezvous unavailable for {failing_for:.1f} s, "
-                     "past its bound")
-        self._stop_workers(self._worker_group)
-        self._worker_group.state = WorkerState.FAILED
-        if not is_permanent(exc):
-            self._emit(RecoveryEvent.ETCD_OUTAGE, seconds=round(failing_for, 3), fatal=True)
-        self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name, error=_first_line(error))
-        if error is exc:
-            raise error
-        raise error from exc
-
-    def _confirm_dead_peers(self) -> bool:
-        """Probe the round's peers (``liveness.py``): True when one's process is gone (its lease was revoked)."""
-        if not isinstance(self._membership, PeerProbingHandler):
-            return False
-        try:
-            dead = self._membership.probe_peers()
-        except RendezvousError as exc:
-            logger.debug("%s probing the peers failed: %s", self._ctx(), exc)
-            return False
-        if dead:
-            logger.warning("%s peer agent(s) %s are gone (confirmed by a probe after the workers failed)", self._ctx(),
-                           sorted(dead))
-        return bool(dead)
-
-    def _wait_for_peer_loss(self, window: float) -> bool:
-        """Watch the membership up to ``window`` s: True as soon as it changes (a peer lost its lease),
-        False when the window passes. Event-driven with a membership-aware handler, else polled."""
-        deadline = time.monotonic() + window
-        while not self._membership_changed():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            if self._membership is not None:
-                self._wait_for_membership_change(remaining)
-            else:
-                time.sleep(min(remaining, self._worker_group.spec.monitor_interval))
-        return True
+        for feature in self._features:
+            feature.close()
 
     # --- rendezvous, start and stop with events ------------------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        self._emit(RecoveryEvent.RENDEZVOUS_STARTED)
-        previous_members = self._round_members()
+        self.emit(RecoveryEvent.RENDEZVOUS_STARTED)
+        previous_members = self.membership.round_members()
         self._in_rendezvous = True
         try:
             if self.planned.own is not None:
@@ -445,7 +341,7 @@ class SpotrunAgent(LocalElasticAgent):
             super()._rendezvous(worker_group)
         finally:
             self._in_rendezvous = False
-        new_members = self._round_members()
+        new_members = self.membership.round_members()
         self._round += 1
         assert worker_group.group_world_size is not None, "torch's _rendezvous sets the group world size"
         if should_refund(
@@ -458,20 +354,13 @@ class SpotrunAgent(LocalElasticAgent):
             # CHANGE: the failure we charged was really a peer leaving or joining; give the restart back.
             self._remaining_restarts += 1
             gone = sorted(previous_members - (new_members or frozenset())) if previous_members else []
-            logger.info("%s membership changed (%s -> %s nodes%s); restart not counted", self._ctx(),
+            logger.info("%s membership changed (%s -> %s nodes%s); restart not counted", self.ctx(),
                         self._previous_group_world_size, worker_group.group_world_size,
                         f", {', '.join(gone)} gone" if gone else "")
         self._charged_restart_pending = False
         self._previous_group_world_size = worker_group.group_world_size
-        self._emit(RecoveryEvent.RENDEZVOUS_COMPLETED, master_addr=worker_group.master_addr,
+        self.emit(RecoveryEvent.RENDEZVOUS_COMPLETED, master_addr=worker_group.master_addr,
                    master_port=worker_group.master_port)
-
-    def _round_members(self) -> frozenset[str] | None:
-        """Node ids of the last completed round, when the backend tells (None before the first round)."""
-        handler = self._worker_group.spec.rdzv_handler
-        if not isinstance(handler, RoundMembersHandler) or not handler.participants:
-            return None
-        return frozenset(handler.participants)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         reason = fall_back_to_plain_workers(worker_group.spec)
@@ -479,16 +368,16 @@ class SpotrunAgent(LocalElasticAgent):
             # CHANGE: a warm worker that a script could tell apart from torchrun's is not started; from now
             # on this agent starts plain `python -u` subprocesses (the spec was rewritten, so this logs once).
             logger.warning("%s warm workers off: %s; starting workers as plain subprocesses like torchrun",
-                           self._ctx(), reason)
+                           self.ctx(), reason)
         if self._mailbox is not None:
             self._mailbox.clear()  # helpers and acks of the previous group must not count for this one
             # For workers whose environment a wrapper rebuilt without SPOTRUN_NOTICE_DIR (elastic.preemption).
             self._mailbox.publish_link(worker_group.spec.rdzv_handler.get_run_id(), worker_group.group_rank or 0)
         self.planned.new_group()
-        if self._hang_watch is not None:
-            # group_rank is set by the rendezvous that always precedes a start
-            self._hang_watch.prepare(worker_group.group_rank or 0, worker_group.spec.local_world_size)
-        self._hung_pending = False
+        # group_rank is set by the rendezvous that always precedes a start
+        starting = WorkersStarting(worker_group.group_rank or 0, worker_group.spec.local_world_size)
+        for feature in self._features:
+            feature.on_workers_starting(starting)
         # CHANGE: torch's PContext.start replaces the notice handlers with its own (an immediate shutdown): ours
         # are back at once. (Blocking the signals over the start instead would leak the mask into the workers,
         # which inherit it through fork and exec: a script would see SIGTERM blocked.)
@@ -500,10 +389,8 @@ class SpotrunAgent(LocalElasticAgent):
             self._start_death_clock(self._pcontext)
         self._workers_started_at = time.monotonic()
         self.install_notice_handlers()
-        if self._hang_watch is not None:
-            self._hang_watch.started(dict(pids))
-        self._vitals.started({w.local_rank: w.global_rank for w in worker_group.workers})
-        self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()))
+        self._workers_started(WorkersStarted(dict(pids), {w.local_rank: w.global_rank for w in worker_group.workers}))
+        self.emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()))
         self._recovery_cause = None
         return pids
 
@@ -524,7 +411,7 @@ class SpotrunAgent(LocalElasticAgent):
             except OSError as exc:
                 logger.warning("%s cannot mark the workers' mailbox as stopping (%s): workers using the preemption "
                                "helper take the stop signal for a notice and are killed after the stop grace",
-                               self._ctx(), exc)
+                               self.ctx(), exc)
 
     def _start_death_clock(self, pcontext: PContext) -> None:
         if self._death_clock is not None:
@@ -560,43 +447,23 @@ class SpotrunAgent(LocalElasticAgent):
             result.failures = complete_failures(
                 result.failures, self._pcontext, worker_group, died_at=died_at, close_started_at=self._close_started_at
             )
-        if result.state == WorkerState.HEALTHY and self._hang_watch is not None and self._pcontext is not None:
-            # CHANGE: torch notices only workers that exit; a hung worker holds the whole job until the
-            # process group's own timeout (30 min for gloo by default) and the summary then blames a rank
-            # that timed out waiting for it. Judge progress every tick (elastic.hang).
-            reports = self._hang_watch.check(self._pcontext.pids())
-            if reports:
-                return self._fail_hung(worker_group, reports)
+        for feature in self._features:  # CHANGE: the features judge the workers too (hang detection)
+            if (judged := feature.on_monitor(result)) is not None:
+                return judged
         return result
 
-    def _fail_hung(self, worker_group: WorkerGroup, reports: list[HangReport]) -> RunResult:
-        """Log every worker's stack, kill the hung ones and report them (alone) as the failed ranks."""
-        assert self._pcontext is not None
-        self._begin_recovery(RecoveryCause.HANG)
-        hung = {worker_group.workers[r.local_rank].global_rank: r for r in reports}
-        for global_rank, report in hung.items():
-            logger.error("%s rank %d (local rank %d, pid %d) is hung: %s", self._ctx(), global_rank,
-                         report.local_rank, report.pid, report.reason)
-        self._emit(RecoveryEvent.HANG_DETECTED, hung={str(g): r.reason for g, r in hung.items()},
-                   pids={str(g): r.pid for g, r in hung.items()})
-        self._hang_watch.dump_all(self._pcontext.pids())  # type: ignore[union-attr]
-        kill_hung(reports)
-        failures = {}
-        for global_rank, report in hung.items():
-            error_file = self._pcontext.error_files[report.local_rank]
-            write_hang_error_file(error_file, report, global_rank)
-            failures[global_rank] = ProcessFailure(local_rank=report.local_rank, pid=report.pid,
-                                                   exitcode=-int(signal.SIGKILL), error_file=error_file)
-        self._hung_pending = True
-        return RunResult(state=WorkerState.FAILED, failures=failures)
+    def _workers_started(self, event: WorkersStarted) -> None:
+        for feature in self._features:
+            feature.on_workers_started(event)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # CHANGE: torch calls self._shutdown() with its 30 s default between SIGTERM and SIGKILL; workers
         # blocked in a collective with a dead peer ignore SIGTERM, so use a short grace.
-        self._report_restores(flush=True)
+        for feature in self._features:
+            feature.on_stop(WorkersStopping())
         self._shutdown(timeout=self._settings.stop_grace)  # type: ignore[arg-type]  # torch says int; any seconds work
         self._workers_started_at = None
-        self._emit(RecoveryEvent.WORKERS_STOPPED)
+        self.emit(RecoveryEvent.WORKERS_STOPPED)
 
     def _let_workers_snapshot(self) -> None:
         """CHANGE (memory tier, just-in-time snapshots): a peer is gone, so the workers' next collective breaks
@@ -610,9 +477,9 @@ class SpotrunAgent(LocalElasticAgent):
         if self._memory_dir is None or self._pcontext is None or not snapshots_in(self._memory_dir):
             return
         # Workers that watch abort their groups: their collectives raise now, whatever the loss (snapshot, exit).
-        if not self._abort_watched_groups() and not self._lost_peers_refuse():
+        if not self._abort_watched_groups() and not self.membership.lost_peers_refuse():
             logger.info("%s no just-in-time snapshot to wait for (the lost peers are silent or paused: no connection "
-                        "reset breaks the workers' collectives; or the group re-formed without this node)", self._ctx())
+                        "reset breaks the workers' collectives; or the group re-formed without this node)", self.ctx())
             return
         running = _running_workers(self._pcontext)
         if running is None:
@@ -620,7 +487,7 @@ class SpotrunAgent(LocalElasticAgent):
         deadline = self._clock() + self._settings.stop_grace
         while running() and not self._all_waiting_in_place() and self._clock() < deadline:
             time.sleep(JIT_POLL_INTERVAL)
-        logger.info("%s workers %s after the peer loss (up to %.1fs for just-in-time snapshots)", self._ctx(),
+        logger.info("%s workers %s after the peer loss (up to %.1fs for just-in-time snapshots)", self.ctx(),
                     "still running" if running() else "exited", self._settings.stop_grace)
 
     def _abort_watched_groups(self) -> bool:
@@ -629,70 +496,17 @@ class SpotrunAgent(LocalElasticAgent):
         collective blocked on a silent or paused peer raises too and the just-in-time snapshot runs."""
         if self._mailbox is None:
             return False
-        lost: set[str] = set()
-        if self._notices is not None:
-            try:
-                lost = self._notices.lost_peers()
-            except RendezvousError:
-                pass
+        lost = self.membership.lost_peers()
         watching = self._every_local_worker(Mailbox.watchers)
         try:
             if watching:
                 self._mailbox.post_peer_lost(sorted(lost))
         except OSError as exc:
-            logger.warning("%s could not tell the workers of the peer loss: %s", self._ctx(), exc)
+            logger.warning("%s could not tell the workers of the peer loss: %s", self.ctx(), exc)
             return False
         if watching:
-            logger.info("%s peer(s) %s lost: the workers abort their process group", self._ctx(), sorted(lost))
+            logger.info("%s peer(s) %s lost: the workers abort their process group", self.ctx(), sorted(lost))
         return watching
-
-    def _lost_peers_refuse(self) -> bool:
-        """The rendezvous's answer (``PeerProbingHandler.lost_peers_refuse``): True when a lost peer may have died
-        on a live host, and whenever the handler cannot tell (another handler, an error): then the workers get
-        their grace. False for silent or paused peers and when a newer round formed without this node."""
-        if not isinstance(self._membership, PeerProbingHandler):
-            return True
-        try:
-            return bool(self._membership.lost_peers_refuse())
-        except RendezvousError as exc:
-            logger.debug("%s probing the lost peers failed: %s", self._ctx(), exc)
-            return True
-
-    def _report_restores(self, *, flush: bool = False) -> None:
-        """Emit ``restore_completed`` once the local workers have all left their restore records (or
-        ``RESTORE_REPORT_WAIT`` seconds after the first, or at a stop): one event per node and start."""
-        if self._memory_dir is None:
-            return
-        self._restores.extend(collect_restore_records(self._memory_dir))
-        if not self._restores:
-            return
-        now = self._clock()
-        if self._restores_first_seen is None:
-            self._restores_first_seen = now
-        waiting = len({r.rank for r in self._restores}) < self._worker_group.spec.local_world_size
-        if waiting and not flush and now - self._restores_first_seen < RESTORE_REPORT_WAIT:
-            return
-        self._emit(RecoveryEvent.RESTORE_COMPLETED, **summarize(self._restores))
-        self._restores, self._restores_first_seen = [], None
-
-    def _watch_vitals(self) -> None:
-        """One monitor tick of the progress watch (the hang watch's samples, the rendezvous' outage); when the
-        set of straggler ranks changed, this node's health report for ``spotrun status`` (not while the
-        rendezvous is failing: the monitor loop must not wait on it)."""
-        hw = self._hang_watch
-        since = self._rdzv_outage.since
-        self._vitals.tick(progress_of(hw.beats(), hw.steps()) if hw is not None else {},
-                          unreachable_for=0.0 if since is None else max(0.0, self._clock() - since))
-        slow = self._vitals.stragglers
-        handler = self._worker_group.spec.rdzv_handler
-        if set(slow) == self._published_stragglers or since is not None \
-                or not isinstance(handler, HealthReportingHandler):
-            return
-        try:
-            handler.publish_health({"stragglers": {str(r): round(x, 3) for r, x in slow.items()}} if slow else None)
-            self._published_stragglers = set(slow)
-        except RendezvousError as exc:
-            logger.warning("%s could not publish the stragglers for spotrun status: %s", self._ctx(), _first_line(exc))
 
     # --- monitor loop ------------------------------------------------------------------------------------
 
@@ -709,6 +523,12 @@ class SpotrunAgent(LocalElasticAgent):
         finally:
             self._run_over = True
 
+    def _tick_features(self, tick: Tick) -> Verdict:
+        for feature in self._features:
+            if not isinstance(verdict := feature.on_tick(tick), Proceed):
+                return verdict
+        return PROCEED
+
     def _monitor_loop(self, role: str = DEFAULT_ROLE) -> RunResult:
         # Mirrors SimpleElasticAgent._invoke_run of torch 2.13 (unchanged to 2.15) with the CHANGEs marked below.
         spec = self._worker_group.spec
@@ -724,14 +544,18 @@ class SpotrunAgent(LocalElasticAgent):
             if self.planned.posted is not None:
                 self._wait_for_planned_stop(spec.monitor_interval)
             else:
-                self._wait_for_membership_change(spec.monitor_interval)
+                self.membership.wait(spec.monitor_interval)
             run_result = self._monitor_workers(self._worker_group)
-            self._report_restores()
-            self._watch_vitals()  # CHANGE: progress and durability metrics, stragglers (elastic.vitals)
             state = run_result.state
             self._worker_group.state = state
             put_metric(f"workers.{role}.remaining_restarts", self._remaining_restarts)
             put_metric(f"workers.{role}.{state.name.lower()}", 1)
+            # CHANGE: the features' tick (restore reports, vitals, planned changes) may act on the group.
+            verdict = self._tick_features(Tick(run_result))
+            if isinstance(verdict, EndRun):
+                return verdict.result
+            if isinstance(verdict, NextTick):
+                continue
 
             self._publish_own_notice()
 
@@ -748,7 +572,7 @@ class SpotrunAgent(LocalElasticAgent):
                     assert stopped is not None
                     self._restart_for_planned_change(stopped)
                     continue
-                logger.info("%s worker group finished; waiting for other agents", self._ctx())
+                logger.info("%s worker group finished; waiting for other agents", self.ctx())
                 self._workers_done = True
                 try:
                     barrier_passed = self._exit_barrier_unless_peers_left()
@@ -756,11 +580,11 @@ class SpotrunAgent(LocalElasticAgent):
                     self._workers_done = False
                 if not barrier_passed:
                     # CHANGE: torch waits up to 300 s for peers that left, then reports success.
-                    self._begin_recovery(RecoveryCause.PEER_LOST)
-                    self._emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.PEERS_LEFT_AT_EXIT.value)
+                    self.begin_recovery(RecoveryCause.PEER_LOST)
+                    self.emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.PEERS_LEFT_AT_EXIT.value)
                     self._restart_workers(self._worker_group)
                     continue
-                self._emit(RecoveryEvent.RUN_FINISHED, state=state.name)
+                self.emit(RecoveryEvent.RUN_FINISHED, state=state.name)
                 self._finished = True
                 return run_result
             if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
@@ -783,7 +607,7 @@ class SpotrunAgent(LocalElasticAgent):
                     return self._left_result(workers_finished=False)
                 result = self._handle_failure(run_result)
                 if result is not None:
-                    self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
+                    self.emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
                     return result
             elif state == WorkerState.HEALTHY:
                 if (waiting := self._waiting_in_place()) is not None:
@@ -797,18 +621,18 @@ class SpotrunAgent(LocalElasticAgent):
                 if planned is PlannedTick.LEFT:
                     return self._left_result(workers_finished=False)
                 # CHANGE: also reacts to a lost peer (membership_changed), not only to waiting nodes.
-                if self._membership_changed():
-                    self._begin_recovery(self._membership_cause())
-                    logger.info("%s membership changed (%s); restarting worker group (not counted)", self._ctx(),
+                if self.membership.changed():
+                    self.begin_recovery(self.membership.cause())
+                    logger.info("%s membership changed (%s); restarting worker group (not counted)", self.ctx(),
                                 self._recovery_cause.value if self._recovery_cause else "?")
-                    self._emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.MEMBERSHIP_CHANGE.value)
+                    self.emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.MEMBERSHIP_CHANGE.value)
                     if self._recovery_cause is RecoveryCause.PEER_LOST:
                         self._let_workers_snapshot()
                         if self._all_waiting_in_place():
                             # CHANGE (SPOTRUN_REFORM_IN_PLACE=1): the workers aborted their group, snapshotted their
                             # last completed step and wait in their processes: re-form around them, no restart.
                             logger.info("%s workers wait in place after the peer loss; re-forming around them",
-                                        self._ctx())
+                                        self.ctx())
                             self._reform_waiting_workers()
                             continue
                     self._restart_workers(self._worker_group)
@@ -827,7 +651,7 @@ class SpotrunAgent(LocalElasticAgent):
         forkserver's warm-up): this node has not joined a round, it leaves at its first rendezvous."""
         source, grace = self._notice_signals.get(signum, (f"signal:{signal.Signals(signum).name}",
                                                            self._settings.preempt_grace))
-        logger.warning("%s %s during the agent's start-up: leaving as a planned leave", self._ctx(),
+        logger.warning("%s %s during the agent's start-up: leaving as a planned leave", self.ctx(),
                        signal.Signals(signum).name)
         self.receive_notice(Notice(source, received_at + grace, f"signal {signal.Signals(signum).name} at start-up"))
 
@@ -855,7 +679,7 @@ class SpotrunAgent(LocalElasticAgent):
                                         sigterm=signum == signal.SIGTERM, helpers_ready=self._helpers_ready(),
                                         announced=self._helpers_announced(), run_over=self._run_over)
         if action is SignalAction.IGNORE:
-            logger.info("%s %s after the run ended: nothing to do", self._ctx(), signal.Signals(signum).name)
+            logger.info("%s %s after the run ended: nothing to do", self.ctx(), signal.Signals(signum).name)
             return
         if action is SignalAction.SHUT_DOWN:
             # A second SIGTERM, or workers that cannot save at an agreed step: torch's immediate shutdown.
@@ -955,10 +779,10 @@ class SpotrunAgent(LocalElasticAgent):
                 published = True
             except RendezvousError as exc:
                 warn_one_line(logger, exc, "%s could not publish the preemption notice (%s); peers learn of it when "
-                              "this node leaves", self._ctx(), _first_line(exc))
-        logger.warning("%s preemption notice (%s): deadline in %.1f s", self._ctx(), notice.source,
+                              "this node leaves", self.ctx(), first_line(exc))
+        logger.warning("%s preemption notice (%s): deadline in %.1f s", self.ctx(), notice.source,
                        notice.deadline - time.time())
-        self._emit(RecoveryEvent.NOTICE_RECEIVED, source=notice.source, deadline=notice.deadline,
+        self.emit(RecoveryEvent.NOTICE_RECEIVED, source=notice.source, deadline=notice.deadline,
                    detail=notice.detail, published=published)
 
     def _tick_view(self) -> TickView:
@@ -974,7 +798,7 @@ class SpotrunAgent(LocalElasticAgent):
                 lost = frozenset(self._notices.lost_peers())
             except RendezvousError:
                 pass
-        return TickView(now=now, peer_notices=peers, lost=lost, membership_changed=self._membership_changed(),
+        return TickView(now=now, peer_notices=peers, lost=lost, membership_changed=self.membership.changed(),
                         helpers_ready=helpers_ready, helpers_announced=self._helpers_announced())
 
     def _planned_tick(self) -> PlannedTick:
@@ -992,13 +816,13 @@ class SpotrunAgent(LocalElasticAgent):
                 assert self._mailbox is not None, "a stop is posted only with a mailbox"
                 notice = action.notice
                 self._mailbox.post(notice)
-                logger.warning("%s planned stop posted to the workers: %s (deadline in %s s)", self._ctx(),
+                logger.warning("%s planned stop posted to the workers: %s (deadline in %s s)", self.ctx(),
                                notice.reason, "-" if notice.deadline is None else f"{notice.deadline - time.time():.1f}")
-                self._emit(RecoveryEvent.PLANNED_STOP_POSTED, reason=notice.reason, deadline=notice.deadline,
+                self.emit(RecoveryEvent.PLANNED_STOP_POSTED, reason=notice.reason, deadline=notice.deadline,
                            source=notice.source)
             elif isinstance(action, AbandonStop):
-                logger.warning("%s planned stop (%s) abandoned: %s", self._ctx(), action.reason, action.why)
-                self._emit(RecoveryEvent.PLANNED_STOP_ABANDONED, reason=action.reason, why=action.why)
+                logger.warning("%s planned stop (%s) abandoned: %s", self.ctx(), action.reason, action.why)
+                self.emit(RecoveryEvent.PLANNED_STOP_ABANDONED, reason=action.reason, why=action.why)
             elif isinstance(action, LeaveNow):
                 self._stop_workers(self._worker_group)
                 self._leave(step=None, why=action.why)
@@ -1033,9 +857,9 @@ class SpotrunAgent(LocalElasticAgent):
         ``in_place: true``)."""
         posted = self.planned.posted
         logger.info("%s workers stopped at step %d for a planned change (%s); re-forming around them in place",
-                    self._ctx(), stopped.step, posted.reason if posted is not None else "?")
-        self._begin_recovery(RecoveryCause.PLANNED_LEAVE)
-        self._emit(RecoveryEvent.PLANNED_RESTART, step=stopped.committed,
+                    self.ctx(), stopped.step, posted.reason if posted is not None else "?")
+        self.begin_recovery(RecoveryCause.PLANNED_LEAVE)
+        self.emit(RecoveryEvent.PLANNED_RESTART, step=stopped.committed,
                    reason=posted.reason if posted is not None else "unknown",
                    committed_at=self._committed_at() if stopped.saved else None, saved=stopped.saved,
                    why=stopped.why, agreed_step=stopped.step, in_place=True)
@@ -1050,13 +874,13 @@ class SpotrunAgent(LocalElasticAgent):
         (``group-{local_rank}.json``) instead of being replaced; a round that admitted a new node restarts them."""
         assert self._mailbox is not None and self._pcontext is not None, "only with running workers and a mailbox"
         group = self._worker_group
-        previous = self._round_members()
+        previous = self.membership.round_members()
         self._rendezvous(group)  # torch's: new ranks in group.workers, this round's MASTER_ADDR/PORT
-        current = self._round_members()
+        current = self.membership.round_members()
         if previous is None or current is None or not current <= previous:
             # A node joined in the same round (a spare, a replacement): its fresh worker restores through
             # collectives that the waiting survivors would not join. Start new workers, as without the flag.
-            logger.info("%s the re-formed round admitted a new node; restarting the workers instead", self._ctx())
+            logger.info("%s the re-formed round admitted a new node; restarting the workers instead", self.ctx())
             self._stop_workers(group)
             self._start_workers_after_rendezvous(group)
             return
@@ -1074,8 +898,8 @@ class SpotrunAgent(LocalElasticAgent):
                 group_world_size=group.group_world_size, master_addr=group.master_addr,
                 master_port=group.master_port, restart_count=restart_count))
         group.state = WorkerState.HEALTHY
-        self._vitals.started({w.local_rank: w.global_rank for w in group.workers})  # new global ranks
-        self._emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()), in_place=True)
+        self._workers_started(WorkersStarted(pids, {w.local_rank: w.global_rank for w in group.workers}, in_place=True))
+        self.emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()), in_place=True)
         self._recovery_cause = None
 
     def _start_workers_after_rendezvous(self, group: WorkerGroup) -> None:
@@ -1094,17 +918,13 @@ class SpotrunAgent(LocalElasticAgent):
         """Revoke the lease and record the leave; ``step`` is the committed step (None: nothing saved, then
         ``agreed_step`` is where workers that skipped the save stopped)."""
         notice = self.planned.own
-        if self._membership is not None:
-            try:
-                self._membership.leave()
-            except RendezvousError:
-                logger.warning("%s leaving the rendezvous failed; peers notice when the lease expires", self._ctx())
+        self.membership.leave()
         late = notice is not None and time.time() > notice.deadline
-        logger.warning("%s left the group for the preemption notice (%s%s)", self._ctx(),
+        logger.warning("%s left the group for the preemption notice (%s%s)", self.ctx(),
                        f"step {step} committed" if step is not None else f"nothing saved: {why}",
                        ", after the deadline" if late else "")
-        self._begin_recovery(RecoveryCause.PLANNED_LEAVE)
-        self._emit(RecoveryEvent.PLANNED_LEAVE, step=step, saved=step is not None, why=why, late=late,
+        self.begin_recovery(RecoveryCause.PLANNED_LEAVE)
+        self.emit(RecoveryEvent.PLANNED_LEAVE, step=step, saved=step is not None, why=why, late=late,
                    agreed_step=agreed_step if agreed_step is not None else step,
                    committed_at=self._committed_at() if step is not None else None,
                    source=notice.source if notice else None, deadline=notice.deadline if notice else None)
@@ -1113,12 +933,7 @@ class SpotrunAgent(LocalElasticAgent):
         """The ``why`` of a leave whose workers failed before the agreed step: their exit codes, and the peers
         already known lost (a crash that broke the collective)."""
         failures = {rank: f.exitcode for rank, f in run_result.failures.items()}
-        lost: set[str] = set()
-        if self._notices is not None:
-            try:
-                lost = self._notices.lost_peers()
-            except RendezvousError:
-                pass
+        lost = self.membership.lost_peers()
         peers = f"; peer(s) {sorted(lost)} lost meanwhile" if lost else ""
         return f"the workers failed during the planned stop (exit codes by rank {failures}){peers}"
 
@@ -1151,9 +966,9 @@ class SpotrunAgent(LocalElasticAgent):
             result = self._monitor_workers(self._worker_group)
         self._stop_workers(self._worker_group)  # past the deadline: those still running go now
         if result.state == WorkerState.FAILED:
-            logger.warning("%s workers failed after stopping at step %d for the planned leave", self._ctx(),
+            logger.warning("%s workers failed after stopping at step %d for the planned leave", self.ctx(),
                            stopped.step)
-            self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
+            self.emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.FAILED.name)
             return result
         return self._left_result(workers_finished=False)
 
@@ -1162,7 +977,7 @@ class SpotrunAgent(LocalElasticAgent):
         process exits with ``--planned-leave-exit-code`` unless the workers had finished the run."""
         self._exit_status = leave_exit_code(workers_finished=workers_finished,
                                             configured=self._settings.planned_leave_exit_code)
-        self._emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.SUCCEEDED.name, exit_code=self._exit_status)
+        self.emit(RecoveryEvent.RUN_FINISHED, state=WorkerState.SUCCEEDED.name, exit_code=self._exit_status)
         return RunResult(state=WorkerState.SUCCEEDED,
                          return_values={w.global_rank: None for w in self._worker_group.workers})
 
@@ -1174,13 +989,13 @@ class SpotrunAgent(LocalElasticAgent):
         reason = posted.reason if posted is not None else "unknown"
         if stopped.saved:
             logger.info("%s workers committed step %d for a planned change (%s); re-forming the group",
-                        self._ctx(), stopped.step, reason)
+                        self.ctx(), stopped.step, reason)
         else:
             logger.warning("%s workers stopped at step %d for a planned change (%s) without saving it (%s); "
-                           "re-forming the group from the last committed step", self._ctx(), stopped.step, reason,
+                           "re-forming the group from the last committed step", self.ctx(), stopped.step, reason,
                            stopped.why)
-        self._begin_recovery(RecoveryCause.SCALE_UP if reason == "resize" else RecoveryCause.PLANNED_LEAVE)
-        self._emit(RecoveryEvent.PLANNED_RESTART, step=stopped.committed, reason=reason,
+        self.begin_recovery(RecoveryCause.SCALE_UP if reason == "resize" else RecoveryCause.PLANNED_LEAVE)
+        self.emit(RecoveryEvent.PLANNED_RESTART, step=stopped.committed, reason=reason,
                    committed_at=self._committed_at() if stopped.saved else None, saved=stopped.saved,
                    why=stopped.why, agreed_step=stopped.step)
         self._restart_workers(self._worker_group)
@@ -1204,47 +1019,48 @@ class SpotrunAgent(LocalElasticAgent):
                 if (own := self.planned.own) is not None and time.time() >= own.deadline - self._settings.stop_grace:
                     # This node's workers finished; its notice leaves no time to wait for the peers' own finish.
                     logger.warning("%s preemption notice: leaving the exit barrier (this node's workers finished)",
-                                   self._ctx())
+                                   self.ctx())
                     return True
                 if self._notices.lost_peers():
-                    logger.warning("%s peers %s left while this node finished: the run is not over", self._ctx(),
+                    logger.warning("%s peers %s left while this node finished: the run is not over", self.ctx(),
                                    sorted(self._notices.lost_peers()))
                     return False
                 self._stop_waiting_for(0.1)
         except RendezvousError as exc:
             warn_one_line(logger, exc, "%s exit barrier failed (%s); the workers finished, reporting success",
-                          self._ctx(), _first_line(exc))
+                          self.ctx(), first_line(exc))
             return True
-        logger.error("%s peers did not finish within %.0f s", self._ctx(), self._exit_barrier_timeout)
+        logger.error("%s peers did not finish within %.0f s", self.ctx(), self._exit_barrier_timeout)
         return True
 
     def _stop_waiting_for(self, seconds: float) -> None:
         """The exit barrier's pause: a permanent rendezvous error ends the barrier (raised), since the handler can
         no longer show a peer that left, and waiting out ``exit_barrier_timeout`` (300 s) would only hide it."""
-        if not self._wait_for_membership_change(seconds, raise_permanent=True):
+        if not self.membership.wait(seconds, raise_permanent=True):
             return
         time.sleep(seconds)  # a waiting node also counts as a change: do not spin while it waits
 
     def _handle_failure(self, run_result: RunResult) -> RunResult | None:
         """Restart the group (returns None) or give up (returns the failed result)."""
         failures = {rank: f.exitcode for rank, f in run_result.failures.items()}
-        peer_lost = self._membership_changed()
-        if not peer_lost and self._confirm_dead_peers():
+        peer_lost = self.membership.changed()
+        if not peer_lost and self.membership.confirm_dead_peers():
             # CHANGE: a dead peer's process was confirmed by a refused probe and its lease revoked: our watch
             # sees the registration go within milliseconds, not after the lease TTL.
-            peer_lost = self._wait_for_peer_loss(PEER_REVOKE_SEEN_S)
+            peer_lost = self.membership.wait_for_peer_loss(PEER_REVOKE_SEEN_S)
         if not peer_lost and self._remaining_restarts == 0:
             # CHANGE: last chance; a collective broken by a dead peer fails before the peer's lease expires
             # (the launcher stretches peer_loss_grace over the lease TTL, see launcher.peer_loss_window).
-            peer_lost = self._wait_for_peer_loss(self._settings.peer_loss_grace)
+            peer_lost = self.membership.wait_for_peer_loss(self._settings.peer_loss_grace)
         action = decide_on_failure(remaining_restarts=self._remaining_restarts, peer_lost=peer_lost)
         cause = FailureCause.WORKER_FAILURE_WITH_PEER_LOSS if peer_lost else FailureCause.WORKER_FAILURE
-        if self._hung_pending:
+        hung = self.hang is not None and self.hang.hung
+        if hung:
             cause = FailureCause.HANG
-        self._begin_recovery(recovery_cause_of_failure(hung=self._hung_pending, peer_lost=peer_lost))
-        self._emit(RecoveryEvent.FAILURE_DETECTED, cause=cause.value, failures=failures, action=action.value)
+        self.begin_recovery(recovery_cause_of_failure(hung=hung, peer_lost=peer_lost))
+        self.emit(RecoveryEvent.FAILURE_DETECTED, cause=cause.value, failures=failures, action=action.value)
         # One line per recovery, visible at the CLI's default WARNING level (torch's is an INFO line).
-        logger.warning("%s %s: worker group %s (exit codes by rank %s): %s; %s/%s restarts left", self._ctx(),
+        logger.warning("%s %s: worker group %s (exit codes by rank %s): %s; %s/%s restarts left", self.ctx(),
                        self._recovery_cause.value if self._recovery_cause else cause.value, run_result.state.name,
                        failures, action.value, self._remaining_restarts, self._worker_group.spec.max_restarts)
         if action is FailureAction.GIVE_UP:
@@ -1416,42 +1232,6 @@ def _stop_releasing_returned_workers(pcontext: PContext, death_sig: signal.Signa
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
         wait_for_sentinels([proc.sentinel for _, proc in alive], timeout=min(0.1, max(0.0, deadline - time.monotonic())))
-
-
-def outage_bound(handler: RendezvousHandler) -> float:
-    """Seconds a failing rendezvous is tolerated while monitoring: the handler's own bound (etcd-v3's
-    ``etcd_timeout``), else the default ``etcd_timeout``."""
-    if isinstance(handler, OutageBoundHandler):
-        return handler.outage_bound
-    return DEFAULT_ETCD_TIMEOUT_S
-
-
-def outage_endpoint(handler: RendezvousHandler) -> str:
-    """Where the rendezvous backend is, for the fatal error (torch's handlers do not say: their backend name)."""
-    if isinstance(handler, OutageBoundHandler):
-        return handler.endpoint
-    return f"backend {handler.get_backend()!r}"
-
-
-def warn_one_line(log: logging.Logger, exc: BaseException, msg: str, *args: object) -> None:
-    """A rendezvous error as one WARNING line (``msg`` names it, e.g. with :func:`_first_line`); its traceback
-    only as a separate DEBUG record, so a console at WARNING never shows it, whatever the logger's level."""
-    log.warning(msg, *args)
-    log.debug("traceback of the error above", exc_info=exc)
-
-
-def _first_line(exc: BaseException) -> str:
-    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-
-
-def membership_aware(handler: RendezvousHandler) -> MembershipAwareHandler | None:
-    """The handler as a :class:`MembershipAwareHandler`, or None (said once) when it does not implement it."""
-    if isinstance(handler, MembershipAwareHandler):
-        return handler
-    logger.info("rendezvous backend %r (%s) is not membership-aware (no MembershipAwareHandler): the agent polls "
-                "num_nodes_waiting() every monitor interval like torch's, and a lost peer is noticed only when "
-                "the workers fail", handler.get_backend(), type(handler).__name__)
-    return None
 
 
 def _tie_entrypoint_to_agent(spec: WorkerSpec) -> WorkerSpec:

@@ -16,6 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+from torch.distributed.elastic.multiprocessing import ProcessFailure
+
+from elastic.agent_hooks import AgentFeature, AgentHost, WorkersStarted, WorkersStarting
+from elastic.api import RecoveryCause, RecoveryEvent
 from elastic.hang import (
     HangPolicy,
     WorkerTrack,
@@ -135,3 +140,56 @@ def write_hang_error_file(path: str, report: HangReport, global_rank: int) -> No
             json.dump(data, handle)
     except OSError:
         logger.warning("could not write the hang error file %s", path, exc_info=True)
+
+
+class HangFeature(AgentFeature):
+    """The agent's hook of the hang watch: CHANGE: torch notices only workers that exit; a hung worker holds the
+    whole job until the process group's own timeout (30 min for gloo by default), and the summary then blames a
+    rank that timed out waiting for it. Progress is judged every tick; the hung ranks alone are the failure."""
+
+    def __init__(self, watch: HangWatch, host: AgentHost) -> None:
+        self.watch = watch
+        self._host = host
+        self.hung = False
+        """The current failure is a hang this feature detected (until the next worker start)."""
+
+    def on_workers_starting(self, event: WorkersStarting) -> None:
+        self.watch.prepare(event.group_rank, event.local_world_size)
+        self.hung = False
+
+    def on_workers_started(self, event: WorkersStarted) -> None:
+        if not event.in_place:
+            self.watch.started(dict(event.pids))
+
+    def on_monitor(self, result: RunResult) -> RunResult | None:
+        pcontext = self._host.pcontext
+        if result.state != WorkerState.HEALTHY or pcontext is None:
+            return None
+        reports = self.watch.check(pcontext.pids())
+        return self.fail_hung(reports) if reports else None
+
+    def fail_hung(self, reports: list[HangReport]) -> RunResult:
+        """Log every worker's stack, kill the hung ones and report them (alone) as the failed ranks."""
+        host = self._host
+        pcontext = host.pcontext
+        assert pcontext is not None, "a hang is judged only while workers run"
+        host.begin_recovery(RecoveryCause.HANG)
+        hung = {host.worker_group.workers[r.local_rank].global_rank: r for r in reports}
+        for global_rank, report in hung.items():
+            logger.error("%s rank %d (local rank %d, pid %d) is hung: %s", host.ctx(), global_rank,
+                         report.local_rank, report.pid, report.reason)
+        host.emit(RecoveryEvent.HANG_DETECTED, hung={str(g): r.reason for g, r in hung.items()},
+                  pids={str(g): r.pid for g, r in hung.items()})
+        self.watch.dump_all(pcontext.pids())
+        kill_hung(reports)
+        failures = {}
+        for global_rank, report in hung.items():
+            error_file = pcontext.error_files[report.local_rank]
+            write_hang_error_file(error_file, report, global_rank)
+            failures[global_rank] = ProcessFailure(local_rank=report.local_rank, pid=report.pid,
+                                                   exitcode=-int(signal.SIGKILL), error_file=error_file)
+        self.hung = True
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def close(self) -> None:
+        self.watch.close()

@@ -37,7 +37,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from checkpoint.memory.api import ENV_MEMORY_DIR
 from elastic import early_notice
-from elastic.agent import SpotrunAgent, warn_one_line
+from elastic.agent import SpotrunAgent
 from elastic.api import (
     DEFAULT_RDZV_BACKEND,
     ENV_NOTICE_DIR,
@@ -50,6 +50,7 @@ from elastic.boot import discard as discard_early_forkserver
 from elastic.boot import early_forkserver_started, forkserver_running
 from elastic.config import AgentSettings
 from elastic.events import EVENTS_FILE_NAME, JsonlEventLog
+from elastic.membership import warn_one_line
 from elastic.memory_keeper import Keeper
 from elastic.metrics import AgentMetrics, MetricsServer, MetricsSink, serve
 from elastic.notice import NoticePoller, make_sources, notice_signals

@@ -22,10 +22,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from torch.distributed.elastic.rendezvous import RendezvousError
+
 from checkpoint.memory.layout import parse_snapshot_name
 from checkpoint.save_record import SaveRecord, read_save_records
+from elastic.agent_hooks import PROCEED, AgentFeature, AgentHost, Tick, Verdict, WorkersStarted
 from elastic.api import RecoveryEvent
+from elastic.hangwatch import HangWatch
+from elastic.membership import MembershipView, first_line
 from elastic.metrics import AgentMetrics
+from elastic.rendezvous.api import HealthReportingHandler
 from elastic.straggler import Pace, StragglerPolicy, find_stragglers, new_pace, note, step_time
 
 logger = logging.getLogger(__name__)
@@ -257,3 +263,38 @@ def progress_of(beats: Mapping[int, int], steps: Mapping[int, int | None]) -> di
     """The hang watch's samples as :meth:`Vitals.tick` takes them (local rank -> progress)."""
     return {local: WorkerProgress(b, steps.get(local)) for local, b in beats.items()}
 
+
+
+class VitalsFeature(AgentFeature):
+    """The agent's hook of :class:`Vitals`: new ranks at each start, one look per tick, and this node's straggler
+    report for ``spotrun status`` whenever its set of stragglers changed (not while the rendezvous is failing:
+    the monitor loop must not wait on it)."""
+
+    def __init__(self, vitals: Vitals, host: AgentHost, membership: MembershipView, hang: HangWatch | None) -> None:
+        self.vitals = vitals
+        self._host = host
+        self._membership = membership
+        self._hang = hang
+        self._published: set[int] = set()
+        """Global ranks of the stragglers in this node's last health report."""
+
+    def on_workers_started(self, event: WorkersStarted) -> None:
+        self.vitals.started(event.global_ranks)
+
+    def on_tick(self, tick: Tick) -> Verdict:
+        hw = self._hang
+        unreachable_for = self._membership.unreachable_for()
+        self.vitals.tick(progress_of(hw.beats(), hw.steps()) if hw is not None else {},
+                         unreachable_for=unreachable_for or 0.0)
+        slow = self.vitals.stragglers
+        handler = self._membership.handler
+        if set(slow) == self._published or unreachable_for is not None \
+                or not isinstance(handler, HealthReportingHandler):
+            return PROCEED
+        try:
+            handler.publish_health({"stragglers": {str(r): round(x, 3) for r, x in slow.items()}} if slow else None)
+            self._published = set(slow)
+        except RendezvousError as exc:
+            logger.warning("%s could not publish the stragglers for spotrun status: %s", self._host.ctx(),
+                           first_line(exc))
+        return PROCEED

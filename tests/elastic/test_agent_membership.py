@@ -122,11 +122,13 @@ class RenamedHandler(PollingHandler):
         pass
 
 
-def make_agent(handler: RendezvousHandler, tmp_path: Path, clock: Callable[[], float] = time.monotonic) -> SpotrunAgent:
+def make_agent(handler: RendezvousHandler, tmp_path: Path, clock: Callable[[], float] = time.monotonic,
+               events: MemoryEventLog | None = None) -> SpotrunAgent:
     spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint="/bin/true", args=(), rdzv_handler=handler,
                       max_restarts=0, monitor_interval=0.01)
     return SpotrunAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path)), settings=AgentSettings(),
-                        events=MemoryEventLog(), tie_workers_to_agent=False, clock=clock)
+                        events=events if events is not None else MemoryEventLog(), tie_workers_to_agent=False,
+                        clock=clock)
 
 
 def test_the_etcd_v3_handler_is_membership_aware() -> None:
@@ -148,29 +150,29 @@ def test_handler_without_the_protocol_gets_torchs_polling_path_said_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     handler = PollingHandler(waiting=0)
-    with caplog.at_level(logging.INFO, logger="elastic.agent"):
+    with caplog.at_level(logging.INFO, logger="elastic"):
         agent = make_agent(handler, tmp_path)
-        assert not agent._wait_for_membership_change(0.01)
-        assert not agent._membership_changed()
+        assert not agent.membership.wait(0.01)
+        assert not agent.membership.changed()
         handler.waiting = 1
-        assert agent._membership_changed()
-        assert agent._membership_changed()
+        assert agent.membership.changed()
+        assert agent.membership.changed()
     notes = [r for r in caplog.records if "not membership-aware" in r.getMessage()]
     assert len(notes) == 1 and "'polling'" in notes[0].getMessage()
     assert handler.polls == 3
-    assert agent._rdzv_round() is None
+    assert agent.membership.round is None
 
 
 def test_handler_with_the_protocol_drives_the_monitor_loop(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     handler = AwareHandler(changed=True)
-    with caplog.at_level(logging.INFO, logger="elastic.agent"):
+    with caplog.at_level(logging.INFO, logger="elastic"):
         agent = make_agent(handler, tmp_path)
     assert not [r for r in caplog.records if "not membership-aware" in r.getMessage()]
-    assert agent._wait_for_membership_change(5.0) and handler.waits == [5.0]
-    assert agent._membership_changed() and handler.polls == 0  # membership_changed answered first
+    assert agent.membership.wait(5.0) and handler.waits == [5.0]
+    assert agent.membership.changed() and handler.polls == 0  # membership_changed answered first
     handler.changed = False
-    assert not agent._membership_changed() and handler.polls == 1  # then torch's waiting-node signal
-    assert agent._rdzv_round() == 7
+    assert not agent.membership.changed() and handler.polls == 1  # then torch's waiting-node signal
+    assert agent.membership.round == 7
 
 
 def test_declared_rendezvous_errors_of_a_membership_aware_handler_are_transient_within_the_bound(
@@ -178,18 +180,18 @@ def test_declared_rendezvous_errors_of_a_membership_aware_handler_are_transient_
 ) -> None:
     handler = AwareHandler(error=RendezvousConnectionError("etcd 127.0.0.1:1 refused to read"))
     agent = make_agent(handler, tmp_path)
-    assert agent._rdzv_outage.bound == 30.0  # no OutageBoundHandler: the default etcd_timeout
-    with caplog.at_level(logging.WARNING, logger="elastic.agent"):
+    assert agent.membership.outage.bound == 30.0  # no OutageBoundHandler: the default etcd_timeout
+    with caplog.at_level(logging.WARNING, logger="elastic"):
         for _ in range(5):  # monitor ticks: one warning per outage start, not one per tick
-            assert not agent._membership_changed()
-            assert not agent._wait_for_membership_change(0.01)
+            assert not agent.membership.changed()
+            assert not agent.membership.wait(0.01)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "refused to read" in warnings[0] and "fails if this lasts 30 s more" in warnings[0]
     handler.error = None
-    with caplog.at_level(logging.WARNING, logger="elastic.agent"):
-        assert not agent._membership_changed()
+    with caplog.at_level(logging.WARNING, logger="elastic"):
+        assert not agent.membership.changed()
     assert "the rendezvous answers again" in caplog.records[-1].getMessage()
-    assert agent._rdzv_outage.since is None  # a success resets the clock
+    assert agent.membership.outage.since is None  # a success resets the clock
     _leave_rendezvous(handler)  # logged, not raised: the agent is already exiting on a signal
     assert handler.left == 1
 
@@ -204,15 +206,16 @@ class BoundedHandler(AwareHandler):
 def test_rendezvous_failing_past_its_bound_stops_the_workers_and_fails_the_job(tmp_path: Path) -> None:
     now = [100.0]
     handler = BoundedHandler(error=RendezvousConnectionError("etcd refused to read"))
-    agent = make_agent(handler, tmp_path, clock=lambda: now[0])
-    assert not agent._membership_changed()  # the outage starts: transient
+    events = MemoryEventLog()
+    agent = make_agent(handler, tmp_path, clock=lambda: now[0], events=events)
+    assert not agent.membership.changed()  # the outage starts: transient
     now[0] += 2.9
-    assert not agent._membership_changed()  # still within the bound of 3 s
+    assert not agent.membership.changed()  # still within the bound of 3 s
     now[0] += 0.6  # ... and has lasted 3.5 s
     with pytest.raises(RendezvousOutageError, match=r"etcd-0:2379,etcd-1:2379 failing for 3\.\d s, more than its "
                                                     r"bound of 3 s \(last error: etcd refused to read\)"):
-        agent._wait_for_membership_change(0.01)
-    finished = [r for r in agent._events.records if r["event"] == "run_finished"]  # type: ignore[attr-defined]
+        agent.membership.wait(0.01)
+    finished = [r for r in events.records if r["event"] == "run_finished"]
     assert finished and finished[-1]["state"] == "FAILED" and "failing for" in finished[-1]["error"]
 
 
@@ -220,11 +223,11 @@ def test_a_handler_that_declares_its_outage_fatal_ends_the_job_at_once(tmp_path:
     """etcd-v3 raises RendezvousOutageError once etcd was away past etcd_timeout: no second bound on top."""
     error = RendezvousOutageError("[run=job] etcd at etcd-0:2379 unreachable for 3.2 s, more than etcd_timeout=3 s")
     agent = make_agent(BoundedHandler(error=error), tmp_path)
-    agent._worker_group.state = WorkerState.SUCCEEDED  # in the exit barrier the workers are done: not fatal
-    assert not agent._wait_for_membership_change(0.01)
-    agent._worker_group.state = WorkerState.HEALTHY
+    agent.get_worker_group().state = WorkerState.SUCCEEDED  # in the exit barrier the workers are done: not fatal
+    assert not agent.membership.wait(0.01)
+    agent.get_worker_group().state = WorkerState.HEALTHY
     with pytest.raises(RendezvousOutageError) as raised:
-        agent._membership_changed()
+        agent.membership.changed()
     assert raised.value is error
 
 
@@ -235,11 +238,12 @@ def test_a_handler_that_declares_its_outage_fatal_ends_the_job_at_once(tmp_path:
 ])
 def test_a_permanent_rendezvous_error_ends_the_job_at_once_with_its_message(tmp_path: Path, error: Exception) -> None:
     """No later call can succeed: the job must not wait out etcd_timeout (the clock never moves here)."""
-    agent = make_agent(BoundedHandler(error=error), tmp_path, clock=lambda: 5.0)
+    events = MemoryEventLog()
+    agent = make_agent(BoundedHandler(error=error), tmp_path, clock=lambda: 5.0, events=events)
     with pytest.raises(type(error)) as raised:
-        agent._wait_for_membership_change(0.01)
+        agent.membership.wait(0.01)
     assert raised.value is error
-    finished = [r for r in agent._events.records if r["event"] == "run_finished"]  # type: ignore[attr-defined]
+    finished = [r for r in events.records if r["event"] == "run_finished"]
     assert finished[-1]["state"] == "FAILED" and finished[-1]["error"] == str(error)
 
 
@@ -283,6 +287,6 @@ def test_a_watch_that_gave_up_on_an_unreachable_etcd_is_an_outage() -> None:
 def test_other_errors_of_a_membership_aware_handler_propagate(tmp_path: Path, error: Exception) -> None:
     agent = make_agent(AwareHandler(error=error), tmp_path)
     with pytest.raises(type(error)):
-        agent._membership_changed()
+        agent.membership.changed()
     with pytest.raises(type(error)):
-        agent._wait_for_membership_change(0.01)
+        agent.membership.wait(0.01)

@@ -103,7 +103,7 @@ def test_the_exit_barriers_traceback_is_a_debug_record_even_with_the_logger_at_d
         assert agent._exit_barrier_unless_peers_left() is True
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.getMessage() for r in warnings] == [
-        f"{agent._ctx()} exit barrier failed (corrupt rendezvous key '/x' in etcd); the workers finished, "
+        f"{agent.ctx()} exit barrier failed (corrupt rendezvous key '/x' in etcd); the workers finished, "
         "reporting success"]
     assert not warnings[0].exc_info, "no traceback at WARNING"
     (debug,) = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info]

@@ -88,17 +88,18 @@ def test_a_bad_metrics_port_is_refused_with_a_fix() -> None:
 
 def test_an_etcd_outage_ridden_out_is_an_event_with_its_length(tmp_path: Path) -> None:
     from elastic.rendezvous.api import RendezvousConnectionError
+    from tests.elastic.doubles import MemoryEventLog
     from tests.elastic.test_agent_membership import AwareHandler, make_agent
 
     now = [100.0]
     handler = AwareHandler(error=RendezvousConnectionError("etcd refused to read"))
-    agent = make_agent(handler, tmp_path, clock=lambda: now[0])
-    assert not agent._membership_changed()
+    events = MemoryEventLog()
+    agent = make_agent(handler, tmp_path, clock=lambda: now[0], events=events)
+    assert not agent.membership.changed()
     now[0] += 4.25
     handler.error = None
-    assert not agent._membership_changed()
-    records = agent._events.records  # type: ignore[attr-defined]
-    (outage,) = [r for r in records if r["event"] == "etcd_outage"]
+    assert not agent.membership.changed()
+    (outage,) = [r for r in events.records if r["event"] == "etcd_outage"]
     assert outage["seconds"] == pytest.approx(4.25) and outage["fatal"] is False
 
 
