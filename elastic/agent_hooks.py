@@ -8,7 +8,7 @@ points, in the order it lists them. A feature acts on the agent only through :cl
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,6 +47,11 @@ class Tick:
 @dataclass(frozen=True, slots=True)
 class WorkersStopping:
     """The agent is about to stop its local workers (a restart, a leave, the end of the run)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersStopped:
+    """The local workers are stopped: none runs until the next start."""
 
 
 # --- verdicts a feature returns from on_tick ---------------------------------------------------------------
@@ -114,6 +119,16 @@ class AgentHost(Protocol):
         """Stop the workers, run a rendezvous round and start new ones (not charged)."""
         ...
 
+    def wait_for_workers(self, timeout: float, done: Callable[[], bool], poll: float) -> None:
+        """Up to ``timeout`` s, returning as soon as a local worker returns or exits, or ``done()`` (asked
+        every ``poll`` s)."""
+        ...
+
+    def reform_in_place(self, assign: Callable[[WorkerGroup, int], None]) -> None:
+        """A rendezvous round around the running workers: ``assign(group, restart_count)`` tells each its
+        place in the new group instead of replacing it (a round that admitted a new node restarts them)."""
+        ...
+
 
 # --- the hooks ------------------------------------------------------------------------------------------------
 
@@ -138,8 +153,11 @@ class AgentFeature:
         """Once per monitor tick, before the agent's own handling of the group's state."""
         return PROCEED
 
-    def on_stop(self, event: WorkersStopping) -> None:
+    def on_workers_stopping(self, event: WorkersStopping) -> None:
         """Before the agent stops its local workers."""
+
+    def on_workers_stopped(self, event: WorkersStopped) -> None:
+        """After the agent stopped its local workers."""
 
     def close(self) -> None:
         """Release what the feature keeps outside the process (at agent exit)."""

@@ -34,7 +34,7 @@ class RestoreReports(AgentFeature):
         self.report()
         return PROCEED
 
-    def on_stop(self, event: WorkersStopping) -> None:
+    def on_workers_stopping(self, event: WorkersStopping) -> None:
         self.report(flush=True)
 
     def report(self, *, flush: bool = False) -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 import etcd3
 import pytest
 
-from elastic.agent import FailureAction, decide_on_failure, should_refund
 from elastic.events import read_events
+from elastic.failures import FailureAction, decide_on_failure, should_refund
 from elastic.launcher import LEASE_EXPIRY_MARGIN, lease_ttl_of, peer_loss_window
 from elastic.rendezvous.api import EtcdRendezvousConfig
 from elastic.rendezvous.etcd_v3 import EtcdV3RendezvousHandler

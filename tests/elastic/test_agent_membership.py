@@ -123,10 +123,10 @@ class RenamedHandler(PollingHandler):
 
 
 def make_agent(handler: RendezvousHandler, tmp_path: Path, clock: Callable[[], float] = time.monotonic,
-               events: MemoryEventLog | None = None) -> SpotrunAgent:
+               events: MemoryEventLog | None = None, settings: AgentSettings | None = None) -> SpotrunAgent:
     spec = WorkerSpec(role="trainer", local_world_size=1, entrypoint="/bin/true", args=(), rdzv_handler=handler,
                       max_restarts=0, monitor_interval=0.01)
-    return SpotrunAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path)), settings=AgentSettings(),
+    return SpotrunAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path)), settings=settings or AgentSettings(),
                         events=events if events is not None else MemoryEventLog(), tie_workers_to_agent=False,
                         clock=clock)
 

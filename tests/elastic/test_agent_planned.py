@@ -17,9 +17,11 @@ from torch.distributed import HashStore
 from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 
-from elastic.agent import PlannedTick, SpotrunAgent, _NoticeWhileNotTraining
+from elastic.agent import SpotrunAgent
+from elastic.agent_hooks import WorkersStarted
 from elastic.config import AgentSettings
-from elastic.planned import WHY_BEFORE_HELPERS
+from elastic.planned import WHY_BEFORE_HELPERS, PlannedTick
+from elastic.planned.hook import WHY_BETWEEN_ROUNDS, LeaveForNotice
 from elastic.preemption import Mailbox
 from elastic.rendezvous.api import NoticeAwareHandler, RendezvousConnectionError, RendezvousStateError
 from tests.elastic.doubles import MemoryEventLog
@@ -56,9 +58,8 @@ def _agent(tmp_path: Path, handler: NoticeHandler, **settings: Any) -> tuple[Spo
     events = MemoryEventLog()
     agent = SpotrunAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), settings=AgentSettings(**settings),
                          events=events, tie_workers_to_agent=False, mailbox=box)
-    agent._worker_group.group_world_size = 2
-    agent._store = HashStore()
-    agent._workers_started_at = time.monotonic()  # as if its workers ran (None: between rounds)
+    agent.get_worker_group().group_world_size = 2
+    agent.planned.on_workers_started(WorkersStarted({0: 1}, {0: 0}))  # as if its workers ran (else: between rounds)
     return agent, box, events
 
 
@@ -67,14 +68,15 @@ def test_exit_barrier_returns_at_once_when_a_peer_left(tmp_path: Path) -> None:
     agent, _, _ = _agent(tmp_path, handler)
     handler.lost = {"b"}
     began = time.monotonic()
-    assert agent._exit_barrier_unless_peers_left() is False, "a peer that left never arrives: not a success"
+    assert agent.exit_barrier.wait(HashStore(), 2) is False, "a peer that left never arrives: not a success"
     assert time.monotonic() - began < 2
 
 
 def test_exit_barrier_passes_when_every_peer_arrives(tmp_path: Path) -> None:
     agent, _, _ = _agent(tmp_path, NoticeHandler())
-    agent._store.add("spotrun/exit_barrier/arrived", 1)  # the other agent got there first
-    assert agent._exit_barrier_unless_peers_left() is True
+    store = HashStore()
+    store.add("spotrun/exit_barrier/arrived", 1)  # the other agent got there first
+    assert agent.exit_barrier.wait(store, 2) is True
 
 
 def test_a_rendezvous_error_in_the_exit_barrier_is_one_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -83,8 +85,8 @@ def test_a_rendezvous_error_in_the_exit_barrier_is_one_line(tmp_path: Path, capl
             raise RendezvousStateError("corrupt rendezvous key '/x' in etcd\ndetails")
 
     agent, _, _ = _agent(tmp_path, Broken())
-    with caplog.at_level(logging.WARNING, logger="elastic.agent"):
-        assert agent._exit_barrier_unless_peers_left() is True, "the workers finished: success, as torch reports"
+    with caplog.at_level(logging.WARNING, logger="elastic"):
+        assert agent.exit_barrier.wait(HashStore(), 2) is True, "the workers finished: success, as torch reports"
     (record,) = [r for r in caplog.records if "exit barrier failed" in r.getMessage()]
     assert not record.exc_info and "corrupt rendezvous key" in record.getMessage(), "no traceback"
     assert "\n" not in record.getMessage()
@@ -99,8 +101,8 @@ def test_the_exit_barriers_traceback_is_a_debug_record_even_with_the_logger_at_d
             raise RendezvousStateError("corrupt rendezvous key '/x' in etcd\ndetails")
 
     agent, _, _ = _agent(tmp_path, Broken())
-    with caplog.at_level(logging.DEBUG, logger="elastic.agent"):
-        assert agent._exit_barrier_unless_peers_left() is True
+    with caplog.at_level(logging.DEBUG, logger="elastic"):
+        assert agent.exit_barrier.wait(HashStore(), 2) is True
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.getMessage() for r in warnings] == [
         f"{agent.ctx()} exit barrier failed (corrupt rendezvous key '/x' in etcd); the workers finished, "
@@ -118,10 +120,10 @@ def test_a_permanent_rendezvous_error_ends_the_exit_barrier_at_once(
     handler = NoticeHandler()
     handler.error = RendezvousStateError("corrupt rendezvous key '/x/ctl/round' in etcd")
     agent, _, _ = _agent(tmp_path, handler)
-    agent._worker_group.state = WorkerState.SUCCEEDED  # as in _invoke_run: the barrier comes after the workers
+    agent.get_worker_group().state = WorkerState.SUCCEEDED  # as in _invoke_run: the barrier comes after the workers
     began = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="elastic.agent"):
-        assert agent._exit_barrier_unless_peers_left() is True  # the peer never arrives
+    with caplog.at_level(logging.WARNING, logger="elastic"):
+        assert agent.exit_barrier.wait(HashStore(), 2) is True  # the peer never arrives
     assert time.monotonic() - began < 5.0, "ended by the error, not by exit_barrier_timeout"
     (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert "exit barrier failed (corrupt rendezvous key '/x/ctl/round' in etcd)" in record.getMessage()
@@ -135,12 +137,13 @@ def test_a_transient_rendezvous_error_in_the_exit_barrier_keeps_waiting_for_the_
             calls.append(timeout)
             if len(calls) == 1:
                 raise RendezvousConnectionError("etcd restarting")
-            agent._store.add("spotrun/exit_barrier/arrived", 1)  # the peer arrives meanwhile
+            store.add("spotrun/exit_barrier/arrived", 1)  # the peer arrives meanwhile
             return False
 
+    store = HashStore()
     agent, _, _ = _agent(tmp_path, Blip())
-    agent._worker_group.state = WorkerState.SUCCEEDED
-    assert agent._exit_barrier_unless_peers_left() is True
+    agent.get_worker_group().state = WorkerState.SUCCEEDED
+    assert agent.exit_barrier.wait(store, 2) is True
     assert len(calls) == 2, "it went on waiting after the blip, until the peer arrived"
 
 
@@ -152,10 +155,8 @@ def test_a_single_node_skips_the_exit_barrier(tmp_path: Path, caplog: pytest.Log
             raise AssertionError("the exit barrier of one node used the store")
 
     agent, _, _ = _agent(tmp_path, NoticeHandler())
-    agent._worker_group.group_world_size = 1
-    agent._store = NoStore()
     with caplog.at_level(logging.DEBUG):
-        assert agent._exit_barrier_unless_peers_left() is True
+        assert agent.exit_barrier.wait(NoStore(), 1) is True
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -163,20 +164,20 @@ def test_sigterm_is_a_notice_only_when_the_workers_can_save(tmp_path: Path) -> N
     handler = NoticeHandler()
     agent, box, events = _agent(tmp_path, handler, preempt_grace=42.0)
     with pytest.raises(SignalException):  # no Preemption helper registered: torch's immediate stop
-        agent._on_notice_signal(signal.SIGTERM, None)
+        agent.planned.on_signal(signal.SIGTERM, None)
     box.register_helper(0)
-    agent._on_notice_signal(signal.SIGTERM, None)
+    agent.planned.on_signal(signal.SIGTERM, None)
     assert agent.planned.own is not None and agent.planned.own.source == "sigterm"
     assert agent.planned.own.deadline == pytest.approx(time.time() + 42.0, abs=5)
-    agent._publish_own_notice()
-    agent._publish_own_notice()
+    agent.planned.publish_own_notice()
+    agent.planned.publish_own_notice()
     assert [n["source"] for n in handler.published] == ["sigterm"], "published once"
-    assert agent._planned_tick() is PlannedTick.WAITING
+    assert agent.planned.tick() is PlannedTick.WAITING
     notice = box.read_notice()
     assert notice is not None and notice.reason == "preempt"
     assert [e["event"] for e in events.records] == ["notice_received", "planned_stop_posted"]
     with pytest.raises(SignalException):  # a second SIGTERM insists
-        agent._on_notice_signal(signal.SIGTERM, None)
+        agent.planned.on_signal(signal.SIGTERM, None)
 
 
 def test_sigterm_before_announced_helpers_exist_leaves_with_why(tmp_path: Path) -> None:
@@ -184,35 +185,38 @@ def test_sigterm_before_announced_helpers_exist_leaves_with_why(tmp_path: Path) 
     their restore, so a SIGTERM is a planned leave at once, not torch's immediate stop (issue 27)."""
     agent, box, _ = _agent(tmp_path, NoticeHandler())
     box.announce_helper(0)
-    with pytest.raises(_NoticeWhileNotTraining) as left:
-        agent._on_notice_signal(signal.SIGTERM, None)
+    with pytest.raises(LeaveForNotice) as left:
+        agent.planned.on_signal(signal.SIGTERM, None)
     assert left.value.why == WHY_BEFORE_HELPERS
     assert agent.planned.own is not None and agent.planned.own.source == "sigterm"
 
 
 def test_a_notice_in_the_exit_barrier_ends_the_wait_at_the_deadline(tmp_path: Path) -> None:
     agent, _, _ = _agent(tmp_path, NoticeHandler(), preempt_grace=1.5, stop_grace=1.0)
-    agent._workers_done = True  # the workers finished; the peer has not arrived yet
-    agent._on_notice_signal(signal.SIGTERM, None)  # taken as a notice, not a shutdown
+    agent.planned.in_exit_barrier = True  # the workers finished; the peer has not arrived yet
+    agent.planned.on_signal(signal.SIGTERM, None)  # taken as a notice, not a shutdown
     assert agent.planned.own is not None
     began = time.monotonic()
-    assert agent._exit_barrier_unless_peers_left() is True, "this node's workers finished: a success"
+    assert agent.exit_barrier.wait(HashStore(), 2) is True, "this node's workers finished: a success"
     assert time.monotonic() - began < 5, "left by the notice's deadline, not after exit_barrier_timeout"
 
 
 def test_a_notice_signal_after_the_run_is_only_logged(tmp_path: Path) -> None:
     agent, _, _ = _agent(tmp_path, NoticeHandler())
-    agent._run_over = True
-    agent._on_notice_signal(signal.SIGTERM, None)
-    agent._on_notice_signal(signal.SIGTERM, None)
+    agent.planned.run_over = True
+    agent.planned.on_signal(signal.SIGTERM, None)
+    agent.planned.on_signal(signal.SIGTERM, None)
     assert agent.planned.own is None
 
 
 def test_an_early_notice_makes_the_first_rendezvous_a_planned_leave(tmp_path: Path) -> None:
-    agent, _, _ = _agent(tmp_path, NoticeHandler())
+    handler = NoticeHandler()
+    agent, _, events = _agent(tmp_path, handler)
     agent.receive_early_notice(int(signal.SIGTERM), time.time())
-    with pytest.raises(_NoticeWhileNotTraining):
-        agent._rendezvous(agent._worker_group)
+    result = agent.run()  # NoticeHandler.next_rendezvous raises: the node must not ask for a round
+    assert result.state is WorkerState.SUCCEEDED and handler.left == 1
+    (leave,) = [e for e in events.records if e["event"] == "planned_leave"]
+    assert leave["why"] == WHY_BETWEEN_ROUNDS and leave["source"] == "sigterm"
 
 
 def test_a_peer_notice_is_posted_and_its_departure_is_not_a_crash(tmp_path: Path) -> None:
@@ -220,11 +224,11 @@ def test_a_peer_notice_is_posted_and_its_departure_is_not_a_crash(tmp_path: Path
     agent, box, _ = _agent(tmp_path, handler)
     box.register_helper(0)
     handler.peers = {"b": {"deadline": time.time() + 60, "source": "aws"}}
-    assert agent._planned_tick() is PlannedTick.WAITING
+    assert agent.planned.tick() is PlannedTick.WAITING
     assert box.read_notice().reason == "peer_preempt"
     handler.peers, handler.lost = {}, {"b"}  # b revoked its lease: its notice key went with it
-    assert agent._planned_tick() is PlannedTick.WAITING, "keep waiting for the agreed step"
-    assert agent._worker_group.state != WorkerState.FAILED
+    assert agent.planned.tick() is PlannedTick.WAITING, "keep waiting for the agreed step"
+    assert agent.get_worker_group().state != WorkerState.FAILED
 
 
 def test_preempt_signal_spec_is_validated() -> None:
@@ -243,8 +247,8 @@ def test_a_deadline_too_short_to_save_is_recorded_and_the_node_still_leaves(tmp_
     agent, box, events = _agent(tmp_path, handler, stop_grace=1.0)
     box.register_helper(0)
     agent.receive_notice(Notice("aws", time.time() + 0.5, "spot instance-action terminate"))
-    assert agent._planned_tick() is PlannedTick.WAITING  # posted: the workers may still make it
-    assert agent._planned_tick() is PlannedTick.LEFT, "0.5 s left is less than the stop grace"
+    assert agent.planned.tick() is PlannedTick.WAITING  # posted: the workers may still make it
+    assert agent.planned.tick() is PlannedTick.LEFT, "0.5 s left is less than the stop grace"
     names = [e["event"] for e in events.records]
     assert names[-3:] == ["planned_stop_abandoned", "workers_stopped", "planned_leave"]
     leave = events.records[-1]
@@ -259,12 +263,12 @@ def test_a_metadata_notice_without_helpers_leaves_at_once_and_says_why(tmp_path:
     handler = NoticeHandler()
     agent, _, events = _agent(tmp_path, handler, planned_leave_exit_code=75)
     agent.receive_notice(Notice("gcp", time.time() + 30, "instance/preempted TRUE"))
-    assert agent._planned_tick() is PlannedTick.LEFT, "workers that never used the helper cannot save"
+    assert agent.planned.tick() is PlannedTick.LEFT, "workers that never used the helper cannot save"
     leave = events.records[-1]
     assert leave["event"] == "planned_leave" and leave["saved"] is False and leave["step"] is None
     assert "do not use elastic.preemption.Preemption" in leave["why"] and leave["source"] == "gcp"
     assert handler.left == 1
-    agent._left_result(workers_finished=False)
+    agent.planned.left_result(workers_finished=False)
     assert agent.exit_status == 75 and events.records[-1]["exit_code"] == 75
 
 
@@ -279,10 +283,10 @@ def test_a_leaving_node_revokes_its_lease_before_its_acknowledged_workers_exit(t
     agent, box, events = _agent(tmp_path, handler)
     box.register_helper(0)
     agent.receive_notice(Notice("sigterm", time.time() + 60, "SIGTERM"))
-    assert agent._planned_tick() is PlannedTick.WAITING
-    assert agent._leaving_stop() is None, "nothing acknowledged yet"
+    assert agent.planned.tick() is PlannedTick.WAITING
+    assert agent.planned.leaving_stop() is None, "nothing acknowledged yet"
     box.acknowledge(0, 12)
-    stopped = agent._leaving_stop()
+    stopped = agent.planned.leaving_stop()
     assert stopped is not None and stopped.committed == 12
     seen: list[tuple[int, str]] = []  # (leaves so far, worker state) at each look at the workers
 
@@ -291,9 +295,9 @@ def test_a_leaving_node_revokes_its_lease_before_its_acknowledged_workers_exit(t
         seen.append((handler.left, state.name))
         return RunResult(state=state)
 
-    agent._monitor_workers = monitor  # type: ignore[method-assign]
-    agent._stop_workers = lambda group: events.records.append({"event": "workers_stopped"})  # type: ignore[method-assign]
-    result = agent._leave_after_acknowledgement(stopped)
+    agent.monitor = lambda: monitor(None)  # type: ignore[method-assign]
+    agent.stop_workers = lambda: events.records.append({"event": "workers_stopped"})  # type: ignore[method-assign]
+    result = agent.planned.leave_after_acknowledgement(stopped)
     assert seen[0] == (1, "HEALTHY"), "the lease was revoked while the workers were still running"
     assert result.state == WorkerState.SUCCEEDED and agent.exit_status == 0
     names = [e["event"] for e in events.records]
@@ -310,13 +314,13 @@ def test_workers_that_fail_after_their_acknowledgement_still_fail_the_leaving_ag
     agent, box, events = _agent(tmp_path, NoticeHandler())
     box.register_helper(0)
     agent.receive_notice(Notice("sigterm", time.time() + 60, "SIGTERM"))
-    agent._planned_tick()
+    agent.planned.tick()
     box.acknowledge(0, 4, saved=False, why="no time")
-    stopped = agent._leaving_stop()
+    stopped = agent.planned.leaving_stop()
     assert stopped is not None and stopped.committed is None and stopped.step == 4, "an unsaved stop leaves early too"
-    agent._monitor_workers = lambda group: RunResult(state=WorkerState.FAILED)  # type: ignore[method-assign]
-    agent._stop_workers = lambda group: None  # type: ignore[method-assign]
-    assert agent._leave_after_acknowledgement(stopped).state == WorkerState.FAILED
+    agent.monitor = lambda: RunResult(state=WorkerState.FAILED)  # type: ignore[method-assign]
+    agent.stop_workers = lambda: None  # type: ignore[method-assign]
+    assert agent.planned.leave_after_acknowledgement(stopped).state == WorkerState.FAILED
     (leave,) = [e for e in events.records if e["event"] == "planned_leave"]
     assert leave["saved"] is False and leave["agreed_step"] == 4 and leave["why"] == "no time"
     assert [e["state"] for e in events.records if e["event"] == "run_finished"] == ["FAILED"]
@@ -334,7 +338,7 @@ class SpareHandler(NoticeHandler):
 
     def next_rendezvous(self) -> Any:
         assert self.agent is not None
-        self.agent._on_notice_signal(signal.SIGTERM, None)
+        self.agent.planned.on_signal(signal.SIGTERM, None)
         raise AssertionError("a notice between rounds must end the wait in the rendezvous")
 
 
@@ -345,7 +349,7 @@ def test_a_notice_between_rounds_leaves_at_once_as_a_planned_leave(tmp_path: Pat
     agent, box, events = _agent(tmp_path, handler, planned_leave_exit_code=75)
     handler.agent = agent
     box.register_helper(0)  # a helper of the workers of the last round (stale: they were stopped)
-    result = agent._invoke_run()
+    result = agent.run()
     assert result.state is WorkerState.SUCCEEDED
     assert agent.exit_status == 75
     assert handler.left == 1, "the lease goes at once: peers re-form without waiting for it"
@@ -366,7 +370,7 @@ def test_a_notice_before_the_first_round_leaves_as_a_planned_leave(tmp_path: Pat
     handler = FirstRoundHandler()
     agent, _, events = _agent(tmp_path, handler, planned_leave_exit_code=75)
     handler.agent = agent
-    result = agent._invoke_run()
+    result = agent.run()
     assert result.state is WorkerState.SUCCEEDED and agent.exit_status == 75
     assert handler.left == 1
     (leave,) = [e for e in events.records if e["event"] == "planned_leave"]

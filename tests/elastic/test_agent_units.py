@@ -158,21 +158,20 @@ def test_a_failed_worker_the_death_clock_has_not_noted_yet_still_gets_the_short_
     from torch.distributed.elastic.agent.server.api import Worker, WorkerState
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    from elastic.agent import _default_close_timeout
+    from elastic.agent_procs import default_close_timeout
     from elastic.torch_internals import worker_processes
     from tests.elastic.test_agent_membership import PollingHandler, make_agent
 
-    agent = make_agent(PollingHandler(), tmp_path)
-    agent._settings = AgentSettings(stop_grace=1.0)
+    agent = make_agent(PollingHandler(), tmp_path, settings=AgentSettings(stop_grace=1.0))
     ready = tmp_path / "rank-1-ignores-sigterm"
     pcontext = start_processes("stuck", _exit_3_or_ignore_sigterm, args={r: (r, str(ready)) for r in range(2)},
                                envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
                                start_method="fork")
     try:
         agent._pcontext = pcontext
-        _default_close_timeout(pcontext, 1.0, agent._workers_closing)
+        default_close_timeout(pcontext, 1.0, agent._workers_closing)
         agent._death_clock = DeathClock({})  # its thread has noted nothing (yet)
-        group = agent._worker_group
+        group = agent.get_worker_group()
         group.workers = [Worker(local_rank=r, global_rank=r, role_rank=r, world_size=2, role_world_size=2)
                          for r in range(2)]  # fmt: skip
         for worker, pid in zip(group.workers, pcontext.pids().values()):
@@ -183,7 +182,7 @@ def test_a_failed_worker_the_death_clock_has_not_noted_yet_still_gets_the_short_
         wait_for(ready.exists, 20, "rank 1 to ignore SIGTERM")
         assert processes[0].exitcode == 3 and processes[1].is_alive()
         began = time.monotonic()
-        result = agent._monitor_workers(group)
+        result = agent.monitor()
         took = time.monotonic() - began
         assert result.state == WorkerState.FAILED
         assert took < 10, f"the stuck rank was stopped after {took:.1f} s, not after the 1 s stop grace"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from elastic.agent import failure_order
+from elastic.agent_procs import failure_order
 
 
 def _raised(tmp_path: Path, local_rank: int, at: int) -> ProcessFailure:

@@ -249,8 +249,8 @@ def test_hang_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_recovery_cause_of_a_failed_group() -> None:
-    from elastic.agent import recovery_cause_of_failure
     from elastic.api import RecoveryCause
+    from elastic.failures import recovery_cause_of_failure
 
     assert recovery_cause_of_failure(hung=True, peer_lost=True) is RecoveryCause.HANG
     assert recovery_cause_of_failure(hung=False, peer_lost=True) is RecoveryCause.PEER_LOST
@@ -260,7 +260,7 @@ def test_recovery_cause_of_a_failed_group() -> None:
 def test_torchs_worker_failure_traceback_becomes_one_line(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from elastic.agent import quiet_worker_failure_tracebacks
+    from elastic.agent_procs import quiet_worker_failure_tracebacks
 
     quiet_worker_failure_tracebacks()
     quiet_worker_failure_tracebacks()  # idempotent

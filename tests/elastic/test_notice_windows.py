@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic.agent import WHY_BETWEEN_ROUNDS
 from elastic.events import read_events
 from elastic.planned import WHY_BEFORE_HELPERS
+from elastic.planned.hook import WHY_BETWEEN_ROUNDS
 from elastic.worker.mailbox import Mailbox
 from elastic.worker.preemption import announce_helper
 from tests.harness.procs import EXAMPLES, REPO, SPOTRUN, Launcher, read_jsonl, wait_for

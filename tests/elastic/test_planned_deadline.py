@@ -149,7 +149,7 @@ def test_a_save_that_cannot_fit_is_skipped_and_the_leave_says_why(tmp_path: Path
         _train_and_save_once(ckpt, state)
         # save_by 0.2 s away: less than any estimate (SAVE_SLACK_SECONDS alone is 0.5 s)
         agent.receive_notice(Notice("aws", time.time() + 1.2, "spot instance-action terminate"))
-        assert agent._planned_tick().name == "WAITING"
+        assert agent.planned.tick().name == "WAITING"
         notice = box.read_notice()
         assert notice is not None and notice.deadline is not None
         assert notice.save_by == pytest.approx(notice.deadline - 1.0), "when the agent stops waiting"
@@ -158,9 +158,9 @@ def test_a_save_that_cannot_fit_is_skipped_and_the_leave_says_why(tmp_path: Path
         assert time.monotonic() - began < 1.0, "at once: no save was started"
         assert ckpt.latest() == 1, "step 2 was not saved: the next group resumes from step 1"
         assert helper.skipped is not None and not helper.skipped.save
-    stopped = agent._acknowledged_stop()
+    stopped = agent.planned.acknowledged_stop()
     assert stopped is not None and stopped.step == 2 and not stopped.saved
-    agent._leave_for_notice(stopped)
+    agent.planned.leave_for_notice(stopped)
     (leave,) = [e for e in events.records if e["event"] == "planned_leave"]
     assert leave["event"] == "planned_leave" and leave["saved"] is False and leave["step"] is None
     assert leave["agreed_step"] == 2 and leave["why"].startswith("save of step 2 needs ~")
@@ -173,10 +173,10 @@ def test_a_save_that_fits_is_committed_and_recorded_as_saved(tmp_path: Path) -> 
     with Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()) as ckpt:
         _train_and_save_once(ckpt, state)
         agent.receive_notice(Notice("aws", time.time() + 60, "spot instance-action terminate"))
-        agent._planned_tick()
+        agent.planned.tick()
         assert _stop_at_step_2(helper, ckpt, state) and helper.skipped is None
         assert ckpt.latest() == 2
-    agent._leave_for_notice(agent._acknowledged_stop())
+    agent.planned.leave_for_notice(agent.planned.acknowledged_stop())
     (leave,) = [e for e in events.records if e["event"] == "planned_leave"]
     assert leave["saved"] is True and leave["step"] == 2 and leave["agreed_step"] == 2 and leave["why"] is None
 
@@ -196,15 +196,15 @@ def test_a_peer_notice_too_close_re_forms_without_claiming_the_step(
 ) -> None:
     handler, agent, box, events, helper, state = _agent_and_worker(tmp_path)
     restarts: list[object] = []
-    monkeypatch.setattr(agent, "_restart_workers", restarts.append)  # the rendezvous is not under test here
+    monkeypatch.setattr(agent, "restart_workers", lambda: restarts.append(None))  # the rendezvous is not under test
     with Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()) as ckpt:
         _train_and_save_once(ckpt, state)
         handler.peers = {"b": {"deadline": time.time() + 1.2, "source": "aws"}}
-        agent._planned_tick()
+        agent.planned.tick()
         assert _stop_at_step_2(helper, ckpt, state) and ckpt.latest() == 1
-    stopped = agent._acknowledged_stop()
+    stopped = agent.planned.acknowledged_stop()
     assert stopped is not None
-    agent._restart_for_planned_change(stopped)
+    agent.planned.restart_for_planned_change(stopped)
     restart = events.records[-1]
     assert restart["event"] == "planned_restart" and restart["reason"] == "peer_preempt"
     assert restart["saved"] is False and restart["step"] is None and restart["committed_at"] is None
@@ -215,7 +215,7 @@ def test_a_peer_notice_too_close_re_forms_without_claiming_the_step(
 def test_the_agent_counts_only_saved_acknowledgements_as_a_committed_step(tmp_path: Path) -> None:
     _, agent, box, _, _, _ = _agent_and_worker(tmp_path)
     box.acknowledge(0, 8, saved=False, why="no time")
-    assert agent._acknowledged_stop().committed is None, "an unsaved step is not a committed one"
-    assert agent._acknowledged_stop() == Stopped(8, saved=False, why="no time")
+    assert agent.planned.acknowledged_stop().committed is None, "an unsaved step is not a committed one"
+    assert agent.planned.acknowledged_stop() == Stopped(8, saved=False, why="no time")
     box.acknowledge(0, 8)
-    assert agent._acknowledged_stop() == Stopped(8, saved=True)
+    assert agent.planned.acknowledged_stop() == Stopped(8, saved=True)

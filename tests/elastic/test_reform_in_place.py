@@ -102,7 +102,7 @@ def test_a_peers_planned_leave_keeps_the_survivors_worker_process(tmp_path: Path
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_agent_re_forms_in_place_only_when_every_worker_waits_for_a_peers_leave(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool) -> None:
-    from elastic.agent import PlannedTick
+    from elastic.planned import PlannedTick
     from tests.elastic.test_agent_planned import NoticeHandler
     from tests.elastic.test_agent_planned import _agent as unit_agent
 
@@ -112,11 +112,11 @@ def test_the_agent_re_forms_in_place_only_when_every_worker_waits_for_a_peers_le
     agent, box, _ = unit_agent(tmp_path, handler)
     box.register_helper(0)
     handler.peers = {"b": {"deadline": time.time() + 60, "source": "aws"}}
-    assert agent._planned_tick() is PlannedTick.WAITING and box.read_notice().reason == "peer_preempt"
+    assert agent.planned.tick() is PlannedTick.WAITING and box.read_notice().reason == "peer_preempt"
     box.acknowledge(0, 12)
-    assert agent._waiting_in_place() is None, "acknowledged, but the worker did not say it waits"
+    assert agent.planned.in_place.waiting() is None, "acknowledged, but the worker did not say it waits"
     box.mark_waiting(0)
-    stopped = agent._waiting_in_place()
+    stopped = agent.planned.in_place.waiting()
     if not enabled:
         assert stopped is None, "without SPOTRUN_REFORM_IN_PLACE=1 the workers are restarted as before"
         return
@@ -125,8 +125,8 @@ def test_the_agent_re_forms_in_place_only_when_every_worker_waits_for_a_peers_le
 
 @pytest.mark.timeout(30)
 def test_this_nodes_own_notice_never_re_forms_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastic.agent import PlannedTick
     from elastic.notice import Notice
+    from elastic.planned import PlannedTick
     from tests.elastic.test_agent_planned import NoticeHandler
     from tests.elastic.test_agent_planned import _agent as unit_agent
 
@@ -134,11 +134,11 @@ def test_this_nodes_own_notice_never_re_forms_in_place(tmp_path: Path, monkeypat
     agent, box, _ = unit_agent(tmp_path, NoticeHandler())
     box.register_helper(0)
     agent.receive_notice(Notice("sigterm", time.time() + 60, "SIGTERM"))
-    assert agent._planned_tick() is PlannedTick.WAITING
+    assert agent.planned.tick() is PlannedTick.WAITING
     box.acknowledge(0, 12)
     box.mark_waiting(0)
-    assert agent._waiting_in_place() is None, "the leaving node's workers exit"
-    assert agent._leaving_stop() is not None
+    assert agent.planned.in_place.waiting() is None, "the leaving node's workers exit"
+    assert agent.planned.leaving_stop() is not None
 
 
 @pytest.mark.slow

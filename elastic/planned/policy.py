@@ -1,25 +1,22 @@
 """Planned membership changes: pure decisions of what the agent tells its workers and when it acts.
 
 A *planned* change is one the group hears about before it happens: this node got a preemption notice, a
-peer published one (through the rendezvous), or a node waits to join. Instead of killing the workers and
-rolling back to the last periodic checkpoint, the agent posts a :class:`~elastic.preemption.WorkerNotice`
-to its workers' mailbox; workers that use :class:`~elastic.preemption.Preemption` agree on a step, commit
-it, acknowledge and exit 0. Then the leaving agent revokes its lease and exits 0 (``--planned-leave-exit-code``
-for controllers that recreate only failed pods, see :func:`leave_exit_code`), and the others re-form at
-once at the new size and resume from that step: zero steps lost. These restarts are not charged against
-``--max-restarts``.
+peer published one (through the rendezvous), or a node waits to join. The agent posts a
+:class:`~elastic.preemption.WorkerNotice` to its workers' mailbox; workers that use
+:class:`~elastic.preemption.Preemption` agree on a step, commit it, acknowledge and exit 0. The leaving agent
+then revokes its lease and exits (``--planned-leave-exit-code``, see :func:`leave_exit_code`), and the others
+re-form at once and resume from that step, uncharged.
 
 The notice tells the workers when the agent will stop waiting (``save_by``, :func:`with_save_by`); a save
 that cannot commit by then is not started (``elastic.preemption.decide_planned_save``): the workers
 acknowledge the agreed step as not saved, and the agent leaves or re-forms at once, recording why
 (:func:`all_stopped`); the new group resumes from the last committed step.
 
-What is decided here is a function of plain data; the agent does the I/O. :class:`PlannedChanges` holds the
-state of one agent's planned changes (its own notice, what it posted, the peers' deadlines) and answers each
-monitor tick of a healthy group with actions (:meth:`PlannedChanges.tick`: a :class:`TickView` in, a
-:class:`PlannedDecision` out), as ``elastic.rendezvous.state.decide`` does for rendezvous rounds.
+Everything here is a function of plain data; the agent's hook (``elastic.planned.hook``) does the I/O.
+:class:`PlannedChanges` holds one agent's state (its own notice, what it posted, the peers' deadlines) and
+answers each monitor tick of a healthy group with actions (:meth:`PlannedChanges.tick`: a :class:`TickView` in,
+a :class:`PlannedDecision` out), as ``elastic.rendezvous.state.decide`` does for rendezvous rounds.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +24,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# The environment names live in elastic.api with the others; re-exported here, where they were first defined.
+# The environment names live in elastic.api with the others; re-exported for callers that import them from here.
 from elastic.api import ENV_PLANNED_LEAVE_EXIT_CODE as ENV_PLANNED_LEAVE_EXIT_CODE
 from elastic.api import ENV_RESIZE_TIMEOUT as ENV_RESIZE_TIMEOUT
 from elastic.notice import Notice, earliest

@@ -1,0 +1,175 @@
+"""The agent's side of re-forming in place, and of the survivors' just-in-time snapshots after a peer loss.
+
+Workers that use ``elastic.worker.reform.InPlaceReform`` keep their process after a peer's planned leave (or
+after a peer loss, once they aborted their group and snapshotted): they wait (``waiting-{local_rank}``), and
+the agent runs the same rendezvous round as a restart, then tells each its new rank, world size and store
+(``group-{local_rank}.json``) instead of replacing it. Only with ``SPOTRUN_REFORM_IN_PLACE=1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from torch.distributed.elastic.agent.server.api import WorkerGroup
+from torch.distributed.elastic.multiprocessing import PContext
+
+from checkpoint.memory.records import snapshots_in
+from elastic.agent_hooks import AgentHost
+from elastic.api import RecoveryCause, RecoveryEvent
+from elastic.membership import MembershipView
+from elastic.planned.channel import acknowledged_stop, committed_at, every_local_worker
+from elastic.planned.policy import PlannedChanges, Stopped
+from elastic.torch_internals import worker_processes
+from elastic.worker.mailbox import GroupAssignment, Mailbox
+from elastic.worker.reform import IN_PLACE_REASONS, in_place_enabled
+
+logger = logging.getLogger(__name__)
+
+JIT_POLL_INTERVAL = 0.02
+"""Seconds between two looks at the workers while they may snapshot after a peer loss."""
+
+
+class InPlaceReformer:
+    """Re-forms the group around waiting workers; lets the workers snapshot after a peer loss.
+
+    Args:
+        host: the agent (its rendezvous round around running workers, events).
+        membership: the rendezvous view (lost peers, whether they refuse connections).
+        changes: the planned-change state (the stop posted, this node's notice).
+        mailbox: the workers' mailbox (None: nothing re-forms in place).
+        memory_dir: the memory tier keeper directory (None: no just-in-time snapshots to wait for).
+        stop_grace: the longest wait for the workers' snapshots (``--stop-grace``).
+    """
+
+    def __init__(self, host: AgentHost, membership: MembershipView, changes: PlannedChanges, mailbox: Mailbox | None,
+                 *, memory_dir: str | None, stop_grace: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.enabled = in_place_enabled()
+        """``SPOTRUN_REFORM_IN_PLACE=1`` (prototype)."""
+        self._host = host
+        self._membership = membership
+        self._changes = changes
+        self._mailbox = mailbox
+        self._memory_dir = memory_dir
+        self._stop_grace = stop_grace
+        self._clock = clock
+
+    def posted(self) -> bool:
+        """The stop posted to the workers is one that re-forms in place (a peer's planned leave)."""
+        posted = self._changes.posted
+        return (self.enabled and self._mailbox is not None and not self._changes.leaving
+                and posted is not None and posted.reason in IN_PLACE_REASONS)
+
+    def waiting(self) -> Stopped | None:
+        """Where every local worker stopped for a peer's planned leave and now waits in its process for the
+        re-formed group; None otherwise."""
+        if not self.posted() or (stopped := acknowledged_stop(self._mailbox, self._local_world_size())) is None:
+            return None
+        return stopped if every_local_worker(self._mailbox, Mailbox.waiting, self._local_world_size()) else None
+
+    def all_waiting(self) -> bool:
+        """Every local worker waits in its process for a re-formed group (``waiting-{local_rank}``)."""
+        return self.enabled and every_local_worker(self._mailbox, Mailbox.waiting, self._local_world_size())
+
+    def reform(self, stopped: Stopped) -> None:
+        """The survivors' side of a peer's planned leave without a restart; the events keep their order
+        (``planned_restart`` ... ``workers_started``, with ``in_place: true``)."""
+        host = self._host
+        posted = self._changes.posted
+        reason = posted.reason if posted is not None else "unknown"
+        logger.info("%s workers stopped at step %d for a planned change (%s); re-forming around them in place",
+                    host.ctx(), stopped.step, reason)
+        host.begin_recovery(RecoveryCause.PLANNED_LEAVE)
+        host.emit(RecoveryEvent.PLANNED_RESTART, step=stopped.committed, reason=reason,
+                  committed_at=committed_at(self._mailbox) if stopped.saved else None, saved=stopped.saved,
+                  why=stopped.why, agreed_step=stopped.step, in_place=True)
+        self.reform_waiting_workers()
+
+    def reform_waiting_workers(self) -> None:
+        """The rendezvous round of a restart, then each waiting worker is told its place in the new group."""
+        self._host.reform_in_place(self._assign)
+
+    def _assign(self, group: WorkerGroup, restart_count: int) -> None:
+        mailbox = self._mailbox
+        assert mailbox is not None, "only with a mailbox"
+        mailbox.clear()  # the acks, waiting marks and helpers of the old group
+        self._changes.new_group()
+        assert group.group_rank is not None and group.group_world_size is not None and group.master_addr is not None \
+            and group.master_port is not None, "set by the rendezvous"
+        for worker in group.workers:
+            mailbox.assign(worker.local_rank, GroupAssignment(
+                rank=worker.global_rank, world_size=worker.world_size, group_rank=group.group_rank,
+                group_world_size=group.group_world_size, master_addr=group.master_addr,
+                master_port=group.master_port, restart_count=restart_count))
+
+    def after_peer_loss(self) -> bool:
+        """A peer is gone: let the workers snapshot, then re-form around them when they all wait in place.
+        True when the group re-formed in place (no restart)."""
+        self.let_workers_snapshot()
+        if not self.all_waiting():
+            return False
+        # CHANGE: the workers aborted their group, snapshotted their last completed step and wait in their
+        # processes: re-form around them, no restart.
+        logger.info("%s workers wait in place after the peer loss; re-forming around them", self._host.ctx())
+        self.reform_waiting_workers()
+        return True
+
+    def let_workers_snapshot(self) -> None:
+        """CHANGE (memory tier, just-in-time snapshots): a peer is gone, so the workers' next collective breaks
+        and workers using the memory tier snapshot their last completed step before they exit
+        (``checkpoint.memory.jit``). Give them up to ``--stop-grace`` to exit on their own first, but only when
+        their keeper directory shows they snapshot and a lost peer may have died on a live host: a silent loss
+        (power off, a partition, a paused node) resets no connection, their collectives stay blocked, so they
+        are stopped at once; so are the workers of a node left out of a newer round."""
+        pcontext = self._host.pcontext
+        if self._memory_dir is None or pcontext is None or not snapshots_in(self._memory_dir):
+            return
+        # Workers that watch abort their groups: their collectives raise now, whatever the loss (snapshot, exit).
+        if not self.abort_watched_groups() and not self._membership.lost_peers_refuse():
+            logger.info("%s no just-in-time snapshot to wait for (the lost peers are silent or paused: no connection "
+                        "reset breaks the workers' collectives; or the group re-formed without this node)",
+                        self._host.ctx())
+            return
+        running = running_workers(pcontext)
+        if running is None:
+            return
+        deadline = self._clock() + self._stop_grace
+        while running() and not self.all_waiting() and self._clock() < deadline:
+            time.sleep(JIT_POLL_INTERVAL)
+        logger.info("%s workers %s after the peer loss (up to %.1fs for just-in-time snapshots)", self._host.ctx(),
+                    "still running" if running() else "exited", self._stop_grace)
+
+    def abort_watched_groups(self) -> bool:
+        """CHANGE (abortable groups): tell the workers a peer is gone (``peer-lost.json``); True when every local
+        worker runs a peer-loss watcher (``elastic.worker.watcher``), which aborts its process group, so a
+        collective blocked on a silent or paused peer raises too and the just-in-time snapshot runs."""
+        if self._mailbox is None:
+            return False
+        lost = self._membership.lost_peers()
+        watching = every_local_worker(self._mailbox, Mailbox.watchers, self._local_world_size())
+        try:
+            if watching:
+                self._mailbox.post_peer_lost(sorted(lost))
+        except OSError as exc:
+            logger.warning("%s could not tell the workers of the peer loss: %s", self._host.ctx(), exc)
+            return False
+        if watching:
+            logger.info("%s peer(s) %s lost: the workers abort their process group", self._host.ctx(), sorted(lost))
+        return watching
+
+    def _local_world_size(self) -> int:
+        return self._host.worker_group.spec.local_world_size
+
+
+def running_workers(pcontext: PContext) -> Callable[[], bool] | None:
+    """A check "does any local worker still run?" for either kind of process context (None if unknown)."""
+    processes = worker_processes(pcontext)
+    if processes:
+        return lambda: any(p.exitcode is None for p in processes)
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    if isinstance(handlers, dict) and handlers:
+        procs = [getattr(h, "proc", None) for h in handlers.values()]
+        if all(hasattr(p, "poll") for p in procs):
+            return lambda: any(p.poll() is None for p in procs)  # type: ignore[union-attr]
+    return None
