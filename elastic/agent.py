@@ -55,6 +55,7 @@ from elastic.agent_procs import (
     quiet_worker_failure_tracebacks,
     stop_processes,
     tie_entrypoint_to_agent,
+    wait_for_workers_or,
 )
 from elastic.api import EventSink, FailureCause, RecoveryCause, RecoveryEvent
 from elastic.config import AgentSettings
@@ -67,11 +68,10 @@ from elastic.notice import Notice
 from elastic.planned.hook import WHY_BETWEEN_ROUNDS, LeaveForNotice, PlannedFeature
 from elastic.progress import ProgressBoard
 from elastic.restores import RestoreReports
-from elastic.torch_internals import check_agent_internals, worker_processes, worker_return_values
+from elastic.torch_internals import check_agent_internals, worker_processes
 from elastic.vitals import Vitals, VitalsFeature
 from elastic.worker.mailbox import Mailbox
 from elastic.workers import DeathClock, fall_back_to_plain_workers
-from elastic.workers import wait_for_workers as wait_for_any_worker
 
 __all__ = ["WHY_BETWEEN_ROUNDS", "FailureAction", "LeaveForNotice", "SpotrunAgent", "decide_on_failure",
            "recovery_cause_of_failure", "should_refund"]
@@ -229,18 +229,7 @@ class SpotrunAgent(LocalElasticAgent):
         self._restart_workers(self._worker_group)
 
     def wait_for_workers(self, timeout: float, done: Callable[[], bool], poll: float) -> None:
-        pcontext = self._pcontext
-        processes = worker_processes(pcontext) if pcontext is not None else None
-        returns = worker_return_values(pcontext)
-        began = time.monotonic()
-        while True:
-            remaining = timeout - (time.monotonic() - began)
-            if remaining <= 0 or done():
-                return
-            if wait_for_any_worker(processes, returns, min(poll, remaining)):
-                # never spin: a worker that returned stays "ready" until torch's next poll has read it
-                time.sleep(max(0.0, min(timeout, 0.01) - (time.monotonic() - began)))
-                return
+        wait_for_workers_or(self._pcontext, timeout, done, poll)
 
     def reform_in_place(self, assign: Callable[[WorkerGroup, int], None]) -> None:
         group = self._worker_group

@@ -21,7 +21,7 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
 from torch.distributed.elastic.multiprocessing import PContext, ProcessFailure
 
 from elastic.torch_internals import worker_processes, worker_return_values
-from elastic.workers import PdeathsigEntrypoint, shim_command, signal_worker, terminate_processes
+from elastic.workers import PdeathsigEntrypoint, shim_command, signal_worker, terminate_processes, wait_for_workers
 
 
 class OneLineWorkerFailure(logging.Filter):
@@ -170,3 +170,19 @@ def tie_entrypoint_to_agent(spec: WorkerSpec) -> WorkerSpec:
     elif callable(spec.entrypoint):
         spec.entrypoint = PdeathsigEntrypoint(spec.entrypoint)
     return spec
+
+
+def wait_for_workers_or(pcontext: PContext | None, timeout: float, done: Callable[[], bool], poll: float) -> None:
+    """Up to ``timeout`` s, returning as soon as a local worker returns or exits, or ``done()`` (asked every
+    ``poll`` s): the monitor loop's wait while the workers head for an agreed step."""
+    processes = worker_processes(pcontext) if pcontext is not None else None
+    returns = worker_return_values(pcontext)
+    began = time.monotonic()
+    while True:
+        remaining = timeout - (time.monotonic() - began)
+        if remaining <= 0 or done():
+            return
+        if wait_for_workers(processes, returns, min(poll, remaining)):
+            # never spin: a worker that returned stays "ready" until torch's next poll has read it
+            time.sleep(max(0.0, min(timeout, 0.01) - (time.monotonic() - began)))
+            return
