@@ -1,26 +1,11 @@
 """``SpotrunAgent``: torch's ``LocalElasticAgent`` with fast, membership-aware recovery.
 
-Everything torch does for workers is kept (environment, ranks, error files, log redirection, exit barrier).
-The agent core is torch's overrides, the monitor loop and the exit barrier; each place that changes torch's
-behaviour (2.13 to 2.15) is marked ``CHANGE:`` with the reason, and the torch internals it relies on are checked
-by ``elastic.torch_internals`` (at run time) and fingerprinted by tests/elastic/test_torch_internals.py.
-
-The features plug in through the hooks of ``elastic.agent_hooks``, called in the order the agent lists them:
-
-* ``elastic.membership``: the rendezvous view (membership events instead of a blind sleep, lost peers, the
-  outage clock: an etcd restart does not kill a healthy job, one past its bound fails it);
-* ``elastic.hangwatch``: hung workers are detected, their stacks logged, the hung rank killed and named;
-* ``elastic.restores``: the memory tier's restore reports (``restore_completed``);
-* ``elastic.vitals``: progress, durability and straggler metrics and events;
-* ``elastic.planned``: planned changes (notices, the stop posted to the workers, leaving, re-forming in place).
-
-The core's own changes: worker failures that coincide with a lost peer do not use up ``--max-restarts``
-(``elastic.failures``); workers stop with a short grace and die with the agent, and the failure summary names
-every rank that failed on its own, root cause first (``elastic.agent_procs``); the exit barrier does not wait for
-a peer that left (``elastic.exit_barrier``); every recovery stage is a structured event (``elastic.events``).
-
-With the etcd-v3 backend the workers' TCPStore is a new server per round (``rendezvous.worker_store``), so the
-workers of a new round never see the previous round's keys (pytorch#135712).
+Everything torch does for workers is kept (environment, ranks, error files, log redirection, exit barrier). The
+core is torch's overrides, the monitor loop and the exit barrier; each departure from torch (2.13 to 2.15) is
+marked ``CHANGE:``, and the torch internals it relies on are checked by ``elastic.torch_internals``. The
+features plug in through ``elastic.agent_hooks``: the rendezvous view and its outage clock (``membership``),
+hang detection (``hangwatch``), restore reports (``restores``), vitals (``vitals``) and planned changes
+(``planned``). Worker processes are stopped and judged by ``agent_procs``; failures decided by ``failures``.
 """
 
 from __future__ import annotations
@@ -85,16 +70,9 @@ PEER_REVOKE_SEEN_S = 1.0
 class SpotrunAgent(LocalElasticAgent):
     """A ``LocalElasticAgent`` that recovers from node loss, worker crashes and scale-up in seconds.
 
-    Args (beyond torch's):
-        settings: spotrun's recovery knobs (``elastic.config.AgentSettings``).
-        events: where recovery events go (``events.jsonl``).
-        tie_workers_to_agent: workers die with the agent (a parent-death signal through an exec shim).
-        mailbox: the workers' mailbox for planned changes (None: no planned stops).
-        clock: monotonic seconds for the outage bound and the restore reports (injected: tests drive it).
-        memory_dir: this node's memory tier keeper directory (restore and save records, snapshots).
-        script_imports_helper: the training script's source imports ``elastic.preemption``, so a notice
-            before its helpers exist is a planned leave (``planned.HelperOutlook.COMING``).
-        metrics: the exporter's metrics (``--metrics-port``).
+    Beyond torch's arguments: ``settings`` (recovery knobs), ``events`` (``events.jsonl``), ``mailbox`` (the
+    workers' mailbox: None, no planned stops), ``clock`` (monotonic, injected), ``memory_dir`` (the memory tier
+    keeper directory), ``script_imports_helper`` (the script imports ``elastic.preemption``), ``metrics``.
     """
 
     def __init__(
@@ -158,14 +136,13 @@ class SpotrunAgent(LocalElasticAgent):
 
     @property
     def exit_status(self) -> int:
-        """Exit status for a run that did not fail: 0, or ``--planned-leave-exit-code`` after this node left
-        the group for its notice with training unfinished (see ``planned.leave_exit_code``)."""
+        """0, or ``--planned-leave-exit-code`` after a leave with training unfinished (``leave_exit_code``)."""
         return self.planned.exit_status
 
     @property
     def finished(self) -> bool:
-        """True once the run finished (the workers succeeded, the exit barrier passed): not after a planned
-        leave or a failure. The launcher then lets the rendezvous keep its ``finished`` marker."""
+        """The workers succeeded and the exit barrier passed (not a leave or a failure): the launcher keeps the
+        rendezvous' ``finished`` marker."""
         return self._finished
 
     def release(self) -> None:

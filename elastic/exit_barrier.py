@@ -25,15 +25,8 @@ PAUSE_S = 0.1
 
 
 class ExitBarrier:
-    """Waits on a round's store for its peers, watching the membership.
-
-    Args:
-        membership: the rendezvous view (lost peers, membership events to wake on).
-        timeout: seconds to wait for the peers (torch's ``exit_barrier_timeout``).
-        leave_by: monotonic-free wall-clock time this node must leave by (its notice's deadline minus the stop
-            grace), or None; asked at every pause, since a notice may arrive while the barrier waits.
-        ctx: the agent's log prefix.
-    """
+    """Waits on a round's store for its peers, watching the membership; ``leave_by()``: the wall-clock time
+    this node must leave by (its notice's deadline minus the stop grace) or None, asked at every pause."""
 
     def __init__(self, membership: MembershipView, *, timeout: float, leave_by: Callable[[], float | None],
                  ctx: Callable[[], str]) -> None:

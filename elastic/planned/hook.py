@@ -65,13 +65,11 @@ ACK_POLL_INTERVAL = 0.01
 
 
 class LeaveForNotice(BaseException):
-    """A notice with nothing to save (between rounds, or workers that have not built their helpers yet): the
-    agent leaves at once, as a planned leave; ``why`` goes in the ``planned_leave`` event.
+    """A notice with nothing to save: the agent leaves at once, as a planned leave (``why`` in ``planned_leave``).
 
-    Raised by the notice signal handler, which runs inside whatever the main thread is blocked in: most often
-    the rendezvous' wait for a round, which has no other way out. A ``BaseException`` (like
-    ``KeyboardInterrupt``), so that no ``except Exception`` of the rendezvous code on the way swallows it;
-    the agent's run catches it (:meth:`PlannedFeature.leave_between_rounds`).
+    Raised by the notice signal handler inside whatever the main thread is blocked in (the rendezvous' wait for
+    a round has no other way out); a ``BaseException``, like ``KeyboardInterrupt``, so that no ``except
+    Exception`` on the way swallows it. The agent's run catches it (:meth:`PlannedFeature.leave_between_rounds`).
     """
 
     def __init__(self, why: str = WHY_BETWEEN_ROUNDS) -> None:
@@ -80,16 +78,8 @@ class LeaveForNotice(BaseException):
 
 
 class PlannedFeature(AgentFeature):
-    """Planned changes of one agent: its notice, the stop posted to its workers, its leave.
-
-    Args:
-        host: the agent.
-        membership: the rendezvous view (peers' notices, lost peers, the lease to revoke).
-        settings: ``stop_grace``, ``resize_timeout``, the notice signals and graces, the planned-leave code.
-        mailbox: the workers' mailbox (None: workers cannot be asked to stop at an agreed step).
-        memory_dir: this node's memory tier keeper directory (just-in-time snapshots after a peer loss).
-        script_imports_helper: the training script's source imports ``elastic.preemption``.
-    """
+    """Planned changes of one agent: its notice, the stop posted to its workers, its leave. ``mailbox`` None:
+    workers cannot be asked to stop at an agreed step; ``memory_dir``: just-in-time snapshots after a peer loss."""
 
     def __init__(self, host: AgentHost, membership: MembershipView, settings: AgentSettings, mailbox: Mailbox | None,
                  *, memory_dir: str | None = None, script_imports_helper: bool = False,

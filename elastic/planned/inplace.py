@@ -32,16 +32,8 @@ JIT_POLL_INTERVAL = 0.02
 
 
 class InPlaceReformer:
-    """Re-forms the group around waiting workers; lets the workers snapshot after a peer loss.
-
-    Args:
-        host: the agent (its rendezvous round around running workers, events).
-        membership: the rendezvous view (lost peers, whether they refuse connections).
-        changes: the planned-change state (the stop posted, this node's notice).
-        mailbox: the workers' mailbox (None: nothing re-forms in place).
-        memory_dir: the memory tier keeper directory (None: no just-in-time snapshots to wait for).
-        stop_grace: the longest wait for the workers' snapshots (``--stop-grace``).
-    """
+    """Re-forms the group around waiting workers; lets the workers snapshot after a peer loss (up to
+    ``stop_grace`` s, when ``memory_dir`` shows they snapshot)."""
 
     def __init__(self, host: AgentHost, membership: MembershipView, changes: PlannedChanges, mailbox: Mailbox | None,
                  *, memory_dir: str | None, stop_grace: float, clock: Callable[[], float] = time.monotonic) -> None:
