@@ -50,7 +50,7 @@ from elastic.hangwatch import HangFeature, HangWatch
 from elastic.membership import MembershipView
 from elastic.metrics import AgentMetrics
 from elastic.notice import Notice
-from elastic.planned.hook import WHY_BETWEEN_ROUNDS, LeaveForNotice, PlannedFeature
+from elastic.planned.hook import LeaveForNotice, PlannedFeature
 from elastic.progress import ProgressBoard
 from elastic.restores import RestoreReports
 from elastic.torch_internals import check_agent_internals, worker_processes
@@ -58,8 +58,7 @@ from elastic.vitals import Vitals, VitalsFeature
 from elastic.worker.mailbox import Mailbox
 from elastic.workers import DeathClock, fall_back_to_plain_workers
 
-__all__ = ["WHY_BETWEEN_ROUNDS", "FailureAction", "LeaveForNotice", "SpotrunAgent", "decide_on_failure",
-           "recovery_cause_of_failure", "should_refund"]
+__all__ = ["SpotrunAgent"]
 
 logger = logging.getLogger(__name__)
 
