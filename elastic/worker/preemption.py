@@ -15,8 +15,8 @@ alone would split the group. Every ``sync_every`` steps (the same step numbers o
 pair up) the ranks all-reduce one int (MAX of "my node has a notice") on a dedicated gloo group (a
 ``checkpoint.collective.Collective``, bounded by ``timeout``); the first such step at which any rank saw a
 notice is the agreed step on every rank. One 8-byte gloo all-reduce every ``sync_every`` steps is
-negligible, and the notice is acted on at most ``sync_every`` steps late (deadlines are 30-120 s, steps well under a second). Between sync steps the call is an
-integer modulo: no I/O, no collective.
+negligible, and the notice is acted on at most ``sync_every`` steps late (deadlines are 30-120 s, steps well
+under a second). Between sync steps the call is an integer modulo: no I/O, no collective.
 
 Deadline-aware save: at the agreed step every rank reports how long its last saves took
 (``Checkpointer.save_seconds_estimate``) and how long is left before ``save_by``, in one all-gather on the
