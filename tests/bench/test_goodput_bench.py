@@ -80,7 +80,7 @@ def test_agreed_step_to_first_step_starts_at_the_commit_of_the_agreed_step() -> 
     assert gb.agreed_step_to_first_step(events, lines, [(10.0, "notice"), (11.5, "rejoin")]) == {"notice": [pytest.approx(0.8)]}
 
 
-def test_the_report_showsmedian_worst_and_the_target() -> None:
+def test_the_report_shows_median_worst_and_the_target() -> None:
     assert gb.median_worst([]) == "-"
     assert gb.median_worst([0.5, 0.7, 1.4]) == "0.70 / 1.40 s (n=3, missed)"
     assert gb.median_worst([0.4, 0.6]) == "0.50 / 0.60 s (n=2, met)"
