@@ -274,17 +274,21 @@ class SpotrunAgent(LocalElasticAgent):
             default_close_timeout(self._pcontext, self._settings.stop_grace, self._workers_closing)
             self._start_death_clock(self._pcontext)
         self._workers_started(WorkersStarted(dict(pids), {w.local_rank: w.global_rank for w in worker_group.workers}))
-        # CHANGE: torch's PContext.start replaces the notice handlers with its own (an immediate shutdown): ours
-        # are back at once. (Blocking the signals over the start instead would leak the mask into the workers,
-        # which inherit it through fork and exec: a script would see SIGTERM blocked.)
-        self.install_notice_handlers()
         self.emit(RecoveryEvent.WORKERS_STARTED, pids=sorted(pids.values()))
         self._recovery_cause = None
         return pids
 
     def _workers_started(self, event: WorkersStarted) -> None:
+        """CHANGE: torch's PContext.start replaces the notice handlers with its own (an immediate shutdown): ours
+        are back at once, right after the planned feature knows the workers run (a notice then is not taken for
+        one between rounds), before the other features start. (Blocking the signals over the start instead would
+        leak the mask into the workers, which inherit it through fork and exec: a script would see SIGTERM
+        blocked.)"""
+        self.planned.on_workers_started(event)
+        self.install_notice_handlers()
         for feature in self._features:
-            feature.on_workers_started(event)
+            if feature is not self.planned:
+                feature.on_workers_started(event)
 
     def _workers_closing(self) -> None:
         """Called before the agent signals its workers to stop them (every path goes through the process
