@@ -201,7 +201,7 @@ def test_fsdp2_survivor_of_a_killed_peer_reshards_in_place_from_memory(tmp_path:
                                                                        etcd_server: EmbeddedEtcd) -> None:
     """train_gpt.py --parallel fsdp, a snapshot every step: node B SIGKILLed whole. The survivor's worker keeps its
     process, shards the model again at world size 1 and restores through the memory tier's resharding read path
-    (its own just-in-time snapshot, B's shards from the buddy copy it holds): at most the step in flight redone."""
+    (its own just-in-time snapshot, B's shards from the buddy copy it holds): at most two steps redone."""
     progress = tmp_path / "progress.jsonl"
     train = [str(EXAMPLES / "train_gpt.py"), "--parallel", "fsdp", "--steps", str(STEPS), "--global-batch", "8",
              "--context", "32", "--corpus-chars", "8192", "--log-every", "1000", "--ckpt-every", "1000",
@@ -232,5 +232,6 @@ def test_fsdp2_survivor_of_a_killed_peer_reshards_in_place_from_memory(tmp_path:
     first = alone[0]
     assert first.get("reformed_in_place") is True, first
     assert first["restore_source"] in {"memory_local", "memory_peer"}, first
-    assert before - 1 <= first["restore_step"] <= before and first["step"] == first["restore_step"] + 1, (before, first)
+    # B's shards come from the buddy copy A holds, which trails the step in flight (its exchange is asynchronous).
+    assert before - 2 <= first["restore_step"] <= before and first["step"] == first["restore_step"] + 1, (before, first)
     assert "re-forming around them" in log, log[-3000:]
