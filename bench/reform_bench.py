@@ -15,7 +15,8 @@ Job: ``examples/train_ddp.py``'s model, optimizer (SGD + momentum) and data curs
   ``workers_started`` -> first step of the new group. What the in-place path would remove is
   ``rendezvous_completed -> first step`` (stopping and starting the workers: warm fork, process-group init,
   memory-tier restore, DDP construction, the first step).
-* ``agent-inplace``: the same with ``SPOTRUN_REFORM_IN_PLACE=1`` (the prototype, ``elastic.worker.reform``):
+* ``agent-inplace``: the same as train_ddp.py runs by default, under ``elastic.inplace.run`` (``restart``
+  runs it with ``SPOTRUN_REFORM_IN_PLACE=0``):
   the survivors of a ``notice`` or a ``kill`` keep their processes and rebuild their group when the agent posts
   the new round (for a kill after aborting their group on the agent's word); ``join`` still restarts.
 * ``inplace``: N processes (started before timing: they stand for surviving workers) train the same job at
@@ -102,12 +103,15 @@ def _node0_events(workdir: Path, node0_pid: int, after: float) -> dict[str, floa
 def restart_side(nodes: int, cycles: int, workdir: Path, timeout: float, *,
                  in_place: bool = False) -> dict[str, list[dict[str, float]]]:
     """change -> list of {stage: seconds from the change's origin (agreed step commit, or the death)}.
-    ``in_place``: the agents and workers run with SPOTRUN_REFORM_IN_PLACE=1 (the prototype: a notice re-forms
-    around the survivors' processes, and so does a kill since the workers abort their group on the agent's word and
-    wait in place; a join restarts them as before)."""
+    ``in_place``: train_ddp.py's default, ``elastic.inplace.run``: a notice re-forms around the survivors'
+    processes, and so does a kill since the workers abort their group on the agent's word and wait in place; a join
+    restarts them as before. Otherwise ``SPOTRUN_REFORM_IN_PLACE=0``: every change restarts the workers."""
     results: dict[str, list[dict[str, float]]] = {c: [] for c in CHANGES}
-    extra = {ENV_REFORM_IN_PLACE: "1"} if in_place else {}
-    env = make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"), OMP_NUM_THREADS="1", **extra)
+    env = make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"), OMP_NUM_THREADS="1")
+    if in_place:
+        env.pop(ENV_REFORM_IN_PLACE, None)
+    else:
+        env[ENV_REFORM_IN_PLACE] = "0"
     with rendezvous_endpoint("spotrun") as endpoint:
         agents: list[Launcher] = []
 
@@ -319,7 +323,7 @@ def report(results: dict[str, dict[str, list[dict[str, float]]]], nodes: int) ->
     if "restart" in results:
         _agent_table(f"restart: spotrun today, {nodes} agents", results["restart"])
     if "agent-inplace" in results:
-        _agent_table(f"agent-inplace: spotrun with SPOTRUN_REFORM_IN_PLACE=1, {nodes} agents (notice in place; "
+        _agent_table(f"agent-inplace: spotrun, train_ddp.py under elastic.inplace.run, {nodes} agents (notice in place; "
                      "kill in place too; join restarts as today)", results["agent-inplace"])
     if "inplace" in results:
         print("\ninplace: the rebuild alone in surviving processes (slowest survivor, seconds):\n")

@@ -212,10 +212,8 @@ class SpotrunAgent(LocalElasticAgent):
         previous = self.membership.round_members()
         self._rendezvous(group)  # torch's: new ranks in group.workers, this round's MASTER_ADDR/PORT
         current = self.membership.round_members()
-        if previous is None or current is None or not current <= previous:
-            # A node joined in the same round (a spare, a replacement): its fresh worker restores through
-            # collectives that the waiting survivors would not join. Start new workers instead.
-            logger.info("%s the re-formed round admitted a new node; restarting the workers instead", self.ctx())
+        if self.planned.in_place.falls_back(previous, current):  # a new node, or a worker gave up waiting
+            logger.info("%s the re-form in place falls back to a restart of the workers", self.ctx())
             self._stop_workers(group)
             for local_rank, worker_id in self._start_workers(group).items():  # torch's _initialize_workers
                 group.workers[local_rank].id = worker_id
@@ -442,6 +440,7 @@ class SpotrunAgent(LocalElasticAgent):
     def _handle_failure(self, run_result: RunResult) -> RunResult | None:
         """Restart the group (returns None) or give up (returns the failed result)."""
         failures = {rank: f.exitcode for rank, f in run_result.failures.items()}
+        fell_back = self.planned.in_place.report_fallback(None, worker_failed=True)  # CHANGE (in place): uncharged
         peer_lost = self.membership.changed()
         if not peer_lost and self.membership.confirm_dead_peers():
             # CHANGE: a dead peer's process was confirmed by a refused probe and its lease revoked: our watch
@@ -451,7 +450,7 @@ class SpotrunAgent(LocalElasticAgent):
             # CHANGE: last chance; a collective broken by a dead peer fails before the peer's lease expires
             # (the launcher stretches peer_loss_grace over the lease TTL, see launcher.peer_loss_window).
             peer_lost = self.membership.wait_for_peer_loss(self._settings.peer_loss_grace)
-        action = decide_on_failure(remaining_restarts=self._remaining_restarts, peer_lost=peer_lost)
+        action = decide_on_failure(remaining_restarts=self._remaining_restarts, peer_lost=peer_lost or fell_back)
         hung = self.hang is not None and self.hang.hung
         cause = FailureCause.HANG if hung else (
             FailureCause.WORKER_FAILURE_WITH_PEER_LOSS if peer_lost else FailureCause.WORKER_FAILURE)

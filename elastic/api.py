@@ -40,9 +40,9 @@ ENV_GCP_METADATA_URL = "SPOTRUN_GCP_METADATA_URL"
 ENV_AZURE_METADATA_URL = "SPOTRUN_AZURE_METADATA_URL"
 #: Directory of the agent<->worker mailbox (set by spotrun for its workers; absent under torchrun).
 ENV_NOTICE_DIR = "SPOTRUN_NOTICE_DIR"
-#: ``1``: prototype. For a peer's planned leave, workers that use ``elastic.worker.reform.InPlaceReform`` keep
-#: their process and rebuild their process group at the new size instead of being restarted (the agent and its
-#: workers both read it; docs/concepts/reform-in-place.md).
+#: Deprecated. In-place re-forms are chosen by use: workers whose script runs under ``elastic.inplace.run`` say
+#: so in the mailbox and are re-formed in place. ``0`` turns that off (the agent and its workers read it: every
+#: change restarts the workers); ``1`` is accepted and changes nothing (docs/concepts/reform-in-place.md).
 ENV_REFORM_IN_PLACE = "SPOTRUN_REFORM_IN_PLACE"
 
 #: Rendezvous backend spotrun uses when ``--rdzv-backend`` is not given (torchrun's is ``static``).
@@ -86,6 +86,10 @@ class RecoveryEvent(str, enum.Enum):
     once until it is cleared (``elastic.straggler``)."""
     STRAGGLER_CLEARED = "straggler_cleared"
     """A rank named by ``straggler_detected`` is back within the factor (``rank``, ``local_rank``)."""
+    IN_PLACE_FALLBACK = "in_place_fallback"
+    """Workers that run under ``elastic.inplace.run`` are restarted instead of re-formed in place (``why``: an
+    ``InPlaceFallback`` value; ``detail``; ``ranks``: the local ranks that reported it); the restart's events
+    follow."""
 
 
 class FailureCause(str, enum.Enum):
@@ -118,6 +122,25 @@ class RecoveryCause(str, enum.Enum):
     """A node leaves after a notice (preemption), this one or a peer."""
     SCALE_UP = "scale_up"
     """A node joins the running job."""
+
+
+class InPlaceFallback(str, enum.Enum):
+    """Why an in-place re-form fell back to restarting the workers (``why`` of ``in_place_fallback``)."""
+
+    NEW_NODE = "new_node"
+    """The re-formed round admitted a node that was not in the last one (its workers restore collectively)."""
+    NOT_WAITING = "not_waiting"
+    """After a peer loss, not every local worker waited in place within ``--stop-grace``."""
+    WORKER_FAILED = "worker_failed"
+    """A local worker failed on its own while the others waited in place."""
+    TIMEOUT = "timeout"
+    """A waiting worker got no new group within its ``InPlaceConfig.wait_timeout``."""
+    REBUILD_FAILED = "rebuild_failed"
+    """Releasing the old group's objects or joining the new group raised (e.g. a second fault meanwhile)."""
+    STEPS_DIFFER = "steps_differ"
+    """After a lost peer the survivors stood at different completed steps (a restart restores one for all)."""
+    STEP_UNKNOWN = "step_unknown"
+    """After a lost peer the training function told no completed step to check."""
 
 
 class EventSink(Protocol):

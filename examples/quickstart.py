@@ -1,7 +1,9 @@
 """Quickstart: a torchrun DDP script made fault tolerant (the README's example and the docs' quickstart).
 
-Three additions to a plain DDP loop: the ``Checkpointer`` (async, sharded, loads at any world size), the
-``Preemption`` line (on a notice every rank commits the same step and leaves), and launching with ``spotrun``.
+Four additions to a plain DDP loop: the ``Checkpointer`` (async, sharded, loads at any world size), the
+``Preemption`` line (on a notice every rank commits the same step and leaves), the loop in a function run by
+``elastic.inplace.run`` (when a peer node leaves or is lost, the survivors' processes stay and the function is
+entered again with the new group), and launching with ``spotrun``.
 Its ``memory=MemoryTierConfig(...)`` option adds the memory tier: under spotrun every step is snapshotted into
 host shared memory (``every="auto"``: as often as it costs under 2 % of the step), so a crashed worker or a lost
 node resumes from the last completed step instead of the last durable checkpoint (off under torchrun, said once).
@@ -31,7 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from checkpoint import CheckpointConfig, Checkpointer, MemoryTierConfig
 from checkpoint.api import CheckpointError
-from elastic.preemption import Preemption
+from elastic import inplace
+from elastic.preemption import Preemption  # noqa: F401 - says the script builds a helper (gen.preemption)
 
 _first_step = True
 
@@ -65,24 +68,30 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # RANK, WORLD_SIZE... from the launcher
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Linear(16, 1).to(device))
+    model = nn.Linear(16, 1).to(device)          # kept when the group re-forms in place
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
-    # --8<-- [start:loop]
-    state = {"model": model, "optim": optim}
-    with Checkpointer(args.ckpt_dir, CheckpointConfig(keep_last=2, memory=MemoryTierConfig(every="auto"))) as ckpt:
-        start = (ckpt.load(state) or 0) + 1          # resumes at any world size, from memory when it can
-        preemption = Preemption()                    # collective: after init_process_group
-        for step in range(start, args.steps + 1):
-            train_step(model, optim, step)
-            if preemption.save_and_stop(ckpt, step, state):
-                break                                # a notice: `step` is committed on every rank
-            if step % args.ckpt_every == 0:
-                ckpt.save(step, state)               # blocks only for the host copy
-    # --8<-- [end:loop]
+    start = inplace.run(train, model, optim, args)  # re-enters train with the new group after a peer's change
     if start > args.steps and dist.get_rank() == 0:  # a finished run started again
         print(f"step {start - 1} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)
-    del model, state  # free DDP before its group: torch can deadlock at exit otherwise (docs/concepts/launcher.md)
     dist.destroy_process_group()
+
+
+def train(gen: inplace.Generation, model: nn.Module, optim: torch.optim.Optimizer, args: argparse.Namespace) -> int:
+    """Train with the current group; returns the first step this entry would have trained. What holds the group
+    is tracked (``gen.track``): the wrapper releases it before the group is replaced."""
+    # --8<-- [start:loop]
+    state = {"model": gen.track(DistributedDataParallel(model)), "optim": optim}  # tracked: rebuilt at a re-form
+    ckpt = gen.track(Checkpointer(args.ckpt_dir, CheckpointConfig(keep_last=2, memory=MemoryTierConfig(every="auto"))))
+    start = (gen.resumed_at if gen.reformed else ckpt.load(state) or 0) + 1  # any world size, from memory if it can
+    preemption = gen.preemption()                # collective: every rank builds it
+    for step in range(start, args.steps + 1):
+        train_step(state["model"], optim, step)
+        if preemption.save_and_stop(ckpt, step, state):
+            break                                # a notice: `step` is committed on every rank
+        if step % args.ckpt_every == 0:
+            ckpt.save(step, state)               # blocks only for the host copy
+    # --8<-- [end:loop]
+    return start
 
 
 if __name__ == "__main__":

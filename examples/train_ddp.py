@@ -10,8 +10,10 @@ even when the shares are uneven (64 at 3 ranks: 22/21/21): a 2 -> 1 -> 3 worker 
 uninterrupted one. ``--deterministic`` makes it bit-identical instead (``elastic.deterministic``: fixed
 ``--shards`` virtual micro-batches, each computed alone, summed along a fixed tree over the shards; see
 ``bench/deterministic_bench.py`` for its cost).
-WORLD_SIZE/RANK/LOCAL_RANK are read at every start (spotrun restarts the script after each membership
-change). gloo on CPU, nccl when CUDA is available.
+Under spotrun the training runs in ``elastic.inplace.run``: when a peer node leaves with a notice or is lost,
+this process stays, rebuilds its process group at the new size and trains on from the next step
+(docs/concepts/reform-in-place.md); other changes restart it, and WORLD_SIZE/RANK/LOCAL_RANK are read at every
+start. gloo on CPU, nccl when CUDA is available.
 
 Run it (from the repository root):
     # single process, no launcher
@@ -56,8 +58,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from checkpoint.api import CheckpointError
+from elastic import inplace
 from elastic.data import BatchConfig, ElasticBatches, ElasticDataError, StepPlan
 from elastic.deterministic import ShardGradReducer
+from elastic.inplace import InPlaceConfig
 from elastic.preemption import Preemption
 
 logger = logging.getLogger("train_ddp")
@@ -253,18 +257,6 @@ def deterministic_step(model: nn.Module, reducer: ShardGradReducer, plan: StepPl
     return reducer.finish()
 
 
-def _check_same_step(step: int, device: torch.device) -> None:
-    """After a re-form in place for a lost peer: every survivor must stand at the same completed step. A peer
-    that died inside an all-reduce can leave one rank with the step's result and another without it; then
-    they do not go on (the agent restarts them, restoring one step from memory)."""
-    bounds = torch.tensor([step, -step], dtype=torch.int64, device=device)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-    newest, oldest = int(bounds[0]), -int(bounds[1])
-    if newest != oldest:
-        raise RuntimeError(f"the survivors of the lost peer stopped at steps {oldest} to {newest}: not re-formed in "
-                           "place (a restart restores one step for all)")
-
-
 @record
 def main(argv: list[str] | None = None) -> None:
     """Train; a checkpoint error (a location that cannot be written, a final save that failed) ends the process
@@ -277,24 +269,57 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
 
 
+@dataclass(kw_only=True, slots=True)
+class Job:
+    """What outlives a re-form in place: the model, the optimizer, the progress, the data (rank-independent)."""
+
+    args: argparse.Namespace
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    trainer: TrainerState
+    batches: ElasticBatches
+    dataset: TensorDataset
+
+    @property
+    def state(self) -> dict[str, Any]:
+        # Checkpoint the bare module: its keys do not depend on DDP or on the world size.
+        return {"model": self.model, "optim": self.optimizer, "trainer": self.trainer, "data": self.batches}
+
+
 def train(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logger.setLevel(logging.INFO)
     if args.deterministic:
         torch.set_num_threads(1)  # a GEMM may split its reduction by thread: fix the count, like the shards
-    rank, world, device = init_distributed(args.pg_timeout)
-    ctx = f"[rank {rank}/{world} restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}]"
-
+    _, _, device = init_distributed(args.pg_timeout)
     model = make_model().to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    trainer = TrainerState()
-    batches = ElasticBatches(args.batch_config)
-    # Checkpoint the bare module: its keys do not depend on DDP or on the world size.
-    state = {"model": model, "optim": optimizer, "trainer": trainer, "data": batches}
-    ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option), args.ckpt_retry_timeout)
-    memory = open_memory_tier(args.memory_snapshot_every)
+    job = Job(args=args, device=device, model=model,
+              optimizer=torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), trainer=TrainerState(),
+              batches=ElasticBatches(args.batch_config), dataset=synthetic_regression(args.dataset_size, args.seed))
+    try:
+        # Under spotrun a peer's planned leave or a lost peer re-enters train_group in this process with the new
+        # group (elastic.inplace); elsewhere it runs once.
+        inplace.run(train_group, job, config=InPlaceConfig(pg_timeout=timedelta(seconds=args.pg_timeout)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train_group(gen: inplace.Generation, job: Job) -> None:
+    """Train with the current group until the end, a planned stop or a broken collective. Everything built on
+    the group is tracked: the wrapper releases it before a re-form (DDP's reducer first of all, while the
+    group still lives: freed after ``destroy_process_group``, its destructor can hang joining gloo's threads)."""
+    args, trainer, batches, model, optimizer, device = job.args, job.trainer, job.batches, job.model, job.optimizer, job.device
+    rank, world, state = gen.rank, gen.world_size, job.state
+    ctx = f"[rank {rank}/{world} restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}]"
+    ckpt = gen.track(open_checkpointer(args.ckpt_dir, dict(args.storage_option), args.ckpt_retry_timeout))
+    memory = gen.track(open_memory_tier(args.memory_snapshot_every))
     restored: dict[str, Any] = {}  # the restore's report (restore_source, restore_step...): on the first progress line
-    if memory is not None:
+    if gen.reformed:
+        restored = {"reformed_in_place": True}  # the state in memory is the old group's last step
+        logger.info("%s re-formed in place at step %d", ctx, trainer.step)
+    elif memory is not None:
         from checkpoint.memory import restore
 
         report = restore(ckpt, state, memory=memory)
@@ -306,132 +331,60 @@ def train(args: argparse.Namespace) -> None:
         step_loaded = ckpt.load(state)
         if step_loaded is not None:
             logger.info("%s resumed from step %s (samples_seen=%s)", ctx, step_loaded, trainer.samples_seen)
-    if ckpt is not None and trainer.step >= args.steps and rank == 0:
+    if ckpt is not None and trainer.step >= args.steps and rank == 0 and not gen.reformed:
         print(f"step {trainer.step} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)
     # Deterministic mode replaces DDP's gradient reduction with the fixed-order shard sum.
     reducer = None
     if args.deterministic:
         reducer = ShardGradReducer(model.parameters(), num_shards=args.shards, global_batch=args.global_batch)
-    ddp = DistributedDataParallel(model) if dist.is_initialized() and reducer is None else model
+    ddp = gen.track(DistributedDataParallel(model)) if dist.is_initialized() and reducer is None else model
     # On a preemption notice (or a node joining) every rank stops at the same step, which is committed:
-    # spotrun then re-forms the group and the next start resumes there (SIGTERM under plain torchrun).
-    preemption = None
+    # spotrun then re-forms the group (in place for a peer's leave) or the next start resumes there (SIGTERM
+    # under plain torchrun).
+    preemption: Preemption | None = None
     if ckpt is not None:
-        preemption = Preemption(sync_every=args.preempt_sync_every)
-    dataset = synthetic_regression(args.dataset_size, args.seed)
-    # The sampler starts at the restored cursor and yields this rank's micro-batches step after step.
+        preemption = gen.preemption(sync_every=args.preempt_sync_every)
+    # The sampler starts at the cursor and yields this rank's micro-batches step after step.
     sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))
-    micro = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=args.loader_workers))
-
-    # SPOTRUN_REFORM_IN_PLACE=1 (prototype): for a peer's planned leave, or a peer lost (its collective aborted
-    # by the agent's word, the last completed step snapshotted), this process stays, rebuilds its group at the
-    # new size and goes on (docs/concepts/reform-in-place.md); otherwise it exits as above.
-    reform = None
-    if preemption is not None:
-        from checkpoint.memory.jit import is_collective_failure
-        from elastic.worker.reform import InPlaceReform
-
-        reform = InPlaceReform()
-
-    snapshotted = False
+    micro = iter(DataLoader(job.dataset, batch_sampler=sampler, num_workers=args.loader_workers))
     try:
-        while True:
-            stopped = False
-            try:
-                while trainer.step < args.steps:
-                    plan = batches.plan(rank, world)
-                    optimizer.zero_grad(set_to_none=True)
-                    if reducer is None:
-                        loss = global_mean_loss(train_step(model, ddp, plan, micro, device), args.global_batch)
-                    else:
-                        loss = deterministic_step(model, reducer, plan, micro, device)
-                    optimizer.step()
-                    batches.advance()
-                    trainer.step += 1
-                    trainer.samples_seen += args.global_batch
-                    if args.step_time:
-                        time.sleep(args.step_time)
-                    if args.progress_file:
-                        append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
-                                                             "pid": os.getpid(), "t_wall": time.time(),
-                                                             "loss": loss.item(), **restored})
-                        restored = {}
-                    if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
-                        print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
-                    if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
-                        stopped = True
-                        break
-                    if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
-                        ckpt.save(trainer.step, state)
-                    if memory is not None:
-                        memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
-            except Exception as exc:
-                if reform is None or not reform.enabled or not is_collective_failure(exc):
-                    raise
-                # A peer is gone (the agent's word aborted this rank's group) and the collective raised before
-                # optimizer.step(): the state is that of trainer.step. Snapshot it, then wait in place for the
-                # re-formed group instead of exiting (DDP: every rank holds the whole model).
-                if memory is not None:
-                    memory.snapshot_on_failure(trainer.step, state, exc)
-                snapshotted = True
-                assignment = reform.wait_after_loss()
-                if assignment is None:
-                    raise
-                snapshotted = False
-                lost_peer = True
+        while trainer.step < args.steps:
+            plan = batches.plan(rank, world)
+            optimizer.zero_grad(set_to_none=True)
+            if reducer is None:
+                loss = global_mean_loss(train_step(model, ddp, plan, micro, device), args.global_batch)
             else:
-                assignment = reform.wait() if stopped and reform is not None else None
-                if assignment is None:
-                    break
-                lost_peer = False
-            # Everything holding the old group goes first (DDP's reducer, the helpers' gloo groups).
-            del ddp
-            if preemption is not None:
-                preemption.close()
-            preemption = None
+                loss = deterministic_step(model, reducer, plan, micro, device)
+            optimizer.step()
+            batches.advance()
+            trainer.step += 1
+            trainer.samples_seen += args.global_batch
+            gen.completed(trainer.step)
+            if args.step_time:
+                time.sleep(args.step_time)
+            if args.progress_file:
+                append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
+                                                     "pid": os.getpid(), "t_wall": time.time(),
+                                                     "loss": loss.item(), **restored})
+                restored = {}
+            if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
+                print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
+            if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
+                return  # the agreed step is committed: a peer's leave re-enters here at the new size
+            if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
+                ckpt.save(trainer.step, state)
             if memory is not None:
-                memory.close()
-            try:
-                ckpt.close()
-            except CheckpointError as close_error:
-                if not lost_peer:
-                    raise
-                # A save in flight when the peer died cannot commit (its collectives broke): never loaded.
-                logger.warning("%s a save in flight when the peer was lost did not commit: %s", ctx, close_error)
-            reform.rebuild(assignment, "nccl" if device.type == "cuda" else "gloo", timedelta(seconds=args.pg_timeout))
-            rank, world = assignment.rank, assignment.world_size
-            if lost_peer:
-                _check_same_step(trainer.step, device)
-            ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option), args.ckpt_retry_timeout)
-            memory = open_memory_tier(args.memory_snapshot_every)
-            if reducer is not None:
-                reducer = ShardGradReducer(model.parameters(), num_shards=args.shards, global_batch=args.global_batch)
-            ddp = DistributedDataParallel(model) if reducer is None else model
-            preemption = Preemption(sync_every=args.preempt_sync_every)
-            sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))
-            micro = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=args.loader_workers))
-            restored = {"reformed_in_place": True}
-            logger.info("%s re-formed in place at step %d: rank %d/%d", ctx, trainer.step, rank, world)
+                memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
         if ckpt is not None:
             ckpt.wait()
     except BaseException as exc:
         # A peer died mid-step: the collective raised before optimizer.step(), so the state is still that of
-        # trainer.step. Snapshot it into memory (no collective; only for a failed collective) and go on failing:
-        # the group restores from it, losing no completed step even with --memory-snapshot-every K > 1.
-        if memory is not None and not snapshotted:
+        # trainer.step. Snapshot it into memory (no collective; only for a failed collective): a re-form in
+        # place goes on from it in memory, a restart restores it, losing no completed step even with
+        # --memory-snapshot-every K > 1.
+        if memory is not None:
             memory.snapshot_on_failure(trainer.step, state, exc)
         raise
-    finally:
-        if memory is not None:
-            memory.close()
-        if ckpt is not None:
-            ckpt.close()
-        # Free DDP's reducer while the default group still holds the process group: when the reducer held the
-        # last reference (freed at return, after destroy_process_group), its destructor joined gloo's threads
-        # with the GIL held while one of them waited for the GIL to free a finished work: a hang at exit.
-        del ddp
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ stock ``torch.distributed.checkpoint`` instead (synchronous ``dcp.save`` every `
 preemption helper): the anchor of ``bench/goodput_bench.py``. Under spotrun with its checkpointer the memory
 tier is on by default (``--memory-snapshot-every auto``; ``--no-memory-tier`` turns it off): snapshots in host
 shared memory, buddy copies of FSDP2 shards on another node, so a crash or a lost node resumes from the last
-completed step.
+completed step. Under spotrun the training runs in ``elastic.inplace.run``: when a peer node leaves with a
+notice or is lost, this process stays and trains on with the new group (DDP: the model and optimizer as they are
+in memory; FSDP2: sharded again on the new mesh and restored from the memory tier at the new world size, the
+restore path of a restarted worker); docs/concepts/reform-in-place.md.
 
 Run it (from the repository root):
     # single process, no launcher
@@ -50,6 +53,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -72,7 +76,9 @@ from train_ddp import (
 )
 
 from checkpoint.api import CheckpointError
+from elastic import inplace
 from elastic.data import BatchConfig, ElasticBatches, ElasticDataError, StepPlan
+from elastic.inplace import InPlaceConfig
 from elastic.preemption import Preemption
 
 logger = logging.getLogger("train_gpt")
@@ -374,44 +380,92 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
 
 
+@dataclass(kw_only=True, slots=True)
+class Job:
+    """What outlives a re-form in place: the model and optimizer (DDP: kept as they are; FSDP2: rebuilt at the new
+    mesh and restored), the progress and the data cursor."""
+
+    args: argparse.Namespace
+    device: torch.device
+    model: GPT
+    optimizer: torch.optim.Optimizer | None = None
+    trainer: TrainerState
+    batches: ElasticBatches
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model, "optim": self.optimizer, "trainer": self.trainer, "data": self.batches}
+
+
 def train(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logger.setLevel(logging.INFO)
-    rank, world, device = init_distributed(args.pg_timeout)
-    ctx = f"[rank {rank}/{world} restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}]"
+    _, _, device = init_distributed(args.pg_timeout)
+    job = Job(args=args, device=device, model=make_model(args.gpt).to(device), trainer=TrainerState(),
+              batches=ElasticBatches(args.batch_config))
+    try:
+        # Under spotrun a peer's planned leave or a lost peer re-enters train_group in this process with the new
+        # group (elastic.inplace); elsewhere it runs once.
+        # FSDP2 restores its new shards from the spotrun checkpointer (or its memory tier): without one, restarts.
+        can = args.parallel == "ddp" or (args.ckpt_dir is not None and args.ckpt_backend == "spotrun")
+        inplace.run(train_group, job, config=InPlaceConfig(enabled=can, pg_timeout=timedelta(seconds=args.pg_timeout)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
-    model = make_model(args.gpt).to(device)
+
+def train_group(gen: inplace.Generation, job: Job) -> None:
+    """Train with the current group until the end, a planned stop or a broken collective (see train_ddp.py's
+    ``train_group``). DDP keeps the model and optimizer in memory across a re-form in place; FSDP2's shards are
+    laid out for the old mesh, so a re-formed FSDP2 entry builds the model again, shards it on the new mesh and
+    restores the state from the memory tier at the new world size (the restore path of a restarted worker)."""
+    args, trainer, batches, device = job.args, job.trainer, job.batches, job.device
+    rank, world = gen.rank, gen.world_size
+    ctx = f"[rank {rank}/{world} restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}]"
+    reshard = gen.reformed and args.parallel == "fsdp"
+    if reshard:
+        job.model = make_model(args.gpt).to(device)
+    model = job.model
     # FSDP2 shards the parameters in place, so the optimizer is built on the wrapped (sharded) parameters.
-    wrapped = parallelize(model, args.parallel, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    trainer = TrainerState()
-    batches = ElasticBatches(args.batch_config)
-    state = {"model": model, "optim": optimizer, "trainer": trainer, "data": batches}
+    wrapped = gen.track(parallelize(model, args.parallel, device))
+    if job.optimizer is None or reshard:
+        job.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = job.optimizer
+    state = job.state
     ckpt: Any = None
     dcp_ckpt: DCPCheckpoints | None = None
     if args.ckpt_dir is not None and args.ckpt_backend == "dcp":
         dcp_ckpt = DCPCheckpoints(args.ckpt_dir, model, optimizer)
-        if (path := dcp_ckpt.load({"trainer": trainer, "data": batches})) is not None:
+        if not gen.reformed and (path := dcp_ckpt.load({"trainer": trainer, "data": batches})) is not None:
             logger.info("%s resumed from %s (step %s)", ctx, path, trainer.step)
     else:
-        ckpt = open_checkpointer(args.ckpt_dir, dict(args.storage_option))
-    memory = open_memory_tier(args.memory_snapshot_every)
+        ckpt = gen.track(open_checkpointer(args.ckpt_dir, dict(args.storage_option)))
+    memory = gen.track(open_memory_tier(args.memory_snapshot_every))
     restored_fields: dict[str, Any] = {}  # the restore's report (restore_source...): on the first progress line
-    if memory is not None:
+    if gen.reformed and not reshard:
+        restored_fields = {"reformed_in_place": True}  # DDP: the state in memory is the old group's last step
+        logger.info("%s re-formed in place at step %d", ctx, trainer.step)
+    elif memory is not None:
         from checkpoint.memory import restore
 
         if (report := restore(ckpt, state, memory=memory)) is not None:
             restored_fields = report.to_json()
             logger.info("%s resumed from step %s (%s)", ctx, report.step, report.source.value)
+        if reshard:
+            restored_fields["reformed_in_place"] = True
     elif ckpt is not None and (restored := ckpt.load(state)) is not None:
         logger.info("%s resumed from step %s", ctx, restored)
-    if (ckpt is not None or dcp_ckpt is not None) and trainer.step >= args.steps and rank == 0:
+        if reshard:
+            restored_fields = {"reformed_in_place": True}
+    if (ckpt is not None or dcp_ckpt is not None) and trainer.step >= args.steps and rank == 0 and not gen.reformed:
         print(f"step {trainer.step} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)
     # A notice (or a node joining) stops every rank at the same, committed step (SIGTERM under torchrun).
-    preemption = Preemption(sync_every=args.preempt_sync_every) if ckpt is not None else None
+    preemption: Preemption | None = None
+    if ckpt is not None:
+        preemption = gen.preemption(sync_every=args.preempt_sync_every)
     sampler = batches.sampler(rank, world, steps=max(0, args.steps - trainer.step))
     micro = iter(DataLoader(args.dataset, batch_sampler=sampler, num_workers=args.loader_workers))
-    if rank == 0 and trainer.step == 0:
+    if rank == 0 and trainer.step == 0 and not gen.reformed:
         logger.info("%s vocab=%d windows=%d params=%d uniform loss=%.3f", ctx, args.gpt.vocab, len(args.dataset),
                     sum(p.numel() for p in make_model(args.gpt).parameters()), math.log(args.gpt.vocab))
 
@@ -423,6 +477,7 @@ def train(args: argparse.Namespace) -> None:
             optimizer.step()
             batches.advance()
             trainer.step += 1
+            gen.completed(trainer.step)
             if args.step_time:
                 time.sleep(args.step_time)
             if args.progress_file:
@@ -433,7 +488,7 @@ def train(args: argparse.Namespace) -> None:
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
             if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
-                break
+                return  # the agreed step is committed: a peer's leave re-enters here at the new size
             if trainer.step % args.ckpt_every == 0 or trainer.step == args.steps:
                 if ckpt is not None:
                     ckpt.save(trainer.step, state)
@@ -449,14 +504,6 @@ def train(args: argparse.Namespace) -> None:
         if memory is not None:
             memory.snapshot_on_failure(trainer.step, state, exc)
         raise
-    finally:
-        if memory is not None:
-            memory.close()
-        if ckpt is not None:
-            ckpt.close()
-        del wrapped  # DDP's reducer freed while the group lives (see train_ddp.py: a hang at exit otherwise)
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

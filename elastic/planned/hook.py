@@ -246,6 +246,7 @@ class PlannedFeature(AgentFeature):
             return EndRun(self.leave_for_notice(stopped))
         if after is AfterSuccess.REFORM:
             assert stopped is not None
+            self.in_place.report_fallback(None)  # in-place workers that timed out waiting
             self.restart_for_planned_change(stopped)
             return NEXT_TICK
         return PROCEED

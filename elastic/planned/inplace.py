@@ -1,23 +1,25 @@
 """The agent's side of re-forming in place, and of the survivors' just-in-time snapshots after a peer loss.
 
-Workers that use ``elastic.worker.reform.InPlaceReform`` keep their process after a peer's planned leave (or
-after a peer loss, once they aborted their group and snapshotted): they wait (``waiting-{local_rank}``), and
-the agent runs the same rendezvous round as a restart, then tells each its new rank, world size and store
-(``group-{local_rank}.json``) instead of replacing it. Only with ``SPOTRUN_REFORM_IN_PLACE=1``.
+Workers that run under ``elastic.inplace.run`` (each marked ``inplace-{local_rank}``) keep their process after a
+peer's planned leave (or after a peer loss, once they aborted their group and snapshotted): they wait
+(``waiting-{local_rank}``), and the agent runs the same rendezvous round as a restart, then tells each its new
+rank, world size and store (``group-{local_rank}.json``) instead of replacing it; ``in_place_fallback`` says why
+when they are restarted after all. ``SPOTRUN_REFORM_IN_PLACE=0`` turns it off.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 from torch.distributed.elastic.multiprocessing import PContext
 
 from checkpoint.memory.records import snapshots_in
 from elastic.agent_hooks import AgentHost
-from elastic.api import RecoveryCause, RecoveryEvent
+from elastic.api import InPlaceFallback, RecoveryCause, RecoveryEvent
 from elastic.membership import MembershipView
 from elastic.planned.channel import acknowledged_stop, committed_at, every_local_worker
 from elastic.planned.policy import PlannedChanges, Stopped
@@ -31,6 +33,26 @@ JIT_POLL_INTERVAL = 0.02
 """Seconds between two looks at the workers while they may snapshot after a peer loss."""
 
 
+@dataclass(frozen=True, slots=True)
+class FallbackReport:
+    why: str
+    detail: str
+    ranks: list[int]
+    reported: bool
+    """A worker reported it (its restart is not its own failure: not charged)."""
+
+
+def decide_fallback(reported: Mapping[int, tuple[str, str]], default: InPlaceFallback | None, *, capable: bool,
+                    local_world_size: int) -> FallbackReport | None:
+    """The fallback to report: the workers' own reasons first, else ``default`` for capable workers; None: none."""
+    if reported:
+        (why, detail), *_ = sorted(set(reported.values()))
+        return FallbackReport(why, detail, sorted(reported), reported=True)
+    if default is None or not capable:
+        return None
+    return FallbackReport(default.value, "", list(range(local_world_size)), reported=False)
+
+
 class InPlaceReformer:
     """Re-forms the group around waiting workers; lets the workers snapshot after a peer loss (up to
     ``stop_grace`` s, when ``memory_dir`` shows they snapshot)."""
@@ -38,7 +60,7 @@ class InPlaceReformer:
     def __init__(self, host: AgentHost, membership: MembershipView, changes: PlannedChanges, mailbox: Mailbox | None,
                  *, memory_dir: str | None, stop_grace: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.enabled = in_place_enabled()
-        """``SPOTRUN_REFORM_IN_PLACE=1`` (prototype)."""
+        """``SPOTRUN_REFORM_IN_PLACE`` is not 0 (then only workers that all can re-form in place, see ``capable``)."""
         self._host = host
         self._membership = membership
         self._changes = changes
@@ -47,11 +69,39 @@ class InPlaceReformer:
         self._stop_grace = stop_grace
         self._clock = clock
 
+    def capable(self) -> bool:
+        """Every local worker runs under ``elastic.inplace.run`` and in place is not turned off."""
+        return self.enabled and every_local_worker(self._mailbox, Mailbox.in_place_capable, self._local_world_size())
+
+    def report_fallback(self, default: InPlaceFallback | None, *, worker_failed: bool = False) -> bool:
+        """Emit ``in_place_fallback`` if there is one (``worker_failed``: a local worker failed while others waited
+        in place); True when a worker reported it (its restart is not charged)."""
+        if self._mailbox is None:
+            return False
+        try:
+            if worker_failed and default is None and self._mailbox.waiting():
+                default = InPlaceFallback.WORKER_FAILED
+            reported = self._mailbox.fallbacks()
+        except OSError:
+            reported = {}
+        report = decide_fallback(reported, default, capable=self.capable(), local_world_size=self._local_world_size())
+        if report is None:
+            return False
+        self._host.emit(RecoveryEvent.IN_PLACE_FALLBACK, why=report.why, detail=report.detail, ranks=report.ranks)
+        return report.reported
+
+    def falls_back(self, previous: frozenset[str] | None, current: frozenset[str] | None) -> bool:
+        """After the re-form's rendezvous: restart the workers instead (reported) when the round admitted a node
+        that was not in the last one (its fresh workers restore through collectives the waiting survivors would not
+        join) or a worker gave up waiting meanwhile."""
+        admitted = previous is None or current is None or not current <= previous
+        return self.report_fallback(InPlaceFallback.NEW_NODE if admitted else None) or admitted
+
     def posted(self) -> bool:
         """The stop posted to the workers is one that re-forms in place (a peer's planned leave)."""
         posted = self._changes.posted
-        return (self.enabled and self._mailbox is not None and not self._changes.leaving
-                and posted is not None and posted.reason in IN_PLACE_REASONS)
+        return (self._mailbox is not None and not self._changes.leaving and posted is not None
+                and posted.reason in IN_PLACE_REASONS and self.capable())
 
     def waiting(self) -> Stopped | None:
         """Where every local worker stopped for a peer's planned leave and now waits in its process for the
@@ -62,7 +112,7 @@ class InPlaceReformer:
 
     def all_waiting(self) -> bool:
         """Every local worker waits in its process for a re-formed group (``waiting-{local_rank}``)."""
-        return self.enabled and every_local_worker(self._mailbox, Mailbox.waiting, self._local_world_size())
+        return self.capable() and every_local_worker(self._mailbox, Mailbox.waiting, self._local_world_size())
 
     def reform(self, stopped: Stopped) -> None:
         """The survivors' side of a peer's planned leave without a restart; the events keep their order
@@ -100,6 +150,7 @@ class InPlaceReformer:
         True when the group re-formed in place (no restart)."""
         self.let_workers_snapshot()
         if not self.all_waiting():
+            self.report_fallback(InPlaceFallback.NOT_WAITING)
             return False
         # CHANGE: the workers aborted their group, snapshotted their last completed step and wait in their
         # processes: re-form around them, no restart.
@@ -115,7 +166,8 @@ class InPlaceReformer:
         (power off, a partition, a paused node) resets no connection, their collectives stay blocked, so they
         are stopped at once; so are the workers of a node left out of a newer round."""
         pcontext = self._host.pcontext
-        if self._memory_dir is None or pcontext is None or not snapshots_in(self._memory_dir):
+        no_snapshots = self._memory_dir is None or not snapshots_in(self._memory_dir)
+        if pcontext is None or (no_snapshots and not self.capable()):  # in-place workers are told all the same
             return
         # Workers that watch abort their groups: their collectives raise now, whatever the loss (snapshot, exit).
         if not self.abort_watched_groups() and not self._membership.lost_peers_refuse():
@@ -141,7 +193,7 @@ class InPlaceReformer:
         lost = self._membership.lost_peers()
         watching = every_local_worker(self._mailbox, Mailbox.watchers, self._local_world_size())
         try:
-            if watching:
+            if watching or self.capable():  # in-place workers wait for this word to re-form
                 self._mailbox.post_peer_lost(sorted(lost))
         except OSError as exc:
             logger.warning("%s could not tell the workers of the peer loss: %s", self._host.ctx(), exc)

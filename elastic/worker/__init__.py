@@ -6,8 +6,9 @@
 * ``data``           the elastic data cursor: one global position, each rank's share at any world size
 * ``deterministic``  a fixed-order shard gradient reducer (bit-identical results at any world size)
 * ``runfiles``       per-run file names an agent and its workers both derive from torch's environment
-* ``reform``         ``InPlaceReform`` (prototype, ``SPOTRUN_REFORM_IN_PLACE=1``): surviving workers rebuild
-                     their process group at the new world size instead of being replaced
+* ``inplace``        ``run``: re-enters the training function in the same process with the re-formed group
+                     (public path: ``elastic.inplace``), releasing what held the old one
+* ``reform``         ``InPlaceReform``: the wait for the re-formed group and the join, under ``inplace``
 * ``abort``          ``abort_process_group``: from a watcher thread, make a collective blocked in the main
                      thread raise (NCCL: the group's abort; gloo: its connections shut)
 * ``watcher``        ``PeerLossWatcher``: started by ``Preemption`` under spotrun, aborts the group when the agent

@@ -30,7 +30,13 @@ The files (the *mailbox* is a private directory the agent creates and names in
   (a record without ``saved`` is a committed one). Workers that all acknowledged and exited 0 ended for a
   planned change, not because training finished.
 * ``waiting-{local_rank}``  written by a worker that acknowledged the agreed step and, instead of exiting,
-  waits in place for its new group (``SPOTRUN_REFORM_IN_PLACE=1``, :mod:`elastic.worker.reform`).
+  waits in place for its new group (:mod:`elastic.worker.inplace`, :mod:`elastic.worker.reform`).
+* ``inplace-{local_rank}``  written by a worker that runs its training under :func:`elastic.inplace.run` (at
+  every entry of its training function): it can re-form in place. The agent re-forms in place only when every
+  local worker wrote it (and ``SPOTRUN_REFORM_IN_PLACE`` is not ``0``); otherwise it restarts them.
+* ``fallback-{local_rank}.json``  written by such a worker that gave up re-forming in place and is about to exit
+  for a restart: ``{"why", "detail"}`` (``elastic.api.InPlaceFallback``); the agent reports it in its
+  ``in_place_fallback`` event and restarts the group without charging ``--max-restarts``.
 * ``group-{local_rank}.json``  written by the agent for such a worker once the survivors re-formed: its new
   ``rank``, ``world_size``, ``group_rank``, ``group_world_size``, ``master_addr``, ``master_port``,
   ``restart_count``; the worker removes it when read.
@@ -158,6 +164,8 @@ _COMING_FILE = re.compile(r"coming-(\d+)")
 _WATCHING_FILE = re.compile(r"watching-(\d+)")
 PEER_LOST_FILE = "peer-lost.json"
 _WAITING_FILE = re.compile(r"waiting-(\d+)")
+_IN_PLACE_FILE = re.compile(r"inplace-(\d+)")
+_FALLBACK_FILE = re.compile(r"fallback-(\d+)\.json")
 _ACK_FILE = re.compile(r"ack-(\d+)\.json")
 
 
@@ -230,6 +238,26 @@ class Mailbox:
     def waiting(self) -> set[int]:
         """Local ranks that acknowledged and wait in place for their new group (``waiting-{local_rank}``)."""
         return {int(m.group(1)) for n in os.listdir(self.path) if (m := _WAITING_FILE.fullmatch(n))}
+
+    def in_place_capable(self) -> set[int]:
+        """Local ranks that can re-form in place (``inplace-{local_rank}``: their script runs under
+        ``elastic.inplace.run``)."""
+        return {int(m.group(1)) for n in os.listdir(self.path) if (m := _IN_PLACE_FILE.fullmatch(n))}
+
+    def fallbacks(self) -> dict[int, tuple[str, str]]:
+        """local rank -> (why, detail) of the workers that gave up re-forming in place (``fallback-N.json``);
+        unreadable or malformed records are skipped (workers write them)."""
+        out: dict[int, tuple[str, str]] = {}
+        for name in os.listdir(self.path):
+            if (match := _FALLBACK_FILE.fullmatch(name)) is None:
+                continue
+            try:
+                record = _load_json(os.path.join(self.path, name))
+            except (OSError, ValueError):
+                continue
+            if isinstance(record, dict) and isinstance(record.get("why"), str):
+                out[int(match.group(1))] = (record["why"], str(record.get("detail", "")))
+        return out
 
     def assign(self, local_rank: int, assignment: GroupAssignment) -> None:
         """Tell a worker waiting in place its new group (it removes the file when read)."""
@@ -386,6 +414,14 @@ class Mailbox:
 
     def mark_waiting(self, local_rank: int) -> None:
         _write_atomic(os.path.join(self.path, f"waiting-{local_rank}"), {"pid": os.getpid()})
+
+    def mark_in_place(self, local_rank: int) -> None:
+        """This worker can re-form in place (it runs under ``elastic.inplace.run``)."""
+        _write_atomic(os.path.join(self.path, f"inplace-{local_rank}"), {"pid": os.getpid()})
+
+    def report_fallback(self, local_rank: int, why: str, detail: str = "") -> None:
+        """This worker gives up re-forming in place and exits for a restart, because of ``why``."""
+        _write_atomic(os.path.join(self.path, f"fallback-{local_rank}.json"), {"why": why, "detail": detail[:2000]})
 
     def take_assignment(self, local_rank: int) -> GroupAssignment | None:
         """This worker's new group, removed from the mailbox once read (None: not posted yet).

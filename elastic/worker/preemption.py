@@ -174,6 +174,9 @@ class Preemption:
         path = mailbox_dir if mailbox_dir is not None else find_mailbox()
         self.mailbox = Mailbox(path) if path else None
         self.stop_step: int | None = None
+        self.last_step: int | None = None
+        """The last step passed to :meth:`save_and_stop` (the last one this rank completed): after a peer loss,
+        ``elastic.inplace.run`` checks that every survivor stands at the same one."""
         self.notice: WorkerNotice | None = None
         self._signalled: signal.Signals | None = None
         """The notice signal this worker received itself (the first one), if any."""
@@ -316,6 +319,7 @@ class Preemption:
             CheckpointError: the planned save failed (from ``ckpt.save``/``ckpt.wait``).
         """
         report_step(step)  # the agent's spotrun_training_step (a no-op outside spotrun)
+        self.last_step = step
         if isinstance(ckpt, SnapshotsEachStep):
             ckpt.snapshot(step, state)  # the memory tier, when configured (before this step's vote can fail)
         if not self.should_stop(step):

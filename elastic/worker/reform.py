@@ -1,25 +1,11 @@
-"""In-place re-form (prototype, opt-in with ``SPOTRUN_REFORM_IN_PLACE=1``): surviving workers keep their
-process, model, optimizer and data cursor, and rebuild their process group at the new world size when a peer
-node leaves with a notice, instead of exiting and being restarted by their agent.
+"""The worker's side of an in-place re-form: wait in the process for the re-formed group, then join it.
 
-    reform = InPlaceReform()                 # None of its methods is collective
-    while True:
-        ...train until preemption.save_and_stop(ckpt, step, state) returns True...
-        assignment = reform.wait()           # acknowledged: wait for the re-formed group (None: exit as today)
-        if assignment is None:
-            break
-        ... close what holds the old group (DDP, Preemption, Checkpointer) ...
-        reform.rebuild(assignment, backend)  # destroy the old group, init the new one
-        ... re-wrap DDP, new Preemption and Checkpointer, re-split the data at the new rank and size ...
-
-Protocol (``elastic.worker.mailbox``): after its acknowledgement the worker writes ``waiting-{local_rank}``;
-the agent, once every local worker waits, re-forms the group (the same rendezvous round as a restart) and
-writes each one's ``group-{local_rank}.json`` (:class:`~elastic.worker.mailbox.GroupAssignment`). A worker
-gives up after ``timeout`` seconds or when the agent marks the group ``stopping`` and exits as today: the
-agent then restarts it. Only a peer's planned leave (``peer_preempt``) re-forms in place; this node's own
-notice and a joining node (``resize``) keep today's path (the worker is told ``None`` at once).
-
-bench/reform_bench.py measures what it saves; docs/concepts/reform-in-place.md has the numbers and limits.
+:func:`elastic.inplace.run` drives :class:`InPlaceReform`. Protocol (``elastic.worker.mailbox``): the worker marks
+itself capable (``inplace-{local_rank}``); after its acknowledgement (or a broken collective and the agent's
+``peer-lost.json``) it writes ``waiting-{local_rank}``; the agent re-forms the group and writes each waiting worker's
+``group-{local_rank}.json`` (:class:`~elastic.worker.mailbox.GroupAssignment`). A worker gives up after ``timeout``
+seconds (:attr:`InPlaceReform.timed_out`) or when the agent marks the group ``stopping``. Only a peer's planned leave
+(``peer_preempt``) and a lost peer re-form in place. ``SPOTRUN_REFORM_IN_PLACE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -27,10 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+import torch.distributed as dist
 
 from elastic.api import ENV_REFORM_IN_PLACE
 from elastic.worker.mailbox import GroupAssignment, Mailbox, find_mailbox
@@ -40,15 +28,16 @@ logger = logging.getLogger(__name__)
 IN_PLACE_REASONS = frozenset({"peer_preempt"})
 """The planned changes that re-form in place: a peer leaves with a notice (scale-down)."""
 POLL_INTERVAL = 0.005
+"""Seconds between two looks at the mailbox while waiting (a ``stat``)."""
 LOSS_NOTICE_WAIT = 10.0
 """Seconds a worker whose collective broke waits for its agent to say a peer is gone (a probe of a dead peer's
 port answers within a second; a silent peer's lease lapses within its TTL, 3 s by default)."""
-"""Seconds between two looks at the mailbox while waiting (a ``stat``)."""
 
 
-def in_place_enabled(environ: dict[str, str] | None = None) -> bool:
-    """``SPOTRUN_REFORM_IN_PLACE=1`` (read by the agent and its workers)."""
-    return (environ if environ is not None else os.environ).get(ENV_REFORM_IN_PLACE, "") == "1"
+def in_place_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """In-place re-forms are allowed: ``SPOTRUN_REFORM_IN_PLACE`` (deprecated, read by the agent and its workers)
+    is not ``0``. Whether one happens depends on use: every local worker must run under ``elastic.inplace.run``."""
+    return (environ if environ is not None else os.environ).get(ENV_REFORM_IN_PLACE, "").strip() != "0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,14 +51,30 @@ class ReformConfig:
 
 
 class InPlaceReform:
-    """The worker's side of the in-place re-form; inert (``wait`` returns None) when not enabled or not under
-    spotrun (no mailbox)."""
+    """The worker's side of the in-place re-form; inert (``wait`` returns None) when turned off
+    (``SPOTRUN_REFORM_IN_PLACE=0``) or not under spotrun (no mailbox). Constructing it tells the agent this
+    worker can re-form in place (``inplace-{local_rank}``)."""
 
-    def __init__(self, config: ReformConfig | None = None, *, mailbox_dir: str | None = None) -> None:
+    def __init__(self, config: ReformConfig | None = None, *, mailbox_dir: str | None = None,
+                 enabled: bool = True) -> None:
+        """``enabled=False``: inert, as outside spotrun (the script cannot re-form in place as configured)."""
         self.config = config or ReformConfig()
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         path = mailbox_dir if mailbox_dir is not None else find_mailbox()
-        self.mailbox = Mailbox(path) if path and in_place_enabled() else None
+        self.mailbox = Mailbox(path) if path and enabled and in_place_enabled() else None
+        self.timed_out = False
+        """The last wait ended because no assignment came within ``config.timeout`` (a fallback to a restart)."""
+        self.mark_capable()
+
+    def mark_capable(self) -> None:
+        """Tell the agent (again: its re-form clears the mailbox) that this worker can re-form in place."""
+        if self.mailbox is None:
+            return
+        try:
+            self.mailbox.mark_in_place(self.local_rank)
+        except OSError as exc:
+            logger.warning("[local rank %d] cannot mark the worker in-place capable (%s): the agent restarts it "
+                           "at the next change", self.local_rank, exc)
 
     @property
     def enabled(self) -> bool:
@@ -104,6 +109,7 @@ class InPlaceReform:
         """Mark this worker waiting and poll for its assignment; None when the agent stops the group, the change
         stops being one re-formed in place, or the timeout passes."""
         assert self.mailbox is not None
+        self.timed_out = False
         self.mailbox.mark_waiting(self.local_rank)
         deadline = time.monotonic() + self.config.timeout
         while time.monotonic() < deadline:
@@ -115,6 +121,7 @@ class InPlaceReform:
             time.sleep(POLL_INTERVAL)
         logger.warning("[local rank %d] no re-formed group within %.0f s; exiting for a restart", self.local_rank,
                        self.config.timeout)
+        self.timed_out = True
         return None
 
     def _in_place_change(self) -> bool:
@@ -128,8 +135,6 @@ class InPlaceReform:
         """Destroy this process's default group and join the re-formed one (``env://`` with the new
         environment, as a restarted worker would). Free everything that holds the old group first (DDP's
         reducer, ``Preemption``, a ``Checkpointer``): they keep its communicators."""
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
         os.environ.update(assignment.to_env())

@@ -19,6 +19,7 @@ from checkpoint.config import CheckpointConfig
 from checkpoint.discover import list_steps, read_manifest
 from checkpoint.export import assemble
 from checkpoint.storage import Storage
+from elastic.api import ENV_REFORM_IN_PLACE
 from elastic.chaos.api import STORAGE_CONTROL_ENV, FaultKind, Schedule
 from elastic.chaos.injector import Injector
 from elastic.chaos.journal import Journal
@@ -234,6 +235,9 @@ class Nodes(_RunFiles):
     """Start a new agent for each one a fault took away (False: a node lost for good)."""
     hang_timeout: float | None = None
     script_extra: tuple[str, ...] = ("--preempt-sync-every", "2")
+    in_place: bool = False
+    """Let the survivors re-form in place (train_ddp.py's default); False: ``SPOTRUN_REFORM_IN_PLACE=0``, every
+    change restarts the workers, the restore path these cases check."""
     agents: list[Launcher] = field(default_factory=list)
     seen_pids: set[int] = field(default_factory=set)
     step_at_fault: list[tuple[str, int]] = field(default_factory=list)
@@ -254,7 +258,10 @@ class Nodes(_RunFiles):
                 "--log-dir", str(self.root / f"logs-{name}"),
                 *(("--hang-timeout", str(self.hang_timeout)) if self.hang_timeout is not None else ()),
                 *self.train_args(), *self.script_extra]
-        launcher = Launcher(argv, self.root / f"{name}.log", make_env(**{STORAGE_CONTROL_ENV: self.control}))
+        env = make_env(**{STORAGE_CONTROL_ENV: self.control})
+        if not self.in_place:
+            env[ENV_REFORM_IN_PLACE] = "0"
+        launcher = Launcher(argv, self.root / f"{name}.log", env)
         self.agents.append(launcher)
         return launcher
 

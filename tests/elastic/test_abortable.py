@@ -6,7 +6,9 @@ survivor's gloo all-reduce waits, as NCCL waits on any lost peer. When the survi
 expire it posts ``peer-lost.json``; its worker's watcher (started by its ``Preemption`` helper) aborts the
 group, the all-reduce raises, the worker snapshots its last completed step just in time and exits, and the new
 group of one restores that step from memory: 0 steps redone. Before, the worker sat blocked until the agent's
-SIGKILL after ``--stop-grace`` and the restore fell back to the periodic snapshot.
+SIGKILL after ``--stop-grace`` and the restore fell back to the periodic snapshot. That restart path runs with
+``SPOTRUN_REFORM_IN_PLACE=0``; by default train_ddp.py re-forms in place (``elastic.inplace``): the same worker
+process trains on from the next step.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic.api import ENV_REFORM_IN_PLACE
 from elastic.etcd_server import EmbeddedEtcd
 from elastic.events import read_events
 from elastic.memory_keeper import remove_orphaned_keepers
@@ -44,18 +47,24 @@ def _sweep_node_b() -> None:
     remove_orphaned_mailboxes(tempfile.gettempdir())
 
 
-def _node(endpoint: str, run: Path, name: str, **env: str) -> Launcher:
+def _node(endpoint: str, run: Path, name: str, *, train: list[str] | None = None, **env: str) -> Launcher:
+    """One agent (a "node") of one worker running ``train`` (default: train_ddp.py with the memory tier)."""
+    script = [*TRAIN, "--ckpt-dir", str(run / "ckpt")] if train is None else train
     argv = [*SPOTRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "0", "--stop-grace", "3",
             "--rdzv-endpoint", endpoint, "--rdzv-id", "abort", "--rdzv-conf", RDZV_CONF,
-            "--events-file", str(run / f"events-{name}.jsonl"), *TRAIN, "--ckpt-dir", str(run / "ckpt"),
+            "--events-file", str(run / f"events-{name}.jsonl"), *script,
             "--progress-file", str(run / "progress.jsonl")]  # fmt: skip
-    return Launcher(argv, run / f"{name}.log", env=make_env(LOGLEVEL="INFO", **env))
+    full = make_env(LOGLEVEL="INFO", **env)
+    if ENV_REFORM_IN_PLACE not in env:
+        full.pop(ENV_REFORM_IN_PLACE, None)  # none inherited from the shell: in place is chosen by use
+    return Launcher(argv, run / f"{name}.log", env=full)
 
 
 def test_a_paused_peer_is_aborted_and_costs_no_completed_step(tmp_path: Path, etcd_server: EmbeddedEtcd) -> None:
     progress = tmp_path / "progress.jsonl"
-    a = _node(etcd_server.endpoint, tmp_path, "a")
-    b = _node(etcd_server.endpoint, tmp_path, "b")
+    # The restart path (train_ddp.py re-forms in place by default): SPOTRUN_REFORM_IN_PLACE=0 forces restarts.
+    a = _node(etcd_server.endpoint, tmp_path, "a", SPOTRUN_REFORM_IN_PLACE="0")
+    b = _node(etcd_server.endpoint, tmp_path, "b", SPOTRUN_REFORM_IN_PLACE="0")
     victims: list[int] = []
     try:
         wait_for(lambda: any(r["world_size"] == 2 for r in read_jsonl(progress)), timeout=240, what="the 2-node group")
@@ -93,12 +102,12 @@ def test_a_paused_peer_is_aborted_and_costs_no_completed_step(tmp_path: Path, et
 @pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["paused", "killed"])
 def test_a_lost_peer_is_re_formed_around_in_place(tmp_path: Path, etcd_server: EmbeddedEtcd,
                                                   fault: signal.Signals) -> None:
-    """SPOTRUN_REFORM_IN_PLACE=1: the survivor's worker aborts its group, snapshots its last completed step and
-    waits in its process; its agent re-forms around it. The same process trains on at world size 1 from the
-    very next step (0 steps redone, no restart, no restore)."""
+    """train_ddp.py runs under ``elastic.inplace.run`` (no variable set): the survivor's worker aborts its group,
+    snapshots its last completed step and waits in its process; its agent re-forms around it. The same process
+    trains on at world size 1 from the very next step (0 steps redone, no restart, no restore)."""
     progress = tmp_path / "progress.jsonl"
-    a = _node(etcd_server.endpoint, tmp_path, "a", SPOTRUN_REFORM_IN_PLACE="1")
-    b = _node(etcd_server.endpoint, tmp_path, "b", SPOTRUN_REFORM_IN_PLACE="1")
+    a = _node(etcd_server.endpoint, tmp_path, "a")
+    b = _node(etcd_server.endpoint, tmp_path, "b")
     victims: list[int] = []
     try:
         wait_for(lambda: any(r["world_size"] == 2 for r in read_jsonl(progress)), timeout=240, what="the 2-node group")
@@ -125,3 +134,104 @@ def test_a_lost_peer_is_re_formed_around_in_place(tmp_path: Path, etcd_server: E
     assert "re-forming around them" in log, log[-3000:]
     started = [e for e in read_events(str(tmp_path / "events-a.jsonl")) if e["event"] == "workers_started"]
     assert started[-1].get("in_place") is True, started[-1]
+
+
+WORKER = str(Path(__file__).with_name("inplace_worker.py"))
+
+
+def _kill_node_b(tmp_path: Path, etcd_server: EmbeddedEtcd, mode: str) -> tuple[list[dict], list[int], str]:
+    """Two agents running tests/elastic/inplace_worker.py in ``mode``; node B SIGKILLed whole once both trained
+    to step STOP_AT, then node A left to train alone. Returns the progress lines (at world size 2, and any after
+    the kill: a first round that formed before B arrived trained alone too), B's pids and A's log."""
+    progress = tmp_path / "progress.jsonl"
+    train = [WORKER, "--mode", mode, "--steps", str(STEPS), "--step-time", "0.1"]
+    a = _node(etcd_server.endpoint, tmp_path, "a", train=train)
+    b = _node(etcd_server.endpoint, tmp_path, "b", train=train)
+    victims: list[int] = []
+    try:
+        wait_for(lambda: any(r["world_size"] == 2 for r in read_jsonl(progress)), timeout=240, what="the 2-node group")
+        wait_for(lambda: any(r["step"] >= STOP_AT for r in read_jsonl(progress)), timeout=240, what=f"step {STOP_AT}")
+        victims = b.snapshot_tree()
+        paused_at = len(read_jsonl(progress))  # a first round of A alone (B slow to start) trained at size 1 too
+        signal_all(victims, signal.SIGKILL)
+        wait_for(lambda: any(r["world_size"] == 1 for r in read_jsonl(progress)[paused_at:]), timeout=120,
+                 what="the survivor to train alone")
+        log = a.output()
+    finally:
+        signal_all(victims, signal.SIGKILL)
+        b.close()
+        a.close()
+        _sweep_node_b()
+    lines = read_jsonl(progress)
+    return [r for r in lines[:paused_at] if r["world_size"] == 2] + lines[paused_at:], victims, log
+
+
+def test_a_script_without_the_wrapper_is_restarted_as_before(tmp_path: Path, etcd_server: EmbeddedEtcd) -> None:
+    """Drop-in intact: a plain DDP script (no ``elastic.inplace``) marks nothing, so after node B's loss the
+    survivor's agent restarts its worker (a new process), as before; nothing is re-formed in place."""
+    lines, victims, log = _kill_node_b(tmp_path, etcd_server, "plain")
+    (old_pid,) = {r["pid"] for r in lines if r["world_size"] == 2} - set(victims)
+    alone = [r for r in lines if r["world_size"] == 1]
+    assert old_pid not in {r["pid"] for r in alone}, "a new worker process trains alone"
+    assert alone[0]["step"] == 1, "no checkpoint in this script: the restarted worker starts over"
+    events = read_events(str(tmp_path / "events-a.jsonl"))
+    assert not [e for e in events if e.get("in_place")], "nothing re-formed in place"
+    assert not [e for e in events if e["event"] == "in_place_fallback"], "no in-place attempt to fall back from"
+    assert "re-forming around them" not in log
+
+
+def test_a_rebuild_error_falls_back_to_a_restart_with_its_event(tmp_path: Path, etcd_server: EmbeddedEtcd) -> None:
+    """The wrapped worker waits in place after node B's loss and is assigned its new group, but releasing an
+    object of the old group raises: it reports ``rebuild_failed`` and exits, and its agent emits
+    ``in_place_fallback`` and restarts it (not charged: ``--max-restarts 0``)."""
+    lines, victims, log = _kill_node_b(tmp_path, etcd_server, "fail-release")
+    (old_pid,) = {r["pid"] for r in lines if r["world_size"] == 2} - set(victims)
+    alone = [r for r in lines if r["world_size"] == 1]
+    assert old_pid not in {r["pid"] for r in alone}, "the worker that fell back was restarted"
+    events = read_events(str(tmp_path / "events-a.jsonl"))
+    (fallback,) = [e for e in events if e["event"] == "in_place_fallback"]
+    assert fallback["why"] == "rebuild_failed" and "injected" in fallback["detail"], fallback
+    assert fallback["ranks"] == [0]
+    later = [e["event"] for e in events if e["t_wall"] > fallback["t_wall"]]
+    assert "workers_started" in later, later
+    assert "in-place re-form abandoned (rebuild_failed)" in log, log[-3000:]
+
+
+def test_fsdp2_survivor_of_a_killed_peer_reshards_in_place_from_memory(tmp_path: Path,
+                                                                       etcd_server: EmbeddedEtcd) -> None:
+    """train_gpt.py --parallel fsdp, a snapshot every step: node B SIGKILLed whole. The survivor's worker keeps its
+    process, shards the model again at world size 1 and restores through the memory tier's resharding read path
+    (its own just-in-time snapshot, B's shards from the buddy copy it holds): at most two steps redone."""
+    progress = tmp_path / "progress.jsonl"
+    train = [str(EXAMPLES / "train_gpt.py"), "--parallel", "fsdp", "--steps", str(STEPS), "--global-batch", "8",
+             "--context", "32", "--corpus-chars", "8192", "--log-every", "1000", "--ckpt-every", "1000",
+             "--step-time", "0.1", "--pg-timeout", "60", "--memory-snapshot-every", "1",
+             "--ckpt-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    a = _node(etcd_server.endpoint, tmp_path, "a", train=train)
+    b = _node(etcd_server.endpoint, tmp_path, "b", train=train)
+    victims: list[int] = []
+    try:
+        wait_for(lambda: any(r["world_size"] == 2 for r in read_jsonl(progress)), timeout=240, what="the 2-node group")
+        wait_for(lambda: any(r["step"] >= STOP_AT for r in read_jsonl(progress)), timeout=240, what=f"step {STOP_AT}")
+        victims = b.snapshot_tree()
+        paused_at = len(read_jsonl(progress))  # a first round of A alone (B slow to start) trained at size 1 too
+        signal_all(victims, signal.SIGKILL)
+        wait_for(lambda: any(r["world_size"] == 1 for r in read_jsonl(progress)[paused_at:]), timeout=120,
+                 what="the survivor to train alone")
+        log = a.output()
+    finally:
+        signal_all(victims, signal.SIGKILL)
+        b.close()
+        a.close()
+        _sweep_node_b()
+    lines = read_jsonl(progress)
+    (old_pid,) = {r["pid"] for r in lines if r["world_size"] == 2} - set(victims)
+    before = max(r["step"] for r in lines if r["pid"] == old_pid and r["world_size"] == 2)
+    alone = [r for r in lines[paused_at:] if r["world_size"] == 1]
+    assert {r["pid"] for r in alone} == {old_pid}, "the survivor's worker process trains on: no restart"
+    first = alone[0]
+    assert first.get("reformed_in_place") is True, first
+    assert first["restore_source"] in {"memory_local", "memory_peer"}, first
+    # B's shards come from the buddy copy A holds, which trails the step in flight (its exchange is asynchronous).
+    assert before - 2 <= first["restore_step"] <= before and first["step"] == first["restore_step"] + 1, (before, first)
+    assert "re-forming around them" in log, log[-3000:]

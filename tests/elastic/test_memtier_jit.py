@@ -41,7 +41,8 @@ def _node(endpoint: str, run: Path, name: str) -> Launcher:
             "--events-file", str(run / f"events-{name}.jsonl"), *TRAIN, "--step-time", "0.1",
             "--memory-snapshot-every", str(EVERY), "--ckpt-dir", str(run / "ckpt"),
             "--progress-file", str(run / "progress.jsonl")]  # fmt: skip
-    return Launcher(argv, run / f"{name}.log", env=make_env(LOGLEVEL="WARNING"))
+    # The restart path (train_ddp.py re-forms in place by default, tests/elastic/test_abortable.py).
+    return Launcher(argv, run / f"{name}.log", env=make_env(LOGLEVEL="WARNING", SPOTRUN_REFORM_IN_PLACE="0"))
 
 
 def test_node_loss_restores_the_last_completed_step_from_a_just_in_time_snapshot(

@@ -1,5 +1,6 @@
-"""The in-place re-form prototype (SPOTRUN_REFORM_IN_PLACE=1, elastic.worker.reform): the mailbox messages and,
-end to end, a peer's planned leave after which the survivor's worker goes on in the same process."""
+"""The in-place re-form (elastic.worker.reform, driven by elastic.inplace.run): the mailbox messages, the agent's
+choice (in place only when every local worker can, never with SPOTRUN_REFORM_IN_PLACE=0) and, end to end, a
+peer's planned leave after which the survivor's worker goes on in the same process."""
 
 from __future__ import annotations
 
@@ -10,11 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from elastic.api import ENV_REFORM_IN_PLACE
+from elastic.api import ENV_REFORM_IN_PLACE, InPlaceFallback
+from elastic.planned.inplace import decide_fallback
 from elastic.worker.mailbox import GroupAssignment, Mailbox, WorkerNotice
 from elastic.worker.reform import InPlaceReform, ReformConfig
-from tests.elastic.test_planned import _agent, _assert_resumed_exactly, _events, _progress, _running, _training_at
-from tests.harness.procs import make_env, wait_for
+from tests.elastic.test_agent_planned import NoticeHandler
+from tests.elastic.test_agent_planned import _agent as unit_agent
+from tests.elastic.test_planned import (
+    RDZV_CONF,
+    _agent,
+    _assert_resumed_exactly,
+    _events,
+    _progress,
+    _running,
+    _training_at,
+)
+from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, make_env, wait_for
 
 ASSIGNMENT = GroupAssignment(rank=1, world_size=3, group_rank=1, group_world_size=3, master_addr="10.0.0.1",
                              master_port=29500, restart_count=0)
@@ -55,9 +67,10 @@ def test_a_damaged_assignment_is_a_clear_error_naming_the_file(tmp_path: Path, d
 def test_a_waiting_worker_takes_its_assignment_and_one_with_its_own_notice_exits(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     box = _box(tmp_path)
-    monkeypatch.setenv(ENV_REFORM_IN_PLACE, "1")
+    monkeypatch.delenv(ENV_REFORM_IN_PLACE, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
     reform = InPlaceReform(ReformConfig(timeout=20), mailbox_dir=box.path)
+    assert box.in_place_capable() == {0}, "the worker tells its agent it can re-form in place"
     box.post(WorkerNotice("peer_preempt", None, "node b"))
     posted = threading.Timer(0.2, box.assign, args=(0, ASSIGNMENT))
     posted.start()
@@ -69,27 +82,33 @@ def test_a_waiting_worker_takes_its_assignment_and_one_with_its_own_notice_exits
     box.post(WorkerNotice("preempt", None, "this node"))
     assert reform.wait() is None, "this node's own notice: the worker exits, as without the flag"
     box.post(WorkerNotice("resize", None, "a node joins"))
-    assert reform.wait() is None, "a joining node: not re-formed in place (prototype)"
-    monkeypatch.delenv(ENV_REFORM_IN_PLACE)
-    assert not InPlaceReform(mailbox_dir=box.path).enabled, "off unless SPOTRUN_REFORM_IN_PLACE=1"
+    assert reform.wait() is None, "a joining node: not re-formed in place"
+    monkeypatch.setenv(ENV_REFORM_IN_PLACE, "1")
+    assert InPlaceReform(mailbox_dir=box.path).enabled, "the deprecated SPOTRUN_REFORM_IN_PLACE=1 changes nothing"
+    (tmp_path / "mailbox" / "inplace-0").unlink()
+    monkeypatch.setenv(ENV_REFORM_IN_PLACE, "0")
+    assert not InPlaceReform(mailbox_dir=box.path).enabled, "SPOTRUN_REFORM_IN_PLACE=0 turns it off"
+    assert box.in_place_capable() == set(), "and the worker does not say it can"
 
 
 @pytest.mark.slow
 @pytest.mark.long  # ~30 s on 2 loaded cores; a prototype's end-to-end case
 @pytest.mark.timeout(240)
 def test_a_peers_planned_leave_keeps_the_survivors_worker_process(tmp_path: Path, etcd_server) -> None:
-    env = make_env(**{ENV_REFORM_IN_PLACE: "1"})
+    """train_ddp.py runs under elastic.inplace.run; no variable is set: in place is chosen by use."""
+    env = _no_variable()
     agents = [_agent(tmp_path, name, etcd_server.endpoint, "inplace", steps=80, env=env) for name in ("a", "b")]
     a, b = agents
     with _running(agents):
         wait_for(lambda: _training_at(tmp_path, 2, 2), 120, "two agents to train at world size 2")
+        left_at = len(_progress(tmp_path))  # a first round of A alone (B slow to start) trained at size 1 too
         b.signal(signal.SIGTERM)
         assert b.wait(30) == 0, "the preempted agent leaves"
         agreed = _events(tmp_path, "planned_leave")[0]["step"]
         assert a.wait(90) == 0, "the survivor finishes the run at world size 1"
     progress = _progress(tmp_path)
     _assert_resumed_exactly(progress, agreed, 2, 1)
-    survivor = {p["pid"] for p in progress if p["world_size"] == 1}
+    survivor = {p["pid"] for p in progress[left_at:] if p["world_size"] == 1}
     before = {p["pid"] for p in progress if p["world_size"] == 2 and p["step"] == agreed}
     assert len(survivor) == 1 and survivor <= before, f"the survivor's worker kept its process: {survivor} {before}"
     restart = [e for e in _events(tmp_path, "planned_restart") if e.get("in_place")]
@@ -98,27 +117,39 @@ def test_a_peers_planned_leave_keeps_the_survivors_worker_process(tmp_path: Path
     assert len(started) == 1 and started[0]["world_size"] == 1 and started[0]["t_wall"] > restart[0]["t_wall"]
 
 
+def _no_variable() -> dict[str, str]:
+    env = make_env()
+    env.pop(ENV_REFORM_IN_PLACE, None)
+    return env
+
+
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("enabled", [True, False])
-def test_the_agent_re_forms_in_place_only_when_every_worker_waits_for_a_peers_leave(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool) -> None:
+@pytest.mark.parametrize("case", ["capable", "not-capable", "turned-off"])
+def test_the_agent_re_forms_in_place_only_when_every_worker_can_and_waits_for_a_peers_leave(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     from elastic.planned import PlannedTick
     from tests.elastic.test_agent_planned import NoticeHandler
     from tests.elastic.test_agent_planned import _agent as unit_agent
 
-    if enabled:
-        monkeypatch.setenv(ENV_REFORM_IN_PLACE, "1")
+    monkeypatch.delenv(ENV_REFORM_IN_PLACE, raising=False)
+    if case == "turned-off":
+        monkeypatch.setenv(ENV_REFORM_IN_PLACE, "0")
     handler = NoticeHandler()
     agent, box, _ = unit_agent(tmp_path, handler)
     box.register_helper(0)
+    if case != "not-capable":
+        box.mark_in_place(0)
     handler.peers = {"b": {"deadline": time.time() + 60, "source": "aws"}}
     assert agent.planned.tick() is PlannedTick.WAITING and box.read_notice().reason == "peer_preempt"
     box.acknowledge(0, 12)
     assert agent.planned.in_place.waiting() is None, "acknowledged, but the worker did not say it waits"
     box.mark_waiting(0)
     stopped = agent.planned.in_place.waiting()
-    if not enabled:
-        assert stopped is None, "without SPOTRUN_REFORM_IN_PLACE=1 the workers are restarted as before"
+    if case == "not-capable":
+        assert stopped is None, "a worker that does not run under elastic.inplace.run is restarted as before"
+        return
+    if case == "turned-off":
+        assert stopped is None, "SPOTRUN_REFORM_IN_PLACE=0: the workers are restarted as before"
         return
     assert stopped is not None and stopped.step == 12
 
@@ -130,9 +161,10 @@ def test_this_nodes_own_notice_never_re_forms_in_place(tmp_path: Path, monkeypat
     from tests.elastic.test_agent_planned import NoticeHandler
     from tests.elastic.test_agent_planned import _agent as unit_agent
 
-    monkeypatch.setenv(ENV_REFORM_IN_PLACE, "1")
+    monkeypatch.delenv(ENV_REFORM_IN_PLACE, raising=False)
     agent, box, _ = unit_agent(tmp_path, NoticeHandler())
     box.register_helper(0)
+    box.mark_in_place(0)
     agent.receive_notice(Notice("sigterm", time.time() + 60, "SIGTERM"))
     assert agent.planned.tick() is PlannedTick.WAITING
     box.acknowledge(0, 12)
@@ -146,8 +178,9 @@ def test_this_nodes_own_notice_never_re_forms_in_place(tmp_path: Path, monkeypat
 @pytest.mark.timeout(300)
 def test_a_leave_that_admits_a_spare_restarts_the_survivors_worker(tmp_path: Path, etcd_server) -> None:
     """The re-formed round takes a waiting spare in: its fresh worker restores through collectives, so the
-    survivor's worker is restarted (as without the flag) instead of re-formed in place, and no step is lost."""
-    env = make_env(**{ENV_REFORM_IN_PLACE: "1"})
+    survivor's worker is restarted instead of re-formed in place (an ``in_place_fallback`` event, ``new_node``),
+    and no step is lost."""
+    env = _no_variable()
     agents = [_agent(tmp_path, name, etcd_server.endpoint, "spare", steps=150, env=env) for name in ("a", "b")]
     a, b = agents
     with _running(agents):
@@ -165,3 +198,73 @@ def test_a_leave_that_admits_a_spare_restarts_the_survivors_worker(tmp_path: Pat
     after = [p for p in progress if p["step"] == agreed + 1]
     assert len(after) == 2 and all(p["world_size"] == 2 and p["pid"] not in old for p in after), after
     assert not [e for e in _events(tmp_path, "workers_started") if e.get("in_place")], "nothing re-formed in place"
+    fallbacks = _events(tmp_path, "in_place_fallback")
+    assert [e["why"] for e in fallbacks] == ["new_node"], fallbacks
+
+
+def _gpt_agent(tmp_path: Path, name: str, endpoint: str, parallel: str, *, steps: int) -> Launcher:
+    """One agent ("node") of one worker running examples/train_gpt.py at a small size, the memory tier on."""
+    argv = [*SPOTRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id",
+            f"gpt-{parallel}", "--rdzv-conf", RDZV_CONF, "--max-restarts", "0", "--stop-grace", "1",
+            "--monitor-interval", "0.1", "--events-file", str(tmp_path / "events.jsonl"),
+            str(EXAMPLES / "train_gpt.py"), "--parallel", parallel, "--steps", str(steps),
+            "--global-batch", "8", "--context", "32", "--corpus-chars", "8192", "--log-every", "1000",
+            "--ckpt-every", "1000", "--ckpt-dir", str(tmp_path / "ckpt"), "--step-time", "0.05",
+            "--preempt-sync-every", "2", "--memory-snapshot-every", "1",
+            "--progress-file", str(tmp_path / "progress.jsonl")]  # fmt: skip
+    return Launcher(argv, tmp_path / f"{name}.log", _no_variable())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp2_survivor_reshards_in_place_from_the_memory_tier(tmp_path: Path, etcd_server) -> None:
+    """train_gpt.py --parallel fsdp, node B leaves with a notice: the survivor's worker keeps its process, shards
+    the model again on the new mesh (world size 1) and restores its new shards through the memory tier's
+    resharding read path at the agreed step: it trains on from the agreed step + 1."""
+    agents = [_gpt_agent(tmp_path, name, etcd_server.endpoint, "fsdp", steps=40) for name in ("a", "b")]
+    a, b = agents
+    with _running(agents):
+        wait_for(lambda: _training_at(tmp_path, 2, 2), 180, "two agents to train at world size 2")
+        wait_for(lambda: any(p["step"] >= 6 for p in _progress(tmp_path)), 120, "step 6")
+        left_at = len(_progress(tmp_path))  # a first round of A alone (B slow to start) trained at size 1 too
+        b.signal(signal.SIGTERM)
+        assert b.wait(60) == 0, "the preempted agent leaves"
+        agreed = _events(tmp_path, "planned_leave")[0]["step"]
+        assert a.wait(120) == 0, "the survivor finishes the run at world size 1"
+    progress = _progress(tmp_path)
+    _assert_resumed_exactly(progress, agreed, 2, 1)
+    alone = [p for p in progress[left_at:] if p["world_size"] == 1]
+    before = {p["pid"] for p in progress if p["world_size"] == 2 and p["step"] == agreed}
+    assert {p["pid"] for p in alone} <= before and len({p["pid"] for p in alone}) == 1, "same worker process"
+    first = alone[0]
+    assert first.get("reformed_in_place") is True, first
+    assert first["restore_step"] == agreed and first["restore_source"] in {"memory_local", "memory_peer", "durable"}, first
+    started = [e for e in _events(tmp_path, "workers_started") if e.get("in_place")]
+    assert len(started) == 1 and started[0]["world_size"] == 1, _events(tmp_path, "workers_started")
+
+
+@pytest.mark.timeout(30)
+def test_the_agent_reports_why_in_place_workers_are_restarted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's own reason (``fallback-N.json``) wins and makes the restart uncharged; else the agent's default
+    reason, only for workers that could re-form in place; a plain script's restart reports nothing."""
+    monkeypatch.delenv(ENV_REFORM_IN_PLACE, raising=False)
+    agent, box, events = unit_agent(tmp_path, NoticeHandler())
+    assert agent.planned.in_place.report_fallback(InPlaceFallback.NOT_WAITING) is False
+    assert events.records == [], "a worker that cannot re-form in place: nothing to fall back from"
+    box.mark_in_place(0)
+    assert agent.planned.in_place.report_fallback(InPlaceFallback.NOT_WAITING) is False
+    last = events.records[-1]
+    assert (last["event"], last["why"], last["detail"], last["ranks"]) == ("in_place_fallback", "not_waiting", "", [0])
+    box.report_fallback(0, "rebuild_failed", "joining the new group: connection refused")
+    assert agent.planned.in_place.report_fallback(None) is True, "the worker's own report: not its own failure"
+    assert events.records[-1]["why"] == "rebuild_failed" and "refused" in events.records[-1]["detail"]
+
+
+def test_the_fallback_reported_is_the_workers_own_first() -> None:
+    reported = {1: ("timeout", "no group within 120 s"), 0: ("rebuild_failed", "joining: refused")}
+    report = decide_fallback(reported, InPlaceFallback.NEW_NODE, capable=True, local_world_size=2)
+    assert report is not None and (report.why, report.ranks, report.reported) == ("rebuild_failed", [0, 1], True)
+    report = decide_fallback({}, InPlaceFallback.NEW_NODE, capable=True, local_world_size=2)
+    assert report is not None and (report.why, report.ranks, report.reported) == ("new_node", [0, 1], False)
+    assert decide_fallback({}, InPlaceFallback.NEW_NODE, capable=False, local_world_size=2) is None
+    assert decide_fallback({}, None, capable=True, local_world_size=2) is None

@@ -1,0 +1,294 @@
+"""Re-form in place: the training function runs again in the same process with the new group.
+
+:func:`run` calls ``fn(generation, ...)``; when the agent re-forms the group around this worker (a peer's planned
+leave, a lost peer), it releases what the entry tracked (:meth:`Generation.track`), destroys the old default group,
+joins the new one and calls ``fn`` again. What ``fn`` did not track (model, optimizer, compiled code, CUDA context)
+stays. Opt-in by use (the ``inplace-{local_rank}`` mark); outside spotrun ``fn`` runs once. Fallbacks to a restart
+are reported to the agent (``fallback-{local_rank}.json``). The guide: docs/concepts/reform-in-place.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from checkpoint.api import CheckpointError
+from checkpoint.memory.jit import is_collective_failure
+from elastic.api import InPlaceFallback, SpotrunError
+from elastic.worker.mailbox import GroupAssignment
+from elastic.worker.reform import LOSS_NOTICE_WAIT, InPlaceReform, ReformConfig
+
+if TYPE_CHECKING:
+    from elastic.worker.preemption import Preemption
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class InPlaceFallbackError(SpotrunError, RuntimeError):
+    """The worker gave up re-forming in place (``why``); it exits and its agent restarts it."""
+
+    def __init__(self, why: InPlaceFallback, detail: str) -> None:
+        super().__init__(f"in-place re-form abandoned ({why.value}): {detail}; exiting for a restart")
+        self.why = why
+        self.detail = detail
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InPlaceConfig:
+    """How :func:`run` waits for and joins a re-formed group."""
+
+    enabled: bool = True
+    """False: one entry, as without the wrapper (the script cannot go on in place as configured)."""
+    backend: str | None = None
+    """Backend of the re-formed default group; None: the old group's."""
+    pg_timeout: timedelta | None = None
+    """Timeout of the re-formed default group; None: torch's default."""
+    wait_timeout: timedelta = timedelta(seconds=120)
+    """How long a waiting worker waits for its new group before it falls back to a restart."""
+    loss_notice_wait: timedelta = timedelta(seconds=LOSS_NOTICE_WAIT)
+    """After a broken collective: how long to wait for the agent's word of a lost peer (none: own failure)."""
+
+    def __post_init__(self) -> None:
+        for name in ("wait_timeout", "loss_notice_wait"):
+            value = getattr(self, name)
+            if not isinstance(value, timedelta) or value <= timedelta(0):
+                raise ValueError(f"{name} must be a positive datetime.timedelta, got {value!r}")
+        if self.pg_timeout is not None and (not isinstance(self.pg_timeout, timedelta) or
+                                            self.pg_timeout <= timedelta(0)):
+            raise ValueError(f"pg_timeout must be None or a positive datetime.timedelta, got {self.pg_timeout!r}")
+        if self.backend is not None and not self.backend:
+            raise ValueError("backend must be None (the old group's) or a backend name such as 'gloo' or 'nccl'")
+
+
+@dataclass(slots=True)
+class _Tracked:
+    obj: Any
+    release: Callable[[Any], object] | None
+
+
+@dataclass(eq=False, slots=True)
+class Generation:
+    """One entry of the training function: its place in the group, and what holds the group."""
+
+    iteration: int
+    """0 at the first entry, then one more per in-place re-form."""
+    rank: int
+    world_size: int
+    local_rank: int
+    after_loss: bool = False
+    """This entry follows a lost peer rather than a planned leave."""
+    in_place: bool = False
+    """This worker can be re-formed in place (under spotrun, not turned off)."""
+    resumed_at: int | None = None
+    """The last step the previous entry completed; None at the first entry."""
+    _tracked: list[_Tracked] = field(default_factory=list)
+    _preemptions: list[Preemption] = field(default_factory=list)
+    _step: int | None = None
+
+    @property
+    def reformed(self) -> bool:
+        """This entry follows an in-place re-form."""
+        return self.iteration > 0
+
+    def track(self, obj: T, release: Callable[[T], object] | None = None) -> T:
+        """Register ``obj`` (built on this group) and return it. Before the group is replaced, tracked objects
+        are released newest first: ``release(obj)`` when given, else a ``Preemption`` closed, a process group
+        destroyed, anything with ``close()`` closed, anything else (a DDP module, a sampler) dropped."""
+        if _is_preemption(obj):
+            self._preemptions.append(obj)  # type: ignore[arg-type]  # checked by _is_preemption
+        self._tracked.append(_Tracked(obj, release))
+        return obj
+
+    def preemption(self, **kwargs: Any) -> Preemption:
+        """A tracked ``Preemption(**kwargs)`` helper on this group (collective)."""
+        from elastic.worker.preemption import Preemption  # here: importing it announces a helper to the agent
+
+        return self.track(Preemption(**kwargs))
+
+    def new_group(self, ranks: list[int] | None = None, **kwargs: Any) -> Any:
+        """A tracked ``torch.distributed.new_group(ranks, **kwargs)`` (collective)."""
+        return self.track(dist.new_group(ranks, **kwargs))
+
+    def completed(self, step: int) -> None:
+        """The last step this rank completed, for a loop without a ``Preemption`` helper (checked after a loss)."""
+        self._step = step
+
+    @property
+    def last_step(self) -> int | None:
+        """The last completed step this entry told (``completed`` or its ``Preemption``), or None."""
+        steps = [p.last_step for p in self._preemptions if p.last_step is not None]
+        if self._step is not None:
+            steps.append(self._step)
+        return max(steps) if steps else None
+
+    def _release(self, *, quiet: bool) -> list[BaseException]:
+        """Release every tracked object, newest first; returns the errors (each logged, never raised)."""
+        errors: list[BaseException] = []
+        while self._tracked:
+            item = self._tracked.pop()
+            try:
+                _release_one(item)
+            except Exception as exc:  # noqa: BLE001 - every object is released; the errors are returned
+                errors.append(exc)
+                log = logger.info if quiet else logger.warning
+                log("[rank %d] releasing %s failed: %s", self.rank, type(item.obj).__name__, exc)
+            item.obj = None
+        self._preemptions.clear()
+        return errors
+
+
+def _is_preemption(obj: object) -> bool:
+    """``obj`` is a ``Preemption`` (without importing its module: the import announces a helper to the agent)."""
+    module = sys.modules.get("elastic.worker.preemption")
+    return module is not None and isinstance(obj, module.Preemption)
+
+
+def _release_one(item: _Tracked) -> None:
+    obj = item.obj
+    if item.release is not None:
+        item.release(obj)
+    elif _is_preemption(obj):
+        obj.close()
+    elif isinstance(obj, dist.ProcessGroup):
+        if dist.is_initialized():
+            dist.destroy_process_group(obj)
+    elif callable(getattr(obj, "close", None)):
+        obj.close()
+
+
+def _default_backend() -> str:
+    if dist.is_initialized():
+        return str(dist.get_backend())
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _same_step_everywhere(step: int) -> bool:
+    """Every rank of the new group stands at ``step`` (collective: one all-reduce of two ints)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    bounds = torch.tensor([step, -step], dtype=torch.int64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    return int(bounds[0]) == -int(bounds[1])
+
+
+class _Runner:
+    """The loop of :func:`run`: enter, wait, release, rebuild, enter again."""
+
+    def __init__(self, config: InPlaceConfig) -> None:
+        self.config = config
+        self.reform = InPlaceReform(ReformConfig(timeout=config.wait_timeout.total_seconds()), enabled=config.enabled)
+        self.local_rank = self.reform.local_rank
+
+    def generation(self, iteration: int, after_loss: bool, resumed_at: int | None) -> Generation:
+        self.reform.mark_capable()  # again at every entry: the agent's re-form cleared the mailbox
+        return Generation(iteration=iteration, rank=int(os.environ.get("RANK", "0")),
+                          world_size=int(os.environ.get("WORLD_SIZE", "1")), local_rank=self.local_rank,
+                          after_loss=after_loss, in_place=self.reform.enabled, resumed_at=resumed_at)
+
+    def acknowledged(self) -> bool:
+        """This worker acknowledged an agreed step (its ``Preemption`` stopped for a planned change)."""
+        if self.reform.mailbox is None:
+            return False
+        try:
+            return self.local_rank in self.reform.mailbox.acknowledgements()
+        except OSError:
+            return False
+
+    def fall_back(self, why: InPlaceFallback, detail: str) -> InPlaceFallbackError:
+        """Tell the agent why this worker leaves the in-place path; the error to raise."""
+        logger.warning("[local rank %d] in-place re-form abandoned (%s): %s; exiting for a restart", self.local_rank,
+                       why.value, detail)
+        if self.reform.mailbox is not None:
+            try:
+                self.reform.mailbox.report_fallback(self.local_rank, why.value, detail)
+            except OSError as exc:
+                logger.warning("[local rank %d] could not report the fallback to the agent: %s", self.local_rank, exc)
+        return InPlaceFallbackError(why, detail)
+
+    def rebuild(self, gen: Generation, assignment: GroupAssignment, *, after_loss: bool) -> None:
+        """Release the old group's objects, join the new group, and after a loss check the survivors' steps;
+        raises ``InPlaceFallbackError`` (reported to the agent) when any of it fails."""
+        step = gen.last_step
+        began = time.monotonic()
+        # After a loss a save in flight cannot commit (its collectives broke): expected, and never loaded.
+        errors = [e for e in gen._release(quiet=after_loss) if not (after_loss and isinstance(e, CheckpointError))]
+        if errors:
+            raise self.fall_back(InPlaceFallback.REBUILD_FAILED, f"releasing the old group's objects: {errors[0]}")
+        backend = self.config.backend or _default_backend()
+        try:
+            self.reform.rebuild(assignment, backend, self.config.pg_timeout)
+            if after_loss and step is None:
+                raise self.fall_back(InPlaceFallback.STEP_UNKNOWN, "the training function told no completed step "
+                                     "(use Generation.preemption() or Generation.completed(step))")
+            if after_loss and step is not None and not _same_step_everywhere(step):
+                raise self.fall_back(InPlaceFallback.STEPS_DIFFER, f"this rank stands at step {step}, another "
+                                     "survivor at a different one")
+        except InPlaceFallbackError:
+            raise
+        except Exception as exc:
+            raise self.fall_back(InPlaceFallback.REBUILD_FAILED, f"joining the new group: {exc}") from exc
+        logger.info("[rank %d/%d] re-formed in place in %.3f s (%s)", assignment.rank, assignment.world_size,
+                    time.monotonic() - began, "after a lost peer" if after_loss else "after a peer's planned leave")
+
+
+def run(fn: Callable[..., R], *args: Any, config: InPlaceConfig | None = None, **kwargs: Any) -> R:
+    """Call ``fn(generation, *args, **kwargs)``, and again with the new group after each in-place re-form.
+
+    ``fn`` builds what depends on the group from ``generation`` and tracks it; it returns at the end of training
+    or at a ``Preemption`` stop (a peer's leave: entered again), and lets a broken collective propagate (a lost
+    peer: entered again once the agent re-formed the group). The default group must exist before the call.
+
+    Returns:
+        What the last entry of ``fn`` returned.
+
+    Raises:
+        InPlaceFallbackError: the re-form in place was abandoned (the agent restarts this worker).
+        Exception: what ``fn`` raised, when it is not a peer loss re-formed in place.
+    """
+    runner = _Runner(config or InPlaceConfig())
+    iteration, after_loss, resumed_at = 0, False, None
+    while True:
+        gen = runner.generation(iteration, after_loss, resumed_at)
+        try:
+            result = fn(gen, *args, **kwargs)
+        except Exception as exc:
+            if not gen.in_place or not is_collective_failure(exc):
+                gen._release(quiet=True)
+                raise
+            assignment = runner.reform.wait_after_loss(runner.config.loss_notice_wait.total_seconds())
+            if assignment is None:
+                gen._release(quiet=True)
+                if runner.reform.timed_out:
+                    raise runner.fall_back(InPlaceFallback.TIMEOUT, "no re-formed group after the peer loss within "
+                                           f"{runner.config.wait_timeout.total_seconds():.0f} s") from exc
+                raise
+            traceback.clear_frames(exc.__traceback__)  # the frames hold the old group's objects (DDP, helpers)
+            del exc
+            after_loss = True
+        else:
+            assignment = runner.reform.wait() if gen.in_place and runner.acknowledged() else None
+            if assignment is None:
+                errors = gen._release(quiet=False)
+                if runner.reform.timed_out:
+                    # The plain script's path: the step is committed, the agent restarts the worker.
+                    runner.fall_back(InPlaceFallback.TIMEOUT, "no re-formed group after the planned stop within "
+                                     f"{runner.config.wait_timeout.total_seconds():.0f} s")
+                if errors:
+                    raise errors[0]  # e.g. the final save failed: the script fails as it would without the wrapper
+                return result
+            after_loss = False
+        resumed_at = gen.last_step
+        runner.rebuild(gen, assignment, after_loss=after_loss)
+        iteration += 1
