@@ -277,11 +277,8 @@ class SpotrunAgent(LocalElasticAgent):
         return pids
 
     def _workers_started(self, event: WorkersStarted) -> None:
-        """CHANGE: torch's PContext.start replaces the notice handlers with its own (an immediate shutdown): ours
-        are back at once, right after the planned feature knows the workers run (a notice then is not taken for
-        one between rounds), before the other features start. (Blocking the signals over the start instead would
-        leak the mask into the workers, which inherit it through fork and exec: a script would see SIGTERM
-        blocked.)"""
+        # CHANGE: PContext.start put torch's handlers in (an immediate shutdown): ours are back as soon as the planned
+        # feature knows the workers run. Blocking the signals over the start would leak the mask into the workers.
         self.planned.on_workers_started(event)
         self.install_notice_handlers()
         for feature in self._features:
