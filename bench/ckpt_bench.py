@@ -139,8 +139,7 @@ class Spotrun(Method):
         self.ckpt.wait()
 
     def is_done(self):
-        f = self.ckpt._future
-        return f is None or f.done()
+        return not self.ckpt._saves.busy
 
     def close(self):
         if self.ckpt is not None:

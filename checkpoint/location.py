@@ -11,6 +11,7 @@ import os
 import secrets
 
 from checkpoint.api import CheckpointStorageError
+from checkpoint.collective import Collective
 from checkpoint.storage import Storage
 
 PROBE_PREFIX = ".spotrun-probe-"
@@ -51,3 +52,23 @@ def check_location(storage: Storage, rank: int) -> None:
             f"{len(back)} bytes that differ from the {len(data)} written",
             path=storage.display(name),
         )
+
+
+def check_location_on_every_rank(storage: Storage, collective: Collective) -> None:
+    """``check_location`` on every rank of ``collective``; when one failed, every rank closes ``storage`` and
+    raises, so none is left waiting in a later collective."""
+    error: CheckpointStorageError | None = None
+    try:
+        check_location(storage, collective.rank)
+    except CheckpointStorageError as exc:
+        error = exc
+    (failed,) = collective.any(error is not None)
+    if not failed:
+        return
+    storage.close()
+    if error is not None:
+        raise error
+    raise CheckpointStorageError(
+        f"checkpoint location {storage.display()} is not usable on another rank (see its error)",
+        path=storage.display(),
+    )

@@ -153,7 +153,7 @@ def test_a_failed_save_on_s3_removes_its_objects(moto_endpoint: str, monkeypatch
         def refuse(storage: object, manifest: object, objects: object) -> None:
             raise CheckpointStorageError("injected: commit refused")
 
-        monkeypatch.setattr("checkpoint.checkpointer.commit_step", refuse)
+        monkeypatch.setattr("checkpoint.save_thread.commit_step", refuse)
         ckpt.save(2, {"w": torch.ones(8)})
         with pytest.raises(CheckpointStorageError, match="injected"):
             ckpt.wait()
