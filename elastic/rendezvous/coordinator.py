@@ -116,6 +116,13 @@ class Coordinator:
         self._released = released
         self._clock = clock
         self._ctx = ctx
+        self.thread: threading.Thread | None = None
+        """The coordinator thread (``start``)."""
+
+    def start(self) -> None:
+        """Start the coordinator thread (``run``)."""
+        self.thread = threading.Thread(target=self.run, name=f"rdzv-coord-{self._node_id}", daemon=True)
+        self.thread.start()
 
     def run(self) -> None:
         """While no node coordinates, try to; while this node does, post proposals and reform notices.

@@ -64,13 +64,14 @@ condition::
     mirror_watch.py  MirrorWatch: the watch thread that keeps the mirror current (own stream or WatchMux)
     registration.py  Registration: this node's lease and node key, kept by a LeaseKeeper, renewed when lost
     rounds.py        RoundWriter: join, commit, elect, propose, reform transactions; the Snapshot decided on
+    follower.py      Follower: ``next_rendezvous``'s way into a round (join, commit as rank 0, deadline check)
+    own_round.py     OwnRound: the round this node completed and the membership it reports (waiting, lost peers)
     coordinator.py   Coordinator: the coordinator thread (election, proposals, reform notices)
     peers.py         PeerLiveness: the liveness port, the ring successor's watch, dead peers' revokes
     cleanup.py       EndedRun: the finished marker; an ended run's keys, deleted by its last agent or a newcomer
 
-What stays here: torch's interface and the extra API (``next_rendezvous`` follows ``state.follow`` and
-writes through the parts), connecting, the preemption notices (a put under the lease; the mirror keeps
-the others'), the round this node completed and the membership it reports, and teardown.
+What stays here: torch's interface and the extra API, delegated to the parts; connecting, registering and
+teardown, which start and stop the parts' threads in order.
 """
 
 from __future__ import annotations
@@ -99,27 +100,20 @@ from .api import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousStateError,
-    RendezvousTimeoutError,
 )
 from .cleanup import EndedRun, describe_finished
 from .coordinator import ELECT_SPREAD_MAX_S, ELECT_SPREAD_PER_NODE_S, Coordinator, election_spread
 from .etcd_client import ClientPool, EtcdConnection
+from .follower import Follower
 from .health import EtcdHealth, unreachable_at_shutdown
 from .keys import RunKeys
 from .mirror import SAFETY_RECHECK_S, Mirror, MirrorUpdater
 from .mirror_watch import MirrorWatch, watch_failure
+from .own_round import OwnRound
 from .peers import PeerLiveness
 from .registration import Registration
-from .rounds import RoundWriter, snapshot_of, wait_time
-from .state import (
-    Action,
-    FollowerView,
-    RoundRecord,
-    Snapshot,
-    decide,
-    follow,
-    membership,
-)
+from .rounds import RoundWriter
+from .state import RoundRecord
 from .store import EtcdV3Store
 from .worker_store import WorkerStoreHost, agent_hosts_store
 
@@ -141,35 +135,12 @@ STORE_TIMEOUT = timedelta(seconds=60)
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
-    """torch ``RendezvousHandler`` over etcd v3 (backend name ``etcd-v3``).
+    """torch ``RendezvousHandler`` over etcd v3 (backend name ``etcd-v3``): a coordinator of its parts.
 
-    Extra public API (beyond torch's interface):
-
-    ``membership_changed() -> bool``
-        Non-blocking. True when the round this node is in can no longer go on as is: a participant lost
-        its lease (sticky until the next round), a participant re-joined, a newer round exists, or a
-        waiting node would get a slot (round below ``max_nodes``). Same as ``num_nodes_waiting() > 0``
-        once a round completed; False before the first round.
-    ``wait_membership_change(timeout: float) -> bool``
-        Blocks (event-driven) until ``membership_changed()`` is True (returns True), or ``timeout``
-        seconds pass or the handler shuts down (returns False).
-    ``leave() -> None``
-        Revoke this node's lease and release resources WITHOUT closing the job: peers see the loss at
-        once instead of after ``lease_ttl`` (for preemption notices). Idempotent.
-    ``publish_notice(notice: dict) -> None`` / ``peer_notices() -> dict[str, dict]``
-        Publish this node's preemption deadline to the group (a key under the node's lease, so it vanishes
-        with the node) / the notices the other participants of this node's round published (no I/O).
-    ``lost_peers() -> set[str]``
-        Participants of this node's round whose registration vanished (crashed or left), no I/O.
-    ``connect() -> None`` / ``register() -> None``
-        Reach etcd and load the run's state without joining (bounded by ``etcd_timeout``) / and register this
-        node as well; idempotent.
-    ``simulate_crash(silent=False) -> None``
-        Vanish like a SIGKILLed agent (fault injection: tests, benchmarks).
-    ``mirror``, ``keys``, ``registration``, ``peers``, ``rounds``, ``connection``, ``registered``
-        The parts it composes and its state, for diagnostics and tests to read (never to replace).
-    ``node_id`` / ``round`` properties
-        This agent's id (stable across rounds) / the number of the last round it completed (None before).
+    Beyond torch's interface it implements the protocols of ``api.py`` the agent checks for
+    (``MembershipAwareHandler``, ``NoticeAwareHandler``, ``PeerProbingHandler``, ...), and for fault injection
+    ``simulate_crash``. ``mirror``, ``keys``, ``registration``, ``peers``, ``rounds``, ``connection`` and
+    ``registered`` are its parts and state, for diagnostics and tests to read (never to replace).
 
     Raises from every public method: ``RendezvousConnectionError`` once etcd has been unreachable for
     longer than ``etcd_timeout``.
@@ -196,7 +167,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._config = config
         self._node_id = node_id = node_id or new_node_id()
         self._clock = clock
-        self._pool = pool
         self._addr = config.local_addr or socket.getfqdn()
         self._worker_store = WorkerStoreHost(self._addr, enabled=agent_hosts_store())
 
@@ -205,13 +175,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._cond = threading.Condition()
         """Guards the mirror and this node's round state; notified on every change (waiting loops wake on it)."""
         self._stop = threading.Event()
-        self._my_round: RoundRecord | None = None
         self.connection: EtcdConnection | None = None
         """The etcd connection (None before ``connect()``)."""
         self.registered = False
         """Whether this node registered (lease, node key, coordinator thread)."""
         self._released = False
-        self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
 
         # The parts, each owning one thing; they share the condition, and reach the handler's state through the
@@ -220,12 +188,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Whether etcd answers; the fatal error every public method raises once the handler cannot go on."""
         self._updater = MirrorUpdater(self.keys.ctl, self._ctx, self._health.corrupt)
         """Applies keys and events to the mirror; knows which participants left which round."""
+        self._own = OwnRound(self._updater, node_id=node_id, max_nodes=config.max_nodes, mirror=lambda: self._watch.mirror)
         self._watch = MirrorWatch(config, self.keys, self._updater, self._health, self._cond, self._stop,
                                   node_id=node_id, lease=lambda: self.registration.lease_id,
                                   require_conn=self._require_conn, clock=clock, ctx=self._ctx, pool=pool)
         """Keeps ``mirror`` current from etcd's watch (its thread starts at connect)."""
         self.peers = PeerLiveness(config, self.keys, self._cond, node_id=node_id, mirror=lambda: self._watch.mirror,
-                                  my_round=lambda: self._my_round, conn=lambda: self.connection,
+                                  my_round=lambda: self._own.record, conn=lambda: self.connection,
                                   require_conn=self._require_conn, released=lambda: self._released, ctx=self._ctx)
         """Our liveness port and our watch on the ring successor's; revokes a dead peer's lease."""
         self.registration = Registration(
@@ -241,6 +210,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             mirror=lambda: self._watch.mirror, lease=lambda: self.registration.lease_id,
             renewing=self.registration.renewing, released=lambda: self._released, clock=clock, ctx=self._ctx)
         """The coordinator role: tries the election while none holds it, and runs it while this node does."""
+        self._follower = Follower(config, self.keys, self.rounds, self.registration, self._updater, self._health,
+                                  self._cond, node_id=node_id, mirror=lambda: self._watch.mirror,
+                                  require_conn=self._require_conn, clock=clock, ctx=self._ctx)
         self._ended_run = EndedRun(config, self.keys, self._watch, self._health, self._cond, node_id=node_id,
                                    clock=clock, ctx=self._ctx)
         """The finished marker, and the run's keys once its job ended (deleted by its last agent, or by a
@@ -269,12 +241,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     @property
     def round(self) -> int | None:
-        record = self._my_round
+        record = self._own.record
         return record.number if record is not None else None
 
     @property
     def participants(self) -> tuple[str, ...]:
-        record = self._my_round
+        record = self._own.record
         return record.participants if record is not None else ()
 
     @property
@@ -296,106 +268,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return float(self._config.lease_ttl)
 
     def next_rendezvous(self) -> RendezvousInfo:
-        """Join the next round; block until it is committed with this node in it (see class doc).
-
-        This node follows the coordinator's posts (``state.follow``): it writes its join key, waits for the
-        round key, and commits the proposed round when the proposal makes it rank 0. Only at its join deadline
-        does it read every key once and ask ``state.decide`` whether it timed out (or is a spare)."""
+        """Join the next round; block until it is committed with this node in it (``Follower``)."""
         self.register()
         began = self._clock()
-        join_deadline = began + self._config.join_timeout
-        with self._cond:
-            committed = self.mirror.committed
-        target = (committed.number if committed else 0) + 1
-        joined_target: tuple[int, int | None] | None = None  # (round, lease) of our last join write
-        committed_mod: int | None = None  # round-key revision our last successful commit replaced
-        checked_at: float | None = None
-        previous: Action | None = None
-        log.info("%sjoining round %d (min=%d max=%d)", self._ctx(), target, self._config.min_nodes, self._config.max_nodes)
-        while True:
-            with self._cond:
-                self._health.raise_if_fatal()
-                mirror = self.mirror
-                view = FollowerView(
-                    node_id=self._node_id,
-                    target=target,
-                    committed=mirror.committed,
-                    closed=mirror.closed,
-                    joined=joined_target == (target, self.registration.lease_id),
-                    proposal=mirror.proposal,
-                    now=self._clock(),
-                    join_deadline=join_deadline,
-                    checked_at=checked_at,
-                    recheck_s=SAFETY_RECHECK_S,
-                )
-                seen_mod, proposal, ring = mirror.committed_mod, mirror.proposal, mirror.proposal_ring
-                decision = follow(view)
-                if decision.action != previous:
-                    log.info("%sround %d: %s (%s)", self._ctx(), target, decision.action.value, decision.reason)
-                    previous = decision.action
-                action = decision.action
-                if action is Action.COMMIT and committed_mod == seen_mod:
-                    action = Action.WAIT  # our commit is not in the mirror yet
-                if action is Action.WAIT:
-                    self._cond.wait(wait_time(decision, self._clock))
-                    continue
-                if action is Action.DONE:
-                    info, record, rank = self._complete_round(began)
-                    break
-                if action is Action.REJOIN:
-                    assert mirror.committed is not None
-                    target = mirror.committed.number + 1
-                    joined_target = None
-                    continue
-                if action is Action.CLOSED:
-                    raise RendezvousClosedError(f"{self._ctx()}the rendezvous of run '{self._config.run_id}' is closed")
-            # I/O outside the lock (the watch thread needs it to deliver our own writes).
-            if action is Action.JOIN:
-                if self._write_join(target, seen_mod):
-                    joined_target = (target, self.registration.lease_id)
-            elif action is Action.COMMIT:
-                assert proposal is not None
-                if self.rounds.commit(target, decision.participants, seen_mod, proposal.mod_revision, ring):
-                    committed_mod = seen_mod
-            elif action is Action.CHECK:
-                checked_at = self._clock()
-                if not self._check_deadline(target, join_deadline):
-                    joined_target = None  # our join key is gone: write it again
+        info, record, rank = self._follower.next_round(began, lambda record: self._complete_round(record, began))
         self.peers.watch_successor(record, rank)
         return info
-
-    def _check_deadline(self, target: int, join_deadline: float) -> bool:
-        """At the join deadline: read every key once and let ``decide`` say whether this node timed out
-        (raises ``RendezvousTimeoutError``) or waits on (a spare has no deadline). False when ``decide`` finds
-        this node's join key missing."""
-        snap = self._full_snapshot(target, join_deadline)
-        decision = decide(snap)
-        log.info("%sround %d: join deadline check: %s (%s)", self._ctx(), target, decision.action.value, decision.reason)
-        if decision.action is Action.TIMEOUT:
-            raise RendezvousTimeoutError(
-                f"{self._ctx()}no round formed within join_timeout={self._config.join_timeout:.0f} s: "
-                f"{decision.reason} (live nodes: {len(snap.live)}, min_nodes={self._config.min_nodes}, "
-                f"etcd {self._config.endpoint_str})"
-            )
-        if decision.action is Action.CLOSED:
-            raise RendezvousClosedError(f"{self._ctx()}the rendezvous of run '{self._config.run_id}' is closed")
-        return decision.action is not Action.JOIN
-
-    def _full_snapshot(self, target: int, join_deadline: float) -> Snapshot:
-        """A ``Snapshot`` of every key: from the mirror when it is full, else from one range read."""
-        with self._cond:
-            if self.mirror.full and self.mirror.loaded:
-                return snapshot_of(self.mirror, node_id=self._node_id, config=self._config, now=self._clock(),
-                                   target=target, join_deadline=join_deadline)
-        conn = self._require_conn()
-        resp = conn.call("read the rendezvous state", lambda: conn.client.get_prefix_response(self.keys.ctl))
-        mirror = Mirror(revision=int(resp.header.revision), loaded=True, full=True)
-        for kv in resp.kvs:
-            self._updater.put(mirror, kv.key.decode(), kv.value, kv.mod_revision)
-        with self._cond:
-            self._health.raise_if_fatal()
-            return snapshot_of(mirror, node_id=self._node_id, config=self._config, now=self._clock(), target=target,
-                               join_deadline=join_deadline)
 
     def is_closed(self) -> bool:
         if not self._released:  # after leave()/shutdown(): the last state seen, without I/O
@@ -423,7 +301,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._ensure_connected()
         with self._cond:
             self._health.raise_if_fatal()
-            return self._nodes_waiting_locked()
+            return self._own.nodes_waiting()
 
     def shutdown(self) -> bool:
         """torch semantics: close the rendezvous (the job is over), then release this node. Idempotent."""
@@ -463,14 +341,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def membership_changed(self) -> bool:
         with self._cond:
             self._health.raise_if_fatal()
-            return self._membership_changed_locked()
+            return self._own.changed()
 
     def wait_membership_change(self, timeout: float) -> bool:
         deadline = self._clock() + max(0.0, timeout)
         with self._cond:
             while True:
                 self._health.raise_if_fatal()
-                if self._membership_changed_locked():
+                if self._own.changed():
                     return True
                 remaining = deadline - self._clock()
                 if remaining <= 0 or self._stop.is_set():
@@ -479,11 +357,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def publish_notice(self, notice: dict[str, Any]) -> None:
         conn = self._ensure_connected()
-        key = self.keys.notice_prefix + self._node_id
         value = json.dumps({**notice, "node": self._node_id})
-        registration = self.registration
-        registration.with_live_lease(lambda: conn.call("publish a preemption notice",
-                                                       lambda: conn.client.put(key, value, lease=registration.lease_id)))
+        self.registration.put_on_lease(conn, "publish a preemption notice", self.keys.notice_prefix + self._node_id, value)
         log.info("%spublished preemption notice %s", self._ctx(), value)
 
     def publish_health(self, report: dict[str, Any] | None) -> None:
@@ -492,29 +367,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if report is None:
             conn.call("remove the health report", lambda: conn.client.delete(key))
             return
-        value = json.dumps({**report, "node": self._node_id})
-        registration = self.registration
-        registration.with_live_lease(lambda: conn.call("publish the health report",
-                                                       lambda: conn.client.put(key, value, lease=registration.lease_id)))
+        self.registration.put_on_lease(conn, "publish the health report", key, json.dumps({**report, "node": self._node_id}))
 
     def peer_notices(self) -> dict[str, dict[str, Any]]:
         with self._cond:
-            mine = self._my_round
-            peers = set(mine.participants) - {self._node_id} if mine is not None else set()
-            return {node: dict(n) for node, n in self.mirror.notices.items() if node in peers}
+            return self._own.peer_notices()
 
     def lost_peers(self) -> set[str]:
         with self._cond:
-            mine = self._my_round
-            if mine is None:
-                return set()
-            lost = set(self._updater.lost.get(mine.number, ())) | self._updater.finished.get(mine.number, set())
-            mirror = self.mirror
-            if mirror.full:
-                lost |= set(mine.participants) - set(mirror.nodes)
-            elif mirror.reform is not None and mirror.reform.round == mine.number:
-                lost |= set(mirror.reform.lost)
-            return lost
+            return self._own.lost_peers()
 
     def leave(self) -> None:
         """Revoke the lease (peers notice at once) and release threads and the connection; job stays open.
@@ -537,15 +398,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             reap = reap or self.mirror.closed
         self._stop_threads()
         self.peers.stop()
-        conn, lease = self.connection, self.registration.lease_id
-        if conn is not None and lease is not None:
-            try:
-                conn.call("revoke this node's lease", lambda: conn.client.revoke_lease(lease), within=min(2.0, self._config.etcd_timeout))
-            except RendezvousError as exc:
-                log.warning("%scould not revoke lease %x (it expires in <= %d s): %s", self._ctx(), lease, self._config.lease_ttl, exc)
-        if conn is not None and reap:
-            self._ended_run.reap(conn)
+        conn = self.connection
         if conn is not None:
+            self.registration.revoke(conn)
+            if reap:
+                self._ended_run.reap(conn)
             conn.close()
         log.info("%sleft the rendezvous", self._ctx())
 
@@ -554,10 +411,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         (its lease lapsed: a partition, a pause), else whether a lost peer's liveness port refuses or cannot be
         probed (``PeerLiveness.any_refuses``)."""
         with self._cond:
-            mine, committed = self._my_round, self.mirror.committed
-        if (mine is not None and committed is not None and committed.number > mine.number
-                and self._node_id not in committed.participants):
-            return False
+            if self._own.left_behind():
+                return False
         return self.peers.any_refuses(self.lost_peers())
 
     def probe_peers(self) -> set[str]:
@@ -578,62 +433,20 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self.connection is not None:
             self.connection.close()
 
-    # ================================================================== this node's round and membership
-    def _nodes_waiting_locked(self) -> int:
-        """From the full mirror (the coordinator), else from the coordinator's reform post."""
-        mirror = self.mirror
-        committed = mirror.committed
-        if committed is None:
-            return len(mirror.joins.get(1, {}))
-        if mirror.full:
-            m = membership(committed, mirror.nodes, mirror.joins.get(committed.number + 1, {}), self._config.max_nodes)
-            waiting = m.nodes_waiting
-        else:
-            reform = mirror.reform
-            waiting = reform.waiting if reform is not None and reform.round == committed.number else 0
-        waiting = max(waiting, len(self._updater.lost.get(committed.number, ())))
-        mine = self._my_round
-        if mine is not None and mine.number < committed.number:
-            waiting = max(waiting, 1)  # a newer round formed without us: we must re-rendezvous
-        return waiting
-
-    def _membership_changed_locked(self) -> bool:
-        return self._my_round is not None and self._nodes_waiting_locked() > 0
-
-    def _complete_round(self, began: float) -> tuple[RendezvousInfo, RoundRecord, int]:
-        record = self.mirror.committed
-        assert record is not None
+    # ================================================================== this node's round
+    def _complete_round(self, record: RoundRecord, began: float) -> tuple[RendezvousInfo, RoundRecord, int]:
+        """Make ``record`` this node's round (under the condition) and open its store."""
         rank = record.rank_of(self._node_id)
         assert rank is not None
-        self._my_round = record
+        self._own.record = record
         self.registration.joining = None
         self._worker_store.round_completed(record.number, record.master_port, rank)
         store = EtcdV3Store(self._require_conn(), f"{self.keys.store_prefix}{record.number}/", STORE_TIMEOUT)
-        log.info(
-            "%sround %d complete in %.3f s: rank %d of %d, master %s:%d",
-            self._ctx(),
-            record.number,
-            self._clock() - began,
-            rank,
-            len(record.participants),
-            record.master_addr,
-            record.master_port,
-        )
-        info = RendezvousInfo(
-            store=store,
-            rank=rank,
-            world_size=len(record.participants),
-            bootstrap_store_info=RendezvousStoreInfo(record.master_addr, record.master_port),
-        )
+        log.info("%sround %d complete in %.3f s: rank %d of %d, master %s:%d", self._ctx(), record.number,
+                 self._clock() - began, rank, len(record.participants), record.master_addr, record.master_port)
+        info = RendezvousInfo(store=store, rank=rank, world_size=len(record.participants),
+                              bootstrap_store_info=RendezvousStoreInfo(record.master_addr, record.master_port))
         return info, record, rank
-
-    def _write_join(self, target: int, seen_mod: int) -> bool:
-        """Put our join key for ``target`` unless the round key moved since our snapshot (under our live lease)."""
-        registration = self.registration
-        seq = registration.seq
-        with self._cond:
-            registration.joining = (target, seen_mod)
-        return registration.with_live_lease(lambda: self.rounds.join(target, seen_mod, seq, registration.lease_id))
 
     # ================================================================== start-up
     def _require_conn(self) -> EtcdConnection:
@@ -646,22 +459,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             raise RendezvousClosedError(f"{self._ctx()}this handler was shut down")
         with self._start_lock:
             if self.connection is None:
-                try:
-                    conn = EtcdConnection(self._config, context=self._ctx, pool=self._pool)
-                except RendezvousConnectionError:
-                    self._health.connect_failed = True
-                    raise
-                try:
-                    self._watch.load(conn)
-                except BaseException as exc:
-                    self._health.connect_failed = isinstance(exc, RendezvousConnectionError)
-                    self._watch.release_mux()
-                    conn.close()
-                    raise
-                self.connection = conn
-                watcher = threading.Thread(target=self._watch.follow, name=f"rdzv-watch-{self._node_id}", daemon=True)
-                watcher.start()
-                self._threads.append(watcher)
+                self.connection = self._watch.connect()
+                self._watch.start()
             return self.connection
 
     def register(self) -> None:
@@ -678,9 +477,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self.registration.register(conn)
             self.registered = True
             self.registration.keep(conn)
-            coordinator = threading.Thread(target=self._coordinator.run, name=f"rdzv-coord-{self._node_id}", daemon=True)
-            coordinator.start()
-            self._threads.append(coordinator)
+            self._coordinator.start()
 
     # ================================================================== teardown
     def _stop_threads(self) -> None:
@@ -689,15 +486,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._watch.cancel()
         with self._cond:
             self._cond.notify_all()
-        renewer = self.registration.renewer
-        for thread in [*self._threads, *([renewer] if renewer is not None else [])]:
-            if thread is not threading.current_thread():
+        for thread in (self._watch.thread, self._coordinator.thread, self.registration.renewer):
+            if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=2.0)  # a stuck thread must not hold up a signal-driven leave()
-        self._threads.clear()
         self._watch.release_mux()
 
     def _ctx(self) -> str:
-        record = self._my_round
+        record = self._own.record
         number = record.number if record is not None else "-"
         return f"[run={self._config.run_id} node={self._node_id} round={number}] "
 

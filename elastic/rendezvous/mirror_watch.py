@@ -105,6 +105,8 @@ class MirrorWatch:
         self._clock = clock
         self._ctx = ctx
         self._pool = pool
+        self.thread: threading.Thread | None = None
+        """The watch thread (``start``)."""
         self.mirror = Mirror()
         """The local copy (replaced by each load, changed by each event; under ``cond``)."""
         self.clearing = False
@@ -118,6 +120,28 @@ class MirrorWatch:
         """With a pool: the watch its handlers share (``watch_mux.py``), held from connect to release."""
         self._mux_fatal: BaseException | None = None
         """The pool's shared watch (``watch_mux``) gave up with this error."""
+
+    def connect(self) -> EtcdConnection:
+        """Open the handler's connection and load the mirror; an etcd that cannot be reached is recorded
+        (``EtcdHealth.connect_failed``). The watch thread starts with ``start``, once the handler holds it."""
+        try:
+            conn = EtcdConnection(self._config, context=self._ctx, pool=self._pool)
+        except RendezvousConnectionError:
+            self._health.connect_failed = True
+            raise
+        try:
+            self.load(conn)
+        except BaseException as exc:
+            self._health.connect_failed = isinstance(exc, RendezvousConnectionError)
+            self.release_mux()
+            conn.close()
+            raise
+        return conn
+
+    def start(self) -> None:
+        """Start the watch thread (``follow``)."""
+        self.thread = threading.Thread(target=self.follow, name=f"rdzv-watch-{self._node_id}", daemon=True)
+        self.thread.start()
 
     def load(self, conn: EtcdConnection) -> None:
         """The first load, at connect: read the followers' view (with a pool: take it from the shared watch)."""

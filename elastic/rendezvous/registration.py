@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt
 
-from .api import EtcdRendezvousConfig, RendezvousConnectionError
+from .api import EtcdRendezvousConfig, RendezvousConnectionError, RendezvousError
 from .etcd_client import ClientPool, EtcdConnection
 from .health import EtcdHealth, is_lease_not_found
 from .keys import RunKeys, join_value
@@ -155,6 +155,20 @@ class Registration:
             reraise=True,
         )
         return retrying(attempt)
+
+    def revoke(self, conn: EtcdConnection) -> None:
+        """Revoke our lease (peers see this node gone at once); a failure is logged: it expires in ``lease_ttl``."""
+        lease = self.lease_id
+        if lease is None:
+            return
+        try:
+            conn.call("revoke this node's lease", lambda: conn.client.revoke_lease(lease), within=min(2.0, self._config.etcd_timeout))
+        except RendezvousError as exc:
+            log.warning("%scould not revoke lease %x (it expires in <= %d s): %s", self._ctx(), lease, self._config.lease_ttl, exc)
+
+    def put_on_lease(self, conn: EtcdConnection, what: str, key: str, value: str) -> None:
+        """Put ``key`` under our lease (it vanishes with this node), re-registering if the lease is gone."""
+        self.with_live_lease(lambda: conn.call(what, lambda: conn.client.put(key, value, lease=self.lease_id)))
 
     def renew(self, stale_lease: int | None) -> None:
         """Re-register unless another thread already replaced ``stale_lease``."""
