@@ -60,19 +60,22 @@ def _node(endpoint: str, run: Path, name: str, *, train: list[str] | None = None
     return Launcher(argv, run / f"{name}.log", env=full)
 
 
-def test_a_paused_peer_is_aborted_and_costs_no_completed_step(tmp_path: Path, etcd_server: EmbeddedEtcd) -> None:
+def _fault_node_b(tmp_path: Path, etcd_server: EmbeddedEtcd, fault: signal.Signals = signal.SIGKILL, *,
+                  train: list[str] | None = None, **env: str) -> tuple[list[dict], list[int], str]:
+    """Two agents (``_node``: ``train``, ``env``); once both trained to step STOP_AT, ``fault`` to the whole of
+    node B, then node A left to train alone. Returns the progress lines (at world size 2 before the fault, and
+    all after it: a first round that formed before B arrived trained alone too), B's pids and A's log."""
     progress = tmp_path / "progress.jsonl"
-    # The restart path (train_ddp.py re-forms in place by default): SPOTRUN_REFORM_IN_PLACE=0 forces restarts.
-    a = _node(etcd_server.endpoint, tmp_path, "a", SPOTRUN_REFORM_IN_PLACE="0")
-    b = _node(etcd_server.endpoint, tmp_path, "b", SPOTRUN_REFORM_IN_PLACE="0")
+    a = _node(etcd_server.endpoint, tmp_path, "a", train=train, **env)
+    b = _node(etcd_server.endpoint, tmp_path, "b", train=train, **env)
     victims: list[int] = []
     try:
         wait_for(lambda: any(r["world_size"] == 2 for r in read_jsonl(progress)), timeout=240, what="the 2-node group")
         wait_for(lambda: any(r["step"] >= STOP_AT for r in read_jsonl(progress)), timeout=240, what=f"step {STOP_AT}")
         victims = b.snapshot_tree()
-        paused_at = len(read_jsonl(progress))  # a first round of A alone (B slow to start) trained at size 1 too
-        signal_all(victims, signal.SIGSTOP)  # node B pauses: agent, forkserver, worker, keeper
-        wait_for(lambda: any(r["world_size"] == 1 for r in read_jsonl(progress)[paused_at:]), timeout=120,
+        faulted_at = len(read_jsonl(progress))
+        signal_all(victims, fault)  # node B whole: agent, forkserver, worker, keeper
+        wait_for(lambda: any(r["world_size"] == 1 for r in read_jsonl(progress)[faulted_at:]), timeout=120,
                  what="the survivor to train alone")
         log = a.output()
     finally:
@@ -80,13 +83,18 @@ def test_a_paused_peer_is_aborted_and_costs_no_completed_step(tmp_path: Path, et
         b.close()
         a.close()
         _sweep_node_b()
-
     lines = read_jsonl(progress)
+    return [r for r in lines[:faulted_at] if r["world_size"] == 2] + lines[faulted_at:], victims, log
+
+
+def test_a_paused_peer_is_aborted_and_costs_no_completed_step(tmp_path: Path, etcd_server: EmbeddedEtcd) -> None:
+    # The restart path (train_ddp.py re-forms in place by default): SPOTRUN_REFORM_IN_PLACE=0 forces restarts.
+    lines, victims, log = _fault_node_b(tmp_path, etcd_server, signal.SIGSTOP, SPOTRUN_REFORM_IN_PLACE="0")
     survivor = {r["pid"] for r in lines if r["world_size"] == 2} - set(victims)
     (old_pid,) = survivor
     before = max(r["step"] for r in lines if r["pid"] == old_pid)
     stopped_at = max(r["t_wall"] for r in lines if r["pid"] == old_pid)
-    alone = [r for r in lines[paused_at:] if r["world_size"] == 1]
+    alone = [r for r in lines if r["world_size"] == 1]
     restored = [r for r in alone if "restore_source" in r]
     assert restored and restored[0]["restore_source"] == "memory_local", restored
     assert restored[0]["restore_step"] == before, \
@@ -105,29 +113,10 @@ def test_a_lost_peer_is_re_formed_around_in_place(tmp_path: Path, etcd_server: E
     """train_ddp.py runs under ``elastic.inplace.run`` (no variable set): the survivor's worker aborts its group,
     snapshots its last completed step and waits in its process; its agent re-forms around it. The same process
     trains on at world size 1 from the very next step (0 steps redone, no restart, no restore)."""
-    progress = tmp_path / "progress.jsonl"
-    a = _node(etcd_server.endpoint, tmp_path, "a")
-    b = _node(etcd_server.endpoint, tmp_path, "b")
-    victims: list[int] = []
-    try:
-        wait_for(lambda: any(r["world_size"] == 2 for r in read_jsonl(progress)), timeout=240, what="the 2-node group")
-        wait_for(lambda: any(r["step"] >= STOP_AT for r in read_jsonl(progress)), timeout=240, what=f"step {STOP_AT}")
-        victims = b.snapshot_tree()
-        paused_at = len(read_jsonl(progress))  # a first round of A alone (B slow to start) trained at size 1 too
-        signal_all(victims, fault)
-        wait_for(lambda: any(r["world_size"] == 1 for r in read_jsonl(progress)[paused_at:]), timeout=120,
-                 what="the survivor to train alone")
-        log = a.output()
-    finally:
-        signal_all(victims, signal.SIGKILL)
-        b.close()
-        a.close()
-        _sweep_node_b()
-
-    lines = read_jsonl(progress)
+    lines, victims, log = _fault_node_b(tmp_path, etcd_server, fault)
     (old_pid,) = {r["pid"] for r in lines if r["world_size"] == 2} - set(victims)
     before = max(r["step"] for r in lines if r["pid"] == old_pid and r["world_size"] == 2)
-    alone = [r for r in lines[paused_at:] if r["world_size"] == 1]
+    alone = [r for r in lines if r["world_size"] == 1]
     assert {r["pid"] for r in alone} == {old_pid}, "the survivor's worker process trains on: no restart"
     assert alone[0]["step"] == before + 1, f"trained to step {before} together, then step {alone[0]['step']} alone"
     assert alone[0].get("reformed_in_place") is True, alone[0]
@@ -139,37 +128,15 @@ def test_a_lost_peer_is_re_formed_around_in_place(tmp_path: Path, etcd_server: E
 WORKER = str(Path(__file__).with_name("inplace_worker.py"))
 
 
-def _kill_node_b(tmp_path: Path, etcd_server: EmbeddedEtcd, mode: str) -> tuple[list[dict], list[int], str]:
-    """Two agents running tests/elastic/inplace_worker.py in ``mode``; node B SIGKILLed whole once both trained
-    to step STOP_AT, then node A left to train alone. Returns the progress lines (at world size 2, and any after
-    the kill: a first round that formed before B arrived trained alone too), B's pids and A's log."""
-    progress = tmp_path / "progress.jsonl"
-    train = [WORKER, "--mode", mode, "--steps", str(STEPS), "--step-time", "0.1"]
-    a = _node(etcd_server.endpoint, tmp_path, "a", train=train)
-    b = _node(etcd_server.endpoint, tmp_path, "b", train=train)
-    victims: list[int] = []
-    try:
-        wait_for(lambda: any(r["world_size"] == 2 for r in read_jsonl(progress)), timeout=240, what="the 2-node group")
-        wait_for(lambda: any(r["step"] >= STOP_AT for r in read_jsonl(progress)), timeout=240, what=f"step {STOP_AT}")
-        victims = b.snapshot_tree()
-        paused_at = len(read_jsonl(progress))  # a first round of A alone (B slow to start) trained at size 1 too
-        signal_all(victims, signal.SIGKILL)
-        wait_for(lambda: any(r["world_size"] == 1 for r in read_jsonl(progress)[paused_at:]), timeout=120,
-                 what="the survivor to train alone")
-        log = a.output()
-    finally:
-        signal_all(victims, signal.SIGKILL)
-        b.close()
-        a.close()
-        _sweep_node_b()
-    lines = read_jsonl(progress)
-    return [r for r in lines[:paused_at] if r["world_size"] == 2] + lines[paused_at:], victims, log
+def _worker(mode: str) -> list[str]:
+    """tests/elastic/inplace_worker.py in ``mode``."""
+    return [WORKER, "--mode", mode, "--steps", str(STEPS), "--step-time", "0.1"]
 
 
 def test_a_script_without_the_wrapper_is_restarted_as_before(tmp_path: Path, etcd_server: EmbeddedEtcd) -> None:
     """Drop-in intact: a plain DDP script (no ``elastic.inplace``) marks nothing, so after node B's loss the
     survivor's agent restarts its worker (a new process), as before; nothing is re-formed in place."""
-    lines, victims, log = _kill_node_b(tmp_path, etcd_server, "plain")
+    lines, victims, log = _fault_node_b(tmp_path, etcd_server, train=_worker("plain"))
     (old_pid,) = {r["pid"] for r in lines if r["world_size"] == 2} - set(victims)
     alone = [r for r in lines if r["world_size"] == 1]
     assert old_pid not in {r["pid"] for r in alone}, "a new worker process trains alone"
@@ -184,7 +151,7 @@ def test_a_rebuild_error_falls_back_to_a_restart_with_its_event(tmp_path: Path, 
     """The wrapped worker waits in place after node B's loss and is assigned its new group, but releasing an
     object of the old group raises: it reports ``rebuild_failed`` and exits, and its agent emits
     ``in_place_fallback`` and restarts it (not charged: ``--max-restarts 0``)."""
-    lines, victims, log = _kill_node_b(tmp_path, etcd_server, "fail-release")
+    lines, victims, log = _fault_node_b(tmp_path, etcd_server, train=_worker("fail-release"))
     (old_pid,) = {r["pid"] for r in lines if r["world_size"] == 2} - set(victims)
     alone = [r for r in lines if r["world_size"] == 1]
     assert old_pid not in {r["pid"] for r in alone}, "the worker that fell back was restarted"
@@ -202,32 +169,14 @@ def test_fsdp2_survivor_of_a_killed_peer_reshards_in_place_from_memory(tmp_path:
     """train_gpt.py --parallel fsdp, a snapshot every step: node B SIGKILLed whole. The survivor's worker keeps its
     process, shards the model again at world size 1 and restores through the memory tier's resharding read path
     (its own just-in-time snapshot, B's shards from the buddy copy it holds): at most two steps redone."""
-    progress = tmp_path / "progress.jsonl"
     train = [str(EXAMPLES / "train_gpt.py"), "--parallel", "fsdp", "--steps", str(STEPS), "--global-batch", "8",
              "--context", "32", "--corpus-chars", "8192", "--log-every", "1000", "--ckpt-every", "1000",
              "--step-time", "0.1", "--pg-timeout", "60", "--memory-snapshot-every", "1",
              "--ckpt-dir", str(tmp_path / "ckpt")]  # fmt: skip
-    a = _node(etcd_server.endpoint, tmp_path, "a", train=train)
-    b = _node(etcd_server.endpoint, tmp_path, "b", train=train)
-    victims: list[int] = []
-    try:
-        wait_for(lambda: any(r["world_size"] == 2 for r in read_jsonl(progress)), timeout=240, what="the 2-node group")
-        wait_for(lambda: any(r["step"] >= STOP_AT for r in read_jsonl(progress)), timeout=240, what=f"step {STOP_AT}")
-        victims = b.snapshot_tree()
-        paused_at = len(read_jsonl(progress))  # a first round of A alone (B slow to start) trained at size 1 too
-        signal_all(victims, signal.SIGKILL)
-        wait_for(lambda: any(r["world_size"] == 1 for r in read_jsonl(progress)[paused_at:]), timeout=120,
-                 what="the survivor to train alone")
-        log = a.output()
-    finally:
-        signal_all(victims, signal.SIGKILL)
-        b.close()
-        a.close()
-        _sweep_node_b()
-    lines = read_jsonl(progress)
+    lines, victims, log = _fault_node_b(tmp_path, etcd_server, train=train)
     (old_pid,) = {r["pid"] for r in lines if r["world_size"] == 2} - set(victims)
     before = max(r["step"] for r in lines if r["pid"] == old_pid and r["world_size"] == 2)
-    alone = [r for r in lines[paused_at:] if r["world_size"] == 1]
+    alone = [r for r in lines if r["world_size"] == 1]
     assert {r["pid"] for r in alone} == {old_pid}, "the survivor's worker process trains on: no restart"
     first = alone[0]
     assert first.get("reformed_in_place") is True, first
