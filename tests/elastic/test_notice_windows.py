@@ -64,7 +64,10 @@ def _assert_left_and_the_other_finished(tmp_path: Path, leaver: Launcher, other:
     assert leaver.wait(90) == 0, leaver.output()[-3000:]
     leaves = _events(tmp_path, "b", "planned_leave")
     assert len(leaves) == 1, leaves
-    assert not _events(tmp_path, "b", "failure_detected"), "the notice is not a failure"
+    # A round of b alone (a slow to start on a loaded host) is re-formed when a arrives: that membership change is
+    # no failure of b's; anything else would be the notice taken for one.
+    failures = [e for e in _events(tmp_path, "b", "failure_detected") if e.get("cause") != "membership_change"]
+    assert not failures, f"the notice is not a failure: {failures}"
     assert "Traceback" not in leaver.output(), leaver.output()[-3000:]
     assert other.wait(180) == 0, other.output()[-3000:]
     steps = [p["step"] for p in _progress(tmp_path)]

@@ -18,6 +18,7 @@ from elastic.config import AgentSettings, from_env, resolve
 from elastic.hang import HangPolicy
 from elastic.options import OPTIONS, Option
 from elastic.straggler import StragglerPolicy
+from tests.harness import astparse
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +71,7 @@ def test_every_option_is_in_the_reference(option: Option[object]) -> None:
 
 
 def _string_literals(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    tree = astparse.parse(path.read_text())
     docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
     return {node.value for node in ast.walk(tree)
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings}

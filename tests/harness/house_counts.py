@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.harness import astparse
 from tests.harness.imports import REPO, all_imports, circles, import_edges
 
 CODE = ("elastic", "checkpoint")
@@ -77,7 +78,7 @@ def class_sizes(root: Path = REPO, folders: Iterable[str] = CODE) -> list[ClassS
     """Every class of ``folders``, largest (in lines) first."""
     found = []
     for path in _py_files(root, folders):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in ast.walk(astparse.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ClassDef):
                 methods = sum(isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) for child in node.body)
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1
@@ -104,7 +105,7 @@ def project_privates(root: Path = REPO) -> set[str]:
     """Every private name the project's code defines."""
     names: set[str] = set()
     for path in _py_files(root, PROJECT):
-        names |= _defined_privates(ast.parse(path.read_text(), filename=str(path)))
+        names |= _defined_privates(astparse.parse(path.read_text(), filename=str(path)))
     return names
 
 
@@ -186,7 +187,7 @@ def private_accesses(root: Path = REPO) -> dict[str, list[tuple[int, str]]]:
         if (root / VENDORED) in path.parents:
             continue
         visitor = _PrivateAccesses(privates)
-        visitor.visit(ast.parse(path.read_text(), filename=str(path)))
+        visitor.visit(astparse.parse(path.read_text(), filename=str(path)))
         if visitor.found:
             found[_rel(path, root)] = sorted(visitor.found)
     return found
@@ -196,7 +197,7 @@ def function_local_imports(root: Path = REPO, folders: Iterable[str] = CODE) -> 
     """File -> lines of its imports inside a function, for files with any."""
     found: dict[str, list[int]] = {}
     for path in _py_files(root, folders):
-        lines = sorted(_imports_inside_functions(ast.parse(path.read_text(), filename=str(path)), inside=False))
+        lines = sorted(_imports_inside_functions(astparse.parse(path.read_text(), filename=str(path)), inside=False))
         if lines:
             found[_rel(path, root)] = lines
     return found
@@ -238,7 +239,7 @@ def docstring_lines(path: Path) -> tuple[int, int]:
     """(lines inside docstrings, all lines) of one file."""
     text = path.read_text()
     inside: set[int] = set()
-    for node in ast.walk(ast.parse(text, filename=str(path))):
+    for node in ast.walk(astparse.parse(text, filename=str(path))):
         body = getattr(node, "body", None)
         if not isinstance(body, list):
             continue

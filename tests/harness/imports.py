@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.harness import astparse
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("checkpoint", "elastic")
 
@@ -52,7 +54,7 @@ def ours(name: str, modules: dict[str, Path] = MODULES) -> str | None:
 
 def imports_of(module: str, path: Path, modules: dict[str, Path] = MODULES, root: Path = REPO) -> Iterator[Import]:
     """Every import in ``path``, resolved: ``from package import name`` names the submodule when it is one."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = astparse.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(tree):
         where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
