@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from checkpoint.api import CheckpointError
 from checkpoint.memory.jit import is_collective_failure
-from elastic.api import InPlaceFallback, SpotrunError
+from elastic.api import InPlaceFallback
 from elastic.worker.mailbox import GroupAssignment
 from elastic.worker.reform import LOSS_NOTICE_WAIT, InPlaceReform, ReformConfig
 
@@ -37,8 +37,12 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 
-class InPlaceFallbackError(SpotrunError, RuntimeError):
-    """The worker gave up re-forming in place (``why``); it exits and its agent restarts it."""
+class InPlaceFallbackError(SystemExit):
+    """The worker gave up re-forming in place (``why``); it exits and its agent restarts it.
+
+    A ``SystemExit`` on purpose (not in the ``SpotrunError`` tree): the process must end, a script's ``except
+    Exception`` must not keep it, and uncaught it ends the worker with this one line and status 1, no traceback
+    (the fallback is an orderly exit the agent expects, reported to it through the mailbox first)."""
 
     def __init__(self, why: InPlaceFallback, detail: str) -> None:
         super().__init__(f"in-place re-form abandoned ({why.value}): {detail}; exiting for a restart")

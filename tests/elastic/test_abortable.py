@@ -26,6 +26,7 @@ from elastic.memory_keeper import remove_orphaned_keepers
 from elastic.progress import remove_orphaned_progress_files
 from elastic.worker.mailbox import remove_orphaned_mailboxes
 from tests.harness.procs import EXAMPLES, SPOTRUN, Launcher, make_env, read_jsonl, signal_all, wait_for
+from tests.harness.tracebacks import unexpected_tracebacks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -162,6 +163,7 @@ def test_a_rebuild_error_falls_back_to_a_restart_with_its_event(tmp_path: Path, 
     later = [e["event"] for e in events if e["t_wall"] > fallback["t_wall"]]
     assert "workers_started" in later, later
     assert "in-place re-form abandoned (rebuild_failed)" in log, log[-3000:]
+    assert not unexpected_tracebacks(log), log[-3000:]  # an orderly exit (InPlaceFallbackError is a SystemExit)
 
 
 def test_fsdp2_survivor_of_a_killed_peer_reshards_in_place_from_memory(tmp_path: Path,
