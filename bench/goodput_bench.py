@@ -61,6 +61,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the shared process harness
 # One way to get an etcd (spotrun) or a c10d port (torchrun) for both benches.
 from bench.elastic_bench import rendezvous_endpoint
+from elastic.api import ENV_REFORM_IN_PLACE
 from tests.harness.procs import (
     EXAMPLES,
     SPOTRUN,
@@ -248,8 +249,11 @@ class Run:
                 *job, "--ckpt-backend", "dcp"]
 
     def start_agent(self) -> Launcher:
+        # spotrun-mem-restart: the same job with in-place re-form off (its workers restart on every change)
+        restart = {ENV_REFORM_IN_PLACE: "0"} if self.kind.partition(":")[0].endswith("-restart") else {}
         agent = Launcher(self.argv(), self.workdir / f"agent{len(self.agents)}.log",
-                         env=make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"), **omp_env(self.args.omp_threads)))
+                         env=make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"), **omp_env(self.args.omp_threads),
+                                      **restart))
         self.agents.append(agent)
         return agent
 
@@ -393,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--launchers", default="spotrun,torchrun",
                    help="comma-separated: spotrun, spotrun-mem (spotrun + memory tier every --memory-every steps), "
-                        "spotrun-mem:K (every K steps), torchrun")
+                        "spotrun-mem:K (every K steps), spotrun-mem-restart[:K] (the same with in-place re-form off: "
+                        "SPOTRUN_REFORM_IN_PLACE=0), torchrun")
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                    help="train_gpt.py's --parallel: replicate (DDP) or shard (FSDP2; the memory tier keeps buddy copies)")
     p.add_argument("--memory-every", default="auto",
@@ -414,9 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     for every in [args.memory_every] + [k.partition(":")[2] for k in args.launchers.split(",") if ":" in k]:
         if every != "auto" and not (every.isdigit() and int(every) >= 1):
             p.error(f"a memory interval must be an integer >= 1 or 'auto', got {every!r}")
-    unknown = [k for k in args.launchers.split(",") if k.partition(":")[0] not in ("spotrun", "spotrun-mem", "torchrun")]
+    unknown = [k for k in args.launchers.split(",") if k.partition(":")[0] not in ("spotrun", "spotrun-mem", "spotrun-mem-restart",
+                                                                                     "torchrun")]
     if unknown:
-        p.error(f"unknown launcher(s) {unknown}: use spotrun, spotrun-mem, spotrun-mem:K, torchrun")
+        p.error(f"unknown launcher(s) {unknown}: use spotrun, spotrun-mem[:K], spotrun-mem-restart[:K], torchrun")
     try:
         schedule = make_schedule(args.seed, args.duration, args.fault_every, rejoin,
                                  tuple(k for k in args.faults.split(",") if k))
