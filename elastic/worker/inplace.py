@@ -239,9 +239,7 @@ class _Runner:
             if after_loss and step is not None and not _same_step_everywhere(step):
                 raise self.fall_back(InPlaceFallback.STEPS_DIFFER, f"this rank stands at step {step}, another "
                                      "survivor at a different one")
-        except InPlaceFallbackError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # not InPlaceFallbackError (a SystemExit): those above go on as they are
             raise self.fall_back(InPlaceFallback.REBUILD_FAILED, f"joining the new group: {exc}") from exc
         logger.info("[rank %d/%d] re-formed in place in %.3f s (%s)", assignment.rank, assignment.world_size,
                     time.monotonic() - began, "after a lost peer" if after_loss else "after a peer's planned leave")
