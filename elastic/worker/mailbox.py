@@ -68,7 +68,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from elastic.api import ENV_NOTICE_DIR
+from elastic.api import ENV_NOTICE_DIR, InPlaceFallback
 from elastic.worker.runfiles import (
     SWEEP_LIMIT,
     hold_owner_lock,
@@ -96,6 +96,9 @@ LINK_KIND = "notice-dir"
 MAX_MESSAGE_BYTES = 64 * 1024
 """Largest mailbox file parsed (an acknowledgement or a notice is under 200 bytes): a bigger one, a deeply nested
 one or anything but a regular file is malformed, so a worker's stray write cannot stall the agent's 10 ms poll."""
+MAX_FALLBACK_DETAIL = 2000
+"""Characters of a fallback's detail kept (written and read: it goes into the agent's ``in_place_fallback`` event)."""
+_FALLBACK_REASONS = frozenset(reason.value for reason in InPlaceFallback)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,8 +258,9 @@ class Mailbox:
                 record = _load_json(os.path.join(self.path, name))
             except (OSError, ValueError):
                 continue
-            if isinstance(record, dict) and isinstance(record.get("why"), str):
-                out[int(match.group(1))] = (record["why"], str(record.get("detail", "")))
+            # Only the reasons a worker can give (they become the event's ``why``); the detail bounded as written.
+            if isinstance(record, dict) and isinstance(why := record.get("why"), str) and why in _FALLBACK_REASONS:
+                out[int(match.group(1))] = (why, str(record.get("detail", ""))[:MAX_FALLBACK_DETAIL])
         return out
 
     def assign(self, local_rank: int, assignment: GroupAssignment) -> None:
@@ -421,7 +425,8 @@ class Mailbox:
 
     def report_fallback(self, local_rank: int, why: str, detail: str = "") -> None:
         """This worker gives up re-forming in place and exits for a restart, because of ``why``."""
-        _write_atomic(os.path.join(self.path, f"fallback-{local_rank}.json"), {"why": why, "detail": detail[:2000]})
+        _write_atomic(os.path.join(self.path, f"fallback-{local_rank}.json"),
+                      {"why": why, "detail": detail[:MAX_FALLBACK_DETAIL]})
 
     def take_assignment(self, local_rank: int) -> GroupAssignment | None:
         """This worker's new group, removed from the mailbox once read (None: not posted yet).

@@ -85,3 +85,14 @@ def test_acknowledgements_are_typed_records(tmp_path: Path) -> None:
     assert set(acks) == {0, 1}
     assert acks[0] == Acknowledgement(8, acks[0].time, saved=True, why="") and isinstance(acks[0].time, float)
     assert acks[1].saved is False and acks[1].why == "no time"
+
+
+def test_fallback_records_carry_only_a_known_reason_and_a_bounded_detail(tmp_path: Path) -> None:
+    box = Mailbox(str(tmp_path))
+    box.report_fallback(0, "timeout", "x" * 5000)
+    (tmp_path / "fallback-1.json").write_text(json.dumps({"why": "rm -rf /\n<b>", "detail": "hostile"}))
+    (tmp_path / "fallback-2.json").write_text(json.dumps({"why": ["timeout"]}))
+    (tmp_path / "fallback-3.json").write_text("{not json")
+    reported = box.fallbacks()
+    assert set(reported) == {0}
+    assert reported[0][0] == "timeout" and len(reported[0][1]) == 2000
