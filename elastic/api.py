@@ -122,6 +122,9 @@ class RecoveryCause(str, enum.Enum):
     """A node leaves after a notice (preemption), this one or a peer."""
     SCALE_UP = "scale_up"
     """A node joins the running job."""
+    PEER_FAILURE = "peer_failure"
+    """A peer node's worker failed and its agent restarted its workers (the peer stays): this node's workers
+    re-formed in place around them."""
 
 
 class InPlaceFallback(str, enum.Enum):

@@ -5,7 +5,7 @@
     spotrun report --rdzv-id job1 [--log-dir DIR] ...   # the files spotrun wrote by default for that run
 
 A recovery is what spotrun's events say it is: every event from the one that starts a recovery up to its
-``workers_started`` carries its ``recovery_cause`` (failure, hang, peer_lost, planned_leave, scale_up;
+``workers_started`` carries its ``recovery_cause`` (failure, hang, peer_lost, planned_leave, scale_up, peer_failure;
 ``elastic.api.RecoveryCause``), so planned leaves, scale-ups and hangs count as well as crashes. Per node, a
 recovery runs from its first event with a cause to the ``workers_started`` that ends it; the nodes'
 recoveries that overlap in time are one recovery of the job, labelled with the cause of the node that

@@ -82,7 +82,9 @@ def train(gen: inplace.Generation, model: nn.Module, optim: torch.optim.Optimize
     # --8<-- [start:loop]
     state = {"model": gen.track(DistributedDataParallel(model)), "optim": optim}  # tracked: rebuilt at a re-form
     ckpt = gen.track(Checkpointer(args.ckpt_dir, CheckpointConfig(keep_last=2, memory=MemoryTierConfig(every="auto"))))
-    start = (gen.resumed_at if gen.reformed else ckpt.load(state) or 0) + 1  # any world size, from memory if it can
+    # The first entry, or new workers joined: every rank restores (any world size, from memory if it can);
+    # else the model and optimizer in memory are at the last step the previous group completed.
+    start = ((ckpt.load(state) or 0) if gen.needs_restore else gen.resumed_at or 0) + 1
     preemption = gen.preemption()                # collective: every rank builds it
     for step in range(start, args.steps + 1):
         train_step(state["model"], optim, step)

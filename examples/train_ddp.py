@@ -316,19 +316,21 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
     ckpt = gen.track(open_checkpointer(args.ckpt_dir, dict(args.storage_option), args.ckpt_retry_timeout))
     memory = gen.track(open_memory_tier(args.memory_snapshot_every))
     restored: dict[str, Any] = {}  # the restore's report (restore_source, restore_step...): on the first progress line
-    if gen.reformed:
-        restored = {"reformed_in_place": True}  # the state in memory is the old group's last step
+    if not gen.needs_restore:  # re-formed in place: the state in memory is every rank's last completed step
+        restored = {"reformed_in_place": True}
         logger.info("%s re-formed in place at step %d", ctx, trainer.step)
     elif memory is not None:
         from checkpoint.memory import restore
 
-        report = restore(ckpt, state, memory=memory)
+        report = restore(ckpt, state, memory=memory)  # with new workers in the group the survivors take part
         if report is not None:
-            restored = report.to_json()
+            restored = report.to_json() | ({"reformed_in_place": True} if gen.reformed else {})
             logger.info("%s resumed from step %s (%s, samples_seen=%s)", ctx, report.step, report.source.value,
                         trainer.samples_seen)
     elif ckpt is not None:
         step_loaded = ckpt.load(state)
+        if gen.reformed:
+            restored = {"reformed_in_place": True}
         if step_loaded is not None:
             logger.info("%s resumed from step %s (samples_seen=%s)", ctx, step_loaded, trainer.samples_seen)
     if ckpt is not None and trainer.step >= args.steps and rank == 0 and not gen.reformed:

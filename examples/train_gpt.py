@@ -422,6 +422,9 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
     args, trainer, batches, device = job.args, job.trainer, job.batches, job.device
     rank, world = gen.rank, gen.world_size
     ctx = f"[rank {rank}/{world} restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}]"
+    # New workers in the group (a join) or survivors at different steps: every rank restores (collective). FSDP2
+    # restores at every re-form: its shards are laid out for the old mesh.
+    needs_restore = gen.needs_restore
     reshard = gen.reformed and args.parallel == "fsdp"
     if reshard:
         job.model = make_model(args.gpt).to(device)
@@ -436,14 +439,14 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
     dcp_ckpt: DCPCheckpoints | None = None
     if args.ckpt_dir is not None and args.ckpt_backend == "dcp":
         dcp_ckpt = DCPCheckpoints(args.ckpt_dir, model, optimizer)
-        if not gen.reformed and (path := dcp_ckpt.load({"trainer": trainer, "data": batches})) is not None:
+        if needs_restore and (path := dcp_ckpt.load({"trainer": trainer, "data": batches})) is not None:
             logger.info("%s resumed from %s (step %s)", ctx, path, trainer.step)
     else:
         ckpt = gen.track(open_checkpointer(args.ckpt_dir, dict(args.storage_option)))
     memory = gen.track(open_memory_tier(args.memory_snapshot_every))
     restored_fields: dict[str, Any] = {}  # the restore's report (restore_source...): on the first progress line
-    if gen.reformed and not reshard:
-        restored_fields = {"reformed_in_place": True}  # DDP: the state in memory is the old group's last step
+    if not needs_restore and not reshard:
+        restored_fields = {"reformed_in_place": True}  # DDP: the state in memory is every rank's last step
         logger.info("%s re-formed in place at step %d", ctx, trainer.step)
     elif memory is not None:
         from checkpoint.memory import restore
@@ -451,11 +454,11 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
         if (report := restore(ckpt, state, memory=memory)) is not None:
             restored_fields = report.to_json()
             logger.info("%s resumed from step %s (%s)", ctx, report.step, report.source.value)
-        if reshard:
+        if gen.reformed:
             restored_fields["reformed_in_place"] = True
     elif ckpt is not None and (restored := ckpt.load(state)) is not None:
         logger.info("%s resumed from step %s", ctx, restored)
-        if reshard:
+        if gen.reformed:
             restored_fields = {"reformed_in_place": True}
     if (ckpt is not None or dcp_ckpt is not None) and trainer.step >= args.steps and rank == 0 and not gen.reformed:
         print(f"step {trainer.step} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)

@@ -231,6 +231,11 @@ class PlannedFeature(AgentFeature):
             # around them instead of restarting them.
             self.in_place.reform(waiting)
             return NEXT_TICK
+        if self.in_place.broken_for_join():
+            # CHANGE: a peer's workers failed and restarted (its agent waits in the rendezvous); ours broke their
+            # collective and wait in their processes: re-form around them, the peer's new workers restore.
+            self.in_place.reform_after_break()
+            return NEXT_TICK
         planned = self.tick()
         if planned is PlannedTick.WAITING:
             return NEXT_TICK
@@ -269,7 +274,7 @@ class PlannedFeature(AgentFeature):
             # A leaving node polls its mailbox for the acknowledgements: the peers' rendezvous waits for this
             # node's lease, not for its workers' exit. Workers that re-form in place never exit.
             return (leaving and self.acknowledged_stop() is not None) or (
-                in_place and self.in_place.waiting() is not None)
+                in_place and (self.in_place.waiting() is not None or self.in_place.broken_for_join()))
 
         self._host.wait_for_workers(timeout, done, ACK_POLL_INTERVAL if leaving or in_place else timeout)
 

@@ -4,7 +4,9 @@ Workers that run under ``elastic.inplace.run`` (each marked ``inplace-{local_ran
 peer's planned leave (or after a peer loss, once they aborted their group and snapshotted): they wait
 (``waiting-{local_rank}``), and the agent runs the same rendezvous round as a restart, then tells each its new
 rank, world size and store (``group-{local_rank}.json``) instead of replacing it; ``in_place_fallback`` says why
-when they are restarted after all. ``SPOTRUN_REFORM_IN_PLACE=0`` turns it off.
+when they are restarted after all. Workers whose training function takes part in the restore of new workers
+(``joinable-{local_rank}``) also stay for a joining node and for a peer node's restarted workers.
+``SPOTRUN_REFORM_IN_PLACE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from elastic.planned.channel import acknowledged_stop, committed_at, every_local
 from elastic.planned.policy import PlannedChanges, Stopped
 from elastic.torch_internals import worker_processes
 from elastic.worker.mailbox import GroupAssignment, Mailbox
-from elastic.worker.reform import IN_PLACE_REASONS, in_place_enabled
+from elastic.worker.reform import IN_PLACE_REASONS, JOIN_REASONS, in_place_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,10 @@ class InPlaceReformer:
         """Every local worker runs under ``elastic.inplace.run`` and in place is not turned off."""
         return self.enabled and every_local_worker(self._mailbox, Mailbox.in_place_capable, self._local_world_size())
 
+    def joinable(self) -> bool:
+        """Every local worker can re-form in place and takes part in the restore of workers that join."""
+        return self.capable() and every_local_worker(self._mailbox, Mailbox.joinable, self._local_world_size())
+
     def report_fallback(self, default: InPlaceFallback | None, *, worker_failed: bool = False) -> bool:
         """Emit ``in_place_fallback`` if there is one (``worker_failed``: a local worker failed while others waited
         in place); True when a worker reported it (its restart is not charged)."""
@@ -92,16 +98,21 @@ class InPlaceReformer:
 
     def falls_back(self, previous: frozenset[str] | None, current: frozenset[str] | None) -> bool:
         """After the re-form's rendezvous: restart the workers instead (reported) when the round admitted a node
-        that was not in the last one (its fresh workers restore through collectives the waiting survivors would not
-        join) or a worker gave up waiting meanwhile."""
+        that was not in the last one and the local workers cannot take part in its fresh workers' restore (not
+        joinable), or a worker gave up waiting meanwhile."""
         admitted = previous is None or current is None or not current <= previous
-        return self.report_fallback(InPlaceFallback.NEW_NODE if admitted else None) or admitted
+        refused = admitted and not self.joinable()
+        return self.report_fallback(InPlaceFallback.NEW_NODE if refused else None) or refused
 
     def posted(self) -> bool:
-        """The stop posted to the workers is one that re-forms in place (a peer's planned leave)."""
+        """The stop posted to the workers is one that re-forms in place (a peer's planned leave; a joining node
+        for joinable workers)."""
         posted = self._changes.posted
-        return (self._mailbox is not None and not self._changes.leaving and posted is not None
-                and posted.reason in IN_PLACE_REASONS and self.capable())
+        if self._mailbox is None or self._changes.leaving or posted is None:
+            return False
+        if posted.reason in JOIN_REASONS:
+            return self.joinable()
+        return posted.reason in IN_PLACE_REASONS and self.capable()
 
     def waiting(self) -> Stopped | None:
         """Where every local worker stopped for a peer's planned leave and now waits in its process for the
@@ -122,10 +133,26 @@ class InPlaceReformer:
         reason = posted.reason if posted is not None else "unknown"
         logger.info("%s workers stopped at step %d for a planned change (%s); re-forming around them in place",
                     host.ctx(), stopped.step, reason)
-        host.begin_recovery(RecoveryCause.PLANNED_LEAVE)
+        host.begin_recovery(RecoveryCause.SCALE_UP if reason in JOIN_REASONS else RecoveryCause.PLANNED_LEAVE)
         host.emit(RecoveryEvent.PLANNED_RESTART, step=stopped.committed, reason=reason,
                   committed_at=committed_at(self._mailbox) if stopped.saved else None, saved=stopped.saved,
                   why=stopped.why, agreed_step=stopped.step, in_place=True)
+        self.reform_waiting_workers()
+
+    def broken_for_join(self) -> bool:
+        """A node waits to join (the stop posted is a ``resize``) while every local worker, joinable, waits in
+        place without having stopped at the agreed step: their collective broke first. The joining node is most
+        often a peer whose worker failed and whose agent restarted its workers (not a loss: its lease stays)."""
+        posted = self._changes.posted
+        return (posted is not None and posted.reason in JOIN_REASONS and self.joinable() and self.all_waiting()
+                and acknowledged_stop(self._mailbox, self._local_world_size()) is None)
+
+    def reform_after_break(self) -> None:
+        """Re-form around workers whose collective broke when a peer's workers failed (see
+        :meth:`broken_for_join`): the peer's new workers restore, the survivors take part."""
+        logger.info("%s workers wait in place after a broken collective while a node waits to join (a peer's "
+                    "workers restarted); re-forming around them", self._host.ctx())
+        self._host.begin_recovery(RecoveryCause.PEER_FAILURE)
         self.reform_waiting_workers()
 
     def reform_waiting_workers(self) -> None:

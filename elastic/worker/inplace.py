@@ -98,6 +98,10 @@ class Generation:
     """This worker can be re-formed in place (under spotrun, not turned off)."""
     resumed_at: int | None = None
     """The last step the previous entry completed; None at the first entry."""
+    restore: bool = True
+    """What :attr:`needs_restore` answers (decided by every rank together at the entry)."""
+    on_asked: Callable[[], None] | None = None
+    """Called the first time :attr:`needs_restore` is read (the wrapper marks the worker joinable)."""
     _tracked: list[_Tracked] = field(default_factory=list)
     _preemptions: list[Preemption] = field(default_factory=list)
     _step: int | None = None
@@ -106,6 +110,18 @@ class Generation:
     def reformed(self) -> bool:
         """This entry follows an in-place re-form."""
         return self.iteration > 0
+
+    @property
+    def needs_restore(self) -> bool:
+        """Every rank must restore the training state now, the same (collective) restore a new worker runs:
+        True at the first entry, and after a re-form that took in new workers (a joining node, a peer node's
+        restarted workers) or found the survivors at different or unknown steps. False: the state in memory is
+        every rank's last completed step (:attr:`resumed_at`), go on from it. Asking this is what lets new
+        workers join this worker's group in place; a function that does not ask is restarted when they do."""
+        if self.on_asked is not None:
+            self.on_asked()
+            self.on_asked = None
+        return self.restore
 
     def track(self, obj: T, release: Callable[[T], object] | None = None) -> T:
         """Register ``obj`` (built on this group) and return it. Before the group is replaced, tracked objects
@@ -179,12 +195,78 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _same_step_everywhere(step: int) -> bool:
-    """Every rank of the new group stands at ``step`` (collective: one all-reduce of two ints)."""
+NO_STEP = -(2**62)
+"""A rank's neutral contribution to the entry's step bounds (the all-reduce takes the maximum)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EntryVote:
+    """One rank's say at an entry, or (after :func:`agree_on_entry`'s all-reduce) every rank's together."""
+
+    fresh: bool
+    """A new process (its first entry): its state comes from a restore."""
+    unaware: bool
+    """A survivor whose training function never asked ``Generation.needs_restore``: it cannot restore."""
+    unknown: bool
+    """A survivor of a lost peer that told no completed step."""
+    step_max: int = NO_STEP
+    neg_step_min: int = NO_STEP
+    """A survivor of a lost peer's completed step ``s`` gives ``(s, -s)``; the others ``NO_STEP``."""
+
+    @classmethod
+    def of(cls, *, fresh: bool, aware: bool, after_loss: bool, step: int | None) -> EntryVote:
+        counted = after_loss and not fresh and step is not None
+        return cls(fresh=fresh, unaware=not fresh and not aware, unknown=after_loss and not fresh and step is None,
+                   step_max=step if counted and step is not None else NO_STEP,
+                   neg_step_min=-step if counted and step is not None else NO_STEP)
+
+    def to_list(self) -> list[int]:
+        return [int(self.fresh), int(self.unaware), int(self.unknown), self.step_max, self.neg_step_min]
+
+    @classmethod
+    def from_list(cls, values: list[int]) -> EntryVote:
+        fresh, unaware, unknown, step_max, neg_step_min = values
+        return cls(fresh=fresh > 0, unaware=unaware > 0, unknown=unknown > 0, step_max=step_max,
+                   neg_step_min=neg_step_min)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryDecision:
+    restore: bool
+    """Every rank restores (``Generation.needs_restore``)."""
+    fallback: tuple[InPlaceFallback, str] | None = None
+    """Every rank falls back to a restart instead, and why."""
+
+
+def decide_entry(vote: EntryVote) -> EntryDecision:
+    """What every rank does at an entry, from the votes of all (the same answer on every rank).
+
+    New workers in the group, survivors at different completed steps or one that told none: every rank
+    restores (the restore agrees on one step for all, as after a restart), unless a survivor's function cannot
+    (it never asked ``needs_restore``): then every rank falls back to a restart, new workers included."""
+    steps_differ = vote.step_max != NO_STEP and vote.step_max != -vote.neg_step_min
+    if not (vote.fresh or vote.unknown or steps_differ):
+        return EntryDecision(restore=False)
+    if not vote.unaware:
+        return EntryDecision(restore=True)
+    if vote.fresh:
+        why, detail = InPlaceFallback.NEW_NODE, "new workers joined the group and a survivor's training function " \
+            "does not ask Generation.needs_restore (it cannot take part in their restore)"
+    elif vote.unknown:
+        why, detail = InPlaceFallback.STEP_UNKNOWN, "a survivor's training function told no completed step " \
+            "(use Generation.preemption() or Generation.completed(step))"
+    else:
+        why, detail = InPlaceFallback.STEPS_DIFFER, f"the survivors stand at steps {-vote.neg_step_min} to " \
+            f"{vote.step_max}"
+    return EntryDecision(restore=False, fallback=(why, detail))
+
+
+def agree_on_entry(vote: EntryVote) -> EntryVote:
+    """Every rank's votes together (collective on the default group: one all-reduce of five ints)."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    bounds = torch.tensor([step, -step], dtype=torch.int64, device=device)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-    return int(bounds[0]) == -int(bounds[1])
+    values = torch.tensor(vote.to_list(), dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return EntryVote.from_list([int(v) for v in values.tolist()])
 
 
 class _Runner:
@@ -196,10 +278,27 @@ class _Runner:
         self.local_rank = self.reform.local_rank
 
     def generation(self, iteration: int, after_loss: bool, resumed_at: int | None) -> Generation:
+        """The next entry's generation; with a group, every rank decides together whether all restore."""
         self.reform.mark_capable()  # again at every entry: the agent's re-form cleared the mailbox
-        return Generation(iteration=iteration, rank=int(os.environ.get("RANK", "0")),
-                          world_size=int(os.environ.get("WORLD_SIZE", "1")), local_rank=self.local_rank,
-                          after_loss=after_loss, in_place=self.reform.enabled, resumed_at=resumed_at)
+        if self.reform.joinable:
+            self.reform.mark_joinable()
+        gen = Generation(iteration=iteration, rank=int(os.environ.get("RANK", "0")),
+                         world_size=int(os.environ.get("WORLD_SIZE", "1")), local_rank=self.local_rank,
+                         after_loss=after_loss, in_place=self.reform.enabled, resumed_at=resumed_at,
+                         on_asked=None if self.reform.joinable else self.reform.mark_joinable)
+        vote = EntryVote.of(fresh=iteration == 0, aware=self.reform.joinable, after_loss=after_loss, step=resumed_at)
+        if self.config.enabled and dist.is_initialized() and dist.get_world_size() > 1:
+            try:
+                vote = agree_on_entry(vote)
+            except Exception as exc:
+                if iteration == 0:
+                    raise  # a new worker's first collective: as without the wrapper
+                raise self.fall_back(InPlaceFallback.REBUILD_FAILED, f"agreeing on the entry: {exc}") from exc
+        decision = decide_entry(vote)
+        if decision.fallback is not None:
+            raise self.fall_back(*decision.fallback)
+        gen.restore = decision.restore
+        return gen
 
     def acknowledged(self) -> bool:
         """This worker acknowledged an agreed step (its ``Preemption`` stopped for a planned change)."""
@@ -222,9 +321,8 @@ class _Runner:
         return InPlaceFallbackError(why, detail)
 
     def rebuild(self, gen: Generation, assignment: GroupAssignment, *, after_loss: bool) -> None:
-        """Release the old group's objects, join the new group, and after a loss check the survivors' steps;
-        raises ``InPlaceFallbackError`` (reported to the agent) when any of it fails."""
-        step = gen.last_step
+        """Release the old group's objects and join the new group; raises ``InPlaceFallbackError`` (reported to
+        the agent) when either fails. The next entry checks the steps (:func:`decide_entry`)."""
         began = time.monotonic()
         # After a loss a save in flight cannot commit (its collectives broke): expected, and never loaded.
         errors = [e for e in gen._release(quiet=after_loss) if not (after_loss and isinstance(e, CheckpointError))]
@@ -233,13 +331,7 @@ class _Runner:
         backend = self.config.backend or _default_backend()
         try:
             self.reform.rebuild(assignment, backend, self.config.pg_timeout)
-            if after_loss and step is None:
-                raise self.fall_back(InPlaceFallback.STEP_UNKNOWN, "the training function told no completed step "
-                                     "(use Generation.preemption() or Generation.completed(step))")
-            if after_loss and step is not None and not _same_step_everywhere(step):
-                raise self.fall_back(InPlaceFallback.STEPS_DIFFER, f"this rank stands at step {step}, another "
-                                     "survivor at a different one")
-        except Exception as exc:  # not InPlaceFallbackError (a SystemExit): those above go on as they are
+        except Exception as exc:
             raise self.fall_back(InPlaceFallback.REBUILD_FAILED, f"joining the new group: {exc}") from exc
         logger.info("[rank %d/%d] re-formed in place in %.3f s (%s)", assignment.rank, assignment.world_size,
                     time.monotonic() - began, "after a lost peer" if after_loss else "after a peer's planned leave")

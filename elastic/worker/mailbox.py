@@ -168,6 +168,7 @@ _WATCHING_FILE = re.compile(r"watching-(\d+)")
 PEER_LOST_FILE = "peer-lost.json"
 _WAITING_FILE = re.compile(r"waiting-(\d+)")
 _IN_PLACE_FILE = re.compile(r"inplace-(\d+)")
+_JOINABLE_FILE = re.compile(r"joinable-(\d+)")
 _FALLBACK_FILE = re.compile(r"fallback-(\d+)\.json")
 _ACK_FILE = re.compile(r"ack-(\d+)\.json")
 
@@ -246,6 +247,11 @@ class Mailbox:
         """Local ranks that can re-form in place (``inplace-{local_rank}``: their script runs under
         ``elastic.inplace.run``)."""
         return {int(m.group(1)) for n in os.listdir(self.path) if (m := _IN_PLACE_FILE.fullmatch(n))}
+
+    def joinable(self) -> set[int]:
+        """Local ranks whose training function asks whether to restore (``joinable-{local_rank}``:
+        ``Generation.needs_restore``): new workers can join their group in place."""
+        return {int(m.group(1)) for n in os.listdir(self.path) if (m := _JOINABLE_FILE.fullmatch(n))}
 
     def fallbacks(self) -> dict[int, tuple[str, str]]:
         """local rank -> (why, detail) of the workers that gave up re-forming in place (``fallback-N.json``);
@@ -422,6 +428,10 @@ class Mailbox:
     def mark_in_place(self, local_rank: int) -> None:
         """This worker can re-form in place (it runs under ``elastic.inplace.run``)."""
         _write_atomic(os.path.join(self.path, f"inplace-{local_rank}"), {"pid": os.getpid()})
+
+    def mark_joinable(self, local_rank: int) -> None:
+        """This worker's training function takes part in the restore of workers that join its group."""
+        _write_atomic(os.path.join(self.path, f"joinable-{local_rank}"), {"pid": os.getpid()})
 
     def report_fallback(self, local_rank: int, why: str, detail: str = "") -> None:
         """This worker gives up re-forming in place and exits for a restart, because of ``why``."""

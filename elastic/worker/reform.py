@@ -4,8 +4,10 @@
 itself capable (``inplace-{local_rank}``); after its acknowledgement (or a broken collective and the agent's
 ``peer-lost.json``) it writes ``waiting-{local_rank}``; the agent re-forms the group and writes each waiting worker's
 ``group-{local_rank}.json`` (:class:`~elastic.worker.mailbox.GroupAssignment`). A worker gives up after ``timeout``
-seconds (:attr:`InPlaceReform.timed_out`) or when the agent marks the group ``stopping``. Only a peer's planned leave
-(``peer_preempt``) and a lost peer re-form in place. ``SPOTRUN_REFORM_IN_PLACE=0`` turns it off.
+seconds (:attr:`InPlaceReform.timed_out`) or when the agent marks the group ``stopping``. A peer's planned leave
+(``peer_preempt``) and a lost peer re-form in place; so do a joining node (``resize``) and a peer's restarted workers
+when the training function takes part in their restore (:attr:`InPlaceReform.joinable`, ``joinable-{local_rank}``).
+``SPOTRUN_REFORM_IN_PLACE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 IN_PLACE_REASONS = frozenset({"peer_preempt"})
 """The planned changes that re-form in place: a peer leaves with a notice (scale-down)."""
+JOIN_REASONS = frozenset({"resize"})
+"""The planned changes that re-form in place only for joinable workers: a node waits to join (new workers, whose
+restore is collective: the survivors take part in it)."""
 POLL_INTERVAL = 0.005
 """Seconds between two looks at the mailbox while waiting (a ``stat``)."""
 LOSS_NOTICE_WAIT = 10.0
@@ -64,6 +69,9 @@ class InPlaceReform:
         self.mailbox = Mailbox(path) if path and enabled and in_place_enabled() else None
         self.timed_out = False
         """The last wait ended because no assignment came within ``config.timeout`` (a fallback to a restart)."""
+        self.joinable = False
+        """The training function takes part in the restore of workers that join (it asks
+        ``Generation.needs_restore``): a joining node or a peer's restarted workers re-form in place too."""
         self.mark_capable()
 
     def mark_capable(self) -> None:
@@ -75,6 +83,17 @@ class InPlaceReform:
         except OSError as exc:
             logger.warning("[local rank %d] cannot mark the worker in-place capable (%s): the agent restarts it "
                            "at the next change", self.local_rank, exc)
+
+    def mark_joinable(self) -> None:
+        """Tell the agent (again after each re-form) that new workers can join this worker's group in place."""
+        self.joinable = True
+        if self.mailbox is None:
+            return
+        try:
+            self.mailbox.mark_joinable(self.local_rank)
+        except OSError as exc:
+            logger.warning("[local rank %d] cannot mark the worker joinable (%s): a joining node restarts it",
+                           self.local_rank, exc)
 
     @property
     def enabled(self) -> bool:
@@ -91,13 +110,19 @@ class InPlaceReform:
     def wait_after_loss(self, notice_wait: float = LOSS_NOTICE_WAIT) -> GroupAssignment | None:
         """After a collective broke (the state is that of the last completed step): once the agent says a peer
         was lost (``peer-lost.json``, within ``notice_wait`` s: a killed peer's sockets close before its agent
-        is seen gone), this worker's place in the re-formed group; else None (exit as today: not enabled, no
-        peer loss, the agent stopping the group, or no assignment within the timeout)."""
+        is seen gone) or, for a joinable worker, that a node waits to join (a peer's workers failed and its
+        agent restarted them), this worker's place in the re-formed group; else None (exit as today: not
+        enabled, no peer loss, a join this worker cannot take part in, the agent stopping the group, or no
+        assignment within the timeout)."""
         if self.mailbox is None:
             return None
         deadline = time.monotonic() + notice_wait
         try:
             while not self.mailbox.peer_lost_posted():
+                if (notice := self.mailbox.read_notice()) is not None and notice.reason in JOIN_REASONS:
+                    if not self.joinable:
+                        return None  # the peer's new workers restore collectively: restart to take part
+                    break
                 if self.mailbox.stopping() or time.monotonic() >= deadline:
                     return None
                 time.sleep(POLL_INTERVAL)
@@ -125,11 +150,12 @@ class InPlaceReform:
         return None
 
     def _in_place_change(self) -> bool:
-        """The agent's posted notice, if any yet, is one that re-forms in place (this node's own notice or a
-        joining node: exit as today). No notice yet: another node's rank saw it first; the agent's follows."""
+        """The agent's posted notice, if any yet, is one that re-forms in place (this node's own notice, or a
+        joining node when this worker is not joinable: exit as today). No notice yet: another node's rank saw it
+        first; the agent's follows."""
         assert self.mailbox is not None
         notice = self.mailbox.read_notice()
-        return notice is None or notice.reason in IN_PLACE_REASONS
+        return notice is None or notice.reason in IN_PLACE_REASONS or (self.joinable and notice.reason in JOIN_REASONS)
 
     def rebuild(self, assignment: GroupAssignment, backend: str, timeout: timedelta | None = None) -> None:
         """Destroy this process's default group and join the re-formed one (``env://`` with the new

@@ -152,3 +152,69 @@ def test_a_configuration_that_cannot_go_on_in_place_runs_once_and_says_nothing(b
     seen: list[bool] = []
     inplace.run(lambda gen: seen.append(gen.in_place), config=inplace.InPlaceConfig(enabled=False))
     assert seen == [False] and box.in_place_capable() == set()
+
+
+NEW = dict(fresh=True, aware=False, after_loss=False, step=None)
+
+
+@pytest.mark.parametrize(("votes", "restore", "why"), [
+    ([NEW, NEW], True, None),  # a start: every rank restores
+    ([dict(fresh=False, aware=False, after_loss=False, step=7)] * 2, False, None),  # a peer's leave
+    ([dict(fresh=False, aware=False, after_loss=True, step=7)] * 2, False, None),  # a loss, same step
+    ([dict(fresh=False, aware=True, after_loss=False, step=7), NEW], True, None),  # a join
+    ([dict(fresh=False, aware=False, after_loss=False, step=7), NEW], False, InPlaceFallback.NEW_NODE),
+    ([dict(fresh=False, aware=True, after_loss=True, step=7), dict(fresh=False, aware=True, after_loss=True, step=8)],
+     True, None),  # steps differ: all restore one step
+    ([dict(fresh=False, aware=False, after_loss=True, step=7), dict(fresh=False, aware=True, after_loss=True, step=8)],
+     False, InPlaceFallback.STEPS_DIFFER),
+    ([dict(fresh=False, aware=False, after_loss=True, step=None)], False, InPlaceFallback.STEP_UNKNOWN),
+    ([dict(fresh=False, aware=True, after_loss=True, step=None)], True, None),
+])
+def test_every_rank_decides_the_same_entry_from_the_votes_of_all(votes: list[dict], restore: bool,
+                                                                 why: InPlaceFallback | None) -> None:
+    """What the all-reduce (MAX) of the ranks' votes decides: restore, go on from memory, or all fall back."""
+    from elastic.worker.inplace import EntryVote, decide_entry
+
+    lists = [EntryVote.of(**vote).to_list() for vote in votes]
+    together = EntryVote.from_list([max(column) for column in zip(*lists, strict=True)])
+    decision = decide_entry(together)
+    assert decision.restore is restore
+    assert (decision.fallback[0] if decision.fallback else None) is why
+
+
+def test_asking_whether_to_restore_makes_the_worker_joinable(box: Mailbox) -> None:
+    answers: list[bool] = []
+    inplace.run(lambda gen: None)
+    assert box.joinable() == set(), "a function that never asks cannot take part in a joiner's restore"
+    inplace.run(lambda gen: answers.append(gen.needs_restore))
+    assert answers == [True] and box.joinable() == {0}, "the first entry restores; the worker is now joinable"
+
+
+def test_a_broken_collective_while_a_node_joins_restarts_a_worker_that_cannot_restore(box: Mailbox) -> None:
+    """A peer's worker failed and its agent restarted it (a join for this node): a worker whose function never
+    asks ``needs_restore`` exits at once with its error (a restart takes part in the restore), not after the
+    loss-notice wait."""
+    box.post(WorkerNotice("resize", None, "a node is waiting to join"))
+    config = inplace.InPlaceConfig(loss_notice_wait=timedelta(seconds=30))
+
+    def train(gen: inplace.Generation) -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        inplace.run(train, config=config)
+    assert box.waiting() == set()
+
+
+def test_a_broken_collective_while_a_node_joins_waits_in_place_when_the_worker_can_restore(box: Mailbox) -> None:
+    box.post(WorkerNotice("resize", None, "a node is waiting to join"))
+    config = inplace.InPlaceConfig(loss_notice_wait=timedelta(seconds=30), wait_timeout=timedelta(seconds=0.2))
+
+    def train(gen: inplace.Generation) -> None:
+        assert gen.needs_restore
+        gen.completed(5)
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+    with pytest.raises(inplace.InPlaceFallbackError) as caught:
+        inplace.run(train, config=config)
+    assert caught.value.why is InPlaceFallback.TIMEOUT, "it waited for its new group (none came in this test)"
+    assert box.waiting() == {0}

@@ -4,6 +4,7 @@ peer's planned leave after which the survivor's worker goes on in the same proce
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -82,7 +83,14 @@ def test_a_waiting_worker_takes_its_assignment_and_one_with_its_own_notice_exits
     box.post(WorkerNotice("preempt", None, "this node"))
     assert reform.wait() is None, "this node's own notice: the worker exits, as without the flag"
     box.post(WorkerNotice("resize", None, "a node joins"))
-    assert reform.wait() is None, "a joining node: not re-formed in place"
+    assert reform.wait() is None, "a joining node, and this worker's function cannot restore: exit as before"
+    reform.joinable = True
+    posted = threading.Timer(0.2, box.assign, args=(0, ASSIGNMENT))
+    posted.start()
+    try:
+        assert reform.wait() == ASSIGNMENT, "a joinable worker waits in place for the joiner's group"
+    finally:
+        posted.cancel()
     monkeypatch.setenv(ENV_REFORM_IN_PLACE, "1")
     assert InPlaceReform(mailbox_dir=box.path).enabled, "the deprecated SPOTRUN_REFORM_IN_PLACE=1 changes nothing"
     (tmp_path / "mailbox" / "inplace-0").unlink()
@@ -155,6 +163,34 @@ def test_the_agent_re_forms_in_place_only_when_every_worker_can_and_waits_for_a_
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("joinable", [True, False])
+def test_a_joining_node_re_forms_in_place_only_workers_that_take_part_in_its_restore(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, joinable: bool) -> None:
+    """A node waits to join (``resize``): workers that ask ``needs_restore`` (``joinable-N``) stay in their
+    processes, at the agreed step or after a broken collective (a peer's restarted workers); others restart."""
+    from elastic.planned import PlannedTick
+    from tests.elastic.test_agent_planned import NoticeHandler
+    from tests.elastic.test_agent_planned import _agent as unit_agent
+
+    monkeypatch.delenv(ENV_REFORM_IN_PLACE, raising=False)
+    handler = NoticeHandler()
+    agent, box, _ = unit_agent(tmp_path, handler)
+    box.register_helper(0)
+    box.mark_in_place(0)
+    if joinable:
+        box.mark_joinable(0)
+    handler.changed = True
+    assert agent.planned.tick() is PlannedTick.WAITING and box.read_notice().reason == "resize"
+    box.mark_waiting(0)
+    assert agent.planned.in_place.broken_for_join() is joinable, "waiting without an acknowledgement: it broke"
+    box.acknowledge(0, 12)
+    assert agent.planned.in_place.broken_for_join() is False, "it stopped at the agreed step"
+    stopped = agent.planned.in_place.waiting()
+    assert (stopped is not None and stopped.step == 12) if joinable else stopped is None
+    assert agent.planned.in_place.falls_back(frozenset({"a", "b"}), frozenset({"a", "b", "c"})) is not joinable
+
+
+@pytest.mark.timeout(30)
 def test_this_nodes_own_notice_never_re_forms_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from elastic.notice import Notice
     from elastic.planned import PlannedTick
@@ -173,33 +209,103 @@ def test_this_nodes_own_notice_never_re_forms_in_place(tmp_path: Path, monkeypat
     assert agent.planned.leaving_stop() is not None
 
 
+def _pids_by_node(tmp_path: Path) -> dict[str, list[set[int]]]:
+    """Per agent (its node id), the worker pids of each ``workers_started`` in order."""
+    out: dict[str, list[set[int]]] = {}
+    for e in _events(tmp_path, "workers_started"):
+        out.setdefault(e["node"], []).append(set(e["pids"]))
+    return out
+
+
+def _node_of(tmp_path: Path, agent: Launcher) -> str:
+    return next(node for node in _pids_by_node(tmp_path) if f"-{agent.pid}-" in node)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("change", ["join", "leave-and-spare"])
+def test_a_joining_node_restores_while_the_survivors_keep_their_processes(
+        tmp_path: Path, etcd_server, change: str) -> None:
+    """A node joins (``join``: 2 -> 3) or a leave's round takes a waiting spare in (``leave-and-spare``: 2 -> 2):
+    the survivors' workers stop at the agreed step, wait in their processes and take part in the joiner's
+    restore (train_ddp.py asks ``Generation.needs_restore``); the joiner's fresh worker restores the agreed step
+    from the memory tier or the checkpoint; no step is lost or repeated, nothing falls back to a restart."""
+    env = _no_variable()
+    nnodes = "1:3" if change == "join" else "1:2"
+    agents = [_agent(tmp_path, name, etcd_server.endpoint, change, steps=150, nnodes=nnodes, env=env)
+              for name in ("a", "b")]
+    with _running(agents):
+        wait_for(lambda: _training_at(tmp_path, 2, 2), 120, "two agents to train at world size 2")
+        before_pids = {p["pid"] for p in _progress(tmp_path) if p["world_size"] == 2}
+        agents.append(_agent(tmp_path, "c", etcd_server.endpoint, change, steps=150, nnodes=nnodes, env=env))
+        if change == "leave-and-spare":
+            spare = f"-{agents[2].pid}-"
+            wait_for(lambda: any(spare in e["node"] for e in _events(tmp_path, "rendezvous_started")), 60,
+                     "the spare to wait in the rendezvous")
+            agents[1].signal(signal.SIGTERM)
+            assert agents[1].wait(30) == 0, "the preempted agent leaves"
+        for agent in agents if change == "join" else (agents[0], agents[2]):
+            assert agent.wait(150) == 0, f"every agent finishes the run: {agent.output()[-2000:]}"
+    progress = _progress(tmp_path)
+    if change == "join":  # the last one: A may first train alone, and then B joins in place the same way
+        restart = [e for e in _events(tmp_path, "planned_restart") if e.get("in_place")]
+        assert restart and restart[-1]["reason"] == "resize", restart
+        agreed, began = restart[-1]["agreed_step"], restart[-1]["t_wall"]
+    else:  # the survivor may see B's notice, or only B gone (B's agent left first): in place either way
+        (left,) = _events(tmp_path, "planned_leave")
+        agreed, began = left["agreed_step"], left["t_wall"] - 5
+    world = 3 if change == "join" else 2
+    after = [p for p in progress if p["step"] == agreed + 1]
+    assert len(after) == world and all(p["world_size"] == world for p in after), after
+    kept = {p["pid"] for p in after} & before_pids
+    survivors = 2 if change == "join" else 1
+    assert len(kept) == survivors, f"the survivors' workers kept their processes: {after} (old pids {before_pids})"
+    fresh = [p for p in after if p["pid"] not in before_pids]
+    assert len(fresh) == 1 and fresh[0].get("restore_step") == agreed, f"the joiner restored the agreed step: {fresh}"
+    assert all(p.get("reformed_in_place") for p in after if p["pid"] in kept), after
+    for pid in kept:
+        steps = [p["step"] for p in progress if p["pid"] == pid and p["world_size"] >= 2]
+        assert steps == sorted(set(steps)) and steps[-1] == 150, f"no step repeated or lost by {pid}: {steps}"
+    assert min(p["step"] for p in progress if p["pid"] == fresh[0]["pid"]) == agreed + 1
+    assert not _events(tmp_path, "in_place_fallback"), _events(tmp_path, "in_place_fallback")
+    started = [e for e in _events(tmp_path, "workers_started") if e.get("in_place") and e["t_wall"] > began]
+    assert len(started) == survivors, started
+    if change == "join":
+        assert all(e["recovery_cause"] == "scale_up" for e in started), started
+
+
 @pytest.mark.slow
 @pytest.mark.long  # ~40 s on 2 loaded cores
 @pytest.mark.timeout(300)
-def test_a_leave_that_admits_a_spare_restarts_the_survivors_worker(tmp_path: Path, etcd_server) -> None:
-    """The re-formed round takes a waiting spare in: its fresh worker restores through collectives, so the
-    survivor's worker is restarted instead of re-formed in place (an ``in_place_fallback`` event, ``new_node``),
-    and no step is lost."""
+def test_a_peers_failed_worker_restarts_alone_and_the_survivor_keeps_its_process(tmp_path: Path, etcd_server) -> None:
+    """Node B's worker is SIGKILLed; B's agent restarts it (``--max-restarts 1``) and re-joins the round. Node
+    A's worker, whose collective broke, waits in its process and takes part in the new worker's restore from the
+    memory tier: at most one step is redone and A's worker process is the same."""
     env = _no_variable()
-    agents = [_agent(tmp_path, name, etcd_server.endpoint, "spare", steps=150, env=env) for name in ("a", "b")]
+    agents = [_agent(tmp_path, name, etcd_server.endpoint, "crash", steps=150, env=env, extra=("--max-restarts", "1"))
+              for name in ("a", "b")]
     a, b = agents
     with _running(agents):
         wait_for(lambda: _training_at(tmp_path, 2, 2), 120, "two agents to train at world size 2")
-        agents.append(_agent(tmp_path, "c", etcd_server.endpoint, "spare", steps=150, env=env))
-        spare = f"-{agents[2].pid}-"
-        wait_for(lambda: any(spare in e["node"] for e in _events(tmp_path, "rendezvous_started")), 60,
-                 "the spare to wait in the rendezvous")
-        b.signal(signal.SIGTERM)
-        assert b.wait(30) == 0, "the preempted agent leaves"
-        agreed = _events(tmp_path, "planned_leave")[0]["step"]
-        assert a.wait(120) == 0 and agents[2].wait(60) == 0, "the survivor and the spare finish the run"
+        wait_for(lambda: any(p["step"] >= 10 for p in _progress(tmp_path)), 60, "step 10")
+        node_b = _node_of(tmp_path, b)
+        (victim,) = _pids_by_node(tmp_path)[node_b][-1]
+        killed_at = max(p["step"] for p in _progress(tmp_path))
+        os.kill(victim, signal.SIGKILL)
+        assert a.wait(150) == 0 and b.wait(60) == 0, "both agents finish the run"
+    node_a = _node_of(tmp_path, a)
+    by_node = _pids_by_node(tmp_path)
+    assert len(by_node[node_b]) == 2 and victim not in by_node[node_b][1], "B's agent restarted its worker"
+    started_a = [e for e in _events(tmp_path, "workers_started") if e["node"] == node_a]
+    last = started_a[-1]  # A may have trained alone first; B's first worker then joined in place too
+    assert last.get("in_place") and last["recovery_cause"] == "peer_failure", started_a
+    assert set(last["pids"]) == set(started_a[0]["pids"]), "A's worker kept its process"
     progress = _progress(tmp_path)
-    old = {p["pid"] for p in progress if p["step"] <= agreed}
-    after = [p for p in progress if p["step"] == agreed + 1]
-    assert len(after) == 2 and all(p["world_size"] == 2 and p["pid"] not in old for p in after), after
-    assert not [e for e in _events(tmp_path, "workers_started") if e.get("in_place")], "nothing re-formed in place"
-    fallbacks = _events(tmp_path, "in_place_fallback")
-    assert [e["why"] for e in fallbacks] == ["new_node"], fallbacks
+    new_pid = next(iter(by_node[node_b][1]))
+    first_new = min(p["step"] for p in progress if p["pid"] == new_pid)
+    assert first_new >= killed_at, f"at most one step redone: killed near {killed_at}, resumed at {first_new}"
+    assert max(p["step"] for p in progress) == 150
+    assert not _events(tmp_path, "in_place_fallback"), _events(tmp_path, "in_place_fallback")
 
 
 def _gpt_agent(tmp_path: Path, name: str, endpoint: str, parallel: str, *, steps: int) -> Launcher:
