@@ -503,8 +503,14 @@ def check_gpu_abort() -> None:
     dist.all_reduce(x)
     torch.cuda.synchronize()
     figures["new_group_and_first_all_reduce_s"] = round(time.perf_counter() - t0, 3)
+    from elastic.worker.inplace import EntryVote, agree_on_entry, collective_device
+
+    # The in-place wrapper's vote at each entry, on the NCCL group (its tensor on the group's device).
+    figures["entry_vote_device"] = str(collective_device())
+    vote = agree_on_entry(EntryVote.of(fresh=False, aware=True, after_loss=True, step=7))
+    figures["entry_vote"] = "ok" if (vote.step_max, vote.neg_step_min) == (7, -7) else f"wrong: {vote}"
     dist.destroy_process_group()
-    ok = bool(reports) and figures["later_collective"] != "completed"
+    ok = bool(reports) and figures["later_collective"] != "completed" and figures["entry_vote"] == "ok"
     _report("gpu_abort", began, figures, "ok" if ok else "failed",
             "" if ok else "the abort did not return, or the aborted group still ran a collective")
 

@@ -261,10 +261,25 @@ def decide_entry(vote: EntryVote) -> EntryDecision:
     return EntryDecision(restore=False, fallback=(why, detail))
 
 
+def collective_device() -> torch.device:
+    """Where a small tensor for a collective on the default group lives: the CPU unless the backend is NCCL
+    alone; then the group's bound device (``init_process_group(device_id=...)``), else the current CUDA device
+    when the script set one, else ``LOCAL_RANK``'s (torchrun's convention: a script that never called
+    ``torch.cuda.set_device`` would otherwise put every local rank's tensor on device 0, which NCCL refuses)."""
+    if dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    if isinstance(bound, torch.device):
+        return bound
+    current = torch.cuda.current_device()
+    if current != 0:
+        return torch.device("cuda", current)
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
+
+
 def agree_on_entry(vote: EntryVote) -> EntryVote:
     """Every rank's votes together (collective on the default group: one all-reduce of five ints)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    values = torch.tensor(vote.to_list(), dtype=torch.int64, device=device)
+    values = torch.tensor(vote.to_list(), dtype=torch.int64, device=collective_device())
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return EntryVote.from_list([int(v) for v in values.tolist()])
 

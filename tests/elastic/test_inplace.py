@@ -218,3 +218,18 @@ def test_a_broken_collective_while_a_node_joins_waits_in_place_when_the_worker_c
         inplace.run(train, config=config)
     assert caught.value.why is InPlaceFallback.TIMEOUT, "it waited for its new group (none came in this test)"
     assert box.waiting() == {0}
+
+
+def test_the_entry_vote_runs_on_the_default_group(tmp_path: Path) -> None:
+    """One all-reduce (MAX) of the vote on a real gloo group, its tensor on the CPU."""
+    import torch.distributed as dist
+
+    from elastic.worker.inplace import EntryVote, agree_on_entry, collective_device
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert collective_device().type == "cpu"
+        vote = EntryVote.of(fresh=False, aware=True, after_loss=True, step=9)
+        assert agree_on_entry(vote) == vote
+    finally:
+        dist.destroy_process_group()
