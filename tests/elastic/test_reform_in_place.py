@@ -308,9 +308,10 @@ def test_a_peers_failed_worker_restarts_alone_and_the_survivor_keeps_its_process
     assert not _events(tmp_path, "in_place_fallback"), _events(tmp_path, "in_place_fallback")
 
 
-def _gpt_agent(tmp_path: Path, name: str, endpoint: str, parallel: str, *, steps: int) -> Launcher:
+def _gpt_agent(tmp_path: Path, name: str, endpoint: str, parallel: str, *, steps: int,
+               nnodes: str = "1:2") -> Launcher:
     """One agent ("node") of one worker running examples/train_gpt.py at a small size, the memory tier on."""
-    argv = [*SPOTRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id",
+    argv = [*SPOTRUN, "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id",
             f"gpt-{parallel}", "--rdzv-conf", RDZV_CONF, "--max-restarts", "0", "--stop-grace", "1",
             "--monitor-interval", "0.1", "--events-file", str(tmp_path / "events.jsonl"),
             str(EXAMPLES / "train_gpt.py"), "--parallel", parallel, "--steps", str(steps),
@@ -347,6 +348,33 @@ def test_fsdp2_survivor_reshards_in_place_from_the_memory_tier(tmp_path: Path, e
     assert first["restore_step"] == agreed and first["restore_source"] in {"memory_local", "memory_peer", "durable"}, first
     started = [e for e in _events(tmp_path, "workers_started") if e.get("in_place")]
     assert len(started) == 1 and started[0]["world_size"] == 1, _events(tmp_path, "workers_started")
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~60 s on 2 loaded cores
+@pytest.mark.timeout(300)
+def test_fsdp2_survivors_reshard_in_place_when_a_node_joins(tmp_path: Path, etcd_server) -> None:
+    """train_gpt.py --parallel fsdp at world size 2, a third node joins: the survivors keep their processes,
+    shard the model on the 3-rank mesh and, with the joiner, restore the agreed step through the memory tier's
+    resharding read path (the joiner reads the survivors' snapshots)."""
+    agents = [_gpt_agent(tmp_path, name, etcd_server.endpoint, "fsdp", steps=40, nnodes="1:3") for name in ("a", "b")]
+    with _running(agents):
+        wait_for(lambda: _training_at(tmp_path, 2, 2), 180, "two agents to train at world size 2")
+        wait_for(lambda: any(p["step"] >= 6 for p in _progress(tmp_path)), 120, "step 6")
+        before = {p["pid"] for p in _progress(tmp_path) if p["world_size"] == 2}
+        agents.append(_gpt_agent(tmp_path, "c", etcd_server.endpoint, "fsdp", steps=40, nnodes="1:3"))
+        for agent in agents:
+            assert agent.wait(180) == 0, f"every agent finishes the run: {agent.output()[-2000:]}"
+    restart = [e for e in _events(tmp_path, "planned_restart") if e.get("in_place") and e["reason"] == "resize"]
+    assert restart, _events(tmp_path, "planned_restart")
+    agreed = restart[-1]["agreed_step"]
+    progress = _progress(tmp_path)
+    _assert_resumed_exactly(progress, agreed, 2, 3)
+    first = [p for p in progress if p["step"] == agreed + 1]
+    assert len(first) == 3 and all(p["restore_step"] == agreed for p in first), first
+    assert len({p["pid"] for p in first} & before) == 2, f"the survivors kept their processes: {first} {before}"
+    assert sum(1 for p in first if p.get("reformed_in_place")) == 2, first
+    assert not _events(tmp_path, "in_place_fallback"), _events(tmp_path, "in_place_fallback")
 
 
 @pytest.mark.timeout(30)
