@@ -371,12 +371,12 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
                 restored = {}
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
+            if memory is not None:  # before a planned stop's save: a joiner restores the agreed step from memory
+                memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
             if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
                 return  # the agreed step is committed: a peer's leave re-enters here at the new size
             if ckpt is not None and (trainer.step % args.ckpt_every == 0 or trainer.step == args.steps):
                 ckpt.save(trainer.step, state)
-            if memory is not None:
-                memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
         if ckpt is not None:
             ckpt.wait()
     except BaseException as exc:

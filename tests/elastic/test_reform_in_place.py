@@ -357,12 +357,12 @@ def test_fsdp2_survivors_reshard_in_place_when_a_node_joins(tmp_path: Path, etcd
     """train_gpt.py --parallel fsdp at world size 2, a third node joins: the survivors keep their processes,
     shard the model on the 3-rank mesh and, with the joiner, restore the agreed step through the memory tier's
     resharding read path (the joiner reads the survivors' snapshots)."""
-    agents = [_gpt_agent(tmp_path, name, etcd_server.endpoint, "fsdp", steps=40, nnodes="1:3") for name in ("a", "b")]
+    # 150 steps: the third agent's start (seconds on a loaded host) must not reach the end of the run.
+    agents = [_gpt_agent(tmp_path, name, etcd_server.endpoint, "fsdp", steps=150, nnodes="1:3") for name in ("a", "b")]
     with _running(agents):
         wait_for(lambda: _training_at(tmp_path, 2, 2), 180, "two agents to train at world size 2")
-        wait_for(lambda: any(p["step"] >= 6 for p in _progress(tmp_path)), 120, "step 6")
         before = {p["pid"] for p in _progress(tmp_path) if p["world_size"] == 2}
-        agents.append(_gpt_agent(tmp_path, "c", etcd_server.endpoint, "fsdp", steps=40, nnodes="1:3"))
+        agents.append(_gpt_agent(tmp_path, "c", etcd_server.endpoint, "fsdp", steps=150, nnodes="1:3"))
         for agent in agents:
             assert agent.wait(180) == 0, f"every agent finishes the run: {agent.output()[-2000:]}"
     restart = [e for e in _events(tmp_path, "planned_restart") if e.get("in_place") and e["reason"] == "resize"]
@@ -372,6 +372,8 @@ def test_fsdp2_survivors_reshard_in_place_when_a_node_joins(tmp_path: Path, etcd
     _assert_resumed_exactly(progress, agreed, 2, 3)
     first = [p for p in progress if p["step"] == agreed + 1]
     assert len(first) == 3 and all(p["restore_step"] == agreed for p in first), first
+    fresh = [p for p in first if p["pid"] not in before]
+    assert [p["restore_source"] for p in fresh] == ["memory_peer"], f"the joiner read the survivors' snapshots: {first}"
     assert len({p["pid"] for p in first} & before) == 2, f"the survivors kept their processes: {first} {before}"
     assert sum(1 for p in first if p.get("reformed_in_place")) == 2, first
     assert not _events(tmp_path, "in_place_fallback"), _events(tmp_path, "in_place_fallback")
