@@ -144,6 +144,9 @@ class InPlaceFallback(str, enum.Enum):
     """After a lost peer the survivors stood at different completed steps (a restart restores one for all)."""
     STEP_UNKNOWN = "step_unknown"
     """After a lost peer the training function told no completed step to check."""
+    RESTORE_DIFFERS = "restore_differs"
+    """After new workers joined, the ranks restored different steps or nothing (``Generation.restored``): the
+    survivors' trained state and the new workers' would differ."""
 
 
 class EventSink(Protocol):

@@ -319,20 +319,20 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
     if not gen.needs_restore:  # re-formed in place: the state in memory is every rank's last completed step
         restored = {"reformed_in_place": True}
         logger.info("%s re-formed in place at step %d", ctx, trainer.step)
-    elif memory is not None:
-        from checkpoint.memory import restore
+    else:  # the first entry, or new workers joined the group: every rank restores (collective)
+        step_restored: int | None = None
+        if memory is not None:
+            from checkpoint.memory import restore
 
-        report = restore(ckpt, state, memory=memory)  # with new workers in the group the survivors take part
-        if report is not None:
-            restored = report.to_json() | ({"reformed_in_place": True} if gen.reformed else {})
-            logger.info("%s resumed from step %s (%s, samples_seen=%s)", ctx, report.step, report.source.value,
-                        trainer.samples_seen)
-    elif ckpt is not None:
-        step_loaded = ckpt.load(state)
+            if (report := restore(ckpt, state, memory=memory)) is not None:
+                step_restored, restored = report.step, report.to_json()
+                logger.info("%s resumed from step %s (%s, samples_seen=%s)", ctx, report.step, report.source.value,
+                            trainer.samples_seen)
+        elif ckpt is not None and (step_restored := ckpt.load(state)) is not None:
+            logger.info("%s resumed from step %s (samples_seen=%s)", ctx, step_restored, trainer.samples_seen)
+        gen.restored(step_restored)  # survivors and new workers restored the same step, or all restart alike
         if gen.reformed:
-            restored = {"reformed_in_place": True}
-        if step_loaded is not None:
-            logger.info("%s resumed from step %s (samples_seen=%s)", ctx, step_loaded, trainer.samples_seen)
+            restored["reformed_in_place"] = True
     if ckpt is not None and trainer.step >= args.steps and rank == 0 and not gen.reformed:
         print(f"step {trainer.step} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)
     # Deterministic mode replaces DDP's gradient reduction with the fixed-order shard sum.

@@ -437,9 +437,11 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
     state = job.state
     ckpt: Any = None
     dcp_ckpt: DCPCheckpoints | None = None
+    dcp_step: int | None = None
     if args.ckpt_dir is not None and args.ckpt_backend == "dcp":
         dcp_ckpt = DCPCheckpoints(args.ckpt_dir, model, optimizer)
         if needs_restore and (path := dcp_ckpt.load({"trainer": trainer, "data": batches})) is not None:
+            dcp_step = trainer.step
             logger.info("%s resumed from %s (step %s)", ctx, path, trainer.step)
     else:
         ckpt = gen.track(open_checkpointer(args.ckpt_dir, dict(args.storage_option)))
@@ -448,18 +450,19 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
     if not needs_restore and not reshard:
         restored_fields = {"reformed_in_place": True}  # DDP: the state in memory is every rank's last step
         logger.info("%s re-formed in place at step %d", ctx, trainer.step)
-    elif memory is not None:
-        from checkpoint.memory import restore
+    else:  # the first entry, new workers in the group, or FSDP2's new mesh: every rank restores (collective)
+        step_restored = dcp_step
+        if memory is not None:
+            from checkpoint.memory import restore
 
-        if (report := restore(ckpt, state, memory=memory)) is not None:
-            restored_fields = report.to_json()
-            logger.info("%s resumed from step %s (%s)", ctx, report.step, report.source.value)
+            if (report := restore(ckpt, state, memory=memory)) is not None:
+                step_restored, restored_fields = report.step, report.to_json()
+                logger.info("%s resumed from step %s (%s)", ctx, report.step, report.source.value)
+        elif ckpt is not None and (step_restored := ckpt.load(state)) is not None:
+            logger.info("%s resumed from step %s", ctx, step_restored)
+        gen.restored(step_restored)  # survivors and new workers restored the same step, or all restart alike
         if gen.reformed:
             restored_fields["reformed_in_place"] = True
-    elif ckpt is not None and (restored := ckpt.load(state)) is not None:
-        logger.info("%s resumed from step %s", ctx, restored)
-        if gen.reformed:
-            restored_fields = {"reformed_in_place": True}
     if (ckpt is not None or dcp_ckpt is not None) and trainer.step >= args.steps and rank == 0 and not gen.reformed:
         print(f"step {trainer.step} of {args.steps}: nothing to do, checkpoints in {args.ckpt_dir}", flush=True)
     # A notice (or a node joining) stops every rank at the same, committed step (SIGTERM under torchrun).

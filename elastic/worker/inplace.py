@@ -98,10 +98,14 @@ class Generation:
     """This worker can be re-formed in place (under spotrun, not turned off)."""
     resumed_at: int | None = None
     """The last step the previous entry completed; None at the first entry."""
-    restore: bool = True
+    _restore: bool = True
     """What :attr:`needs_restore` answers (decided by every rank together at the entry)."""
-    on_asked: Callable[[], None] | None = None
+    _survivors: bool = False
+    """Some rank of this group kept its process (a re-form): :meth:`restored` checks the restore."""
+    _on_asked: Callable[[], None] | None = None
     """Called the first time :attr:`needs_restore` is read (the wrapper marks the worker joinable)."""
+    _fall_back: Callable[[InPlaceFallback, str], BaseException] | None = None
+    """Reports a fallback to the agent and gives the error to raise."""
     _tracked: list[_Tracked] = field(default_factory=list)
     _preemptions: list[Preemption] = field(default_factory=list)
     _step: int | None = None
@@ -117,11 +121,47 @@ class Generation:
         True at the first entry, and after a re-form that took in new workers (a joining node, a peer node's
         restarted workers) or found the survivors at different or unknown steps. False: the state in memory is
         every rank's last completed step (:attr:`resumed_at`), go on from it. Asking this is what lets new
-        workers join this worker's group in place; a function that does not ask is restarted when they do."""
-        if self.on_asked is not None:
-            self.on_asked()
-            self.on_asked = None
-        return self.restore
+        workers join this worker's group in place; a function that does not ask is restarted when they do. Read
+        it at every entry, whatever else the function tests; after the restore, call :meth:`restored`."""
+        if self._on_asked is not None:
+            self._on_asked()
+            self._on_asked = None
+        return self._restore
+
+    def resume(self, load: Callable[[], int | None]) -> int:
+        """The last completed step to go on from: when :attr:`needs_restore`, ``load()`` (the restore, returning
+        the step it restored or None) checked by :meth:`restored`, else :attr:`resumed_at`; 0 for none.
+        Collective when it restores: ``start = gen.resume(lambda: ckpt.load(state)) + 1``."""
+        if self.needs_restore:
+            step = load()
+            self.restored(step)
+            return step or 0
+        return self.resumed_at or 0
+
+    def restored(self, step: int | None) -> None:
+        """After the restore that :attr:`needs_restore` asked for: the step it restored (None: nothing).
+        Collective (one all-reduce), so every rank that restored calls it. When some ranks kept their processes
+        and the ranks did not all restore the same step (nothing on disk or in memory yet: the survivors would
+        keep their trained state while the new workers start from scratch), every rank falls back to a restart
+        (``restore_differs``), which starts them all alike.
+
+        Raises:
+            InPlaceFallbackError: the restored steps differ across the ranks of a re-formed group.
+        """
+        if not self._survivors or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        got = -1 if step is None else step
+        bounds = torch.tensor([got, -got], dtype=torch.int64, device=collective_device())
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+        high, low = int(bounds[0]), -int(bounds[1])
+        if high == low and low >= 0:
+            return
+        detail = (f"the ranks restored steps {low} to {high}" if low >= 0 else
+                  "a rank restored nothing (no checkpoint or memory snapshot yet) while survivors hold step "
+                  f"{self.resumed_at}")
+        if self._fall_back is None:
+            raise InPlaceFallbackError(InPlaceFallback.RESTORE_DIFFERS, detail)
+        raise self._fall_back(InPlaceFallback.RESTORE_DIFFERS, detail)
 
     def track(self, obj: T, release: Callable[[T], object] | None = None) -> T:
         """Register ``obj`` (built on this group) and return it. Before the group is replaced, tracked objects
@@ -205,35 +245,41 @@ class EntryVote:
 
     fresh: bool
     """A new process (its first entry): its state comes from a restore."""
+    survivor: bool
+    """A rank that kept its process through a re-form."""
     unaware: bool
     """A survivor whose training function never asked ``Generation.needs_restore``: it cannot restore."""
     unknown: bool
     """A survivor of a lost peer that told no completed step."""
     step_max: int = NO_STEP
     neg_step_min: int = NO_STEP
-    """A survivor of a lost peer's completed step ``s`` gives ``(s, -s)``; the others ``NO_STEP``."""
+    """A survivor's completed step ``s`` gives ``(s, -s)``; a new process ``NO_STEP``."""
 
     @classmethod
     def of(cls, *, fresh: bool, aware: bool, after_loss: bool, step: int | None) -> EntryVote:
-        counted = after_loss and not fresh and step is not None
-        return cls(fresh=fresh, unaware=not fresh and not aware, unknown=after_loss and not fresh and step is None,
+        counted = not fresh and step is not None  # after a planned stop too: the agreed step, the same for all
+        return cls(fresh=fresh, survivor=not fresh, unaware=not fresh and not aware,
+                   unknown=after_loss and not fresh and step is None,
                    step_max=step if counted and step is not None else NO_STEP,
                    neg_step_min=-step if counted and step is not None else NO_STEP)
 
     def to_list(self) -> list[int]:
-        return [int(self.fresh), int(self.unaware), int(self.unknown), self.step_max, self.neg_step_min]
+        return [int(self.fresh), int(self.survivor), int(self.unaware), int(self.unknown), self.step_max,
+                self.neg_step_min]
 
     @classmethod
     def from_list(cls, values: list[int]) -> EntryVote:
-        fresh, unaware, unknown, step_max, neg_step_min = values
-        return cls(fresh=fresh > 0, unaware=unaware > 0, unknown=unknown > 0, step_max=step_max,
-                   neg_step_min=neg_step_min)
+        fresh, survivor, unaware, unknown, step_max, neg_step_min = values
+        return cls(fresh=fresh > 0, survivor=survivor > 0, unaware=unaware > 0, unknown=unknown > 0,
+                   step_max=step_max, neg_step_min=neg_step_min)
 
 
 @dataclass(frozen=True, slots=True)
 class EntryDecision:
     restore: bool
     """Every rank restores (``Generation.needs_restore``)."""
+    survivors: bool = False
+    """Some rank kept its process (``Generation.restored`` then checks the restore)."""
     fallback: tuple[InPlaceFallback, str] | None = None
     """Every rank falls back to a restart instead, and why."""
 
@@ -245,10 +291,11 @@ def decide_entry(vote: EntryVote) -> EntryDecision:
     restores (the restore agrees on one step for all, as after a restart), unless a survivor's function cannot
     (it never asked ``needs_restore``): then every rank falls back to a restart, new workers included."""
     steps_differ = vote.step_max != NO_STEP and vote.step_max != -vote.neg_step_min
+    survivors = vote.survivor
     if not (vote.fresh or vote.unknown or steps_differ):
-        return EntryDecision(restore=False)
+        return EntryDecision(restore=False, survivors=survivors)
     if not vote.unaware:
-        return EntryDecision(restore=True)
+        return EntryDecision(restore=True, survivors=survivors)
     if vote.fresh:
         why, detail = InPlaceFallback.NEW_NODE, "new workers joined the group and a survivor's training function " \
             "does not ask Generation.needs_restore (it cannot take part in their restore)"
@@ -258,15 +305,16 @@ def decide_entry(vote: EntryVote) -> EntryDecision:
     else:
         why, detail = InPlaceFallback.STEPS_DIFFER, f"the survivors stand at steps {-vote.neg_step_min} to " \
             f"{vote.step_max}"
-    return EntryDecision(restore=False, fallback=(why, detail))
+    return EntryDecision(restore=False, survivors=survivors, fallback=(why, detail))
 
 
 def collective_device() -> torch.device:
-    """Where a small tensor for a collective on the default group lives: the CPU unless the backend is NCCL
-    alone; then the group's bound device (``init_process_group(device_id=...)``), else the current CUDA device
-    when the script set one, else ``LOCAL_RANK``'s (torchrun's convention: a script that never called
-    ``torch.cuda.set_device`` would otherwise put every local rank's tensor on device 0, which NCCL refuses)."""
-    if dist.get_backend() != "nccl":
+    """Where a small tensor for a collective on the default group lives: the CPU when the group has a CPU backend
+    (gloo, ``cpu:gloo,cuda:nccl``); else (NCCL alone, however spelt) the group's bound device
+    (``init_process_group(device_id=...)``), else the current CUDA device when the script set one, else
+    ``LOCAL_RANK``'s (torchrun's convention: a script that never called ``torch.cuda.set_device`` would otherwise
+    put every local rank's tensor on device 0, which NCCL refuses)."""
+    if "cpu:" in str(dist.get_backend_config()):
         return torch.device("cpu")
     bound = getattr(dist.group.WORLD, "bound_device_id", None)
     if isinstance(bound, torch.device):
@@ -278,7 +326,7 @@ def collective_device() -> torch.device:
 
 
 def agree_on_entry(vote: EntryVote) -> EntryVote:
-    """Every rank's votes together (collective on the default group: one all-reduce of five ints)."""
+    """Every rank's votes together (collective on the default group: one all-reduce of six ints)."""
     values = torch.tensor(vote.to_list(), dtype=torch.int64, device=collective_device())
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return EntryVote.from_list([int(v) for v in values.tolist()])
@@ -300,9 +348,12 @@ class _Runner:
         gen = Generation(iteration=iteration, rank=int(os.environ.get("RANK", "0")),
                          world_size=int(os.environ.get("WORLD_SIZE", "1")), local_rank=self.local_rank,
                          after_loss=after_loss, in_place=self.reform.enabled, resumed_at=resumed_at,
-                         on_asked=None if self.reform.joinable else self.reform.mark_joinable)
+                         _on_asked=None if self.reform.joinable else self.reform.mark_joinable,
+                         _fall_back=self.fall_back)
         vote = EntryVote.of(fresh=iteration == 0, aware=self.reform.joinable, after_loss=after_loss, step=resumed_at)
-        if self.config.enabled and dist.is_initialized() and dist.get_world_size() > 1:
+        # Every rank votes, whatever its config or node: a rank that skipped would pair its first collective
+        # with the others' vote.
+        if dist.is_initialized() and dist.get_world_size() > 1:
             try:
                 vote = agree_on_entry(vote)
             except Exception as exc:
@@ -312,7 +363,7 @@ class _Runner:
         decision = decide_entry(vote)
         if decision.fallback is not None:
             raise self.fall_back(*decision.fallback)
-        gen.restore = decision.restore
+        gen._restore, gen._survivors = decision.restore, decision.survivors
         return gen
 
     def acknowledged(self) -> bool:

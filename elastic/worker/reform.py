@@ -86,14 +86,17 @@ class InPlaceReform:
 
     def mark_joinable(self) -> None:
         """Tell the agent (again after each re-form) that new workers can join this worker's group in place."""
-        self.joinable = True
         if self.mailbox is None:
+            self.joinable = True
             return
         try:
             self.mailbox.mark_joinable(self.local_rank)
-        except OSError as exc:
+        except OSError as exc:  # not joinable then: the agent, which did not see the mark, restarts it
+            self.joinable = False
             logger.warning("[local rank %d] cannot mark the worker joinable (%s): a joining node restarts it",
                            self.local_rank, exc)
+            return
+        self.joinable = True
 
     @property
     def enabled(self) -> bool:

@@ -85,7 +85,7 @@ def test_all_local_workers_must_acknowledge_the_same_step() -> None:
 def _agent(tmp_path: Path, name: str, endpoint: str, run_id: str, *, steps: int, nnodes: str = "1:2",
            nproc: int = 1, step_time: float = 0.05, ckpt_every: int = 1000, extra: tuple[str, ...] = (),
            rdzv: tuple[str, ...] | None = None, env: dict[str, str] | None = None,
-           wrapper: tuple[str, ...] = ()) -> Launcher:
+           wrapper: tuple[str, ...] = (), script: tuple[str, ...] = ()) -> Launcher:
     rdzv = rdzv if rdzv is not None else ("--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf", RDZV_CONF)
     return Launcher(
         [*SPOTRUN, "--nnodes", nnodes, "--nproc-per-node", str(nproc), *rdzv, "--max-restarts", "0", "--stop-grace", "1",
@@ -93,7 +93,7 @@ def _agent(tmp_path: Path, name: str, endpoint: str, run_id: str, *, steps: int,
          "--events-file", str(tmp_path / "events.jsonl"), *extra,
          *wrapper, TRAIN, "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(ckpt_every),
          "--step-time", str(step_time), "--preempt-sync-every", "2", "--log-every", "1000",
-         "--progress-file", str(tmp_path / "progress.jsonl")],
+         "--progress-file", str(tmp_path / "progress.jsonl"), *script],
         tmp_path / f"{name}.log",
         env,
     )
