@@ -393,8 +393,9 @@ def test_node_lost_and_node_preempted_end_with_the_reference_weights(tmp_path: P
     gets a SIGTERM (a preemption: it saves at an agreed step and leaves, nothing lost, nothing charged), its
     replacement is SIGKILLed with its worker and keeper (a node lost: the survivor's restart is free), and a
     second replacement joins. One run for both cases; the first agent survives both. The memory tier is on: the
-    planned leave restores its agreed step from the durable tier (newer than any snapshot), the node loss from
-    memory (the survivor its own, the replacement the survivor's), redoing at most one step."""
+    planned leave restores its agreed step from memory (snapshotted before its save; the replacement reads the
+    survivor's), the node loss too (the survivor its own, the replacement the survivor's), redoing at most one
+    step."""
     nodes = Nodes(tmp_path, etcd_server.endpoint, "nodes", max_restarts=0, memory_every=1)
     faults = (Fault(kind=FaultKind.TERM_AGENT, target="agent:1", at_step=6),
               Fault(kind=FaultKind.KILL_AGENT, target="agent:1", at_step=18))
@@ -424,17 +425,17 @@ def test_node_lost_and_node_preempted_end_with_the_reference_weights(tmp_path: P
     # a membership change) or from the survivor's broken collective first (a worker failure with the peer lost).
     causes = [e["cause"] for e in own if e["event"] == "failure_detected"]
     assert causes in (["membership_change"], ["worker_failure_with_peer_loss"]), causes
-    # Where each restart's state came from: the planned one from the agreed (durable) step, the unplanned one
-    # from memory.
+    # Where each restart's state came from: both from memory, the planned one at the agreed step (the workers
+    # snapshot it before its save), the unplanned one at most one step back.
     planned, unplanned = _restarts_from_progress(progress)
-    assert planned["sources"] == {"durable"} and planned["step"] == leave["step"] == planned["reached"], planned
+    assert planned["sources"] == {"memory_peer"} and planned["step"] == leave["step"] == planned["reached"], planned
     _assert_restored_from_memory([unplanned], 1)
     replacement = nodes.agents[3]
     restored = {agent: [(e["restore_source"], e["restore_step"]) for e in nodes.events_of(agent)
                         if e["event"] == "restore_completed"] for agent in (survivor, replacement)}
     # The replacement's keeper was empty: its bytes came from the survivor's, and a group's report says
     # memory_peer when any rank received a byte from another node (so the survivor's event says it too).
-    assert restored[survivor] == [("durable", leave["step"]), ("memory_peer", unplanned["step"])], restored
+    assert restored[survivor] == [("memory_peer", leave["step"]), ("memory_peer", unplanned["step"])], restored
     assert restored[replacement] == [("memory_peer", unplanned["step"])], restored
     nodes.assert_no_process_left()
     _assert_run_left_etcd_clean(etcd_server.endpoint, "nodes")
