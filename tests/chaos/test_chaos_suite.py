@@ -336,6 +336,45 @@ def test_a_paused_node_then_a_notice_re_form_in_place_and_end_exact(
     _assert_run_left_etcd_clean(etcd_server.endpoint, "inplace2")
 
 
+@pytest.mark.timeout(240)
+def test_a_peers_worker_crash_re_forms_in_place_bit_identical(tmp_path: Path, etcd_server,
+                                                              reference_run: Outcome) -> None:
+    """Two agents of one worker each (world size 2, as the reference), memory tier on, in place (train_ddp.py's
+    default): the worker of rank 1 is SIGKILLed; its agent restarts it (``--max-restarts 1``) and re-joins, while
+    the other node's worker, whose collective broke, waits in its process and restores with the new worker
+    (``recovery_cause`` ``peer_failure``). At the same world size throughout, the job ends bit-identical to the
+    uninterrupted run, and every step the survivor ran, a redone one included, had the reference's loss."""
+    nodes = Nodes(tmp_path, etcd_server.endpoint, "peerfail", max_restarts=1, memory_every=1, in_place=True)
+    injector = nodes.run(Schedule(seed=5, faults=(Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=12),)),
+                         timeout=210)
+    codes = [a.proc.returncode for a in nodes.agents]
+    assert codes == [0, 0], f"exit codes {codes}\n{nodes.output()}"
+    (killed,) = injector.injected
+    first = {a.pid: [e for e in nodes.events_of(a) if e["event"] == "workers_started"] for a in nodes.agents}
+    (crashed,) = [a for a in nodes.agents if killed["pid"] in first[a.pid][0]["pids"]]
+    (survivor,) = [a for a in nodes.agents if a is not crashed]
+    started = first[survivor.pid]
+    assert [(e.get("recovery_cause"), e.get("in_place", False)) for e in started] == \
+        [(None, False), ("peer_failure", True)], started
+    assert started[1]["pids"] == started[0]["pids"], f"the survivor's worker was replaced: {started}"
+    assert killed["pid"] not in first[crashed.pid][-1]["pids"], "the crashed node's agent started a new worker"
+    assert not [e for e in nodes.events if e["event"] == "in_place_fallback"], "no re-form fell back to a restart"
+    progress = read_events(str(nodes.progress_file))
+    (pid,) = started[0]["pids"]
+    lines = [p for p in progress if p["pid"] == pid]
+    (resumed,) = [p for p in lines if p.get("reformed_in_place")]
+    assert resumed.get("restore_source") in MEMORY, f"the survivor restored with the new worker, from memory: {resumed}"
+    before = [p["step"] for p in lines if p["t_wall"] < resumed["t_wall"]]
+    assert before == list(range(1, before[-1] + 1)), before
+    assert 0 <= before[-1] - resumed["restore_step"] <= 1, f"more than one step redone: {before[-1]}, {resumed}"
+    assert [p["step"] for p in lines if p["t_wall"] >= resumed["t_wall"]] == \
+        list(range(resumed["restore_step"] + 1, STEPS + 1)), lines
+    assert [p["loss"] for p in lines] == [reference_run.losses[p["step"]] for p in lines], lines
+    _assert_final(nodes, reference_run, exact=True)
+    nodes.assert_no_process_left()
+    _assert_run_left_etcd_clean(etcd_server.endpoint, "peerfail")
+
+
 def _assert_final(nodes: Nodes, reference: Outcome, *, exact: bool) -> None:
     """The final checkpoint is step STEPS with the reference's objects (the data cursor and samples seen: no
     sample skipped or repeated) and its tensors, bit for bit (``exact``) or within 1e-5 of each tensor's
