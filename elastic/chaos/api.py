@@ -22,6 +22,9 @@ class FaultKind(str, enum.Enum):
     """SIGKILL an agent and its workers (a node lost)."""
     TERM_AGENT = "term_agent"
     """SIGTERM an agent (a preemption notice)."""
+    STOP_AGENT = "stop_agent"
+    """SIGSTOP an agent with its workers and keeper (a paused VM: a silent loss, seen when its lease lapses);
+    SIGCONT after ``duration_s`` if given."""
     KILL_KEEPER = "kill_keeper"
     """SIGKILL an agent's memory tier keeper process (the agent, workers and snapshots live on); ``signal``:
     ``"TERM"`` instead makes the keeper leave as if its agent had died, removing the node's snapshots (the
@@ -71,6 +74,7 @@ _TARGET_PREFIXES = {
     FaultKind.STOP_WORKER: ("worker",),
     FaultKind.KILL_AGENT: ("agent",),
     FaultKind.TERM_AGENT: ("agent",),
+    FaultKind.STOP_AGENT: ("agent",),
     FaultKind.KILL_KEEPER: ("agent",),
     FaultKind.RESTART_ETCD: ("etcd",),
     FaultKind.KILL_ETCD_LEADER: ("etcd",),
@@ -102,7 +106,8 @@ class Fault:
     """Delay of an ``after`` trigger, seconds."""
     duration_s: float | None = None
     """How long the fault lasts (stop, partition, etcd down, storage faults); None: permanent for storage
-    faults and partitions, the default restart delay (1 s) for etcd members, forever for SIGSTOP."""
+    faults and partitions, the default restart delay (1 s) for etcd members, forever for SIGSTOP (a worker's or
+    a whole node's)."""
     params: dict[str, Any] = field(default_factory=dict)
     """Kind-specific: ``rate`` (0..1], ``ops`` (``read``/``write``/``all``), ``errno`` (an errno name,
     default ``EIO``) and ``path`` (only paths containing it, e.g. ``step-000000020``) for storage_error,

@@ -164,6 +164,14 @@ class Injector:
             for pid in tree:  # the agent first: it must not see its workers die and restart them
                 _kill(pid, signal.SIGKILL)
             return {"pid": agent, "pids": tree}
+        if kind is FaultKind.STOP_AGENT:
+            agent = self._pick(fault.target, list(self._agents()), "agent")
+            tree = targets.node_tree(agent)
+            for pid in tree:  # the agent first: it must not see its workers stop and call them hung
+                _kill(pid, signal.SIGSTOP)
+            if fault.duration_s is not None:
+                self._later(fault.duration_s, f"SIGCONT node of agent {agent}", lambda: _cont_all(tree))
+            return {"pid": agent, "pids": tree}
         if kind is FaultKind.KILL_KEEPER:
             agent = self._pick(fault.target, list(self._agents()), "agent")
             keeper = targets.keeper_of(agent)
@@ -295,6 +303,12 @@ def _kill(pid: int, sig: int) -> None:
 def _cont(pid: int) -> dict[str, Any]:
     _kill(pid, signal.SIGCONT)
     return {"pid": pid}
+
+
+def _cont_all(pids: list[int]) -> dict[str, Any]:
+    for pid in pids:
+        _kill(pid, signal.SIGCONT)
+    return {"pids": pids}
 
 
 def _wait_gone(pid: int, timeout: float, sleep: Callable[[float], None]) -> None:

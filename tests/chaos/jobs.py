@@ -16,7 +16,7 @@ import torch
 
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.config import CheckpointConfig
-from checkpoint.discover import list_steps, read_manifest
+from checkpoint.discover import list_steps, read_manifest, read_objects
 from checkpoint.export import assemble
 from checkpoint.storage import Storage
 from elastic.api import ENV_REFORM_IN_PLACE
@@ -46,6 +46,14 @@ def final_state(ckpt_uri: str) -> tuple[int, dict[str, torch.Tensor]]:
     step = max(list_steps(storage).committed)
     manifest = read_manifest(storage, step)
     return manifest.step, {fqn: assemble(storage, manifest, fqn) for fqn in manifest.tensors}
+
+
+def final_objects(ckpt_uri: str) -> dict[str, Any]:
+    """The JSON objects of the newest committed checkpoint (the data cursor, the trainer's step and samples
+    seen, the optimizer's hyperparameters): what :func:`final_state` leaves out."""
+    register()
+    storage = Storage(ckpt_uri)
+    return read_objects(storage, read_manifest(storage, max(list_steps(storage).committed)))
 
 
 def committed_steps(ckpt_uri: str) -> list[int]:

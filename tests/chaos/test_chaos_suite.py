@@ -12,7 +12,9 @@ import json
 import re
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import etcd3
 import pytest
@@ -22,15 +24,33 @@ from elastic.chaos.api import Fault, FaultKind, Schedule
 from elastic.chaos.storage import write_control
 from elastic.events import read_events
 from elastic.memory_keeper import remove_orphaned_keepers
-from tests.chaos.jobs import CKPT_EVERY, STEPS, TRAIN, Job, Nodes, committed_steps, final_state
-from tests.harness.procs import SPOTRUN, Launcher, Timeout, wait_for
+from tests.chaos.jobs import CKPT_EVERY, STEPS, TRAIN, Job, Nodes, committed_steps, final_objects, final_state
+from tests.harness.procs import SPOTRUN, Launcher, Timeout, run_cli, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(120)]
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What a run ended with: every tensor of its final checkpoint, the checkpoint's JSON objects (the data
+    cursor, the trainer's step and samples seen) and each step's global loss (rank 0's progress lines)."""
+
+    tensors: dict[str, torch.Tensor]
+    objects: dict[str, Any]
+    losses: dict[int, float]
+
+
+def _outcome(ckpt: str, progress: Path) -> Outcome:
+    step, tensors = final_state(ckpt)
+    assert step == STEPS
+    losses = {line["step"]: line["loss"] for line in read_events(str(progress)) if line["rank"] == 0}
+    assert sorted(losses) == list(range(1, STEPS + 1)), sorted(losses)
+    return Outcome(tensors, final_objects(ckpt), losses)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """Final weights and optimizer state of the same job with no fault (one run per module)."""
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    """The same job with no fault (one run per module)."""
     from elastic.etcd_server import EmbeddedEtcd
 
     root = tmp_path_factory.mktemp("reference")
@@ -38,9 +58,29 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
         job = Job(root, etcd.endpoint, "reference")
         code, _ = job.run(Schedule(), timeout=90)
     assert code == 0, job.output()[-3000:]
-    step, tensors = final_state(job.ckpt)
-    assert step == STEPS
-    return tensors
+    return _outcome(job.ckpt, job.progress_file)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: Outcome) -> dict[str, torch.Tensor]:
+    """Final weights and optimizer state of the same job with no fault."""
+    return reference_run.tensors
+
+
+DETERMINISTIC = ("--preempt-sync-every", "2", "--deterministic")
+
+
+@pytest.fixture(scope="module")
+def deterministic_reference(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    """The same job with ``--deterministic``, uninterrupted, as one plain process (deterministic mode is
+    bit-identical at any world size, so no process group at all is the strongest contrast)."""
+    root = tmp_path_factory.mktemp("deterministic-reference")
+    ckpt, progress = f"chaos::file://{root}/ckpt", root / "progress.jsonl"
+    argv = [sys.executable, TRAIN, "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--ckpt-dir", ckpt,
+            "--progress-file", str(progress), *DETERMINISTIC]  # fmt: skip
+    result = run_cli(argv, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return _outcome(ckpt, progress)
 
 
 def _etcd_keys(endpoint: str, run_id: str) -> list[str]:
@@ -205,16 +245,19 @@ def test_a_dead_keeper_is_replaced_and_memory_restores_go_on(tmp_path: Path, etc
 
 
 @pytest.mark.timeout(240)
-def test_node_lost_for_good_restores_from_memory_at_the_smaller_world_size(tmp_path: Path, etcd_server,
-                                                                           reference) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["restart", "in-place"])
+def test_node_lost_for_good_goes_on_at_the_smaller_world_size(tmp_path: Path, etcd_server, reference_run: Outcome,
+                                                              in_place: bool) -> None:
     """Two agents of one worker each (``--nnodes 1:2``), memory tier on; node 1 (agent, worker and keeper) is
-    SIGKILLed and not replaced. The survivor's group re-forms alone (world size 1, same global batch) and
-    restores from its own memory, redoing at most one step; the final state is within the 1e-5 bound of the
-    uninterrupted world-size-2 run (the gradient sums are grouped differently, as in test_exactness.py)."""
+    SIGKILLed and not replaced. The survivor's group re-forms alone (world size 1, same global batch). With
+    restarts (``SPOTRUN_REFORM_IN_PLACE=0``) its new worker restores from its own memory, redoing at most one
+    step; in place (train_ddp.py's default) the same worker process trains on from its next step, restoring
+    nothing. Either way the final state is within the 1e-5 bound of the uninterrupted world-size-2 run (the
+    gradient sums are grouped differently, as in test_exactness.py)."""
     # The first round waits for both agents (up to 60 s: one agent's start-up can lag far behind on a loaded
     # machine); last_call_timeout is for the first round only, the re-form after the loss does not wait for it.
     nodes = Nodes(tmp_path, etcd_server.endpoint, "memshrink", memory_every=1, min_nodes=1, replace=False,
-                  rdzv_conf="lease_ttl=2,last_call_timeout=60,join_timeout=300")
+                  rdzv_conf="lease_ttl=2,last_call_timeout=60,join_timeout=300", in_place=in_place)
     try:
         injector = nodes.run(Schedule(seed=4, faults=(Fault(kind=FaultKind.KILL_AGENT, target="agent:1", at_step=12),)),
                              timeout=210)
@@ -226,17 +269,154 @@ def test_node_lost_for_good_restores_from_memory_at_the_smaller_world_size(tmp_p
     survivor, lost = nodes.agents
     progress = read_events(str(nodes.progress_file))
     assert {p["world_size"] for p in progress if "restore_source" not in p and p["step"] <= 12} == {2}, progress[:3]
-    restarts = _restarts_from_progress(progress)
-    _assert_restored_from_memory(restarts, 1)
-    assert restarts[0]["world_size"] == 1 and restarts[0]["sources"] == {"memory_local"}, restarts
-    (event,) = [e for e in nodes.events_of(survivor) if e["event"] == "restore_completed"]
-    assert (event["restore_source"], event["restore_step"]) == ("memory_local", restarts[0]["step"]), event
-    step, tensors = final_state(nodes.ckpt)
-    assert step == STEPS
-    rel = _rel_diff(tensors, reference)
-    assert max(rel.values()) <= 1e-5, rel
+    if in_place:
+        lines = _assert_re_formed_in_place(nodes, survivor, progress, reference_run, ["peer_lost"])
+        # Before the loss the same size as the reference: every step's loss equal to it, bit for bit.
+        together = [p for p in lines if p["world_size"] == 2]
+        assert [p["loss"] for p in together] == [reference_run.losses[p["step"]] for p in together], together
+        assert not nodes.restores(), "nothing restored: the survivor's state stayed in its process"
+    else:
+        restarts = _restarts_from_progress(progress)
+        _assert_restored_from_memory(restarts, 1)
+        assert restarts[0]["world_size"] == 1 and restarts[0]["sources"] == {"memory_local"}, restarts
+        (event,) = [e for e in nodes.events_of(survivor) if e["event"] == "restore_completed"]
+        assert (event["restore_source"], event["restore_step"]) == ("memory_local", restarts[0]["step"]), event
+    _assert_final(nodes, reference_run, exact=False)
     nodes.assert_no_process_left()
     _assert_run_left_etcd_clean(etcd_server.endpoint, "memshrink")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["within-1e-5", "deterministic-bit-identical"])
+def test_a_paused_node_then_a_notice_re_form_in_place_and_end_exact(
+        tmp_path: Path, etcd_server, reference_run: Outcome, deterministic_reference: Outcome,
+        deterministic: bool) -> None:
+    """Three agents of one worker each (``--nnodes 1:3``, none replaced), memory tier on, in place (train_ddp.py's
+    default), two faults in a row: node 2 is paused whole (``stop_agent``: a silent loss, seen when its lease
+    lapses; the two survivors abort their blocked collective and must stand at the same step: 3 -> 2), then node
+    1 gets a notice (a planned leave at the agreed step, committed: 2 -> 1). Each survivor's worker keeps its
+    process and trains on from its next step. The final state is within 1e-5 of the uninterrupted world-size-2
+    run; with ``--deterministic`` (bit-identical at any world size) it is the uninterrupted run's bit for bit,
+    every step's loss included: what a survivor keeps in its process across a re-form (weights, momentum, data
+    cursor) is exactly what a restarted worker would restore. The paused node is SIGKILLed once the survivors
+    trained past it (a cloud reclaiming a hung VM), which only ends its processes."""
+    reference = deterministic_reference if deterministic else reference_run
+    nodes = Nodes(tmp_path, etcd_server.endpoint, "inplace2", nodes=3, memory_every=1, min_nodes=1, replace=False,
+                  rdzv_conf="lease_ttl=2,last_call_timeout=60,join_timeout=300", in_place=True,
+                  script_extra=DETERMINISTIC if deterministic else Nodes.script_extra)
+    faults = (Fault(kind=FaultKind.STOP_AGENT, target="agent:2", at_step=6),
+              Fault(kind=FaultKind.KILL_AGENT, target="agent:2", at_step=12),  # past step 7: the survivors re-formed
+              Fault(kind=FaultKind.TERM_AGENT, target="agent:1", at_step=18))
+    try:
+        injector = nodes.run(Schedule(seed=29, faults=faults), timeout=270)
+    finally:
+        remove_orphaned_keepers()  # the paused node's keeper directory (SIGKILLed with it; no agent sweeps it)
+    survivor, leaver, paused = nodes.agents
+    assert [r["kind"] for r in injector.injected] == [f.kind.value for f in faults], injector.injected
+    assert [r["pid"] for r in injector.injected] == [paused.pid, paused.pid, leaver.pid], injector.injected
+    codes = [a.proc.returncode for a in nodes.agents]
+    assert codes == [0, 0, -signal.SIGKILL], f"exit codes {codes}\n{nodes.output()}"
+    (leave,) = [e for e in nodes.events_of(leaver) if e["event"] == "planned_leave"]
+    assert leave["saved"], leave
+    progress = read_events(str(nodes.progress_file))
+    lines = _assert_re_formed_in_place(nodes, survivor, progress, reference, ["peer_lost", "planned_leave"],
+                                       exact=deterministic)
+    left = _assert_re_formed_in_place(nodes, leaver, progress, reference, ["peer_lost"], to_step=leave["step"],
+                                      exact=deterministic)
+    _assert_re_formed_in_place(nodes, paused, progress, reference, [], to_step=None, exact=deterministic)
+    worlds = [p["world_size"] for p in lines]
+    assert worlds == sorted(worlds, reverse=True) and set(worlds) == {3, 2, 1}, worlds
+    # The two survivors of the pause re-formed at the same step; the leave at the agreed step, which was
+    # committed: the survivor's next step is the one after it.
+    first = [[p["step"] for p in w if p.get("reformed_in_place")] for w in (lines, left)]
+    assert first[0][0] == first[1][0] and first[0][1] == leave["step"] + 1, (first, leave)
+    assert not nodes.restores(), "nothing restored: every survivor's state stayed in its process"
+    _assert_final(nodes, reference, exact=deterministic)
+    nodes.assert_no_process_left()
+    _assert_run_left_etcd_clean(etcd_server.endpoint, "inplace2")
+
+
+@pytest.mark.timeout(240)
+def test_a_peers_worker_crash_re_forms_in_place_bit_identical(tmp_path: Path, etcd_server,
+                                                              reference_run: Outcome) -> None:
+    """Two agents of one worker each (world size 2, as the reference), memory tier on, in place (train_ddp.py's
+    default): the worker of rank 1 is SIGKILLed; its agent restarts it (``--max-restarts 1``) and re-joins, while
+    the other node's worker, whose collective broke, waits in its process and restores with the new worker
+    (``recovery_cause`` ``peer_failure``). At the same world size throughout, the job ends bit-identical to the
+    uninterrupted run, and every step the survivor ran, a redone one included, had the reference's loss."""
+    nodes = Nodes(tmp_path, etcd_server.endpoint, "peerfail", max_restarts=1, memory_every=1, in_place=True)
+    injector = nodes.run(Schedule(seed=5, faults=(Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=12),)),
+                         timeout=210)
+    codes = [a.proc.returncode for a in nodes.agents]
+    assert codes == [0, 0], f"exit codes {codes}\n{nodes.output()}"
+    (killed,) = injector.injected
+    first = {a.pid: [e for e in nodes.events_of(a) if e["event"] == "workers_started"] for a in nodes.agents}
+    (crashed,) = [a for a in nodes.agents if killed["pid"] in first[a.pid][0]["pids"]]
+    (survivor,) = [a for a in nodes.agents if a is not crashed]
+    started = first[survivor.pid]
+    assert [(e.get("recovery_cause"), e.get("in_place", False)) for e in started] == \
+        [(None, False), ("peer_failure", True)], started
+    assert started[1]["pids"] == started[0]["pids"], f"the survivor's worker was replaced: {started}"
+    assert killed["pid"] not in first[crashed.pid][-1]["pids"], "the crashed node's agent started a new worker"
+    assert not [e for e in nodes.events if e["event"] == "in_place_fallback"], "no re-form fell back to a restart"
+    progress = read_events(str(nodes.progress_file))
+    (pid,) = started[0]["pids"]
+    lines = [p for p in progress if p["pid"] == pid]
+    (resumed,) = [p for p in lines if p.get("reformed_in_place")]
+    assert resumed.get("restore_source") in MEMORY, f"the survivor restored with the new worker, from memory: {resumed}"
+    before = [p["step"] for p in lines if p["t_wall"] < resumed["t_wall"]]
+    assert before == list(range(1, before[-1] + 1)), before
+    assert 0 <= before[-1] - resumed["restore_step"] <= 1, f"more than one step redone: {before[-1]}, {resumed}"
+    assert [p["step"] for p in lines if p["t_wall"] >= resumed["t_wall"]] == \
+        list(range(resumed["restore_step"] + 1, STEPS + 1)), lines
+    assert [p["loss"] for p in lines] == [reference_run.losses[p["step"]] for p in lines], lines
+    _assert_final(nodes, reference_run, exact=True)
+    nodes.assert_no_process_left()
+    _assert_run_left_etcd_clean(etcd_server.endpoint, "peerfail")
+
+
+def _assert_final(nodes: Nodes, reference: Outcome, *, exact: bool) -> None:
+    """The final checkpoint is step STEPS with the reference's objects (the data cursor and samples seen: no
+    sample skipped or repeated) and its tensors, bit for bit (``exact``) or within 1e-5 of each tensor's
+    largest magnitude."""
+    step, tensors = final_state(nodes.ckpt)
+    assert step == STEPS
+    assert final_objects(nodes.ckpt) == reference.objects
+    if exact:
+        _assert_same(tensors, reference.tensors)
+    else:
+        rel = _rel_diff(tensors, reference.tensors)
+        assert max(rel.values()) <= 1e-5, rel
+
+
+def _assert_re_formed_in_place(nodes: Nodes, agent: Launcher, progress: list[dict], reference: Outcome,
+                               causes: list[str], *, to_step: int | None = STEPS, exact: bool = False) -> list[dict]:
+    """``agent``'s worker was re-formed in place once per fault it lived through (``causes``: each re-form's
+    ``recovery_cause``): its ``workers_started`` events after the first carry ``in_place`` and the first one's
+    pids, nothing fell back to a restart, and its worker process reported every step from 1 to ``to_step``
+    (None: as far as it got) exactly once, in order (none skipped, none redone), restoring nothing, the first
+    step at each new world size marked ``reformed_in_place``, each step's global loss the reference's (bit for
+    bit with ``exact``, else within 1e-5: step N's loss is computed on step N's samples with the weights after
+    step N-1, so a sample skipped or repeated, or a weight off, shows there first). Returns the worker's
+    progress lines."""
+    assert not [e for e in nodes.events if e["event"] == "in_place_fallback"], "no re-form fell back to a restart"
+    started = [e for e in nodes.events_of(agent) if e["event"] == "workers_started"]
+    assert [e.get("recovery_cause") for e in started] == [None, *causes], started
+    assert [e.get("in_place", False) for e in started] == [False] + [True] * len(causes), started
+    assert all(e["pids"] == started[0]["pids"] for e in started), f"the worker process was replaced: {started}"
+    (pid,) = started[0]["pids"]
+    lines = [p for p in progress if p["pid"] == pid]
+    last = (lines[-1]["step"] if lines else 0) if to_step is None else to_step
+    assert [p["step"] for p in lines] == list(range(1, last + 1)), [(p["step"], p["world_size"]) for p in lines]
+    assert not [p for p in lines if "restore_source" in p], "restored nothing: the state stayed in the process"
+    changed = [b["step"] for a, b in zip(lines, lines[1:]) if a["world_size"] != b["world_size"]]
+    assert [p["step"] for p in lines if p.get("reformed_in_place")] == changed, lines
+    assert len(changed) == len(causes), lines
+    off = {p["step"]: (p["loss"], reference.losses[p["step"]]) for p in lines
+           if (p["loss"] != reference.losses[p["step"]] if exact
+               else p["loss"] != pytest.approx(reference.losses[p["step"]], rel=1e-5))}
+    assert not off, f"steps whose loss differs from the uninterrupted run's (run, reference): {off}"
+    return lines
 
 
 def _assert_hangs_found(events: list[dict], injected: list[dict]) -> None:
@@ -388,14 +568,19 @@ def test_spotrun_chaos_cli_wraps_a_standalone_job(tmp_path: Path, reference) -> 
 
 
 @pytest.mark.timeout(360)  # four agent start-ups, three in turn: 4 min on a loaded 2-core machine, 30 s on a quiet one
-def test_node_lost_and_node_preempted_end_with_the_reference_weights(tmp_path: Path, etcd_server, reference) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["restart", "in-place"])
+def test_node_lost_and_node_preempted_end_with_the_reference_weights(tmp_path: Path, etcd_server, reference,
+                                                                     in_place: bool) -> None:
     """Two agents of one worker each (world size 2, as the reference) and --max-restarts 0: the second agent
     gets a SIGTERM (a preemption: it saves at an agreed step and leaves, nothing lost, nothing charged), its
     replacement is SIGKILLed with its worker and keeper (a node lost: the survivor's restart is free), and a
     second replacement joins. One run for both cases; the first agent survives both. The memory tier is on: the
-    planned leave restores its agreed step from the durable tier (newer than any snapshot), the node loss from
-    memory (the survivor its own, the replacement the survivor's), redoing at most one step."""
-    nodes = Nodes(tmp_path, etcd_server.endpoint, "nodes", max_restarts=0, memory_every=1)
+    planned leave restores its agreed step from memory (snapshotted before its save; the replacement reads the
+    survivor's), the node loss too (the survivor its own, the replacement the survivor's), redoing at most one
+    step. Run with restarts (``SPOTRUN_REFORM_IN_PLACE=0``) and in place (train_ddp.py's default: each change
+    back to world size 2 is a join in place, the survivor's worker keeps its process and restores with the new
+    one): bit-identical to the uninterrupted run either way."""
+    nodes = Nodes(tmp_path, etcd_server.endpoint, "nodes", max_restarts=0, memory_every=1, in_place=in_place)
     faults = (Fault(kind=FaultKind.TERM_AGENT, target="agent:1", at_step=6),
               Fault(kind=FaultKind.KILL_AGENT, target="agent:1", at_step=18))
     injector = nodes.run(Schedule(seed=3, faults=faults), timeout=330)
@@ -420,21 +605,28 @@ def test_node_lost_and_node_preempted_end_with_the_reference_weights(tmp_path: P
     started = [e["recovery_cause"] for e in own if e["event"] == "workers_started"]
     assert started == [None, "planned_leave", "peer_lost"], started
     assert all(e["restarts_left"] == 0 for e in own if e["event"] == "workers_started")
+    # In place (train_ddp.py's default) each change is a join in place: the survivor's worker waits in its
+    # process, and at the entry it restores with the replacement's new worker (needs_restore), as a restarted one
+    # would; without, each change starts a new worker.
+    assert not [e for e in own if e["event"] == "in_place_fallback"], "no re-form fell back to a restart"
+    assert [e.get("in_place", False) for e in own if e["event"] == "workers_started"] == [False, in_place, in_place]
+    pids = [tuple(e["pids"]) for e in own if e["event"] == "workers_started"]
+    assert (len(set(pids)) == 1) == in_place, f"the survivor's worker pids: {pids}"
     # The lost node is known either from its revoked lease first (the liveness probe: its port refused at once,
     # a membership change) or from the survivor's broken collective first (a worker failure with the peer lost).
     causes = [e["cause"] for e in own if e["event"] == "failure_detected"]
     assert causes in (["membership_change"], ["worker_failure_with_peer_loss"]), causes
-    # Where each restart's state came from: the planned one from the agreed (durable) step, the unplanned one
-    # from memory.
+    # Where each restart's state came from: both from memory, the planned one at the agreed step (the workers
+    # snapshot it before its save), the unplanned one at most one step back.
     planned, unplanned = _restarts_from_progress(progress)
-    assert planned["sources"] == {"durable"} and planned["step"] == leave["step"] == planned["reached"], planned
+    assert planned["sources"] == {"memory_peer"} and planned["step"] == leave["step"] == planned["reached"], planned
     _assert_restored_from_memory([unplanned], 1)
     replacement = nodes.agents[3]
     restored = {agent: [(e["restore_source"], e["restore_step"]) for e in nodes.events_of(agent)
                         if e["event"] == "restore_completed"] for agent in (survivor, replacement)}
     # The replacement's keeper was empty: its bytes came from the survivor's, and a group's report says
     # memory_peer when any rank received a byte from another node (so the survivor's event says it too).
-    assert restored[survivor] == [("durable", leave["step"]), ("memory_peer", unplanned["step"])], restored
+    assert restored[survivor] == [("memory_peer", leave["step"]), ("memory_peer", unplanned["step"])], restored
     assert restored[replacement] == [("memory_peer", unplanned["step"])], restored
     nodes.assert_no_process_left()
     _assert_run_left_etcd_clean(etcd_server.endpoint, "nodes")

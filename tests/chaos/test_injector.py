@@ -82,6 +82,26 @@ def test_workers_are_found_by_rank_and_signalled(tmp_path: Path, agent) -> None:
     assert all("t_mono" in r and "t_wall" in r for r in read_events(journal.path))
 
 
+def test_stop_agent_pauses_the_whole_node_and_continues_it_after_its_duration(tmp_path: Path, agent) -> None:
+    """A paused VM: the agent and every process under it stopped at once, all continued after ``duration_s``."""
+    agent_pid, kids = agent
+    clock = [0.0]
+    schedule = Schedule(faults=(Fault(kind=FaultKind.STOP_AGENT, target="agent:0", at_s=1, duration_s=2),))
+    journal = Journal(str(tmp_path / "j.jsonl"))
+    injector = Injector(schedule, journal, agent_pids=[agent_pid], clock=lambda: clock[0])
+    clock[0] = 1.0
+    (stopped,) = injector.tick()
+    assert stopped["record"] == "injected" and stopped["pid"] == agent_pid
+    assert set(stopped["pids"]) == {agent_pid, *kids}, stopped
+    for pid in (agent_pid, *kids):
+        wait_for(lambda pid=pid: _state(pid) == "T", 5, f"process {pid} of the node to stop")
+    clock[0] = 3.0
+    (undone,) = injector.tick()
+    assert undone["record"] == "undone" and set(undone["pids"]) == {agent_pid, *kids}, undone
+    for pid in (agent_pid, *kids):
+        wait_for(lambda pid=pid: _state(pid) != "T", 5, f"process {pid} of the node to continue")
+
+
 def test_missing_targets_and_partitions_are_journaled_not_raised(tmp_path: Path, agent) -> None:
     agent_pid, _ = agent
     schedule = Schedule(faults=(Fault(kind=FaultKind.KILL_WORKER, target="worker:7", at_s=0),
