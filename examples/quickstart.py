@@ -82,9 +82,7 @@ def train(gen: inplace.Generation, model: nn.Module, optim: torch.optim.Optimize
     # --8<-- [start:loop]
     state = {"model": gen.track(DistributedDataParallel(model)), "optim": optim}  # tracked: rebuilt at a re-form
     ckpt = gen.track(Checkpointer(args.ckpt_dir, CheckpointConfig(keep_last=2, memory=MemoryTierConfig(every="auto"))))
-    # The first entry, or new workers joined: every rank restores (any world size, from memory if it can);
-    # else the model and optimizer in memory are at the last step the previous group completed.
-    start = gen.resume(lambda: ckpt.load(state)) + 1
+    start = gen.resume(lambda: ckpt.load(state)) + 1  # restores at the start and when new workers join
     preemption = gen.preemption()                # collective: every rank builds it
     for step in range(start, args.steps + 1):
         train_step(state["model"], optim, step)

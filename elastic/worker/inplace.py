@@ -98,14 +98,12 @@ class Generation:
     """This worker can be re-formed in place (under spotrun, not turned off)."""
     resumed_at: int | None = None
     """The last step the previous entry completed; None at the first entry."""
+    # needs_restore's answer and whether a rank kept its process (both voted at the entry); what marks the worker
+    # joinable at the first read of needs_restore; what reports a fallback to the agent and gives its error.
     _restore: bool = True
-    """What :attr:`needs_restore` answers (decided by every rank together at the entry)."""
     _survivors: bool = False
-    """Some rank of this group kept its process (a re-form): :meth:`restored` checks the restore."""
     _on_asked: Callable[[], None] | None = None
-    """Called the first time :attr:`needs_restore` is read (the wrapper marks the worker joinable)."""
     _fall_back: Callable[[InPlaceFallback, str], BaseException] | None = None
-    """Reports a fallback to the agent and gives the error to raise."""
     _tracked: list[_Tracked] = field(default_factory=list)
     _preemptions: list[Preemption] = field(default_factory=list)
     _step: int | None = None
@@ -243,17 +241,15 @@ NO_STEP = -(2**62)
 class EntryVote:
     """One rank's say at an entry, or (after :func:`agree_on_entry`'s all-reduce) every rank's together."""
 
+    # fresh: a new process (its first entry); survivor: it kept its process through a re-form; unaware: a
+    # survivor whose function never asked needs_restore (it cannot restore); unknown: a survivor of a lost peer
+    # that told no step; a survivor's completed step s gives (s, -s), a new process NO_STEP.
     fresh: bool
-    """A new process (its first entry): its state comes from a restore."""
     survivor: bool
-    """A rank that kept its process through a re-form."""
     unaware: bool
-    """A survivor whose training function never asked ``Generation.needs_restore``: it cannot restore."""
     unknown: bool
-    """A survivor of a lost peer that told no completed step."""
     step_max: int = NO_STEP
     neg_step_min: int = NO_STEP
-    """A survivor's completed step ``s`` gives ``(s, -s)``; a new process ``NO_STEP``."""
 
     @classmethod
     def of(cls, *, fresh: bool, aware: bool, after_loss: bool, step: int | None) -> EntryVote:
