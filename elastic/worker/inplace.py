@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -25,8 +26,10 @@ import torch.distributed as dist
 from checkpoint.api import CheckpointError
 from checkpoint.memory.jit import is_collective_failure
 from elastic.api import InPlaceFallback
+from elastic.worker.abort import abort_process_group
 from elastic.worker.mailbox import GroupAssignment
 from elastic.worker.reform import LOSS_NOTICE_WAIT, InPlaceReform, ReformConfig
+from elastic.worker.watcher import PeerLossWatcher, set_wrapper_watching
 
 if TYPE_CHECKING:
     from elastic.worker.preemption import Preemption
@@ -227,6 +230,11 @@ def _release_one(item: _Tracked) -> None:
         obj.close()
 
 
+def _stop_watching(watcher: PeerLossWatcher) -> None:
+    watcher.stop()
+    set_wrapper_watching(False)
+
+
 def _default_backend() -> str:
     if dist.is_initialized():
         return str(dist.get_backend())
@@ -335,6 +343,9 @@ class _Runner:
         self.config = config
         self.reform = InPlaceReform(ReformConfig(timeout=config.wait_timeout.total_seconds()), enabled=config.enabled)
         self.local_rank = self.reform.local_rank
+        self._abort_lock = threading.Lock()
+        self._aborted: object = None
+        """The default group last aborted (kept only to compare: the next entry's group is another object)."""
 
     def generation(self, iteration: int, after_loss: bool, resumed_at: int | None) -> Generation:
         """The next entry's generation; with a group, every rank decides together whether all restore."""
@@ -360,7 +371,30 @@ class _Runner:
         if decision.fallback is not None:
             raise self.fall_back(*decision.fallback)
         gen._restore, gen._survivors = decision.restore, decision.survivors
+        self.watch(gen)
         return gen
+
+    def watch(self, gen: Generation) -> None:
+        """Under spotrun, a peer-loss watcher for this entry (tracked: stopped at the release), so a collective
+        blocked on a silent or paused peer raises when the agent posts the loss, whether or not the function
+        builds a ``Preemption`` helper (which then starts none of its own)."""
+        if self.reform.mailbox is None:
+            return
+        watcher = PeerLossWatcher(self.reform.mailbox, self.local_rank, self.abort_group).start()
+        set_wrapper_watching(True)
+        gen.track(watcher, release=_stop_watching)
+
+    def abort_group(self) -> None:
+        """Abort the default group once (its blocked collectives raise, on this rank and on the ranks blocked
+        on it); best effort: a failure is logged."""
+        with self._abort_lock:
+            if self._aborted is dist.group.WORLD or not dist.is_initialized():
+                return
+            self._aborted = dist.group.WORLD
+            try:
+                abort_process_group()
+            except Exception as exc:  # noqa: BLE001 - the wait in place goes on; the agent decides
+                logger.warning("[local rank %d] could not abort the broken process group: %s", self.local_rank, exc)
 
     def acknowledged(self) -> bool:
         """This worker acknowledged an agreed step (its ``Preemption`` stopped for a planned change)."""
@@ -423,6 +457,7 @@ def run(fn: Callable[..., R], *args: Any, config: InPlaceConfig | None = None, *
             if not gen.in_place or not is_collective_failure(exc):
                 gen._release(quiet=True)
                 raise
+            runner.abort_group()  # a survivor blocked on this one (not on the lost peer) raises too
             assignment = runner.reform.wait_after_loss(runner.config.loss_notice_wait.total_seconds())
             if assignment is None:
                 gen._release(quiet=True)

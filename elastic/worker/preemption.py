@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from elastic.api import PlannedStopVoteError
 from elastic.worker.heartbeat import report_step
 from elastic.worker.mailbox import Mailbox, WorkerNotice, find_mailbox
-from elastic.worker.watcher import PeerLossWatcher
+from elastic.worker.watcher import PeerLossWatcher, wrapper_watching
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -202,8 +202,9 @@ class Preemption:
         if self.mailbox is not None:
             from elastic.worker.abort import abort_process_group  # torch.distributed: only where a helper is made
 
-            self.watcher = PeerLossWatcher(self.mailbox, self.local_rank,
-                                           lambda: abort_process_group(process_group)).start()
+            if not wrapper_watching():  # under elastic.inplace.run the wrapper's watcher aborts the group
+                self.watcher = PeerLossWatcher(self.mailbox, self.local_rank,
+                                               lambda: abort_process_group(process_group)).start()
             self.mailbox.register_helper(self.local_rank)
 
     def close(self) -> None:

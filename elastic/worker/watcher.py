@@ -27,6 +27,19 @@ logger = logging.getLogger(__name__)
 POLL_INTERVAL = 0.02
 """Seconds between two looks at the mailbox (a ``stat``: microseconds)."""
 
+_wrapper_watching = False
+
+
+def set_wrapper_watching(on: bool) -> None:
+    """``elastic.inplace.run`` watches this process's default group for the entry in progress (on), or no longer."""
+    global _wrapper_watching
+    _wrapper_watching = on
+
+
+def wrapper_watching() -> bool:
+    """The in-place wrapper already watches: a ``Preemption`` helper built in its entry starts no watcher."""
+    return _wrapper_watching
+
 
 class PeerLossWatcher:
     """A daemon thread that calls ``abort`` once, when the agent posts a peer loss for this worker group."""
