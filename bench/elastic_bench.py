@@ -69,17 +69,18 @@ class Samples:
 
     values: list[float | None] = field(default_factory=list)
     limit: float = 0.0
-    recoveries: list[tuple[Path, float, float, frozenset[int]]] = field(default_factory=list)
-    """(progress file, fault time, first step of the new group, the victims' pids) per recovered repetition:
-    read by :meth:`kept_cell` once the job is over."""
+    recoveries: list[tuple[Path, float, float, float, frozenset[int]]] = field(default_factory=list)
+    """(progress file, the job's start, fault time, first step of the new group, the victims' pids) per recovered
+    repetition (the repetitions of a scenario share one progress file): read by :meth:`kept_cell` once the jobs
+    are over."""
 
     def kept_cell(self) -> str:
         """Survivors' worker pids kept in the new group (all: re-formed in place) and the most steps redone."""
         if not self.recoveries:
             return "-"
         kept = survivors = redone = 0
-        for progress, fault_at, new_at, victims in self.recoveries:
-            k, n, r = survivor_stats(read_jsonl(progress), fault_at, new_at, victims)
+        for progress, since, fault_at, new_at, victims in self.recoveries:
+            k, n, r = survivor_stats(read_jsonl(progress), fault_at, new_at, victims, since=since)
             kept, survivors, redone = kept + k, survivors + n, max(redone, r)
         return f"{kept}/{survivors} kept, {redone} redone"
 
@@ -161,12 +162,12 @@ def first_step(progress: Path, *, after: float, world: int, exclude_pids: set[in
 
 
 def survivor_stats(progress: list[dict], fault_at: float, new_at: float, victims: frozenset[int] | set[int],
-                   window: float = 1.0) -> tuple[int, int, int]:
+                   window: float = 1.0, since: float = 0.0) -> tuple[int, int, int]:
     """(survivors' worker pids still training in the new group, survivors, steps redone) for one recovery.
-    Survivors: the pids of the old group's last step (lines up to ``fault_at``) but ``victims``; the new group:
+    Survivors: the pids of the old group's last step (lines in ``(since, fault_at]``: this job's) but ``victims``; the new group:
     the pids of the lines in ``[new_at, new_at + window]``; redone: the old group's last step - the new group's
     first + 1, at least 0."""
-    old = [r for r in progress if r["t_wall"] <= fault_at]
+    old = [r for r in progress if since < r["t_wall"] <= fault_at]
     new = sorted((r for r in progress if new_at <= r["t_wall"] <= new_at + window), key=lambda r: r["t_wall"])
     if not old or not new:
         return 0, 0, 0
@@ -235,6 +236,7 @@ def node_loss(kind: LauncherKind, workdir: Path, mode: str, reps: int, timeout: 
             agents += start_pair(kind, endpoint, f"loss-{mode}-{rep}", workdir, f"{mode}{rep}")
             began = agents[0].started_at
             wait_for(lambda: first_step(progress, after=began, world=2), 150, f"{kind.name}: two nodes to train")  # noqa: B023 - polled before the loop moves on
+            time.sleep(1.0)  # steady state: the workers' helpers (Preemption, the in-place watcher) are up
             victims = agents[1].snapshot_tree()
             lost_at = time.time()
             signal_all(victims, signal.SIGKILL if mode == "sigkill" else signal.SIGSTOP)
@@ -243,7 +245,7 @@ def node_loss(kind: LauncherKind, workdir: Path, mode: str, reps: int, timeout: 
                                    agents[:1], timeout, f"{mode} recovery")
                 samples.values.append(None if at is None else at - lost_at)
                 if at is not None:
-                    samples.recoveries.append((progress, lost_at, at, frozenset(victims)))
+                    samples.recoveries.append((progress, began, lost_at, at, frozenset(victims)))
             finally:
                 signal_all(victims, signal.SIGKILL)
     return samples
@@ -268,7 +270,7 @@ def scale_up(kind: LauncherKind, workdir: Path, reps: int, timeout: float, bar: 
                 deaths += 1
             else:
                 total.values.append(at - second.started_at)
-                total.recoveries.append((progress, second.started_at, at, frozenset()))
+                total.recoveries.append((progress, began, second.started_at, at, frozenset()))
                 joined = first_join_time(workdir / "events.jsonl", second.pid, second.started_at)
                 if joined is not None:
                     from_join.values.append(at - joined)
@@ -293,7 +295,7 @@ def worker_crash(kind: LauncherKind, workdir: Path, reps: int, timeout: float, b
                     at = wait_for(lambda: first_step(progress, after=crashed_at, world=2, new_pids_only=old_pids),  # noqa: B023 - polled before the loop moves on
                                   timeout, "worker crash recovery", interval=0.02)
                     samples.values.append(at - crashed_at)
-                    samples.recoveries.append((progress, crashed_at, at, frozenset({victim})))
+                    samples.recoveries.append((progress, agent.started_at, crashed_at, at, frozenset({victim})))
                 except Timeout:
                     samples.values.append(None)
                     break
