@@ -22,6 +22,9 @@ Each repetition is a fresh job (fresh run id), so one launcher's failure cannot 
 ``--launchers spotrun,spotrun-restart`` runs it with re-form in place (the examples' default, ``elastic.inplace.run``)
 and then with it off (``SPOTRUN_REFORM_IN_PLACE=0``: every change restarts the workers), in one run; a second
 table says whether the survivors' worker pids were kept (in place) and the most steps any recovery redid.
+``--job-ckpt`` gives the job a checkpoint directory: ``train_ddp.py`` builds its Preemption helper only with one,
+and in place needs it for a join (the agreed step) and a silent loss (its watcher aborts the blocked collective);
+without it a join restarts the workers and a silent loss falls back (``in_place_fallback``, ``not_waiting``).
 
 Prints a Markdown table (median and min-max over the repetitions), the host load, and spotrun's recovery
 breakdown from its ``events.jsonl``. Timings on a loaded machine are not comparable with another run.
@@ -115,9 +118,13 @@ class LauncherKind:
     """(endpoint, run_id, nnodes, nproc, workdir) -> argv."""
     env: dict[str, str] = field(default_factory=dict)
     """Added to the agents' environment (``spotrun-restart``: ``SPOTRUN_REFORM_IN_PLACE=0``)."""
+    job_extra: list[str] = field(default_factory=list)
+    """Appended to the job's arguments, ``{workdir}`` and ``{run_id}`` filled in (``--job-ckpt``: a checkpoint
+    directory per job)."""
 
     def agent(self, endpoint: str, run_id: str, nnodes: str, nproc: int, workdir: Path, log: Path) -> Agent:
-        return Agent(self.argv(endpoint, run_id, nnodes, nproc, workdir), log, self.env)
+        extra = [arg.replace("{workdir}", str(workdir)).replace("{run_id}", run_id) for arg in self.job_extra]
+        return Agent([*self.argv(endpoint, run_id, nnodes, nproc, workdir), *extra], log, self.env)
 
 
 def torchrun_argv(endpoint: str, run_id: str, nnodes: str, nproc: int, workdir: Path) -> list[str]:
@@ -335,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: torchrun, spotrun, spotrun-nomem (spotrun, the memory tier off), "
                              "spotrun-restart (spotrun, in-place re-form off: SPOTRUN_REFORM_IN_PLACE=0)")
     parser.add_argument("--scenarios", default="nodes,worker_crash")
+    parser.add_argument("--job-ckpt", action="store_true",
+                        help="give the job a checkpoint directory (--ckpt-dir, never saved periodically): its "
+                             "Preemption helper exists only then, and with it the agreed step of a join and the "
+                             "watcher that aborts a collective blocked on a silent peer (in place needs both)")
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary directory)")
     args = parser.parse_args(argv)
     if args.reps < 1 or args.sigstop_reps < 0 or args.timeout <= 0:
@@ -347,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--launchers: unknown {', '.join(unknown)} (choose from {', '.join(kinds)})")
     chosen = [kinds[name] for name in args.launchers.split(",")]
+    if args.job_ckpt:
+        for kind in chosen:
+            kind.job_extra = ["--ckpt-dir", "{workdir}/ckpt-{run_id}", "--ckpt-every", "1000000"]
     scenarios = set(args.scenarios.split(","))
     root = Path(args.workdir or tempfile.mkdtemp(prefix="spotrun-bench-"))
     load_before = os.getloadavg()
