@@ -23,14 +23,16 @@ Reported, per launcher, over the window from the first step at full size to ``--
 
 * effective training time ratio: productive step time / wall time; a step execution is productive when no
   later execution of the same step number replaced it (a restart from an older checkpoint re-trains steps);
-  its time is the gap since the previous step of the same worker (the first step after a start counts as
-  the median step time);
-* steps lost per fault type: steps trained again after the restart that followed each fault;
+  its time is the gap since the previous step of the same group (the first step of a group, restarted or
+  re-formed in place, counts as the median step time: :func:`rank0_segments`);
+* steps lost per fault type: steps trained again by the first new group after each fault;
 * recovery by stage (spotrun, from ``events.jsonl``): seconds from the fault to each recovery event, and to
   the first step of the new group; torchrun has no events, only the last;
 * agreed step -> first step of the new group, per planned change (``notice`` and ``rejoin``; spotrun only),
   median and worst, against the target of 1 s: from the moment the agreed step was committed to the first
-  step of a worker that was not training before the fault. The moment is the earliest ``committed_at`` of
+  step of the new group (:func:`new_group_step`: a worker that did not train before the fault, one training at
+  another world size or rank, the same pid re-formed in place, or any after the first ``workers_started``). The
+  moment is the earliest ``committed_at`` of
   the fault's ``planned_leave`` / ``planned_restart`` events (each agent's latest worker acknowledgement,
   written right after the commit), or, in an events file without that field, the earliest of those events'
   ``t_wall`` (a little later: the agent noticed its workers had exited). It excludes the time to reach the
