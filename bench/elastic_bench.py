@@ -19,6 +19,12 @@ Each repetition is a fresh job (fresh run id), so one launcher's failure cannot 
 
 ``--launchers spotrun,spotrun-nomem`` runs spotrun twice, the second time with the examples' memory tier off
 (``--no-memory-tier``): what its just-in-time snapshots and memory restore add to a recovery, in one run.
+``--launchers spotrun,spotrun-restart`` runs it with re-form in place (the examples' default, ``elastic.inplace.run``)
+and then with it off (``SPOTRUN_REFORM_IN_PLACE=0``: every change restarts the workers), in one run; a second
+table says whether the survivors' worker pids were kept (in place) and the most steps any recovery redid.
+``--job-ckpt`` gives the job a checkpoint directory: ``train_ddp.py`` builds its Preemption helper only with one,
+and in place needs it for a join (the agreed step) and a silent loss (its watcher aborts the blocked collective);
+without it a join restarts the workers and a silent loss falls back (``in_place_fallback``, ``not_waiting``).
 
 Prints a Markdown table (median and min-max over the repetitions), the host load, and spotrun's recovery
 breakdown from its ``events.jsonl``. Timings on a loaded machine are not comparable with another run.
@@ -42,6 +48,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the shared process harness
+from elastic.api import ENV_REFORM_IN_PLACE
 from tests.harness.procs import (
     EXAMPLES,
     SPOTRUN,
@@ -65,6 +72,20 @@ class Samples:
 
     values: list[float | None] = field(default_factory=list)
     limit: float = 0.0
+    recoveries: list[tuple[Path, float, float, float, frozenset[int]]] = field(default_factory=list)
+    """(progress file, the job's start, fault time, first step of the new group, the victims' pids) per recovered
+    repetition (the repetitions of a scenario share one progress file): read by :meth:`kept_cell` once the jobs
+    are over."""
+
+    def kept_cell(self) -> str:
+        """Survivors' worker pids kept in the new group (all: re-formed in place) and the most steps redone."""
+        if not self.recoveries:
+            return "-"
+        kept = survivors = redone = 0
+        for progress, since, fault_at, new_at, victims in self.recoveries:
+            k, n, r = survivor_stats(read_jsonl(progress), fault_at, new_at, victims, since=since)
+            kept, survivors, redone = kept + k, survivors + n, max(redone, r)
+        return f"{kept}/{survivors} kept, {redone} redone"
 
     def cell(self) -> str:
         done = [v for v in self.values if v is not None]
@@ -81,8 +102,8 @@ class Agent(Launcher):
     """One launcher process with the agents' own log level (``LOGLEVEL``, spotrun's default WARNING), not the
     tests' INFO, so that logging costs what it costs in production."""
 
-    def __init__(self, argv: list[str], log: Path) -> None:
-        super().__init__(argv, log, env=make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING")))
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__(argv, log, env=make_env(LOGLEVEL=os.environ.get("LOGLEVEL", "WARNING"), **(env or {})))
 
     def close(self, grace: float = 20.0) -> None:
         super().close(grace)
@@ -95,6 +116,15 @@ class LauncherKind:
     name: str
     argv: Callable[[str, str, str, int, Path], list[str]]
     """(endpoint, run_id, nnodes, nproc, workdir) -> argv."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the agents' environment (``spotrun-restart``: ``SPOTRUN_REFORM_IN_PLACE=0``)."""
+    job_extra: list[str] = field(default_factory=list)
+    """Appended to the job's arguments, ``{workdir}`` and ``{run_id}`` filled in (``--job-ckpt``: a checkpoint
+    directory per job)."""
+
+    def agent(self, endpoint: str, run_id: str, nnodes: str, nproc: int, workdir: Path, log: Path) -> Agent:
+        extra = [arg.replace("{workdir}", str(workdir)).replace("{run_id}", run_id) for arg in self.job_extra]
+        return Agent([*self.argv(endpoint, run_id, nnodes, nproc, workdir), *extra], log, self.env)
 
 
 def torchrun_argv(endpoint: str, run_id: str, nnodes: str, nproc: int, workdir: Path) -> list[str]:
@@ -138,6 +168,21 @@ def first_step(progress: Path, *, after: float, world: int, exclude_pids: set[in
     return None
 
 
+def survivor_stats(progress: list[dict], fault_at: float, new_at: float, victims: frozenset[int] | set[int],
+                   window: float = 1.0, since: float = 0.0) -> tuple[int, int, int]:
+    """(survivors' worker pids still training in the new group, survivors, steps redone) for one recovery.
+    Survivors: the pids of the old group's last step (lines in ``(since, fault_at]``: this job's) but ``victims``; the new group:
+    the pids of the lines in ``[new_at, new_at + window]``; redone: the old group's last step - the new group's
+    first + 1, at least 0."""
+    old = [r for r in progress if since < r["t_wall"] <= fault_at]
+    new = sorted((r for r in progress if new_at <= r["t_wall"] <= new_at + window), key=lambda r: r["t_wall"])
+    if not old or not new:
+        return 0, 0, 0
+    last = max(r["step"] for r in old)
+    survivors = {r["pid"] for r in old if r["step"] == last} - set(victims)
+    return len(survivors & {r["pid"] for r in new}), len(survivors), max(0, last - new[0]["step"] + 1)
+
+
 def first_join_time(events: Path, agent_pid: int, after: float) -> float | None:
     """Wall time the new spotrun agent started its first rendezvous (its interpreter start excluded)."""
     for rec in read_jsonl(events):
@@ -167,10 +212,10 @@ def wait_for_step(step_time: Callable[[], float | None], agents: list[Agent], ti
 
 
 def start_pair(kind: LauncherKind, endpoint: str, run_id: str, workdir: Path, tag: str) -> list[Agent]:
-    first = Agent(kind.argv(endpoint, run_id, "1:2", 1, workdir), workdir / f"{tag}-a.log")
+    first = kind.agent(endpoint, run_id, "1:2", 1, workdir, workdir / f"{tag}-a.log")
     if kind.name == "torchrun":
         wait_listening(endpoint, 60)
-    return [first, Agent(kind.argv(endpoint, run_id, "1:2", 1, workdir), workdir / f"{tag}-b.log")]
+    return [first, kind.agent(endpoint, run_id, "1:2", 1, workdir, workdir / f"{tag}-b.log")]
 
 
 @contextlib.contextmanager
@@ -198,6 +243,7 @@ def node_loss(kind: LauncherKind, workdir: Path, mode: str, reps: int, timeout: 
             agents += start_pair(kind, endpoint, f"loss-{mode}-{rep}", workdir, f"{mode}{rep}")
             began = agents[0].started_at
             wait_for(lambda: first_step(progress, after=began, world=2), 150, f"{kind.name}: two nodes to train")  # noqa: B023 - polled before the loop moves on
+            time.sleep(1.0)  # steady state: the workers' helpers (Preemption, the in-place watcher) are up
             victims = agents[1].snapshot_tree()
             lost_at = time.time()
             signal_all(victims, signal.SIGKILL if mode == "sigkill" else signal.SIGSTOP)
@@ -205,6 +251,8 @@ def node_loss(kind: LauncherKind, workdir: Path, mode: str, reps: int, timeout: 
                 at = wait_for_step(lambda: first_step(progress, after=lost_at, world=1, exclude_pids=set(victims)),  # noqa: B023 - polled before the loop moves on
                                    agents[:1], timeout, f"{mode} recovery")
                 samples.values.append(None if at is None else at - lost_at)
+                if at is not None:
+                    samples.recoveries.append((progress, began, lost_at, at, frozenset(victims)))
             finally:
                 signal_all(victims, signal.SIGKILL)
     return samples
@@ -217,10 +265,10 @@ def scale_up(kind: LauncherKind, workdir: Path, reps: int, timeout: float, bar: 
     progress = workdir / "progress.jsonl"
     for rep in range(reps):
         with repetition(kind, bar, total) as (endpoint, agents):
-            agents.append(Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-a.log"))
+            agents.append(kind.agent(endpoint, f"grow-{rep}", "1:2", 1, workdir, workdir / f"grow{rep}-a.log"))
             began = agents[0].started_at
             wait_for(lambda: first_step(progress, after=began, world=1), 150, f"{kind.name}: first agent to train")  # noqa: B023 - polled before the loop moves on
-            second = Agent(kind.argv(endpoint, f"grow-{rep}", "1:2", 1, workdir), workdir / f"grow{rep}-b.log")
+            second = kind.agent(endpoint, f"grow-{rep}", "1:2", 1, workdir, workdir / f"grow{rep}-b.log")
             agents.append(second)
             at = wait_for_step(lambda: first_step(progress, after=second.started_at, world=2), agents, timeout,  # noqa: B023 - polled before the loop moves on
                                "scale-up")
@@ -229,6 +277,7 @@ def scale_up(kind: LauncherKind, workdir: Path, reps: int, timeout: float, bar: 
                 deaths += 1
             else:
                 total.values.append(at - second.started_at)
+                total.recoveries.append((progress, began, second.started_at, at, frozenset()))
                 joined = first_join_time(workdir / "events.jsonl", second.pid, second.started_at)
                 if joined is not None:
                     from_join.values.append(at - joined)
@@ -239,7 +288,7 @@ def worker_crash(kind: LauncherKind, workdir: Path, reps: int, timeout: float, b
     samples = Samples(limit=timeout)
     progress = workdir / "progress.jsonl"
     with rendezvous_endpoint(kind.name) as endpoint:
-        agent = Agent(kind.argv(endpoint, "bench-crash", "1", 2, workdir), workdir / "agent.log")
+        agent = kind.agent(endpoint, "bench-crash", "1", 2, workdir, workdir / "agent.log")
         try:
             wait_for(lambda: first_step(progress, after=0, world=2), 120, f"{kind.name}: workers to train")
             for _ in range(reps):
@@ -253,6 +302,7 @@ def worker_crash(kind: LauncherKind, workdir: Path, reps: int, timeout: float, b
                     at = wait_for(lambda: first_step(progress, after=crashed_at, world=2, new_pids_only=old_pids),  # noqa: B023 - polled before the loop moves on
                                   timeout, "worker crash recovery", interval=0.02)
                     samples.values.append(at - crashed_at)
+                    samples.recoveries.append((progress, agent.started_at, crashed_at, at, frozenset({victim})))
                 except Timeout:
                     samples.values.append(None)
                     break
@@ -289,19 +339,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sigstop-reps", type=int, default=1, help="repetitions of the SIGSTOP node loss")
     parser.add_argument("--timeout", type=float, default=90.0, help="give up on one recovery after this many s")
     parser.add_argument("--launchers", default="torchrun,spotrun",
-                        help="comma-separated: torchrun, spotrun, spotrun-nomem (spotrun, the memory tier off)")
+                        help="comma-separated: torchrun, spotrun, spotrun-nomem (spotrun, the memory tier off), "
+                             "spotrun-restart (spotrun, in-place re-form off: SPOTRUN_REFORM_IN_PLACE=0)")
     parser.add_argument("--scenarios", default="nodes,worker_crash")
+    parser.add_argument("--job-ckpt", action="store_true",
+                        help="give the job a checkpoint directory (--ckpt-dir, never saved periodically): its "
+                             "Preemption helper exists only then, and with it the agreed step of a join and the "
+                             "watcher that aborts a collective blocked on a silent peer (in place needs both)")
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary directory)")
     args = parser.parse_args(argv)
     if args.reps < 1 or args.sigstop_reps < 0 or args.timeout <= 0:
         parser.error("--reps must be >= 1, --sigstop-reps >= 0 and --timeout > 0")
     kinds = {"torchrun": LauncherKind(name="torchrun", argv=torchrun_argv),
              "spotrun": LauncherKind(name="spotrun", argv=spotrun_argv),
-             "spotrun-nomem": LauncherKind(name="spotrun-nomem", argv=spotrun_nomem_argv)}
+             "spotrun-nomem": LauncherKind(name="spotrun-nomem", argv=spotrun_nomem_argv),
+             "spotrun-restart": LauncherKind(name="spotrun-restart", argv=spotrun_argv, env={ENV_REFORM_IN_PLACE: "0"})}
     unknown = sorted(set(args.launchers.split(",")) - set(kinds))
     if unknown:
         parser.error(f"--launchers: unknown {', '.join(unknown)} (choose from {', '.join(kinds)})")
     chosen = [kinds[name] for name in args.launchers.split(",")]
+    if args.job_ckpt:
+        for kind in chosen:
+            kind.job_extra = ["--ckpt-dir", "{workdir}/ckpt-{run_id}", "--ckpt-every", "1000000"]
     scenarios = set(args.scenarios.split(","))
     root = Path(args.workdir or tempfile.mkdtemp(prefix="spotrun-bench-"))
     load_before = os.getloadavg()
@@ -351,6 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         cells = [results[k.name].get(row, Samples()).cell() for k in chosen]
         print(f"| {row} | " + " | ".join(cells) + f" | {targets[row]} |")
+    print("\nSurvivors' worker pids kept in the new group (all kept: re-formed in place) and the most steps redone:\n")
+    print("| scenario | " + " | ".join(k.name for k in chosen) + " |")
+    print("|---|" + "---|" * len(chosen))
+    for row in rows:
+        if row != "scale_up_from_join":
+            print(f"| {row} | " + " | ".join(results[k.name].get(row, Samples()).kept_cell() for k in chosen) + " |")
     for name, stages in breakdowns.items():
         if stages:
             print(f"\nrecovery breakdown, {name} (median s): "

@@ -23,14 +23,16 @@ Reported, per launcher, over the window from the first step at full size to ``--
 
 * effective training time ratio: productive step time / wall time; a step execution is productive when no
   later execution of the same step number replaced it (a restart from an older checkpoint re-trains steps);
-  its time is the gap since the previous step of the same worker (the first step after a start counts as
-  the median step time);
-* steps lost per fault type: steps trained again after the restart that followed each fault;
+  its time is the gap since the previous step of the same group (the first step of a group, restarted or
+  re-formed in place, counts as the median step time: :func:`rank0_segments`);
+* steps lost per fault type: steps trained again by the first new group after each fault;
 * recovery by stage (spotrun, from ``events.jsonl``): seconds from the fault to each recovery event, and to
   the first step of the new group; torchrun has no events, only the last;
 * agreed step -> first step of the new group, per planned change (``notice`` and ``rejoin``; spotrun only),
   median and worst, against the target of 1 s: from the moment the agreed step was committed to the first
-  step of a worker that was not training before the fault. The moment is the earliest ``committed_at`` of
+  step of the new group (:func:`new_group_step`: a worker that did not train before the fault, one training at
+  another world size or rank, the same pid re-formed in place, or any after the first ``workers_started``). The
+  moment is the earliest ``committed_at`` of
   the fault's ``planned_leave`` / ``planned_restart`` events (each agent's latest worker acknowledgement,
   written right after the commit), or, in an events file without that field, the earliest of those events'
   ``t_wall`` (a little later: the agent noticed its workers had exited). It excludes the time to reach the
@@ -120,16 +122,48 @@ def make_schedule(seed: int, duration: float, fault_every: float, rejoin_after: 
 # --------------------------------------------------------------------------- analysis (pure)
 
 
+def new_group_step(progress: list[dict[str, Any]], at: float, after: float, until: float = float("inf"),
+                   events: list[dict[str, Any]] = ()) -> dict[str, Any] | None:
+    """The first progress line in ``(after, until)`` of a worker group formed after the fault at ``at``, or None.
+
+    A line is of a new group when its worker did not train before the fault (a restarted or joining worker), when
+    the same worker trains at another world size or rank than in its last line before the fault (re-formed in
+    place: the same pid), or when it comes after the first ``workers_started`` event after the fault (every path
+    emits it once the new group is assigned: a re-form in place with ``in_place: true``)."""
+    last: dict[int, tuple[int, int]] = {}
+    for x in sorted(progress, key=lambda x: x["t_wall"]):
+        if x["t_wall"] <= at:
+            last[x["pid"]] = (x["world_size"], x["rank"])
+    started = min((e["t_wall"] for e in events if e["event"] == "workers_started" and at < e["t_wall"] < until),
+                  default=float("inf"))
+    for x in sorted(progress, key=lambda x: x["t_wall"]):
+        if not after < x["t_wall"] < until:
+            continue
+        if last.get(x["pid"]) != (x["world_size"], x["rank"]) or x["t_wall"] > started:
+            return x
+    return None
+
+
+def rank0_segments(progress: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Rank 0's lines in time order, cut where a new group begins: another worker (a restart), another world size
+    (a re-form in place keeps the pid), or a step that is not after the previous one (a restore of an older step)."""
+    out: list[list[dict[str, Any]]] = []
+    for x in sorted((x for x in progress if x["rank"] == 0), key=lambda x: x["t_wall"]):
+        prev = out[-1][-1] if out else None
+        if prev is None or x["pid"] != prev["pid"] or x["world_size"] != prev["world_size"] or x["step"] <= prev["step"]:
+            out.append([x])
+        else:
+            out[-1].append(x)
+    return out
+
+
 def productive_time(progress: list[dict[str, Any]], t0: float, t1: float) -> tuple[float, int, int]:
     """(productive seconds, productive steps, re-trained steps) of rank 0's lines in the window [t0, t1]."""
-    lines = sorted((x for x in progress if x["rank"] == 0), key=lambda x: x["t_wall"])
-    prev: dict[int, float] = {}
     durations: list[tuple[int, float | None, float]] = []  # (step, seconds or None, t_wall)
-    for x in lines:
-        pid = x["pid"]
-        gap = x["t_wall"] - prev[pid] if pid in prev else None
-        prev[pid] = x["t_wall"]
-        durations.append((x["step"], gap, x["t_wall"]))
+    for segment in rank0_segments(progress):  # the first step of each group has no predecessor (median)
+        durations += [(x["step"], x["t_wall"] - p["t_wall"] if p else None, x["t_wall"])
+                      for p, x in zip([None, *segment], segment)]
+    durations.sort(key=lambda d: d[2])
     known = [g for _, g, t in durations if g is not None and t0 <= t <= t1]
     median = statistics.median(known) if known else 0.0
     last_exec: dict[int, int] = {}
@@ -151,24 +185,15 @@ def lost_per_fault(progress: list[dict[str, Any]], faults: list[tuple[float, str
                    ) -> dict[str, list[int | None]]:
     """Fault kind -> steps re-trained by the first new worker group after each fault (wall-clock ``faults``);
     None when no new group trained before ``t1`` (the job did not resume in the window)."""
-    starts: dict[int, tuple[float, int]] = {}
-    ends: dict[int, tuple[float, int]] = {}
-    for x in progress:
-        if x["rank"] != 0:
-            continue
-        pid = x["pid"]
-        if pid not in starts or x["t_wall"] < starts[pid][0]:
-            starts[pid] = (x["t_wall"], x["step"])
-        if pid not in ends or x["t_wall"] > ends[pid][0]:
-            ends[pid] = (x["t_wall"], x["step"])
+    segments = rank0_segments(progress)
     out: dict[str, list[int | None]] = {}
     for at, kind in faults:
-        after = sorted((t, s) for pid, (t, s) in starts.items() if at < t <= t1)
+        after = [seg for seg in segments if at < seg[0]["t_wall"] <= t1]
         if not after:
             out.setdefault(kind, []).append(None)
             continue
-        t_new, first = after[0]
-        before = max((s for pid, (t, s) in ends.items() if t < t_new), default=first - 1)
+        t_new, first = after[0][0]["t_wall"], after[0][0]["step"]
+        before = max((x["step"] for seg in segments for x in seg if x["t_wall"] < t_new), default=first - 1)
         out.setdefault(kind, []).append(max(0, before - first + 1))
     return out
 
@@ -185,10 +210,9 @@ def stage_times(events: list[dict[str, Any]], progress: list[dict[str, Any]], fa
             hits = [e["t_wall"] for e in events if e["event"] == name and at <= e["t_wall"] < until]
             if hits:
                 stages.setdefault(name, []).append(min(hits) - at)
-        before = {x["pid"] for x in progress if x["t_wall"] <= at}
-        new = [x["t_wall"] for x in progress if x["t_wall"] > at and x["pid"] not in before and x["t_wall"] < until]
-        if new:
-            stages.setdefault("first_step_of_new_group", []).append(min(new) - at)
+        new = new_group_step(progress, at, at, until, events)
+        if new is not None:
+            stages.setdefault("first_step_of_new_group", []).append(new["t_wall"] - at)
     return out
 
 
@@ -207,10 +231,9 @@ def agreed_step_to_first_step(events: list[dict[str, Any]], progress: list[dict[
             continue
         committed = [e["committed_at"] for e in planned if e.get("committed_at") is not None]
         agreed = min(committed) if committed else min(e["t_wall"] for e in planned)
-        before = {x["pid"] for x in progress if x["t_wall"] <= at}
-        new = [x["t_wall"] for x in progress if agreed < x["t_wall"] <= t1 and x["pid"] not in before]
-        if new:
-            out.setdefault(kind, []).append(min(new) - agreed)
+        new = new_group_step(progress, at, agreed, t1 + 1e-9, events)
+        if new is not None:
+            out.setdefault(kind, []).append(new["t_wall"] - agreed)
     return out
 
 

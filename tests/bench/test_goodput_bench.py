@@ -95,3 +95,33 @@ def test_unplanned_schedules_have_no_rejoin_after_a_worker_crash() -> None:
             assert after.kind != "rejoin"
     with pytest.raises(ValueError, match="crash"):
         gb.make_schedule(5, 600, 60, 20, ("reboot",))
+
+
+def test_an_in_place_group_is_new_by_its_world_size_or_its_workers_started_event() -> None:
+    # pid 1 (rank 0) and pid 2 (rank 1) at world 3; a kill at 6.5; the survivors re-form in place (same pids) at
+    # world 2 and step 7 at 7.0; the old code looked for a new pid and found none
+    lines = [_line(1, s, float(s)) | {"world_size": 3} for s in range(1, 7)]
+    lines += [_line(2, s, float(s), rank=1) | {"world_size": 3} for s in range(1, 7)]
+    lines += [_line(1, s, 7.0 + (s - 7) * 0.1) for s in range(7, 12)]
+    faults = [(6.5, "kill")]
+    assert gb.new_group_step(lines, 6.5, 6.5)["t_wall"] == 7.0
+    assert gb.stage_times([], lines, faults)["kill"]["first_step_of_new_group"] == [pytest.approx(0.5)]
+    assert gb.lost_per_fault(lines, faults) == {"kill": [0]}
+    # the size kept (a crash on another node re-formed in place): the workers_started event tells the group
+    same = [x | {"world_size": 3} for x in lines]
+    assert gb.new_group_step(same, 6.5, 6.5) is None
+    started = [_event("workers_started", 6.9, in_place=True)]
+    assert gb.new_group_step(same, 6.5, 6.5, events=started)["t_wall"] == 7.0
+    # a notice in place: the agreed step is committed at 6.8, after the fault; the first step at world 2 follows
+    events = [_event("planned_restart", 6.85, step=6, committed_at=6.8)]
+    assert gb.agreed_step_to_first_step(events, lines, [(6.5, "notice")]) == {"notice": [pytest.approx(0.2)]}
+
+
+def test_productive_time_does_not_count_an_in_place_re_form_as_a_step() -> None:
+    # 1 s steps; the survivor (same pid) re-forms at world 1 and its first step comes 5 s after its last one: that
+    # gap is the recovery, not a step (counted as the median step, as a restarted worker's first step is)
+    lines = [_line(1, s, float(s)) for s in range(1, 6)] + [_line(1, s, 10.0 + s - 6) | {"world_size": 1}
+                                                           for s in range(6, 9)]
+    seconds, steps, redone = gb.productive_time(lines, 0.0, 20.0)
+    assert (steps, redone) == (8, 0) and seconds == pytest.approx(8.0)
+    assert [len(seg) for seg in gb.rank0_segments(lines)] == [5, 3]
