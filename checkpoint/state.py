@@ -367,7 +367,8 @@ def _dtensor_item(fqn: str, t: Any) -> TensorItem:
     if tuple(local.shape) != local_shape:
         raise TypeError(
             f"DTensor {fqn!r}: local tensor has shape {tuple(local.shape)} but its placements {placements} "
-            f"give {local_shape}; padded local shards are not supported"
+            f"give {local_shape} (global {global_shape}, mesh {tuple(t.device_mesh.shape)} at coordinate "
+            f"{t.device_mesh.get_coordinate()}); padded local shards are not supported"
         )
     return TensorItem(
         key=ChunkKey(fqn=fqn, offsets=offsets, lengths=local_shape),

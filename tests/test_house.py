@@ -17,7 +17,7 @@ LARGE_CLASS = 400
 LARGE_CLASSES = 0
 """At most this many classes have more than ``LARGE_CLASS`` lines."""
 PRIVATE_ACCESSES_IN_TESTS = 13
-FUNCTION_LOCAL_IMPORTS = 70
+FUNCTION_LOCAL_IMPORTS = 71  # +1: elastic.worker.reform imports DTensor only in the worker (the agent imports it too)
 DOCSTRING_SHARE = 0.1869
 """Docstring lines over all lines of elastic/ and checkpoint/ together."""
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from elastic.api import ENV_REFORM_IN_PLACE
@@ -166,6 +167,36 @@ class InPlaceReform:
         reducer, ``Preemption``, a ``Checkpointer``): they keep its communicators."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        clear_dtensor_caches()
         os.environ.update(assignment.to_env())
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         dist.init_process_group(backend, **kwargs)
+
+
+def clear_dtensor_caches() -> list[str]:
+    """Empty DTensor's sharding caches before the process joins a new group; returns the caches cleared.
+
+    torch keys them by ``DTensorSpec``, whose equality compares a device mesh's ranks and layout but not this
+    process's place in it. After a re-form at the same world size with this process at another rank, a new
+    mesh equals the old one, a cached spec hands back the old mesh object (its old coordinate), and FSDP2's
+    shards disagree with their placements (``to_local()`` is another rank's piece). Each cache is cleared
+    if this torch has it (torch 2.13: the C++ sharding propagator's, the Python propagator's, the
+    redistribute planner's); none of them is public API, so what is missing is skipped, not an error."""
+    cleared: list[str] = []
+    cpp = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if callable(cpp):
+        cpp()
+        cleared.append("torch._C._clear_DTensor_sharding_propagator_cache")
+    try:  # here: the agent imports this module too, and never needs DTensor
+        from torch.distributed.tensor import DTensor, _redistribute
+    except ImportError:
+        return cleared
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for name, cache in (("propagate_op_sharding", getattr(propagator, "propagate_op_sharding", None)),
+                        ("_propagate_tensor_meta_cached",
+                         getattr(type(propagator), "_propagate_tensor_meta_cached", None)),
+                        ("_gen_transform_infos", getattr(_redistribute, "_gen_transform_infos", None))):
+        if callable(getattr(cache, "cache_clear", None)):
+            cache.cache_clear()  # type: ignore[union-attr]  # checked just above
+            cleared.append(name)
+    return cleared
