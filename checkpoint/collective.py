@@ -27,6 +27,33 @@ from checkpoint.api import JSON
 
 T = TypeVar("T")
 
+_aborted_world: object = None
+"""The default group that was aborted (compared by identity: a re-formed process has another one)."""
+
+
+class GroupsAbortedError(RuntimeError):
+    """This process's process groups were aborted (a peer was lost): no collective is started on them. A
+    collective or a send started on an aborted gloo group can wait forever instead of failing."""
+
+
+def mark_groups_aborted(world: object) -> None:
+    """The groups of the default group ``world`` were aborted (``elastic.worker.abort``): until the process
+    joins another default group, the checkpointer's and the memory tier's collectives raise at once."""
+    global _aborted_world
+    _aborted_world = world
+
+
+def clear_groups_aborted() -> None:
+    """The process joins new groups (an in-place re-form): collectives run again."""
+    global _aborted_world
+    _aborted_world = None
+
+
+def check_groups_alive() -> None:
+    """Raise :class:`GroupsAbortedError` when this process's current default group was aborted."""
+    if _aborted_world is not None and dist.is_initialized() and dist.group.WORLD is _aborted_world:
+        raise GroupsAbortedError("the process groups were aborted after a lost peer: no collective started")
+
 
 class Collective:
     """Collectives over ``group`` (rank 0 of the group coordinates); local identities when ``group`` is None."""
@@ -45,6 +72,7 @@ class Collective:
         """Per position: True when the flag is set on any rank (one small all_reduce)."""
         if self.group is None:
             return tuple(bool(f) for f in flags)
+        check_groups_alive()
         box = torch.tensor([int(f) for f in flags], dtype=torch.int64)
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
         return tuple(bool(v) for v in box.tolist())
@@ -53,6 +81,7 @@ class Collective:
         """The largest ``value`` over ranks."""
         if self.group is None:
             return value
+        check_groups_alive()
         box = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
         return int(box.item())
@@ -61,6 +90,7 @@ class Collective:
         """Per position, the largest value over ranks (one small all_reduce; ``-max(-x)`` is the min)."""
         if self.group is None:
             return tuple(int(v) for v in values)
+        check_groups_alive()
         box = torch.tensor([int(v) for v in values], dtype=torch.int64)
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
         return tuple(int(v) for v in box.tolist())
@@ -69,6 +99,7 @@ class Collective:
         """Every rank's ``value`` (JSON-serialisable), in rank order, on every rank."""
         if self.group is None:
             return [value]
+        check_groups_alive()
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, json.dumps(value), group=self.group)
         return [json.loads(g) for g in gathered]
@@ -77,6 +108,7 @@ class Collective:
         """Every rank's ``value`` in rank order on rank 0; None on the other ranks."""
         if self.group is None:
             return [value]
+        check_groups_alive()
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(json.dumps(value), gathered, group=self.group, group_dst=0)
         return None if gathered is None else [json.loads(g) for g in gathered]
@@ -85,6 +117,7 @@ class Collective:
         """Rank 0's ``value`` on every rank (the other ranks' argument is ignored)."""
         if self.group is None:
             return value
+        check_groups_alive()
         box: list[Any] = [json.dumps(value) if self.rank == 0 else None]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         return json.loads(box[0])

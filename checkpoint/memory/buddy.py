@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.api import ChunkKey
-from checkpoint.collective import Collective
+from checkpoint.collective import Collective, check_groups_alive
 from checkpoint.memory.api import MemoryTierError, ShmSpaceError, SnapshotId, SnapshotManifest
 from checkpoint.memory.config import MemoryTierConfig
 from checkpoint.memory.layout import encode_footer
@@ -94,6 +94,7 @@ class BuddyCopies:
         this rank keeps; the sends are non-blocking, straight from the published slot."""
         if self.buddy is None and not self.sources:
             return
+        check_groups_alive()  # a send on an aborted gloo group can wait forever
         group = self.xfer.group
         works: list[dist.Work | None] = []
         keep: list[torch.Tensor] = []
@@ -157,6 +158,7 @@ class BuddyCopies:
     def receive(self, src: int, step: int) -> None:
         """Receive rank ``src``'s buddy copy of ``step`` into this node's keeper (drained and dropped when there
         is no room or the keeper is gone: the sender must never wait forever)."""
+        check_groups_alive()
         group = self.xfer.group
         head = torch.zeros(2, dtype=torch.int64)
         dist.recv(head, group=group, group_src=src, tag=BUDDY_TAG)

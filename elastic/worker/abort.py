@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from checkpoint.collective import mark_groups_aborted
+
 logger = logging.getLogger(__name__)
 
 TCP_ESTABLISHED = 0x01
@@ -193,6 +195,9 @@ def abort_process_group(
     if pg is None or not isinstance(pg, dist.ProcessGroup):
         raise GroupAbortError("no process group to abort (the default group is not initialised)")
     backend = str(dist.get_backend(pg))
+    # First: the checkpointer's and the memory tier's own groups start nothing more (a send issued on a gloo
+    # pair already shut waits forever); what is in flight now fails on the shut connections below.
+    mark_groups_aborted(dist.group.WORLD)
     shut = 0
     if "gloo" in backend:
         fds = connections_to_shut(_read_connections(), store_ports(os.environ if environ is None else environ, keep_ports))

@@ -110,3 +110,28 @@ def test_a_blocked_all_reduce_raises_once_the_group_is_aborted(tmp_path: Path, f
     finally:
         peer.close(grace=5)
         survivor.close(grace=5)
+
+
+def test_after_an_abort_the_checkpointers_collectives_start_nothing(tmp_path) -> None:
+    """A send or collective started on an aborted gloo group can wait forever: after ``abort_process_group`` the
+    checkpointer's and memory tier's ``Collective`` raise at once, until the process joins another group."""
+    import torch.distributed as dist
+
+    from checkpoint.collective import Collective, GroupsAbortedError, clear_groups_aborted
+    from elastic.worker.abort import abort_process_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        own = Collective(dist.new_group(backend="gloo"), rank=0, world_size=1)
+        assert own.max(3) == 3
+        abort_process_group()
+        with pytest.raises(GroupsAbortedError, match="aborted"):
+            own.max(3)
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)
+    try:
+        assert Collective(dist.new_group(backend="gloo"), rank=0, world_size=1).max(4) == 4, "a new default group"
+    finally:
+        dist.destroy_process_group()
+        clear_groups_aborted()
