@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.api import CheckpointError
+from checkpoint.collective import clear_groups_aborted
 from checkpoint.memory.jit import is_collective_failure
 from elastic.api import InPlaceFallback
 from elastic.worker.abort import abort_process_group
@@ -427,6 +428,7 @@ class _Runner:
         backend = self.config.backend or _default_backend()
         try:
             self.reform.rebuild(assignment, backend, self.config.pg_timeout)
+            clear_groups_aborted()  # the checkpointer's collectives run again on the new groups
         except Exception as exc:
             raise self.fall_back(InPlaceFallback.REBUILD_FAILED, f"joining the new group: {exc}") from exc
         logger.info("[rank %d/%d] re-formed in place in %.3f s (%s)", assignment.rank, assignment.world_size,

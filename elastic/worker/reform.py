@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint.collective import clear_groups_aborted
 from elastic.api import ENV_REFORM_IN_PLACE
 from elastic.worker.mailbox import GroupAssignment, Mailbox, find_mailbox
 
@@ -169,7 +168,6 @@ class InPlaceReform:
         if dist.is_initialized():
             dist.destroy_process_group()
         clear_dtensor_caches()
-        clear_groups_aborted()
         os.environ.update(assignment.to_env())
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         dist.init_process_group(backend, **kwargs)
