@@ -49,9 +49,14 @@ def clear_groups_aborted() -> None:
     _aborted_world = None
 
 
+def groups_aborted() -> bool:
+    """This process's current default group was aborted."""
+    return _aborted_world is not None and dist.is_initialized() and dist.group.WORLD is _aborted_world
+
+
 def check_groups_alive() -> None:
     """Raise :class:`GroupsAbortedError` when this process's current default group was aborted."""
-    if _aborted_world is not None and dist.is_initialized() and dist.group.WORLD is _aborted_world:
+    if groups_aborted():
         raise GroupsAbortedError("the process groups were aborted after a lost peer: no collective started")
 
 

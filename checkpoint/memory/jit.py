@@ -58,12 +58,12 @@ DEFERRED: Final = (signal.SIGTERM, signal.SIGINT)
 
 def is_collective_failure(exc: BaseException | None) -> bool:
     """True when ``exc`` (or an exception it was raised from) is a failed collective: torch's ``DistError``
-    family, a collective refused on aborted groups (``GroupsAbortedError``), or a ``RuntimeError`` whose message names the transport (gloo, NCCL, a closed or reset connection,
-    a timeout)."""
+    family, a collective refused on aborted groups (``GroupsAbortedError``), or a ``RuntimeError`` whose
+    message names the transport (gloo, NCCL, a closed or reset connection, a timeout)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if _is_dist_error(exc) or isinstance(exc, GroupsAbortedError):  # the latter: refused after an abort
+        if _is_dist_error(exc) or isinstance(exc, GroupsAbortedError):
             return True
         if isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in FAILURE_WORDS):
             return True

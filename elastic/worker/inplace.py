@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.api import CheckpointError
-from checkpoint.collective import clear_groups_aborted
+from checkpoint.collective import clear_groups_aborted, groups_aborted
 from checkpoint.memory.jit import is_collective_failure
 from elastic.api import InPlaceFallback
 from elastic.worker.abort import abort_process_group
@@ -262,11 +262,10 @@ class EntryVote:
 
     @classmethod
     def of(cls, *, fresh: bool, aware: bool, after_loss: bool, step: int | None) -> EntryVote:
-        counted = not fresh and step is not None  # after a planned stop too: the agreed step, the same for all
+        # A survivor's step counts after a planned stop too (the agreed step, the same for all).
+        high, neg_low = (step, -step) if step is not None and not fresh else (NO_STEP, NO_STEP)
         return cls(fresh=fresh, survivor=not fresh, unaware=not fresh and not aware,
-                   unknown=after_loss and not fresh and step is None,
-                   step_max=step if counted and step is not None else NO_STEP,
-                   neg_step_min=-step if counted and step is not None else NO_STEP)
+                   unknown=after_loss and not fresh and step is None, step_max=high, neg_step_min=neg_low)
 
     def to_list(self) -> list[int]:
         return [int(self.fresh), int(self.survivor), int(self.unaware), int(self.unknown), self.step_max,
@@ -296,11 +295,10 @@ def decide_entry(vote: EntryVote) -> EntryDecision:
     restores (the restore agrees on one step for all, as after a restart), unless a survivor's function cannot
     (it never asked ``needs_restore``): then every rank falls back to a restart, new workers included."""
     steps_differ = vote.step_max != NO_STEP and vote.step_max != -vote.neg_step_min
-    survivors = vote.survivor
     if not (vote.fresh or vote.unknown or steps_differ):
-        return EntryDecision(restore=False, survivors=survivors)
+        return EntryDecision(restore=False, survivors=vote.survivor)
     if not vote.unaware:
-        return EntryDecision(restore=True, survivors=survivors)
+        return EntryDecision(restore=True, survivors=vote.survivor)
     if vote.fresh:
         why, detail = InPlaceFallback.NEW_NODE, "new workers joined the group and a survivor's training function " \
             "does not ask Generation.needs_restore (it cannot take part in their restore)"
@@ -310,7 +308,7 @@ def decide_entry(vote: EntryVote) -> EntryDecision:
     else:
         why, detail = InPlaceFallback.STEPS_DIFFER, f"the survivors stand at steps {-vote.neg_step_min} to " \
             f"{vote.step_max}"
-    return EntryDecision(restore=False, survivors=survivors, fallback=(why, detail))
+    return EntryDecision(restore=False, survivors=vote.survivor, fallback=(why, detail))
 
 
 def collective_device() -> torch.device:
@@ -345,8 +343,6 @@ class _Runner:
         self.reform = InPlaceReform(ReformConfig(timeout=config.wait_timeout.total_seconds()), enabled=config.enabled)
         self.local_rank = self.reform.local_rank
         self._abort_lock = threading.Lock()
-        self._aborted: object = None
-        """The default group last aborted (kept only to compare: the next entry's group is another object)."""
 
     def generation(self, iteration: int, after_loss: bool, resumed_at: int | None) -> Generation:
         """The next entry's generation; with a group, every rank decides together whether all restore."""
@@ -388,10 +384,9 @@ class _Runner:
     def abort_group(self) -> None:
         """Abort the default group once (its blocked collectives raise, on this rank and on the ranks blocked
         on it); best effort: a failure is logged."""
-        with self._abort_lock:
-            if self._aborted is dist.group.WORLD or not dist.is_initialized():
+        with self._abort_lock:  # the watcher's thread and the main thread may both get here
+            if not dist.is_initialized() or groups_aborted():
                 return
-            self._aborted = dist.group.WORLD
             try:
                 abort_process_group()
             except Exception as exc:  # noqa: BLE001 - the wait in place goes on; the agent decides
