@@ -140,8 +140,7 @@ class SpotrunAgent(LocalElasticAgent):
 
     @property
     def finished(self) -> bool:
-        """The workers succeeded and the exit barrier passed (not a leave or a failure): the launcher keeps the
-        rendezvous' ``finished`` marker."""
+        """The workers succeeded and the exit barrier passed: the launcher keeps the rendezvous' ``finished`` marker."""
         return self._finished
 
     def release(self) -> None:
@@ -387,8 +386,7 @@ class SpotrunAgent(LocalElasticAgent):
                     barrier_passed = self._exit_barrier_unless_peers_left()
                 finally:
                     self.planned.in_exit_barrier = False
-                if not barrier_passed:
-                    # CHANGE: torch waits up to 300 s for peers that left, then reports success.
+                if not barrier_passed:  # CHANGE: torch waits up to 300 s for peers that left, then reports success.
                     self.begin_recovery(RecoveryCause.PEER_LOST)
                     self.emit(RecoveryEvent.FAILURE_DETECTED, cause=FailureCause.PEERS_LEFT_AT_EXIT.value)
                     self._restart_workers(self._worker_group)
@@ -464,5 +462,7 @@ class SpotrunAgent(LocalElasticAgent):
         if action is FailureAction.RESTART_CHARGED:
             self._remaining_restarts -= 1
             self._charged_restart_pending = True
+        if not peer_lost:  # CHANGE (in place): peers whose collectives with ours may hang (NCCL) abort them
+            self.membership.announce_restart()
         self._restart_workers(self._worker_group)
         return None

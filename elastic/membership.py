@@ -29,6 +29,7 @@ from elastic.rendezvous.api import (
     OutageBoundHandler,
     PeerProbingHandler,
     RendezvousOutageError,
+    RestartAnnouncingHandler,
     RoundMembersHandler,
     is_permanent,
 )
@@ -173,6 +174,26 @@ class MembershipView(AgentFeature):
             return set()
         try:
             return set(self.notices.lost_peers())
+        except RendezvousError:
+            return set()
+
+    def announce_restart(self) -> None:
+        """Tell the round this node's workers failed and restart (``RestartAnnouncingHandler``); a failure is
+        only logged."""
+        if not isinstance(self.handler, RestartAnnouncingHandler):
+            return
+        try:
+            self.handler.publish_restart()
+        except RendezvousError as exc:
+            warn_one_line(logger, exc, "%s could not announce the workers' restart (%s); peers whose collectives "
+                          "hang on the failed workers wait for their timeout", self._host.ctx(), first_line(exc))
+
+    def restarted_peers(self) -> set[str]:
+        """Peers of this round whose workers failed and restart (empty without the capability, or on an error)."""
+        if not isinstance(self.handler, RestartAnnouncingHandler):
+            return set()
+        try:
+            return set(self.handler.restarted_peers())
         except RendezvousError:
             return set()
 

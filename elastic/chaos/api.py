@@ -15,7 +15,8 @@ class FaultKind(str, enum.Enum):
     """What one fault does; the value is its name in a schedule file and in the journal."""
 
     KILL_WORKER = "kill_worker"
-    """SIGKILL one worker (a crash)."""
+    """SIGKILL one worker (a crash). ``hold_connections: true``: its sockets are held open (``duration_s``,
+    default 30 s), so its peers' collectives hang as NCCL's do on a crashed peer instead of failing at once."""
     STOP_WORKER = "stop_worker"
     """SIGSTOP one worker (a hang: deadlock, stuck collective); SIGCONT after ``duration_s`` if given."""
     KILL_AGENT = "kill_agent"
@@ -111,7 +112,7 @@ class Fault:
     params: dict[str, Any] = field(default_factory=dict)
     """Kind-specific: ``rate`` (0..1], ``ops`` (``read``/``write``/``all``), ``errno`` (an errno name,
     default ``EIO``) and ``path`` (only paths containing it, e.g. ``step-000000020``) for storage_error,
-    ``seconds`` for storage_latency."""
+    ``seconds`` for storage_latency, ``signal`` for kill_keeper, ``hold_connections`` for kill_worker."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FaultKind):
@@ -150,12 +151,16 @@ class Fault:
     def _check_params(self) -> None:
         allowed = {FaultKind.STORAGE_ERROR: {"rate", "ops", "errno", "path"},
                    FaultKind.STORAGE_LATENCY: {"seconds"},
-                   FaultKind.KILL_KEEPER: {"signal"}}.get(self.kind, set())
+                   FaultKind.KILL_KEEPER: {"signal"},
+                   FaultKind.KILL_WORKER: {"hold_connections"}}.get(self.kind, set())
         unknown = set(self.params) - allowed
         if unknown:
             raise ChaosScheduleError(
                 f"{self.kind.value}: unknown params {sorted(unknown)}; accepted: {sorted(allowed) or 'none'}"
             )
+        if not isinstance(self.params.get("hold_connections", False), bool):
+            raise ChaosScheduleError(f"{self.kind.value}: hold_connections must be true or false, got "
+                                     f"{self.params['hold_connections']!r}")
         if self.params.get("signal", "KILL") not in ("KILL", "TERM"):
             raise ChaosScheduleError(f"{self.kind.value}: signal must be KILL or TERM, got {self.params['signal']!r}")
         rate = self.params.get("rate", 1.0)

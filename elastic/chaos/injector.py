@@ -22,6 +22,7 @@ from typing import Any
 from checkpoint._sys.procutil import exited
 from elastic.chaos import targets
 from elastic.chaos.api import ChaosTargetError, Fault, FaultKind, FaultSkipped, Schedule
+from elastic.chaos.hold import hold_sockets, release
 from elastic.chaos.journal import Journal
 from elastic.chaos.schedule import due, next_wake
 from elastic.chaos.storage import write_control
@@ -29,6 +30,8 @@ from elastic.memory_keeper import KEEPER_DEATH_SIGNAL
 
 logger = logging.getLogger(__name__)
 
+HOLD_S = 30.0
+"""Default time a killed worker's connections are held open (``kill_worker`` with ``hold_connections``)."""
 ETCD_RESTART_DELAY_S = 1.0
 """Default time an etcd member stays down before it is started again (``duration_s`` overrides it)."""
 
@@ -149,6 +152,17 @@ class Injector:
 
     def _act(self, index: int, fault: Fault) -> dict[str, Any]:
         kind = fault.kind
+        if kind is FaultKind.KILL_WORKER and fault.params.get("hold_connections"):
+            rank, pid = self._pick_worker(fault.target)
+            try:
+                held = hold_sockets(pid)
+            except OSError as exc:
+                raise FaultSkipped(f"cannot hold worker {pid}'s connections open ({exc}): needs Linux 5.6+ and "
+                                   "ptrace rights over it (root, or run the job under the injector)") from exc
+            os.kill(pid, signal.SIGKILL)
+            self._later(HOLD_S if fault.duration_s is None else fault.duration_s,
+                        f"release the connections of worker {pid}", lambda: release(held))
+            return {"rank": rank, "pid": pid, "held": len(held)}
         if kind in (FaultKind.KILL_WORKER, FaultKind.STOP_WORKER):
             rank, pid = self._pick_worker(fault.target)
             os.kill(pid, signal.SIGSTOP if kind is FaultKind.STOP_WORKER else signal.SIGKILL)

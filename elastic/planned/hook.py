@@ -223,6 +223,7 @@ class PlannedFeature(AgentFeature):
         return PROCEED
 
     def _while_healthy(self) -> Verdict:
+        self.in_place.abort_for_restarted_peers()  # the workers' collective with a peer's dead ones may hang
         if (leaving := self.leaving_stop()) is not None:
             # CHANGE: this node's workers stopped at the agreed step and are on their way out: leave now.
             return EndRun(self.leave_after_acknowledgement(leaving))
@@ -273,7 +274,7 @@ class PlannedFeature(AgentFeature):
         def done() -> bool:
             # A leaving node polls its mailbox for the acknowledgements: the peers' rendezvous waits for this
             # node's lease, not for its workers' exit. Workers that re-form in place never exit.
-            return (leaving and self.acknowledged_stop() is not None) or (
+            return (leaving and self.acknowledged_stop() is not None) or bool(self.in_place.peers_restarting()) or (
                 in_place and (self.in_place.waiting() is not None or self.in_place.broken_for_join()))
 
         self._host.wait_for_workers(timeout, done, ACK_POLL_INTERVAL if leaving or in_place else timeout)

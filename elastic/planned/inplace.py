@@ -229,6 +229,33 @@ class InPlaceReformer:
             logger.info("%s peer(s) %s lost: the workers abort their process group", self._host.ctx(), sorted(lost))
         return watching
 
+    def peers_restarting(self) -> set[str]:
+        """Peers of the round that announced their workers' restart while this node's workers were not told yet
+        (no ``peer-lost.json`` for this group)."""
+        if self._mailbox is None or not (restarted := self._membership.restarted_peers()):
+            return set()
+        try:
+            return set() if self._mailbox.peer_lost_posted() else restarted
+        except OSError:
+            return set()
+
+    def abort_for_restarted_peers(self) -> bool:
+        """CHANGE (abortable groups): a peer's workers restart (its lease kept); our workers' collective with the
+        dead ones may hang (NCCL): tell them (``peer-lost.json``, ``restarted``) so the watchers abort their groups
+        (a lost peer: :meth:`after_peer_loss`). True when told now."""
+        restarted = self.peers_restarting()
+        if not restarted or self._membership.lost_peers():
+            return False
+        assert self._mailbox is not None, "peers_restarting is empty without a mailbox"
+        try:
+            self._mailbox.post_peer_lost(sorted(restarted), restarted=True)
+        except OSError as exc:
+            logger.warning("%s could not tell the workers of the peers' restart: %s", self._host.ctx(), exc)
+            return False
+        logger.info("%s the workers of peer(s) %s failed and restart: the workers abort their process group",
+                    self._host.ctx(), sorted(restarted))
+        return True
+
     def _local_world_size(self) -> int:
         return self._host.worker_group.spec.local_world_size
 

@@ -144,6 +144,19 @@ class NoticeAwareHandler(Protocol):
 
 
 @runtime_checkable
+class RestartAnnouncingHandler(Protocol):
+    """A handler that tells the round when a node's workers failed and restart (etcd-v3: ``P/ctl/restart/{node}``),
+    so the peers abort their collectives with the dead workers, which NCCL never fails (``elastic.worker.watcher``)."""
+
+    def publish_restart(self) -> None:
+        """Announce that this node's workers failed in its current round and restart (raises from the
+        ``RendezvousError`` tree; a no-op before the first round)."""
+
+    def restarted_peers(self) -> set[str]:
+        """Other participants of this node's round that announced a restart of their workers in it; no I/O."""
+
+
+@runtime_checkable
 class HealthReportingHandler(Protocol):
     """A handler that shows each node's health report to ``spotrun status`` (etcd-v3: ``P/health/{node}``)."""
 

@@ -14,6 +14,9 @@ Keys (``P = {etcd_prefix}/{run_id}/``; two jobs on one etcd never share a key)::
                                order, ring), on its lease; deleted by the commit
     P/ctl/post/reform          the coordinator's notice that committed round N must re-form (JSON: round, waiting,
                                lost participants)
+    P/ctl/restart/{node}       the node's workers failed in committed round N and its agent restarts them (JSON:
+                               round, node, time), on its lease (publish_restart): its peers' workers, whose
+                               collectives with the dead ones may hang (NCCL), abort their groups
     P/store/{round}/...        the agents' c10d store of that round (EtcdV3Store)
     P/health/{node}            the node's health report for ``spotrun status`` (JSON: stragglers, global rank ->
                                step time ratio), attached to its lease; written only when it changes
@@ -360,6 +363,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         value = json.dumps({**notice, "node": self._node_id})
         self.registration.put_on_lease(conn, "publish a preemption notice", self.keys.notice_prefix + self._node_id, value)
         log.info("%spublished preemption notice %s", self._ctx(), value)
+
+    def publish_restart(self) -> None:
+        """``RestartAnnouncingHandler.publish_restart``: ``P/ctl/restart/{node}`` names this node's round, on its
+        lease (a no-op before the first round)."""
+        number = self.round
+        if number is None:
+            return
+        conn = self._ensure_connected()
+        value = json.dumps({"round": number, "node": self._node_id, "time": time.time()})
+        self.registration.put_on_lease(conn, "announce the workers' restart", self.keys.restart_prefix + self._node_id,
+                                       value)
+        log.info("%sannounced the restart of this node's workers in round %d", self._ctx(), number)
+
+    def restarted_peers(self) -> set[str]:
+        with self._cond:
+            return self._own.restarted_peers()
 
     def publish_health(self, report: dict[str, Any] | None) -> None:
         conn = self._ensure_connected()

@@ -18,8 +18,8 @@ class RunKeys:
     """The keys under one run's prefix ``P`` (``EtcdRendezvousConfig.run_prefix``)."""
 
     __slots__ = ("closed_key", "coordinator_key", "ctl", "finished_key", "health_prefix", "join_prefix",
-                 "nodes_prefix", "notice_prefix", "post_prefix", "prefix", "proposal_key", "reform_key", "round_key",
-                 "store_prefix")
+                 "nodes_prefix", "notice_prefix", "post_prefix", "prefix", "proposal_key", "reform_key", "restart_prefix",
+                 "round_key", "store_prefix")
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -33,6 +33,8 @@ class RunKeys:
         self.coordinator_key = self.post_prefix + "coordinator"
         self.proposal_key = self.post_prefix + "proposal"
         self.reform_key = self.post_prefix + "reform"
+        self.restart_prefix = self.ctl + "restart/"
+        """Sorts between ``post/`` and ``round``: in the followers' watched range (``watched_ranges``)."""
         self.store_prefix = prefix + "store/"
         self.finished_key = prefix + "finished"
         self.health_prefix = prefix + "health/"
@@ -44,7 +46,8 @@ class RunKeys:
 
     def watched_ranges(self, full: bool) -> list[Range]:
         """The key ranges the mirror follows: all of ``P/ctl/`` (full view), else the closed key and
-        ``[notice/, round]``, which holds the notices, the coordinator's posts and the round key, not the
+        ``[notice/, round]``, which holds the notices, the coordinator's posts, the restart announcements and the
+        round key, not the
         registrations or joins (``ctl/nodes/`` sorts before ``ctl/notice/``)."""
         if full:
             return [(self.ctl, prefix_end(self.ctl))]

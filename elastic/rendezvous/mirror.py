@@ -51,6 +51,9 @@ class Mirror:
     closed: bool = False
     notices: dict[str, dict[str, Any]] = field(default_factory=dict)
     """node id -> its published preemption notice (``publish_notice``)."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """node id -> the committed round in which its workers failed and its agent restarts them
+    (``publish_restart``)."""
     peers: dict[str, Peer] = field(default_factory=dict)
     """node id -> its liveness port and lease, from its registration (``liveness.py``; absent: lease only)."""
     revision: int = 0
@@ -148,6 +151,11 @@ class MirrorUpdater:
                 mirror.closed = True
             elif rel.startswith("notice/"):
                 mirror.notices[rel[len("notice/") :]] = dict(json.loads(value))
+            elif rel.startswith("restart/"):
+                number = json.loads(value)["round"]
+                if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                    raise ValueError(f"a restart announcement's round must be a round number, got {number!r}")
+                mirror.restarts[rel[len("restart/") :]] = number
             elif rel == "post/coordinator":
                 info = json.loads(value)
                 mirror.coordinator = (str(info["node"]), int(info["lease"]))
@@ -190,6 +198,8 @@ class MirrorUpdater:
         elif rel == "closed":
             mirror.closed_mod = 0
             mirror.closed = False
+        elif rel.startswith("restart/"):
+            mirror.restarts.pop(rel[len("restart/") :], None)
         elif rel.startswith("notice/"):
             node = rel[len("notice/") :]
             committed = mirror.committed

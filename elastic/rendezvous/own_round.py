@@ -49,6 +49,15 @@ class OwnRound:
         peers = set(mine.participants) - {self._node_id} if mine is not None else set()
         return {node: dict(n) for node, n in self._mirror().notices.items() if node in peers}
 
+    def restarted_peers(self) -> set[str]:
+        """Participants of this node's round whose workers failed in it and whose agents restart them
+        (``restart/{node}`` names this round)."""
+        mine = self.record
+        if mine is None:
+            return set()
+        peers = set(mine.participants) - {self._node_id}
+        return {node for node, number in self._mirror().restarts.items() if node in peers and number == mine.number}
+
     def lost_peers(self) -> set[str]:
         """Participants of this node's round whose registration vanished (crashed, left or finished)."""
         mine = self.record

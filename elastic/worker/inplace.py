@@ -158,9 +158,9 @@ class Generation:
         high, low = int(bounds[0]), -int(bounds[1])
         if high == low and low >= 0:
             return
+        held = "their trained state" if self.resumed_at is None else f"step {self.resumed_at}"
         detail = (f"the ranks restored steps {low} to {high}" if low >= 0 else
-                  "a rank restored nothing (no checkpoint or memory snapshot yet) while survivors hold step "
-                  f"{self.resumed_at}")
+                  f"a rank restored nothing (no checkpoint or memory snapshot yet) while survivors hold {held}")
         if self._fall_back is None:
             raise InPlaceFallbackError(InPlaceFallback.RESTORE_DIFFERS, detail)
         raise self._fall_back(InPlaceFallback.RESTORE_DIFFERS, detail)

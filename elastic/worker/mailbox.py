@@ -22,9 +22,11 @@ The files (the *mailbox* is a private directory the agent creates and names in
 * ``watching-{local_rank}``  written by a worker whose peer-loss watcher runs (:mod:`elastic.worker.watcher`,
   started with its ``Preemption`` helper): it aborts the training's process group when told a peer is gone.
 * ``peer-lost.json``  written by the agent the moment it knows a peer of the round is gone (its lease, a probe):
-  ``{"lost": [node, ...], "time"}``. A watching worker aborts its group, so a collective blocked on the lost
-  peer (NCCL never fails on a dead peer; gloo waits on a paused or cut-off one) raises now, and the
-  just-in-time snapshot of the last completed step runs before the worker exits.
+  ``{"lost": "node,...", "time", "restarted"}``. A watching worker aborts its group, so a collective blocked on
+  the lost peer (NCCL never fails on a dead peer; gloo waits on a paused or cut-off one) raises now, and the
+  just-in-time snapshot of the last completed step runs before the worker exits. ``restarted: true``: the
+  peers are not gone, their workers failed and their agents restart them (the round announced it, a
+  collective with the dead workers may hang just the same); they will join, so only joinable workers wait.
 * ``ack-{local_rank}.json``  written after the agreed step is committed: ``{"step", "time"}``; or, when the
   save could not commit before ``save_by`` and was not started, ``{"step", "time", "saved": false, "why"}``
   (a record without ``saved`` is a committed one). Workers that all acknowledged and exited 0 ended for a
@@ -227,9 +229,20 @@ class Mailbox:
         # Only finished files: a worker's atomic write first creates "helper-N.tmpPID" beside its target.
         return {int(m.group(1)) for n in os.listdir(self.path) if (m := _HELPER_FILE.fullmatch(n))}
 
-    def post_peer_lost(self, nodes: Sequence[str]) -> None:
-        """A peer of the round is gone: watching workers abort their process group (``peer-lost.json``)."""
-        _write_atomic(os.path.join(self.path, PEER_LOST_FILE), {"lost": ",".join(sorted(nodes)), "time": time.time()})
+    def post_peer_lost(self, nodes: Sequence[str], *, restarted: bool = False) -> None:
+        """A peer of the round is gone, or (``restarted``) its workers failed and its agent restarts them:
+        watching workers abort their process group (``peer-lost.json``)."""
+        _write_atomic(os.path.join(self.path, PEER_LOST_FILE),
+                      {"lost": ",".join(sorted(nodes)), "time": time.time(), "restarted": restarted})
+
+    def peer_restarted(self) -> bool:
+        """The posted ``peer-lost.json`` says the peers' workers restart (they will join: a restore in which only
+        joinable workers take part), not that the peers are gone. False when absent or unreadable."""
+        try:
+            data = _load_json(os.path.join(self.path, PEER_LOST_FILE))
+        except (OSError, ValueError):
+            return False
+        return isinstance(data, dict) and data.get("restarted") is True
 
     def watchers(self) -> set[int]:
         """Local ranks whose peer-loss watcher runs (``watching-{local_rank}``)."""

@@ -114,8 +114,9 @@ class InPlaceReform:
     def wait_after_loss(self, notice_wait: float = LOSS_NOTICE_WAIT) -> GroupAssignment | None:
         """After a collective broke (the state is that of the last completed step): once the agent says a peer
         was lost (``peer-lost.json``, within ``notice_wait`` s: a killed peer's sockets close before its agent
-        is seen gone) or, for a joinable worker, that a node waits to join (a peer's workers failed and its
-        agent restarted them), this worker's place in the re-formed group; else None (exit as today: not
+        is seen gone) or, for a joinable worker, that a node waits to join or a peer's workers restart
+        (``peer-lost.json`` with ``restarted``: its workers failed and its agent restarts them), this worker's
+        place in the re-formed group; else None (exit as today: not
         enabled, no peer loss, a join this worker cannot take part in, the agent stopping the group, or no
         assignment within the timeout)."""
         if self.mailbox is None:
@@ -130,6 +131,8 @@ class InPlaceReform:
                 if self.mailbox.stopping() or time.monotonic() >= deadline:
                     return None
                 time.sleep(POLL_INTERVAL)
+            if self.mailbox.peer_restarted() and not self.joinable:
+                return None  # the peers' restarted workers will join and restore: restart to take part
         except OSError:
             return None
         return self._wait_for_assignment(lambda: True)

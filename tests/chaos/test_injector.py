@@ -421,3 +421,56 @@ def test_a_killed_node_tree_spares_the_resource_tracker_which_unlinks_the_semaph
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# A stand-in agent whose two workers each hold a connection to the test (as a worker holds its gloo pairs).
+CONNECTED_AGENT = textwrap.dedent("""
+    import os, subprocess, sys
+    code = ("import os, socket, sys, time; s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); "
+            "s.sendall(os.environ['RANK'].encode()); time.sleep(60)")
+    kids = [subprocess.Popen([sys.executable, "-c", code, sys.argv[1]],
+                             env={**os.environ, "TORCHELASTIC_RUN_ID": "r", "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in range(2)]
+    print(" ".join(str(k.pid) for k in kids), flush=True)
+    for k in kids:
+        k.wait()
+""")
+
+
+def test_a_worker_killed_holding_its_connections_leaves_its_peer_hanging_until_released(tmp_path: Path) -> None:
+    """``kill_worker`` with ``hold_connections``: the worker dies, but its peer reads no end of file (as NCCL's
+    collectives hang on a crashed peer instead of failing) until the fault's ``duration_s`` ends."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-c", CONNECTED_AGENT, str(port)], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        assert proc.stdout is not None
+        kids = [int(p) for p in proc.stdout.readline().split()]
+        accepted = [server.accept()[0] for _ in kids]
+        conns = sorted(accepted, key=lambda conn: conn.recv(1))  # by the rank each worker sent
+        try:
+            clock = [0.0]
+            fault = Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_s=0, duration_s=2,
+                          params={"hold_connections": True})
+            injector = Injector(Schedule(faults=(fault,)), Journal(str(tmp_path / "j.jsonl")), agent_pids=[proc.pid],
+                                clock=lambda: clock[0])
+            (killed,) = injector.tick()
+            assert killed["record"] == "injected" and killed["pid"] == kids[1] and killed["held"] >= 1, killed
+            wait_for(lambda: not pid_alive(kids[1]), 5, "worker 1 to die")
+            for conn in conns:
+                conn.settimeout(0.5)
+            for conn in conns:  # both open: worker 1's held, worker 0's alive
+                with pytest.raises(TimeoutError):
+                    conn.recv(1)
+            clock[0] = 3.0
+            (undone,) = injector.tick()
+            assert undone["record"] == "undone" and undone["released"] == killed["held"], undone
+            assert conns[1].recv(1) == b"", "released: the peer sees the dead worker's connection end"
+        finally:
+            for conn in conns:
+                conn.close()
+            signal_all([*kids, proc.pid], signal.SIGKILL)
+            proc.wait(10)
+            reap(kids, 10)

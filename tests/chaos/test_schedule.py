@@ -48,6 +48,8 @@ def test_json_round_trip_and_default_targets(tmp_path: Path) -> None:
     ({"kind": "kill_worker", "at_s": 1, "after_s": 2}, "after_s needs after"),
     ({"kind": "kill_worker", "after": 0}, "must name an earlier fault"),
     ({"kind": "kill_worker", "after": -1}, "index of an earlier fault"),
+    ({"kind": "kill_worker", "at_s": 1, "params": {"hold_connections": "yes"}}, "hold_connections must be true or"),
+    ({"kind": "stop_worker", "at_s": 1, "params": {"hold_connections": True}}, "accepted: none"),
 ])
 def test_bad_faults_say_what_is_wrong(fault: dict, message: str) -> None:
     with pytest.raises(ChaosScheduleError, match="faults\\[0\\]") as info:

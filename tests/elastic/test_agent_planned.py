@@ -38,9 +38,17 @@ class NoticeHandler(AwareHandler):
         self.published: list[dict[str, Any]] = []
         self.peers: dict[str, dict[str, Any]] = {}
         self.lost: set[str] = set()
+        self.restarted: set[str] = set()
+        self.announced = 0
 
     def publish_notice(self, notice: dict[str, Any]) -> None:
         self.published.append(notice)
+
+    def publish_restart(self) -> None:
+        self.announced += 1
+
+    def restarted_peers(self) -> set[str]:
+        return set(self.restarted)
 
     def peer_notices(self) -> dict[str, dict[str, Any]]:
         return dict(self.peers)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from elastic.api import ENV_REFORM_IN_PLACE, InPlaceFallback
+from elastic.chaos.hold import hold_sockets, release
 from elastic.planned.inplace import decide_fallback
 from elastic.worker.mailbox import GroupAssignment, Mailbox, WorkerNotice
 from elastic.worker.reform import InPlaceReform, ReformConfig
@@ -191,6 +192,38 @@ def test_a_joining_node_re_forms_in_place_only_workers_that_take_part_in_its_res
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("joinable", [True, False])
+def test_a_peers_announced_restart_aborts_the_workers_groups_once_and_joinable_ones_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, joinable: bool) -> None:
+    """A peer's workers failed and its agent restarts them (announced in the round, its lease kept): our workers'
+    collective with the dead ones may hang (NCCL), so the agent tells them (``peer-lost.json``, ``restarted``)
+    and their watchers abort the group; a joinable worker then waits in place for the re-form, another exits."""
+    monkeypatch.delenv(ENV_REFORM_IN_PLACE, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    handler = NoticeHandler()
+    agent, box, _ = unit_agent(tmp_path, handler)
+    box.register_watcher(0)
+    assert agent.planned.in_place.abort_for_restarted_peers() is False and not box.peer_lost_posted()
+    handler.restarted = {"b"}
+    handler.lost = {"c"}
+    assert agent.planned.in_place.abort_for_restarted_peers() is False, "a loss is told by the loss's own path"
+    handler.lost = set()
+    assert agent.planned.in_place.peers_restarting() == {"b"}
+    assert agent.planned.in_place.abort_for_restarted_peers() is True
+    assert box.peer_lost_posted() and box.peer_restarted()
+    assert agent.planned.in_place.peers_restarting() == set(), "told once per group"
+    assert agent.planned.in_place.abort_for_restarted_peers() is False
+    # The worker whose collective the watcher aborted:
+    reform = InPlaceReform(ReformConfig(timeout=0.3), mailbox_dir=box.path)
+    if joinable:
+        reform.mark_joinable()
+    assert reform.wait_after_loss(notice_wait=0.5) is None
+    assert reform.timed_out is joinable, "a joinable worker waited for its new group; another exits at once"
+    box.post_peer_lost(["b"])
+    assert not box.peer_restarted(), "a loss posted after it is a loss"
+
+
+@pytest.mark.timeout(30)
 def test_this_nodes_own_notice_never_re_forms_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from elastic.notice import Notice
     from elastic.planned import PlannedTick
@@ -277,14 +310,18 @@ def test_a_joining_node_restores_while_the_survivors_keep_their_processes(
 @pytest.mark.slow
 @pytest.mark.long  # ~30 s each on 2 loaded cores
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("memory", ["memory-tier", "nothing-saved"])
+@pytest.mark.parametrize("memory", ["memory-tier", "nothing-saved", "hung-collective"])
 def test_a_peers_failed_worker_restarts_alone_and_the_survivor_keeps_its_process(
         tmp_path: Path, etcd_server, memory: str) -> None:
     """Node B's worker is SIGKILLed; B's agent restarts it (``--max-restarts 1``) and re-joins the round. Node
     A's worker, whose collective broke, waits in its process and takes part in the new worker's restore from the
     memory tier: at most one step is redone, both step together and A's worker process is the same. With
     nothing saved (no memory tier, no checkpoint yet) the restore finds nothing while A holds its trained state:
-    every rank falls back (``restore_differs``) and both start again from step 1 together, as a restart would."""
+    every rank falls back (``restore_differs``) and both start again from step 1 together, as a restart would.
+    ``hung-collective``: the dead worker's connections are held open (as NCCL sees a crashed peer, A's
+    collective hangs instead of failing); B's agent announces the restart, A's agent tells its worker, whose
+    watcher aborts the group: the same in-place re-form, A stepping again within seconds (a hung gloo
+    collective would wait out its 30-minute timeout)."""
     env = _no_variable()
     script = ("--no-memory-tier",) if memory == "nothing-saved" else ()
     agents = [_agent(tmp_path, name, etcd_server.endpoint, "crash", steps=150, env=env, extra=("--max-restarts", "1"),
@@ -297,7 +334,16 @@ def test_a_peers_failed_worker_restarts_alone_and_the_survivor_keeps_its_process
         (victim,) = _pids_by_node(tmp_path)[node_b][-1]
         killed_at = max(p["step"] for p in _progress(tmp_path))
         seen = len(_progress(tmp_path))
-        os.kill(victim, signal.SIGKILL)
+        held = hold_sockets(victim) if memory == "hung-collective" else []
+        try:
+            os.kill(victim, signal.SIGKILL)
+            t_kill = time.time()
+            if held:
+                wait_for(lambda: any(p["pid"] != victim and p.get("reformed_in_place") for p in _progress(tmp_path)[seen:]),
+                         60, "A's worker to step again in place, its collective with the dead worker aborted")
+                resumed_in = min(p["t_wall"] for p in _progress(tmp_path)[seen:] if p.get("reformed_in_place")) - t_kill
+        finally:
+            release(held)
         assert a.wait(150) == 0 and b.wait(60) == 0, "both agents finish the run"
     node_a = _node_of(tmp_path, a)
     by_node = _pids_by_node(tmp_path)
@@ -325,6 +371,8 @@ def test_a_peers_failed_worker_restarts_alone_and_the_survivor_keeps_its_process
     assert set(last["pids"]) == set(started_a[0]["pids"]), "A's worker kept its process"
     assert first_new >= killed_at, f"at most one step redone: killed near {killed_at}, resumed at {first_new}"
     assert not _events(tmp_path, "in_place_fallback"), _events(tmp_path, "in_place_fallback")
+    if memory == "hung-collective":
+        assert resumed_in < 20, f"A stepped again {resumed_in:.1f} s after the crash"
 
 
 def _gpt_agent(tmp_path: Path, name: str, endpoint: str, parallel: str, *, steps: int,

@@ -695,6 +695,24 @@ def test_a_published_notice_reaches_peers_and_outlives_the_leaver_for_its_round(
     assert b.peer_notices() == {}, "gone with the round the leaver belonged to"
 
 
+@pytest.mark.timeout(60)
+def test_an_announced_restart_reaches_the_peers_of_that_round_only(etcd_server: EmbeddedEtcd, handlers, pool) -> None:
+    """``publish_restart``: a node whose workers failed tells its round (a follower's watch sees it; not a
+    membership change by itself); the next round is not told of it."""
+    config = make_config(etcd_server.endpoint, run_id="restart", min_nodes=2, max_nodes=2)
+    a, b = handlers(config, "a"), handlers(config, "b")
+    rendezvous_all(pool, [a, b])
+    b.publish_restart()
+    deadline = time.monotonic() + 10
+    while "b" not in a.restarted_peers() and time.monotonic() < deadline:
+        a.wait_membership_change(0.05)
+    assert a.restarted_peers() == {"b"} and b.restarted_peers() == set(), "the peers', not its own"
+    assert not a.membership_changed(), "announced before the node re-joins: no change yet"
+    rendezvous_all(pool, [a, b])  # b re-joins with its new workers
+    assert a.round == 2
+    assert a.restarted_peers() == set(), "the announcement named the round before"
+
+
 def test_an_address_this_host_cannot_serve_is_a_clear_config_error() -> None:
     from elastic.rendezvous.api import RendezvousConfigError
     from elastic.rendezvous.worker_store import WorkerStoreHost

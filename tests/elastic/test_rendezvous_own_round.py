@@ -65,3 +65,27 @@ def test_peer_notices_are_those_of_the_other_participants() -> None:
     assert notices == {"b": {"deadline": 2.0}}
     notices["b"]["deadline"] = 9.0
     assert mirror.notices["b"] == {"deadline": 2.0}, "a copy, not the mirror's own dict"
+
+
+def test_restarted_peers_are_other_participants_that_named_this_round() -> None:
+    """``restart/{node}`` says in which round the node's workers failed: only this node's round counts (a key
+    left from an older round, or a node outside the round, is not a restart of a peer's workers now)."""
+    mirror = Mirror(restarts={"a": 2, "b": 2, "c": 1, "z": 2})
+    own, _ = _own(mirror)
+    assert own.restarted_peers() == set(), "before its first round a node has no peers"
+    own.record = RoundRecord(2, ("a", "b", "c"))
+    assert own.restarted_peers() == {"b"}, "not itself, not c's restart of round 1, not z outside the round"
+
+
+def test_a_restart_key_is_mirrored_and_a_damaged_one_is_a_corrupt_key() -> None:
+    errors: list[RendezvousError] = []
+    updater = MirrorUpdater("/p/ctl/", lambda: "", errors.append)
+    mirror = Mirror()
+    updater.put(mirror, "/p/ctl/restart/b", b'{"round": 3, "node": "b", "time": 1.0}', 10)
+    assert mirror.restarts == {"b": 3}
+    updater.delete(mirror, "/p/ctl/restart/b")
+    assert mirror.restarts == {}, "gone with the node's lease"
+    for bad in (b'{"round": "3"}', b'{"round": true}', b'{"round": 0}', b"[]", b"{}", b"not json"):
+        updater.put(mirror, "/p/ctl/restart/b", bad, 11)
+    assert len(errors) == 6 and all("corrupt rendezvous key '/p/ctl/restart/b'" in str(e) for e in errors), errors
+    assert mirror.restarts == {}, "nothing guessed from a damaged key"
