@@ -204,15 +204,16 @@ def snapshot_interval(text: str) -> int | str:
     return value
 
 
-def open_memory_tier(every: int | str) -> Any:
+def open_memory_tier(every: int | str, *, synchronous: bool = False) -> Any:
     """spotrun's memory tier (``checkpoint.memory``) snapshotting every ``every`` steps; None when 0. Off (said
     once) outside spotrun, which gives every worker its node's keeper directory. A node that replaces a lost one
-    restores from the other nodes' memory (``PeerShmTier``); this model is replicated (DDP), so no buddy copies."""
+    restores from the other nodes' memory (``PeerShmTier``); this model is replicated (DDP), so no buddy copies.
+    ``synchronous``: each snapshot published and copied before the next step (``MemoryTierConfig.synchronous``)."""
     if not every:
         return None
     from checkpoint.memory import MemoryTierConfig, PeerShmTier
 
-    return PeerShmTier(config=MemoryTierConfig(every=every))
+    return PeerShmTier(config=MemoryTierConfig(every=every, synchronous=synchronous))
 
 
 def append_progress(path: str, record_: dict[str, Any]) -> None:

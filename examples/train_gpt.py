@@ -332,6 +332,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "K; 0: off. Default: auto with --ckpt-backend spotrun, off with dcp. Off outside spotrun")
     p.add_argument("--no-memory-tier", dest="memory_snapshot_every", action="store_const", const=0,
                    help="turn the memory tier off (the same as --memory-snapshot-every 0)")
+    p.add_argument("--memory-sync", action="store_true",
+                   help="each memory snapshot published and its FSDP2 shards copied to their buddy node before the "
+                        "next step (slower steps; with --memory-snapshot-every 1 a lost node redoes no step)")
     p.add_argument("--preempt-sync-every", type=int, default=8,
                    help="steps between two checks (one tiny all-reduce) for a preemption notice or a joining node")
     args = p.parse_args(argv)
@@ -445,7 +448,7 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
             logger.info("%s resumed from %s (step %s)", ctx, path, trainer.step)
     else:
         ckpt = gen.track(open_checkpointer(args.ckpt_dir, dict(args.storage_option)))
-    memory = gen.track(open_memory_tier(args.memory_snapshot_every))
+    memory = gen.track(open_memory_tier(args.memory_snapshot_every, synchronous=args.memory_sync))
     restored_fields: dict[str, Any] = {}  # the restore's report (restore_source...): on the first progress line
     if not needs_restore and not reshard:
         restored_fields = {"reformed_in_place": True}  # DDP: the state in memory is every rank's last step

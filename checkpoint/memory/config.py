@@ -31,6 +31,12 @@ class MemoryTierConfig:
     ``every``-th step is snapshotted, so at most ``every`` steps are redone), or ``"skip"`` this step on every
     rank (never blocks training for the checksums; a fault may then redo up to ``2 * every`` steps)."""
 
+    synchronous: bool = False
+    """``snapshot`` returns once its snapshot is published and its buddy copies landed (``wait``), not while they
+    run behind the next step: a node lost after the step redoes none of it (FSDP2 shards are on their buddy at the
+    last completed step), at the cost of the whole snapshot's time in every snapshotted step. With ``every=1``:
+    0 steps redone after any loss (issue 29's target for FSDP2)."""
+
     min_free_bytes: int = 64 * _MIB
     """Free space a snapshot always leaves in the shared-memory filesystem (with ``min_free_fraction``, the
     larger wins): other users of ``/dev/shm`` (DataLoader workers, NCCL) need some."""
@@ -69,6 +75,8 @@ class MemoryTierConfig:
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
             raise CheckpointConfigError(f"min_free_fraction={fraction!r} is invalid: use a number in [0, 1), e.g. 0.05")
         _check_int("checksum_block_bytes", self.checksum_block_bytes, 4096, "use e.g. 1 MiB (1048576)")
+        if not isinstance(self.synchronous, bool):
+            raise CheckpointConfigError(f"synchronous={self.synchronous!r} must be True or False")
         if not isinstance(self.verify_on_restore, bool):
             raise CheckpointConfigError(f"verify_on_restore={self.verify_on_restore!r} must be True or False")
         if self.read_threads is not None:

@@ -146,8 +146,14 @@ class LocalShmTier:
             self.votes.due = False
             steady = self._steady_snapshot(step, flat, started)
             if steady is not None:
-                return steady
-        return self._voted_snapshot(step, flat, started)
+                return self._settled(steady)
+        return self._settled(self._voted_snapshot(step, flat, started))
+
+    def _settled(self, started: bool) -> bool:
+        """``synchronous``: the snapshot just started is published and copied before training goes on."""
+        if started and self.config.synchronous:
+            self.wait()
+        return started
 
     def _voted_snapshot(self, step: int, flat: FlatState | None, started: float) -> bool:
         """A round decided by a vote on the caller's thread."""

@@ -111,6 +111,8 @@ def test_config_rejects_bad_values_with_a_fix() -> None:
         MemoryTierConfig(min_free_fraction=1.0)
     with pytest.raises(CheckpointConfigError, match="every=True"):
         MemoryTierConfig(every=True)
+    with pytest.raises(CheckpointConfigError, match="synchronous=1"):
+        MemoryTierConfig(synchronous=1)  # type: ignore[arg-type]
 
 
 def test_names_and_footer_round_trip_and_reject_others() -> None:
@@ -195,6 +197,23 @@ def test_snapshot_restore_round_trip_is_bit_exact_and_reuses_two_slots(shm_dir: 
     for step in range(1, 7):
         _train(ref, step)
     _assert_equal(_tensors(fresh), _tensors(ref))
+
+
+def test_a_synchronous_snapshot_is_published_when_snapshot_returns(shm_dir: str) -> None:
+    """``synchronous=True``: no snapshot runs behind the next step (a lost node redoes none of it); by default the
+    publish is still in flight when ``snapshot`` returns."""
+    for synchronous in (True, False):
+        state = _state(0)
+        tier = LocalShmTier(shm_dir, MemoryTierConfig(synchronous=synchronous))
+        try:
+            tier.snapshot(1, state)  # plans
+            _train(state, 2)
+            assert tier.snapshot(2, state)
+            assert (tier.inflight.future is None) is synchronous
+            if synchronous:
+                assert tier.snapshots_published >= 1 and 2 in [parse_snapshot_name(n)[0].step for n in _snapshots(shm_dir)]  # type: ignore[index]
+        finally:
+            tier.close()
 
 
 def _tail_bytes(directory: str, name: str) -> int:
