@@ -72,11 +72,12 @@ from tests.harness.procs import (
 JOBS = {"ddp": [str(EXAMPLES / "train_ddp.py")],
         "fsdp": [str(EXAMPLES / "train_gpt.py"), "--parallel", "fsdp", "--global-batch", "8", "--context", "32",
                  "--d-model", "32", "--corpus-chars", "16384"]}
-JOBS["fsdp-sync"] = [*JOBS["fsdp"], "--memory-snapshot-every", "1", "--memory-sync"]
+JOBS["fsdp-every1"] = [*JOBS["fsdp"], "--memory-snapshot-every", "1"]
+JOBS["fsdp-sync"] = [*JOBS["fsdp-every1"], "--memory-sync"]
 """The agent sides' job per ``--parallel``: train_ddp.py (DDP), or a tiny train_gpt.py sharded by FSDP2 (small
-enough for a few workers on 2 cores); ``fsdp-sync``: the same with a memory snapshot every step, published and
-copied to the buddy node before the next step (``MemoryTierConfig.synchronous``): a lost node's shards are on its
-buddy at the last completed step."""
+enough for a few workers on 2 cores); ``fsdp-every1``: the same with a memory snapshot every step (not ``auto``);
+``fsdp-sync``: each of them also published and copied to the buddy node before the next step
+(``MemoryTierConfig.synchronous``): a lost node's shards are on its buddy at the last reported step."""
 STEP_TIME = 0.05
 CHANGES = ("notice", "join", "kill", "crash", "crash-held", "silent")
 """notice: SIGTERM to the last agent (N -> N-1, an agreed step); join: a new agent (N-1 -> N); kill: SIGKILL of
@@ -482,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--changes", default=",".join(CHANGES), help=f"comma-separated, of {', '.join(CHANGES)} "
                    "(the inplace side times notice, join and kill only)")
     p.add_argument("--parallel", default="ddp", help="comma-separated, of ddp (train_ddp.py), fsdp (a tiny "
-                   "train_gpt.py --parallel fsdp), fsdp-sync (the same, synchronous memory snapshots every step): "
+                   "train_gpt.py --parallel fsdp), fsdp-every1 (a memory snapshot every step), fsdp-sync (synchronous ones): "
                    "the agent sides' job")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for any step")
     p.add_argument("--workdir", default=None, help="keep logs, progress and events here (default: temporary)")

@@ -489,6 +489,10 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
             gen.completed(trainer.step)
             if args.step_time:
                 time.sleep(args.step_time)
+            if memory is not None:  # before a planned stop's save: a joiner restores the agreed step from memory
+                # Acts every --memory-snapshot-every steps; before the step is reported, so that with --memory-sync
+                # a reported step is on its buddy node (a loss redoes no reported step).
+                memory.snapshot(trainer.step, state)
             if args.progress_file:
                 append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,
                                                      "pid": os.getpid(), "t_wall": time.time(),
@@ -496,8 +500,6 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
                 restored_fields = {}
             if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
                 print(f"step={trainer.step} loss={loss.item():.5f} world_size={world}", flush=True)
-            if memory is not None:  # before a planned stop's save: a joiner restores the agreed step from memory
-                memory.snapshot(trainer.step, state)  # acts every --memory-snapshot-every steps
             if preemption is not None and preemption.save_and_stop(ckpt, trainer.step, state):
                 return  # the agreed step is committed: a peer's leave re-enters here at the new size
             if trainer.step % args.ckpt_every == 0 or trainer.step == args.steps:
