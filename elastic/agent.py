@@ -62,10 +62,6 @@ __all__ = ["SpotrunAgent"]
 
 logger = logging.getLogger(__name__)
 
-PEER_REVOKE_SEEN_S = 1.0
-"""Longest wait for our etcd watch to show a peer lease this agent just revoked (milliseconds, normally)."""
-
-
 class SpotrunAgent(LocalElasticAgent):
     """A ``LocalElasticAgent`` that recovers from node loss, worker crashes and scale-up in seconds.
 
@@ -140,7 +136,8 @@ class SpotrunAgent(LocalElasticAgent):
 
     @property
     def finished(self) -> bool:
-        """The workers succeeded and the exit barrier passed: the launcher keeps the rendezvous' ``finished`` marker."""
+        """The workers succeeded and the exit barrier passed (not a leave or a failure): the launcher keeps the
+        rendezvous' ``finished`` marker."""
         return self._finished
 
     def release(self) -> None:
@@ -436,20 +433,16 @@ class SpotrunAgent(LocalElasticAgent):
         """Restart the group (returns None) or give up (returns the failed result)."""
         failures = {rank: f.exitcode for rank, f in run_result.failures.items()}
         fell_back = self.planned.in_place.report_fallback(None, worker_failed=True)  # CHANGE (in place): uncharged
-        peer_lost = self.membership.changed()
-        if not peer_lost and self.membership.confirm_dead_peers():
-            # CHANGE: a dead peer's process was confirmed by a refused probe and its lease revoked: our watch
-            # sees the registration go within milliseconds, not after the lease TTL.
-            peer_lost = self.membership.wait_for_peer_loss(PEER_REVOKE_SEEN_S)
-        if not peer_lost and self._remaining_restarts == 0:
-            # CHANGE: last chance; a collective broken by a dead peer fails before the peer's lease expires
-            # (the launcher stretches peer_loss_grace over the lease TTL, see launcher.peer_loss_window).
-            peer_lost = self.membership.wait_for_peer_loss(self._settings.peer_loss_grace)
-        action = decide_on_failure(remaining_restarts=self._remaining_restarts, peer_lost=peer_lost or fell_back)
+        # CHANGE: a peer lost (confirmed by a probe; at the last restart, waited for) or whose workers restart.
+        peer = self.membership.peer_cause_of_failure(
+            last_chance_wait=self._settings.peer_loss_grace if self._remaining_restarts == 0 else None)
+        peer_lost, peer_failed = peer is RecoveryCause.PEER_LOST, peer is RecoveryCause.PEER_FAILURE
+        action = decide_on_failure(remaining_restarts=self._remaining_restarts,
+                                   peer_lost=peer_lost or fell_back or peer_failed)
         hung = self.hang is not None and self.hang.hung
         cause = FailureCause.HANG if hung else (
             FailureCause.WORKER_FAILURE_WITH_PEER_LOSS if peer_lost else FailureCause.WORKER_FAILURE)
-        self.begin_recovery(recovery_cause_of_failure(hung=hung, peer_lost=peer_lost))
+        self.begin_recovery(recovery_cause_of_failure(hung=hung, peer_lost=peer_lost, peer_failed=peer_failed))
         self.emit(RecoveryEvent.FAILURE_DETECTED, cause=cause.value, failures=failures, action=action.value)
         # One line per recovery, visible at the CLI's default WARNING level (torch's is an INFO line).
         logger.warning("%s %s: worker group %s (exit codes by rank %s): %s; %s/%s restarts left", self.ctx(),
@@ -462,7 +455,7 @@ class SpotrunAgent(LocalElasticAgent):
         if action is FailureAction.RESTART_CHARGED:
             self._remaining_restarts -= 1
             self._charged_restart_pending = True
-        if not peer_lost:  # CHANGE (in place): peers whose collectives with ours may hang (NCCL) abort them
+        if not (peer_lost or peer_failed):  # CHANGE (in place): peers whose collectives with ours may hang abort
             self.membership.announce_restart()
         self._restart_workers(self._worker_group)
         return None

@@ -36,6 +36,9 @@ from elastic.rendezvous.api import (
 
 logger = logging.getLogger(__name__)
 
+PEER_REVOKE_SEEN_S = 1.0
+"""Longest wait for our etcd watch to show a peer lease this agent just revoked (milliseconds, normally)."""
+
 
 class MembershipView(AgentFeature):
     """Membership signals of the rendezvous handler, each query timed against the outage bound.
@@ -196,6 +199,19 @@ class MembershipView(AgentFeature):
             return set(self.handler.restarted_peers())
         except RendezvousError:
             return set()
+
+    def peer_cause_of_failure(self, *, last_chance_wait: float | None) -> RecoveryCause | None:
+        """What explains this node's workers' failure: ``PEER_LOST`` (seen, confirmed by a probe, or within
+        ``last_chance_wait``), ``PEER_FAILURE`` (a peer announced its workers' restart), else None (their own)."""
+        if self.changed():
+            return RecoveryCause.PEER_LOST
+        if self.restarted_peers():
+            return RecoveryCause.PEER_FAILURE
+        if self.confirm_dead_peers() and self.wait_for_peer_loss(PEER_REVOKE_SEEN_S):
+            return RecoveryCause.PEER_LOST
+        if last_chance_wait is not None and self.wait_for_peer_loss(last_chance_wait):
+            return RecoveryCause.PEER_LOST
+        return None
 
     def cause(self) -> RecoveryCause:
         """A membership change in a healthy group: a peer went away, else a node is joining."""

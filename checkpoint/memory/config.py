@@ -32,10 +32,9 @@ class MemoryTierConfig:
     rank (never blocks training for the checksums; a fault may then redo up to ``2 * every`` steps)."""
 
     synchronous: bool = False
-    """``snapshot`` returns once its snapshot is published and its buddy copies landed (``wait``), not while they
-    run behind the next step: a node lost after the step redoes none of it (FSDP2 shards are on their buddy at the
-    last completed step), at the cost of the whole snapshot's time in every snapshotted step. With ``every=1``:
-    0 steps redone after any loss (issue 29's target for FSDP2)."""
+    """``snapshot`` returns once its snapshot is published and its buddy copies landed (``wait``), not behind the
+    next step: a node lost after it redoes none of the step, at the cost of the whole snapshot's time in every
+    snapshotted step. With ``every=1`` a loss redoes at most the step whose snapshot it interrupted."""
 
     min_free_bytes: int = 64 * _MIB
     """Free space a snapshot always leaves in the shared-memory filesystem (with ``min_free_fraction``, the

@@ -17,16 +17,18 @@ SYS_PIDFD_GETFD = 438
 def hold_sockets(pid: int) -> list[int]:
     """Copies (file descriptors in this process) of every socket ``pid`` has open. Raises ``OSError``: the
     process is gone, or this kernel or these rights do not allow it (``EPERM``, ``ENOSYS``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
     pidfd = os.pidfd_open(pid)
     held: list[int] = []
     try:
         for fd in _socket_fds(pid):
-            copy = ctypes.CDLL(None, use_errno=True).syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
+            copy = libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
             if copy < 0:
                 code = ctypes.get_errno()
                 if code == errno.EBADF:
                     continue  # closed since it was listed
-                raise OSError(code, f"pidfd_getfd of fd {fd} of process {pid}: {os.strerror(code)}")
+                raise OSError(code, f"pidfd_getfd of fd {fd} of process {pid}: {os.strerror(code)} (needs Linux "
+                                    "5.6+ and ptrace rights over the process: root, or its ancestor)")
             held.append(copy)
     except BaseException:
         release(held)

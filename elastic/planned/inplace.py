@@ -70,6 +70,7 @@ class InPlaceReformer:
         self._memory_dir = memory_dir
         self._stop_grace = stop_grace
         self._clock = clock
+        self._told_round: int | None = None  # the round whose peers' restart the workers were told of
 
     def capable(self) -> bool:
         """Every local worker runs under ``elastic.inplace.run`` and in place is not turned off."""
@@ -230,9 +231,13 @@ class InPlaceReformer:
         return watching
 
     def peers_restarting(self) -> set[str]:
-        """Peers of the round that announced their workers' restart while this node's workers were not told yet
-        (no ``peer-lost.json`` for this group)."""
-        if self._mailbox is None or not (restarted := self._membership.restarted_peers()):
+        """Peers that announced their workers' restart in this round, if this node's workers act on the word
+        and were not told yet."""
+        if self._mailbox is None or self._told_round == self._membership.round:
+            return set()
+        restarted = self._membership.restarted_peers()
+        if not restarted or not (self.capable() or every_local_worker(self._mailbox, Mailbox.watchers,
+                                                                        self._local_world_size())):
             return set()
         try:
             return set() if self._mailbox.peer_lost_posted() else restarted
@@ -241,12 +246,13 @@ class InPlaceReformer:
 
     def abort_for_restarted_peers(self) -> bool:
         """CHANGE (abortable groups): a peer's workers restart (its lease kept); our workers' collective with the
-        dead ones may hang (NCCL): tell them (``peer-lost.json``, ``restarted``) so the watchers abort their groups
-        (a lost peer: :meth:`after_peer_loss`). True when told now."""
+        dead ones may hang (NCCL): tell them (``peer-lost.json``, ``restarted``) so the watchers abort their groups;
+        a loss told first stands. Once per round, also when the post fails. True when told now."""
         restarted = self.peers_restarting()
-        if not restarted or self._membership.lost_peers():
+        if not restarted:
             return False
         assert self._mailbox is not None, "peers_restarting is empty without a mailbox"
+        self._told_round = self._membership.round
         try:
             self._mailbox.post_peer_lost(sorted(restarted), restarted=True)
         except OSError as exc:

@@ -149,8 +149,7 @@ class RestartAnnouncingHandler(Protocol):
     so the peers abort their collectives with the dead workers, which NCCL never fails (``elastic.worker.watcher``)."""
 
     def publish_restart(self) -> None:
-        """Announce that this node's workers failed in its current round and restart (raises from the
-        ``RendezvousError`` tree; a no-op before the first round)."""
+        """Announce that this node's workers failed in its round and restart (raises ``RendezvousError``s)."""
 
     def restarted_peers(self) -> set[str]:
         """Other participants of this node's round that announced a restart of their workers in it; no I/O."""

@@ -377,6 +377,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         log.info("%sannounced the restart of this node's workers in round %d", self._ctx(), number)
 
     def restarted_peers(self) -> set[str]:
+        """``RestartAnnouncingHandler.restarted_peers``: from the mirror, no I/O."""
         with self._cond:
             return self._own.restarted_peers()
 

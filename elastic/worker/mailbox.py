@@ -236,8 +236,7 @@ class Mailbox:
                       {"lost": ",".join(sorted(nodes)), "time": time.time(), "restarted": restarted})
 
     def peer_restarted(self) -> bool:
-        """The posted ``peer-lost.json`` says the peers' workers restart (they will join: a restore in which only
-        joinable workers take part), not that the peers are gone. False when absent or unreadable."""
+        """``peer-lost.json`` says the peers' workers restart (they will join), not that the peers are gone."""
         try:
             data = _load_json(os.path.join(self.path, PEER_LOST_FILE))
         except (OSError, ValueError):

@@ -40,11 +40,19 @@ class NoticeHandler(AwareHandler):
         self.lost: set[str] = set()
         self.restarted: set[str] = set()
         self.announced = 0
+        self.number = 7
+        self.restart_error: Exception | None = None
+
+    @property
+    def round(self) -> int | None:
+        return self.number
 
     def publish_notice(self, notice: dict[str, Any]) -> None:
         self.published.append(notice)
 
     def publish_restart(self) -> None:
+        if self.restart_error is not None:
+            raise self.restart_error
         self.announced += 1
 
     def restarted_peers(self) -> set[str]:

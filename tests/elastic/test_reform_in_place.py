@@ -202,17 +202,26 @@ def test_a_peers_announced_restart_aborts_the_workers_groups_once_and_joinable_o
     monkeypatch.setenv("LOCAL_RANK", "0")
     handler = NoticeHandler()
     agent, box, _ = unit_agent(tmp_path, handler)
-    box.register_watcher(0)
-    assert agent.planned.in_place.abort_for_restarted_peers() is False and not box.peer_lost_posted()
+    in_place = agent.planned.in_place
     handler.restarted = {"b"}
-    handler.lost = {"c"}
-    assert agent.planned.in_place.abort_for_restarted_peers() is False, "a loss is told by the loss's own path"
-    handler.lost = set()
-    assert agent.planned.in_place.peers_restarting() == {"b"}
-    assert agent.planned.in_place.abort_for_restarted_peers() is True
+    assert in_place.peers_restarting() == set(), "no worker watches or re-forms in place: nobody to tell"
+    assert in_place.abort_for_restarted_peers() is False and not box.peer_lost_posted()
+    box.register_watcher(0)
+    handler.restarted = set()
+    assert in_place.abort_for_restarted_peers() is False and not box.peer_lost_posted()
+    handler.restarted = {"b"}
+    box.post_peer_lost(["c"])
+    assert in_place.peers_restarting() == set(), "a loss told first stands (and the wait for it does not spin)"
+    (tmp_path / "mailbox" / "peer-lost.json").unlink()
+    assert in_place.peers_restarting() == {"b"}
+    assert in_place.abort_for_restarted_peers() is True
     assert box.peer_lost_posted() and box.peer_restarted()
-    assert agent.planned.in_place.peers_restarting() == set(), "told once per group"
-    assert agent.planned.in_place.abort_for_restarted_peers() is False
+    (tmp_path / "mailbox" / "peer-lost.json").unlink()
+    assert in_place.peers_restarting() == set(), "told once per round"
+    assert in_place.abort_for_restarted_peers() is False and not box.peer_lost_posted()
+    handler.number = 8
+    assert in_place.peers_restarting() == {"b"}, "a new round: told again"
+    assert in_place.abort_for_restarted_peers() is True
     # The worker whose collective the watcher aborted:
     reform = InPlaceReform(ReformConfig(timeout=0.3), mailbox_dir=box.path)
     if joinable:
@@ -221,6 +230,30 @@ def test_a_peers_announced_restart_aborts_the_workers_groups_once_and_joinable_o
     assert reform.timed_out is joinable, "a joinable worker waited for its new group; another exits at once"
     box.post_peer_lost(["b"])
     assert not box.peer_restarted(), "a loss posted after it is a loss"
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_explains_a_failure_when_lost_or_when_it_announced_its_workers_restart(tmp_path: Path) -> None:
+    """The agent's reading of its workers' failure (``MembershipView.peer_cause_of_failure``): a lost peer, a
+    peer that announced its workers' restart (ours failed of the abort it caused: not charged, not announced
+    again), else their own failure, which it announces (a failure to announce is only logged)."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from elastic.api import RecoveryCause
+
+    handler = NoticeHandler()
+    agent, _, _ = unit_agent(tmp_path, handler)
+    membership = agent.membership
+    assert membership.peer_cause_of_failure(last_chance_wait=None) is None
+    handler.restarted = {"b"}
+    assert membership.peer_cause_of_failure(last_chance_wait=None) is RecoveryCause.PEER_FAILURE
+    handler.changed = True
+    assert membership.peer_cause_of_failure(last_chance_wait=None) is RecoveryCause.PEER_LOST
+    membership.announce_restart()
+    assert handler.announced == 1
+    handler.restart_error = RendezvousConnectionError("etcd is away")
+    membership.announce_restart()  # logged, not raised: the peers then wait for their collectives' timeout
+    assert handler.announced == 1
 
 
 @pytest.mark.timeout(30)
