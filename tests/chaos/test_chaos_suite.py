@@ -337,19 +337,24 @@ def test_a_paused_node_then_a_notice_re_form_in_place_and_end_exact(
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("held", [False, True], ids=["crash", "crash-held"])
 def test_a_peers_worker_crash_re_forms_in_place_bit_identical(tmp_path: Path, etcd_server,
-                                                              reference_run: Outcome) -> None:
+                                                              reference_run: Outcome, held: bool) -> None:
     """Two agents of one worker each (world size 2, as the reference), memory tier on, in place (train_ddp.py's
     default): the worker of rank 1 is SIGKILLed; its agent restarts it (``--max-restarts 1``) and re-joins, while
     the other node's worker, whose collective broke, waits in its process and restores with the new worker
     (``recovery_cause`` ``peer_failure``). At the same world size throughout, the job ends bit-identical to the
-    uninterrupted run, and every step the survivor ran, a redone one included, had the reference's loss."""
-    nodes = Nodes(tmp_path, etcd_server.endpoint, "peerfail", max_restarts=1, memory_every=1, in_place=True)
-    injector = nodes.run(Schedule(seed=5, faults=(Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=12),)),
-                         timeout=210)
+    uninterrupted run, and every step the survivor ran, a redone one included, had the reference's loss.
+    ``crash-held``: the dead worker's connections stay open (``hold_connections``), so the survivor's collective
+    hangs as NCCL's would, and is aborted on the crashed node's announcement: the same outcome."""
+    run_id = "peerfail-held" if held else "peerfail"
+    nodes = Nodes(tmp_path, etcd_server.endpoint, run_id, max_restarts=1, memory_every=1, in_place=True)
+    fault = Fault(kind=FaultKind.KILL_WORKER, target="worker:1", at_step=12, params={"hold_connections": held})
+    injector = nodes.run(Schedule(seed=5, faults=(fault,)), timeout=210)
     codes = [a.proc.returncode for a in nodes.agents]
     assert codes == [0, 0], f"exit codes {codes}\n{nodes.output()}"
     (killed,) = injector.injected
+    assert not held or killed["held"] >= 1, f"the dead worker's connections were held open: {killed}"
     first = {a.pid: [e for e in nodes.events_of(a) if e["event"] == "workers_started"] for a in nodes.agents}
     (crashed,) = [a for a in nodes.agents if killed["pid"] in first[a.pid][0]["pids"]]
     (survivor,) = [a for a in nodes.agents if a is not crashed]
@@ -372,7 +377,7 @@ def test_a_peers_worker_crash_re_forms_in_place_bit_identical(tmp_path: Path, et
     assert [p["loss"] for p in lines] == [reference_run.losses[p["step"]] for p in lines], lines
     _assert_final(nodes, reference_run, exact=True)
     nodes.assert_no_process_left()
-    _assert_run_left_etcd_clean(etcd_server.endpoint, "peerfail")
+    _assert_run_left_etcd_clean(etcd_server.endpoint, run_id)
 
 
 def _assert_final(nodes: Nodes, reference: Outcome, *, exact: bool) -> None:
