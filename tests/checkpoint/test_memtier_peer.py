@@ -245,6 +245,22 @@ def _ddp_snapshot(rank: int, world: int, dirs: list[str], nodes: list[str], step
         tier.close()
 
 
+def _ddp_snapshot_copied(rank: int, world: int, dirs: list[str], nodes: list[str], synchronous: bool) -> list[int]:
+    """Per step, the newest step of the buddy copy this rank held the moment ``snapshot`` returned (0: none)."""
+    state = _ddp_state(0, True)
+    tier = _tier(dirs[rank], nodes[rank], synchronous=synchronous)
+    try:
+        held: list[int] = []
+        for step in range(1, 4):
+            _ddp_train(state, step, rank)
+            assert tier.snapshot(step, state)
+            copies = [parse_peer_name(f) for f in _files(dirs[rank])]
+            held.append(max((c[0].step for c in copies if c is not None), default=0))
+        return held
+    finally:
+        tier.close()
+
+
 def _ddp_restore(rank: int, world: int, dirs: list[str], nodes: list[str], config: list[dict[str, Any]],
                  per_rank: bool = True) -> dict[str, Any]:
     state = _ddp_state(1, per_rank)
@@ -297,6 +313,15 @@ def test_replacement_node_restores_ddp_state_from_its_peer_at_any_world_size(kee
         assert r["report"]["restore_source"] == "memory_peer" and r["report"]["restore_step"] == 3
         _assert_equal(r["tensors"], want)
         assert r["mine"] == {"seen": 30 + rank % 2}  # rank_modulo
+
+
+def test_a_synchronous_snapshot_returns_with_its_buddy_copy_landed(keepers: dict[str, str], tmp_path: Path) -> None:
+    """``MemoryTierConfig.synchronous``: when ``snapshot(step)`` returns, the buddy copy of that step (the other
+    node's per-rank objects) is already in this node's keeper: a node lost now redoes none of the step (by
+    default the copy runs behind the next step)."""
+    a, b = keepers["A"], keepers["B"]
+    out = run_workers(_ddp_snapshot_copied, 2, ([a, b], ["A", "B"], True), tmpdir=str(tmp_path), timeout=120)
+    assert out == [[1, 2, 3], [1, 2, 3]], out
 
 
 def test_without_a_replacement_the_restore_is_local(keepers: dict[str, str], tmp_path: Path) -> None:
