@@ -16,9 +16,9 @@ from elastic.api import LaunchConfigError, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog, read_events
 from elastic.workers import (
+    death_after_now,
     DeathClock,
     ScriptEntrypoint,
-    death_after_now,
     shim_command,
     terminate_processes,
     wait_for_workers,
