@@ -56,7 +56,7 @@ from elastic.restores import RestoreReports
 from elastic.torch_internals import check_agent_internals, worker_processes
 from elastic.vitals import Vitals, VitalsFeature
 from elastic.worker.mailbox import Mailbox
-from elastic.workers import DeathClock, death_after_now, fall_back_to_plain_workers
+from elastic.workers import DeathClock, fall_back_to_plain_workers
 
 __all__ = ["SpotrunAgent"]
 
@@ -359,12 +359,12 @@ class SpotrunAgent(LocalElasticAgent):
         while True:
             if self._worker_group.state == WorkerState.INIT:
                 raise AssertionError("worker group is in INIT state inside the monitor loop")
-            # CHANGE: wake up on a membership event or a worker's death instead of sleeping a full monitor
-            # interval; while the workers head for an agreed step, the moment they finish (elastic.planned).
+            # CHANGE: wake up on a membership event instead of sleeping a full monitor interval; while the
+            # workers head for an agreed step, the moment they finish (elastic.planned).
             if self.planned.waiting_for_stop:
                 self.planned.wait_for_stop(spec.monitor_interval)
             else:
-                self.membership.wait(spec.monitor_interval, wake=death_after_now(self._death_clock))
+                self.membership.wait(spec.monitor_interval)
             run_result = self._monitor_workers(self._worker_group)
             state = run_result.state
             self._worker_group.state = state

@@ -36,7 +36,6 @@ from elastic.rendezvous.api import (
 
 logger = logging.getLogger(__name__)
 
-WAKE_POLL_S = 0.01  # seconds between two looks at the monitor loop's ``wake`` (a worker's death)
 PEER_REVOKE_SEEN_S = 1.0
 """Longest wait for our etcd watch to show a peer lease this agent just revoked (milliseconds, normally)."""
 
@@ -93,17 +92,10 @@ class MembershipView(AgentFeature):
         self.ok()
         return waiting
 
-    def wait(self, timeout: float, *, raise_permanent: bool = False, wake: Callable[[], bool] | None = None) -> bool:
+    def wait(self, timeout: float, *, raise_permanent: bool = False) -> bool:
         """Block up to ``timeout`` s, returning early (True) on a membership event when the handler has one;
-        ``raise_permanent``: a permanent rendezvous error (``is_permanent``) is raised instead of handled;
-        ``wake``: also return (False) once it is True, asked every :data:`WAKE_POLL_S` (a worker died)."""
+        ``raise_permanent``: a permanent rendezvous error (``is_permanent``) is raised instead of handled."""
         if timeout <= 0:
-            return False
-        if wake is not None:
-            deadline = time.monotonic() + timeout
-            while (remaining := deadline - time.monotonic()) > 0 and not wake():
-                if self.wait(min(remaining, WAKE_POLL_S), raise_permanent=raise_permanent):
-                    return True
             return False
         if self.aware is None:
             time.sleep(timeout)  # torch's path: poll once per monitor interval

@@ -244,7 +244,6 @@ class DeathClock:
     def __init__(self, sentinels: dict[int, int], clock: Callable[[], float] | None = None) -> None:
         self._clock = clock or time.monotonic
         self.died_at: dict[int, float] = {}
-        self.deaths = 0  # worker processes this thread saw exit (written by it alone: read without a lock)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(dict(sentinels),), name="spotrun-death-clock",
                                         daemon=True)
@@ -262,7 +261,6 @@ class DeathClock:
             now = self._clock()
             for fd in ready:
                 self.died_at.setdefault(by_fd.pop(fd), now)  # type: ignore[arg-type]  # wait() returns the ints it got
-            self.deaths += len(ready)
 
     def note(self, ranks: Iterable[int]) -> None:
         """Note ``ranks`` dead now unless noted already: the agent saw them exit before this thread did (it
@@ -274,15 +272,6 @@ class DeathClock:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-def death_after_now(clock: DeathClock | None) -> Callable[[], bool] | None:
-    """"Has a worker exited since this call?" for the monitor loop's wait (None without a death clock), so the
-    agent acts on a crash at once instead of at its next monitor tick."""
-    if clock is None:
-        return None
-    seen = clock.deaths
-    return lambda: clock.deaths > seen
 
 
 def wait_for_workers(processes: list[Any] | None, returns: Any, timeout: float) -> bool:

@@ -16,7 +16,6 @@ from elastic.api import LaunchConfigError, RecoveryEvent
 from elastic.config import AgentSettings
 from elastic.events import JsonlEventLog, read_events
 from elastic.workers import (
-    death_after_now,
     DeathClock,
     ScriptEntrypoint,
     shim_command,
@@ -111,37 +110,6 @@ def test_death_clock_orders_deaths_and_terminate_kills_stuck_processes() -> None
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
-
-
-def test_the_monitor_loops_wait_ends_at_a_workers_death_not_at_its_next_tick(tmp_path: Path) -> None:
-    """``death_after_now``: the agent's wait for a membership event also ends when a worker exits after it began
-    (a crash is acted on at once, not up to ``--monitor-interval`` later); a death seen before does not end the
-    next wait (the loop does not spin while one worker has finished and the others run)."""
-    from tests.elastic.test_agent_planned import NoticeHandler
-    from tests.elastic.test_agent_planned import _agent as unit_agent
-
-    view = unit_agent(tmp_path, NoticeHandler())[0].membership
-    second = multiprocessing.get_context("fork").Process(target=_sleep_forever)
-    second.start()
-    clock = DeathClock({0: second.sentinel})
-    try:
-        began = time.monotonic()
-        assert view.wait(0.3, wake=death_after_now(clock)) is False
-        assert time.monotonic() - began >= 0.3, "nobody died: the whole interval"
-        wake = death_after_now(clock)
-        second.kill()
-        began = time.monotonic()
-        assert view.wait(30, wake=wake) is False
-        assert time.monotonic() - began < 10, "the death ended the wait"
-        began = time.monotonic()
-        assert view.wait(0.3, wake=death_after_now(clock)) is False
-        assert time.monotonic() - began >= 0.3, "a death already seen does not end the next wait"
-        assert death_after_now(None) is None
-    finally:
-        clock.stop()
-        if second.is_alive():
-            second.kill()
-        second.join(5)
 
 
 def _return_then_wait(queue: object, release: object) -> None:
