@@ -205,10 +205,10 @@ class MembershipView(AgentFeature):
         ``last_chance_wait``), ``PEER_FAILURE`` (a peer announced its workers' restart), else None (their own)."""
         if self.changed():
             return RecoveryCause.PEER_LOST
-        if self.restarted_peers():
-            return RecoveryCause.PEER_FAILURE
         if self.confirm_dead_peers() and self.wait_for_peer_loss(PEER_REVOKE_SEEN_S):
             return RecoveryCause.PEER_LOST
+        if self.restarted_peers():
+            return RecoveryCause.PEER_FAILURE
         if last_chance_wait is not None and self.wait_for_peer_loss(last_chance_wait):
             return RecoveryCause.PEER_LOST
         return None

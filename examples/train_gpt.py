@@ -491,7 +491,7 @@ def train_group(gen: inplace.Generation, job: Job) -> None:
                 time.sleep(args.step_time)
             if memory is not None:  # before a planned stop's save: a joiner restores the agreed step from memory
                 # Acts every --memory-snapshot-every steps; before the step is reported, so that with --memory-sync
-                # a reported step is on its buddy node (a loss redoes no reported step).
+                # a reported step is on its buddy node unless its snapshot round failed (logged).
                 memory.snapshot(trainer.step, state)
             if args.progress_file:
                 append_progress(args.progress_file, {"rank": rank, "world_size": world, "step": trainer.step,

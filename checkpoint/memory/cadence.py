@@ -37,6 +37,7 @@ class Cadence:
         self._stages_to_skip = SLOTS
         self._last_call: float | None = None
         self._staged_at: float | None = None
+        self._sampled = False  # the last staging went into ``stages``
 
     def clock_step(self, now: float) -> None:
         """Time the step since the previous call (without the staging it blocked for)."""
@@ -51,11 +52,20 @@ class Cadence:
         their slots, a one-off cost left out of the samples."""
         self.last_stage_seconds = seconds
         self._staged_at = now
-        if self._stages_to_skip > 0:
+        self._sampled = self._stages_to_skip <= 0
+        if not self._sampled:
             self._stages_to_skip -= 1
             return
         self.stages.append(seconds)
         del self.stages[:-STAGE_SAMPLES]
+
+    def blocked_more(self, seconds: float, now: float) -> None:
+        """The last snapshot also blocked the caller ``seconds`` (``synchronous``: its publish and copies), ending
+        at ``now``: counted as its staging, so ``every="auto"`` keeps the overhead target."""
+        self.last_stage_seconds += seconds
+        self._staged_at = now
+        if self._sampled:
+            self.stages[-1] += seconds
 
     def replanned(self) -> None:
         """A new plan: its first snapshots map new slots, and the old samples measured another layout."""

@@ -152,7 +152,10 @@ class LocalShmTier:
     def _settled(self, started: bool) -> bool:
         """``synchronous``: the snapshot just started is published and copied before training goes on."""
         if started and self.config.synchronous:
+            began = time.perf_counter()
             self.wait()
+            now = time.perf_counter()
+            self.cadence.blocked_more(now - began, now)
         return started
 
     def _voted_snapshot(self, step: int, flat: FlatState | None, started: float) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 from torch.distributed.elastic.multiprocessing import PContext
+from torch.distributed.elastic.rendezvous import RendezvousError
 
 from checkpoint.memory.records import snapshots_in
 from elastic.agent_hooks import AgentHost
@@ -233,21 +234,33 @@ class InPlaceReformer:
     def peers_restarting(self) -> set[str]:
         """Peers that announced their workers' restart in this round, if this node's workers act on the word
         and were not told yet."""
-        if self._mailbox is None or self._told_round == self._membership.round:
+        number = self._membership.round
+        if self._mailbox is None or (number is not None and self._told_round == number):
             return set()
         restarted = self._membership.restarted_peers()
-        if not restarted or not (self.capable() or every_local_worker(self._mailbox, Mailbox.watchers,
-                                                                        self._local_world_size())):
+        if not restarted or self.unplanned_losses() or not (
+                self.capable() or every_local_worker(self._mailbox, Mailbox.watchers, self._local_world_size())):
             return set()
         try:
             return set() if self._mailbox.peer_lost_posted() else restarted
         except OSError:
             return set()
 
+    def unplanned_losses(self) -> set[str]:
+        """Lost peers that published no notice (their loss is told by :meth:`after_peer_loss`)."""
+        lost = self._membership.lost_peers()
+        notices = self._membership.notices
+        if not lost or notices is None:
+            return lost
+        try:
+            return lost - set(notices.peer_notices())
+        except RendezvousError:
+            return lost
+
     def abort_for_restarted_peers(self) -> bool:
         """CHANGE (abortable groups): a peer's workers restart (its lease kept); our workers' collective with the
         dead ones may hang (NCCL): tell them (``peer-lost.json``, ``restarted``) so the watchers abort their groups;
-        a loss told first stands. Once per round, also when the post fails. True when told now."""
+        an unplanned loss is told instead. Once per round, also when the post fails. True when told now."""
         restarted = self.peers_restarting()
         if not restarted:
             return False

@@ -21,6 +21,24 @@ def test_cadence_times_steps_without_the_staging_they_blocked_for() -> None:
     assert cadence.intervals == [0.75, 0.5]
 
 
+def test_a_synchronous_snapshots_wait_counts_as_staging_for_the_interval_and_the_step_time() -> None:
+    """``synchronous``: the wait for the publish and copies blocks the step like the staging, so ``every="auto"``
+    must see it (else it stays at every step whatever the round costs) and the step time must not include it."""
+    cadence = Cadence(MemoryTierConfig(every="auto", synchronous=True, overhead_target=0.02, max_every=100))
+    for i in range(SLOTS):  # the first snapshots of a plan map their slots: not sampled, but still not step time
+        cadence.staged(0.001, 10.0 * i + 0.2)
+        cadence.blocked_more(0.5, 10.0 * i + 0.7)
+    assert cadence.stages == [] and cadence.last_stage_seconds == pytest.approx(0.501)
+    cadence.clock_step(100.0)
+    cadence.staged(0.001, 100.2)
+    cadence.blocked_more(0.05, 100.25)
+    cadence.clock_step(100.4)
+    assert cadence.stages == [pytest.approx(0.051)]
+    assert cadence.intervals[-1] == pytest.approx(0.349), "the step without what the snapshot blocked"
+    cadence.clock_step(100.5)
+    assert cadence.propose() > 1, "0.051 s per snapshot is far over 2 % of a 0.1-0.35 s step"
+
+
 def test_cadence_leaves_out_the_first_snapshots_of_a_plan() -> None:
     cadence = Cadence(MemoryTierConfig(every="auto"))
     for now in range(SLOTS + 1):

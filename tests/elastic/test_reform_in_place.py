@@ -213,6 +213,11 @@ def test_a_peers_announced_restart_aborts_the_workers_groups_once_and_joinable_o
     box.post_peer_lost(["c"])
     assert in_place.peers_restarting() == set(), "a loss told first stands (and the wait for it does not spin)"
     (tmp_path / "mailbox" / "peer-lost.json").unlink()
+    handler.lost = {"c"}
+    assert in_place.peers_restarting() == set(), "an unplanned loss is told by its own path, as a loss"
+    handler.peers = {"c": {"deadline": time.time() + 60, "source": "aws"}}
+    assert in_place.peers_restarting() == {"b"}, "a peer leaving with a notice does not hold back the word"
+    handler.lost, handler.peers = set(), {}
     assert in_place.peers_restarting() == {"b"}
     assert in_place.abort_for_restarted_peers() is True
     assert box.peer_lost_posted() and box.peer_restarted()
