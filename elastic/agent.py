@@ -62,6 +62,7 @@ __all__ = ["SpotrunAgent"]
 
 logger = logging.getLogger(__name__)
 
+
 class SpotrunAgent(LocalElasticAgent):
     """A ``LocalElasticAgent`` that recovers from node loss, worker crashes and scale-up in seconds.
 
@@ -436,13 +437,11 @@ class SpotrunAgent(LocalElasticAgent):
         # CHANGE: a peer lost (confirmed by a probe; at the last restart, waited for) or whose workers restart.
         peer = self.membership.peer_cause_of_failure(
             last_chance_wait=self._settings.peer_loss_grace if self._remaining_restarts == 0 else None)
-        peer_lost, peer_failed = peer is RecoveryCause.PEER_LOST, peer is RecoveryCause.PEER_FAILURE
-        action = decide_on_failure(remaining_restarts=self._remaining_restarts,
-                                   peer_lost=peer_lost or fell_back or peer_failed)
+        action = decide_on_failure(remaining_restarts=self._remaining_restarts, peer_lost=peer is not None or fell_back)
         hung = self.hang is not None and self.hang.hung
         cause = FailureCause.HANG if hung else (
-            FailureCause.WORKER_FAILURE_WITH_PEER_LOSS if peer_lost else FailureCause.WORKER_FAILURE)
-        self.begin_recovery(recovery_cause_of_failure(hung=hung, peer_lost=peer_lost, peer_failed=peer_failed))
+            FailureCause.WORKER_FAILURE_WITH_PEER_LOSS if peer is RecoveryCause.PEER_LOST else FailureCause.WORKER_FAILURE)
+        self.begin_recovery(recovery_cause_of_failure(hung=hung, peer=peer))
         self.emit(RecoveryEvent.FAILURE_DETECTED, cause=cause.value, failures=failures, action=action.value)
         # One line per recovery, visible at the CLI's default WARNING level (torch's is an INFO line).
         logger.warning("%s %s: worker group %s (exit codes by rank %s): %s; %s/%s restarts left", self.ctx(),
@@ -455,7 +454,7 @@ class SpotrunAgent(LocalElasticAgent):
         if action is FailureAction.RESTART_CHARGED:
             self._remaining_restarts -= 1
             self._charged_restart_pending = True
-        if not (peer_lost or peer_failed):  # CHANGE (in place): peers whose collectives with ours may hang abort
+        if peer is None:  # CHANGE (in place): peers whose collectives with ours may hang (NCCL) abort them
             self.membership.announce_restart()
         self._restart_workers(self._worker_group)
         return None

@@ -45,11 +45,9 @@ def should_refund(*, charged: bool, previous_group_world_size: int | None, new_g
     return previous_members is not None and new_members is not None and not previous_members <= new_members
 
 
-def recovery_cause_of_failure(*, hung: bool, peer_lost: bool, peer_failed: bool = False) -> RecoveryCause:
-    """The ``recovery_cause`` of a failed local group: a hang we detected, a peer that went away with it or whose
-    workers failed and restart (the local crash is then a consequence), or a failure of its own."""
+def recovery_cause_of_failure(*, hung: bool, peer: RecoveryCause | None) -> RecoveryCause:
+    """The ``recovery_cause`` of a failed local group: a hang we detected, the peer cause that explains it
+    (``PEER_LOST``, ``PEER_FAILURE``: the local crash is then a consequence), or a failure of its own."""
     if hung:
         return RecoveryCause.HANG
-    if peer_lost:
-        return RecoveryCause.PEER_LOST
-    return RecoveryCause.PEER_FAILURE if peer_failed else RecoveryCause.FAILURE
+    return RecoveryCause.FAILURE if peer is None else peer

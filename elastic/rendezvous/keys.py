@@ -47,8 +47,7 @@ class RunKeys:
     def watched_ranges(self, full: bool) -> list[Range]:
         """The key ranges the mirror follows: all of ``P/ctl/`` (full view), else the closed key and
         ``[notice/, round]``, which holds the notices, the coordinator's posts, the restart announcements and the
-        round key, not the
-        registrations or joins (``ctl/nodes/`` sorts before ``ctl/notice/``)."""
+        round key, not the registrations or joins (``ctl/nodes/`` sorts before ``ctl/notice/``)."""
         if full:
             return [(self.ctl, prefix_end(self.ctl))]
         return [(self.closed_key, None), (self.notice_prefix, (self.round_key + "\0").encode())]

@@ -252,9 +252,10 @@ def test_recovery_cause_of_a_failed_group() -> None:
     from elastic.api import RecoveryCause
     from elastic.failures import recovery_cause_of_failure
 
-    assert recovery_cause_of_failure(hung=True, peer_lost=True) is RecoveryCause.HANG
-    assert recovery_cause_of_failure(hung=False, peer_lost=True) is RecoveryCause.PEER_LOST
-    assert recovery_cause_of_failure(hung=False, peer_lost=False) is RecoveryCause.FAILURE
+    assert recovery_cause_of_failure(hung=True, peer=RecoveryCause.PEER_LOST) is RecoveryCause.HANG
+    assert recovery_cause_of_failure(hung=False, peer=RecoveryCause.PEER_LOST) is RecoveryCause.PEER_LOST
+    assert recovery_cause_of_failure(hung=False, peer=RecoveryCause.PEER_FAILURE) is RecoveryCause.PEER_FAILURE
+    assert recovery_cause_of_failure(hung=False, peer=None) is RecoveryCause.FAILURE
 
 
 def test_torchs_worker_failure_traceback_becomes_one_line(caplog: pytest.LogCaptureFixture) -> None:
