@@ -116,9 +116,8 @@ class InPlaceReform:
         was lost (``peer-lost.json``, within ``notice_wait`` s: a killed peer's sockets close before its agent
         is seen gone) or, for a joinable worker, that a node waits to join or a peer's workers restart
         (``peer-lost.json`` with ``restarted``: its workers failed and its agent restarts them), this worker's
-        place in the re-formed group; else None (exit as today: not
-        enabled, no peer loss, a join this worker cannot take part in, the agent stopping the group, or no
-        assignment within the timeout)."""
+        place in the re-formed group; else None (exit as today: not enabled, no peer loss, a join this worker
+        cannot take part in, the agent stopping the group, or no assignment within the timeout)."""
         if self.mailbox is None:
             return None
         deadline = time.monotonic() + notice_wait
